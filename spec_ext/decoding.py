@@ -1,0 +1,397 @@
+"""The drafter-verifier loop on Hugging Face models, for ragged batches.
+
+Each round, for every unfinished row at once: the draft proposes a chain (or a tree),
+the target verifies it in one forward through :class:`SpecCache` and tree attention, a
+rejection sampler keeps what the target's distribution allows, and both caches roll back
+to what was kept. One host sync per round (the accepted counts), plus one per draft step
+for adaptive policies that decide on the host when to stop drafting.
+
+Cache convention: the target cache holds every committed token but the last, which is
+the root of the next verification; the draft cache holds a prefix of the committed
+tokens and catches up (``pending``) at the start of its next round.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from spec_ext import hf, ops
+from spec_ext.cache import SpecCache
+from spec_ext.policies import Policy, resolve
+from spec_ext.tree import build_tree
+
+
+@dataclass
+class Stats:
+    """Counters of one generate call. ``rounds`` counts (row, verification) pairs."""
+    target_calls: int = 0
+    draft_calls: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    new_tokens: int = 0
+    wall_time: float = 0.0
+    accepted_lengths: list[int] = field(default_factory=list, repr=False)
+    draft_lengths: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def rollback(self) -> int:
+        """Drafted tokens that were discarded."""
+        return self.drafted - self.accepted
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted drafts per row per target call."""
+        return self.accepted / max(1, self.rounds)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / max(1, self.drafted)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / max(1e-9, self.wall_time)
+
+    def as_dict(self) -> dict:
+        return dict(target_calls=self.target_calls, draft_calls=self.draft_calls, rounds=self.rounds,
+                    drafted=self.drafted, accepted=self.accepted, rollback=self.rollback,
+                    mean_accepted=round(self.mean_accepted, 4), acceptance_rate=round(self.acceptance_rate, 4),
+                    new_tokens=self.new_tokens, wall_time=round(self.wall_time, 4),
+                    tokens_per_s=round(self.tokens_per_s, 2))
+
+
+@dataclass
+class Output:
+    sequences: Tensor  # [B, prompt + new], like HF generate
+    stats: Stats
+
+
+class Sampler:
+    """Temperature, top-k and top-p (HF semantics), applied identically to p and q."""
+
+    def __init__(self, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None):
+        if temperature is None or temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k: must be >= 1, got {top_k}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+        self.greedy = temperature == 0
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+
+    def probs(self, logits: Tensor) -> Tensor:
+        x = logits.float() / self.temperature
+        if self.top_k is not None and self.top_k < x.shape[-1]:
+            kth = torch.topk(x, self.top_k, dim=-1).values[..., -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1:
+            ordered, index = torch.sort(x, dim=-1)
+            tail = torch.softmax(ordered, -1).cumsum(-1) <= 1 - self.top_p
+            tail[..., -1] = False
+            x = x.masked_fill(tail.scatter(-1, index, tail), float("-inf"))
+        return torch.softmax(x, -1)
+
+
+def _prompts(input_ids, attention_mask) -> list[list[int]]:
+    if isinstance(input_ids, Tensor):
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids: expected [B, L], got shape {tuple(input_ids.shape)}")
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask: expected shape {tuple(input_ids.shape)}, "
+                                 f"got {tuple(attention_mask.shape)}")
+            rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
+        else:
+            rows = input_ids.tolist()
+    else:
+        rows = [list(map(int, r)) for r in input_ids]
+    if not rows:
+        raise ValueError("input_ids: the batch is empty")
+    for b, r in enumerate(rows):
+        if not r:
+            raise ValueError(f"input_ids: prompt {b} is empty")
+    return rows
+
+
+def _pad(rows: list[list[int]], value: int, device) -> Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
+
+
+class _Loop:
+    def __init__(self, target, draft, prompts, max_new_tokens, sampler, eos, policy, generator, streamer):
+        self.target, self.draft = target, draft
+        self.sampler, self.eos, self.policy = sampler, eos, policy
+        self.generator, self.streamer = generator, streamer
+        self.device = target.device
+        self.max_new = max_new_tokens
+        self.seqs = [list(p) for p in prompts]
+        self.new: list[list[int]] = [[] for _ in prompts]
+        self.active = list(range(len(prompts)))
+        capacity = max(len(p) for p in prompts) + max_new_tokens + policy.max_draft + 2
+        self.tcache = SpecCache.for_model(target, len(prompts), capacity)
+        self.dcache = SpecCache.for_model(draft, len(prompts), capacity)
+        self.stats = Stats()
+        if policy.kind == "tree":
+            self.tree = build_tree(policy.parents)
+            self.parents = self.tree.parents.to(self.device)
+            self.tree_mask = self.tree.mask.to(self.device)
+            self.depth = self.tree.depth[0].to(self.device)
+
+    # ------------------------------------------------------------------ forwards
+    def _target(self, ids: Tensor, positions: Tensor, mask=None) -> Tensor:
+        self.stats.target_calls += 1
+        return hf.forward(self.target, ids, self.tcache, positions, mask)
+
+    def _draft(self, ids: Tensor, positions: Tensor, mask=None) -> Tensor:
+        self.stats.draft_calls += 1
+        return hf.forward(self.draft, ids, self.dcache, positions, mask)
+
+    def prefill(self) -> None:
+        heads = [s[:-1] for s in self.seqs]
+        if max(map(len, heads)) == 0:
+            return
+        ids = _pad(heads, 0, self.device)
+        self._target(ids, torch.arange(ids.shape[1], device=self.device).expand_as(ids))
+        self.tcache.advance([len(h) for h in heads])
+
+    def _catch_up_draft(self) -> Tensor:
+        """Feed the draft the committed tokens it has not seen; logits [B,V] after the last."""
+        pending = [self.seqs[r][n:] for r, n in zip(self.active, self.dcache.host_lengths)]
+        ids = _pad(pending, 0, self.device)
+        positions = self.dcache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
+        logits = self._draft(ids, positions)
+        last = torch.tensor([len(p) - 1 for p in pending], device=self.device)
+        self.dcache.advance([len(p) for p in pending])
+        return logits[torch.arange(len(pending), device=self.device), last]
+
+    def _propose(self, logits: Tensor) -> tuple[Tensor, Tensor | None]:
+        if self.sampler.greedy:
+            return logits.argmax(-1), None
+        q = self.sampler.probs(logits)
+        return torch.multinomial(q, 1, generator=self.generator).squeeze(1), q
+
+    # ------------------------------------------------------------------ rounds
+    def chain_round(self) -> tuple[list[list[int]], list[int], list[int]]:
+        B = len(self.active)
+        logits = self._catch_up_draft()
+        start = list(self.dcache.host_lengths)
+        budget = self.policy.plan()
+        kmax = max(budget)
+        budget_t = torch.tensor(budget, device=self.device)
+        drafts = torch.full((B, kmax), -1, dtype=torch.int64, device=self.device)
+        q_all = None if self.sampler.greedy else torch.zeros(B, kmax, logits.shape[-1], device=self.device)
+        num_draft = torch.zeros(B, dtype=torch.int64, device=self.device)
+        going = torch.ones(B, dtype=torch.bool, device=self.device)
+        extra_forwards, steps = 0, 0
+        for step in range(1, kmax + 1):
+            token, q = self._propose(logits)
+            drafts[:, step - 1] = torch.where(going, token, -1)
+            if q is not None:
+                q_all[:, step - 1] = q
+            num_draft += going
+            steps = step
+            going = going & (step < budget_t) & self.policy.keep_drafting(step, torch.softmax(logits, -1), token)
+            if step == kmax or not bool(going.any()):
+                break
+            logits = self._draft(token[:, None], self.dcache.lengths[:, None])[:, 0]
+            self.dcache.advance([1] * B)
+            extra_forwards += 1
+        drafts = drafts[:, :steps]
+        roots = torch.tensor([self.seqs[r][-1] for r in self.active], device=self.device)
+        ids = torch.cat([roots[:, None], drafts.clamp_min(0)], 1)
+        positions = self.tcache.lengths[:, None] + torch.arange(steps + 1, device=self.device)
+        target_logits = self._target(ids, positions)
+        if self.sampler.greedy:
+            result = ops.greedy_verify(target_logits, drafts, num_draft)
+        else:
+            result = ops.chain_rejection_sample(self.sampler.probs(target_logits), drafts, q_all[:, :steps],
+                                                num_draft, generator=self.generator)
+        tokens, accepted = result.tokens.tolist(), result.num_accepted.tolist()
+        self.tcache.advance([a + 1 for a in accepted])
+        self.dcache.rollback([s + min(a, extra_forwards) for s, a in zip(start, accepted)])
+        return tokens, accepted, num_draft.tolist()
+
+    def tree_round(self) -> tuple[list[list[int]], list[int], list[int]]:
+        B = len(self.active)
+        logits = self._catch_up_draft()
+        levels, branching = self.policy.levels, self.policy.branching
+        T = len(self.policy.parents)
+        nodes = torch.zeros(B, T, dtype=torch.int64, device=self.device)
+        nodes[:, 0] = torch.tensor([self.seqs[r][-1] for r in self.active], device=self.device)
+        nodes[:, levels[0]] = torch.topk(logits, branching[0], dim=-1).indices
+        for d in range(1, len(levels)):
+            n = levels[d - 1][-1] + 1  # the tree so far: nodes 0..n-1, root re-fed at its own position
+            self.dcache.rollback([x - 1 for x in self.dcache.host_lengths])
+            tree_logits = self._draft(nodes[:, :n], self.dcache.lengths[:, None] + self.depth[:n],
+                                      self.tree_mask[:, :n])
+            self.dcache.advance([1] * B)
+            children = torch.topk(tree_logits[:, levels[d - 1]], branching[d], dim=-1).indices
+            nodes[:, levels[d]] = children.reshape(B, -1)
+        target_logits = self._target(nodes, self.tcache.lengths[:, None] + self.depth, self.tree_mask)
+        drafts = nodes
+        if self.sampler.greedy:
+            result = ops.tree_greedy_verify(target_logits, drafts, self.parents)
+        else:
+            result = ops.tree_rejection_sample(self.sampler.probs(target_logits), drafts, self.parents,
+                                               generator=self.generator)
+        accepted = result.num_accepted.tolist()
+        self.tcache.commit(result.path, accepted)
+        return result.tokens.tolist(), accepted, [T - 1] * B
+
+    # ------------------------------------------------------------------ bookkeeping
+    def run(self) -> Stats:
+        self.policy.start(len(self.active))
+        self.prefill()
+        while self.active:
+            round_fn = self.tree_round if self.policy.kind == "tree" else self.chain_round
+            tokens, accepted, drafted = round_fn()
+            self.policy.observe(drafted, accepted)
+            keep = []
+            for i, r in enumerate(self.active):
+                emitted = tokens[i][:accepted[i] + 1][:self.max_new - len(self.new[r])]
+                for n, tok in enumerate(emitted):
+                    if tok in self.eos:
+                        emitted = emitted[:n + 1]
+                        break
+                self.seqs[r] += emitted
+                self.new[r] += emitted
+                self.stats.rounds += 1
+                self.stats.drafted += drafted[i]
+                self.stats.accepted += accepted[i]
+                self.stats.accepted_lengths.append(accepted[i])
+                self.stats.draft_lengths.append(drafted[i])
+                if self.streamer is not None:
+                    self.streamer.put(torch.tensor(emitted))
+                if len(self.new[r]) < self.max_new and not (emitted and emitted[-1] in self.eos):
+                    keep.append(i)
+            if len(keep) < len(self.active):
+                self.tcache.keep_rows(keep)
+                self.dcache.keep_rows(keep)
+                self.policy.keep_rows(keep)
+                self.active = [self.active[i] for i in keep]
+        self.stats.new_tokens = sum(map(len, self.new))
+        return self.stats
+
+
+@torch.inference_mode()
+def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max_new_tokens: int = 32,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+             policy: str | Policy = "svip", seed: int | None = None, streamer=None) -> Output:
+    """Speculative decoding of ``target`` with ``draft``: greedy output equals the
+    target's own greedy output; sampled output follows the target's distribution.
+
+    Args:
+        target, draft: transformers Llama/Qwen2/Mistral causal LMs with the same vocabulary.
+        input_ids: [B, L] LongTensor (left-padded, with ``attention_mask``) or a list of
+            token-id lists (ragged).
+        temperature: 0 for greedy; top_k / top_p as in HF, applied to target and draft alike.
+        policy: a :class:`spec_ext.policies.Policy` or its lower-case name.
+        seed: seeds a private generator; None uses torch's global generator.
+        streamer: an HF streamer (batch size 1).
+    Returns:
+        Output(sequences [B, L + new] as HF generate returns them, padded with
+        ``pad_token_id`` after EOS; stats).
+
+    Example:
+        >>> out = generate(target, draft, tokenizer("def f(", return_tensors="pt").input_ids,
+        ...                max_new_tokens=32, policy="fixed")           # doctest: +SKIP
+    """
+    started = time.perf_counter()
+    hf.check_pair(target, draft)
+    prompts = _prompts(input_ids, attention_mask)
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: must be a positive int, got {max_new_tokens!r}")
+    limit = getattr(target.config, "max_position_embeddings", None)
+    longest = max(map(len, prompts))
+    if limit is not None and longest + max_new_tokens > limit:
+        raise ValueError(f"input_ids: a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds "
+                         f"the target's max_position_embeddings ({limit})")
+    if streamer is not None and len(prompts) != 1:
+        raise ValueError(f"streamer: supported for batch size 1 only (like HF streamers), got {len(prompts)} rows")
+    eos = eos_token_id if eos_token_id is not None else target.generation_config.eos_token_id
+    eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    if pad_token_id is None:
+        pad_token_id = target.generation_config.pad_token_id
+        if pad_token_id is None:
+            pad_token_id = min(eos) if eos else 0
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=target.device).manual_seed(seed)
+    policy = resolve(policy)
+    loop = _Loop(target, draft, prompts, max_new_tokens, Sampler(temperature, top_k, top_p), eos, policy,
+                 generator, streamer)
+    if streamer is not None:
+        streamer.put(torch.tensor([prompts[0]]))
+    with hf.attention_implementation(target, draft):
+        stats = loop.run()
+    if streamer is not None:
+        streamer.end()
+    if isinstance(input_ids, Tensor):
+        head = input_ids.to(target.device)
+    else:
+        head = torch.tensor([[pad_token_id] * (longest - len(p)) + p for p in prompts], device=target.device)
+    width = max(map(len, loop.new))
+    tail = torch.tensor([n + [pad_token_id] * (width - len(n)) for n in loop.new], dtype=torch.int64,
+                        device=target.device)
+    stats.wall_time = time.perf_counter() - started
+    return Output(torch.cat([head, tail], 1), stats)
+
+
+_HF_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",
+            "eos_token_id", "pad_token_id", "streamer", "seed"}
+
+
+class Accelerated:
+    """The target model with a speculative ``generate``; every other attribute is the
+    target's. ``last_stats`` holds the stats of the latest call."""
+
+    def __init__(self, target, draft, policy: str | Policy = "svip"):
+        hf.check_pair(target, draft)
+        self._target, self._draft, self._policy = target, draft, resolve(policy)
+        self.last_stats: Stats | None = None
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._target(*args, **kwargs)
+
+    def generate(self, input_ids=None, attention_mask=None, max_new_tokens: int | None = None, do_sample=None,
+                 temperature=None, top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, streamer=None,
+                 seed=None, **unsupported) -> Tensor:
+        """HF-style generate (see :func:`generate`); returns the sequences tensor.
+        Unknown arguments raise ``ValueError`` rather than being ignored."""
+        if unsupported:
+            raise ValueError(f"{', '.join(sorted(unsupported))}: not supported by spec_ext's generate "
+                             f"(supported: {', '.join(sorted(_HF_ARGS))})")
+        if input_ids is None:
+            raise ValueError("input_ids: required")
+        config = self._target.generation_config
+        do_sample = config.do_sample if do_sample is None else do_sample
+        temperature = (config.temperature or 1.0) if temperature is None else temperature
+        if max_new_tokens is None:
+            max_new_tokens = config.max_new_tokens or 20
+        if not do_sample:
+            temperature, top_k, top_p = 0.0, None, None
+        else:
+            top_k = config.top_k if top_k is None else top_k
+            top_p = config.top_p if top_p is None else top_p
+        out = generate(self._target, self._draft, input_ids, attention_mask, max_new_tokens, temperature, top_k,
+                       top_p, eos_token_id, pad_token_id, self._policy, seed, streamer)
+        self.last_stats = out.stats
+        return out.sequences
+
+
+def accelerate(target, draft, policy: str | Policy = "svip") -> Accelerated:
+    """Wrap ``target`` so that ``.generate(...)`` runs speculative decoding with ``draft``.
+
+    Example:
+        >>> fast = accelerate(target, draft, policy="fixed")            # doctest: +SKIP
+        >>> fast.generate(input_ids, max_new_tokens=64)                 # doctest: +SKIP
+    """
+    return Accelerated(target, draft, policy)

@@ -1,0 +1,108 @@
+"""Everything that touches transformers internals, in one place.
+
+A forward of an unmodified HF decoder runs through spec_ext by
+  * a :class:`SpecCache` passed as the model's cache (writes at per-row offsets),
+  * per-row ``position_ids`` [B,T] (prefix length + node depth),
+  * a 4-D ``attention_mask`` that carries the packed tree bits [B|1,1,T,W] int32 (a 4-D
+    mask is handed to the attention function untouched, so transformers builds no mask),
+  * the attention function ``"spec_ext"``, registered with ``AttentionInterface``, that
+    calls :func:`spec_ext.ops.tree_attention` with the cache's per-row prefix lengths.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+
+from spec_ext import ops
+
+ATTENTION = "spec_ext"
+SUPPORTED = ("llama", "qwen2", "mistral")
+
+__all__ = ["Cache", "ATTENTION", "check_pair", "check_model", "forward", "attention_implementation"]
+
+
+def _attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None, dropout=0.0,
+               spec_prefix_lens: Tensor | None = None, **kwargs):
+    if spec_prefix_lens is None:
+        raise RuntimeError("the 'spec_ext' attention runs only inside spec_ext.hf.forward "
+                           "(it needs per-row prefix lengths)")
+    tree_mask = attention_mask[:, 0] if attention_mask.shape[-1] else None
+    out = ops.tree_attention(query, key, value, spec_prefix_lens, tree_mask, scale=scaling, validate=False)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, _attention)
+
+
+def check_model(model, role: str) -> None:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED:
+        raise ValueError(f"{role}: unsupported architecture {model_type!r}; spec_ext supports the decoder-only "
+                         f"transformers models {SUPPORTED}")
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and model_type != "llama":
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(t == "sliding_attention" for t in layer_types) or not layer_types:
+            raise ValueError(f"{role}: sliding-window attention (window {window}) is not supported; "
+                             "load the model with sliding_window=None")
+
+
+def check_pair(target, draft) -> None:
+    check_model(target, "target")
+    check_model(draft, "draft")
+    vt, vd = target.config.vocab_size, draft.config.vocab_size
+    if vt != vd:
+        raise ValueError(f"draft: vocabulary size {vd} differs from the target's {vt}; speculative decoding "
+                         "needs the same tokenizer for both models")
+    if target.device != draft.device:
+        raise ValueError(f"draft: on {draft.device} but the target is on {target.device}")
+
+
+@contextlib.contextmanager
+def attention_implementation(*models):
+    """Route the models' attention through spec_ext for the duration of the block."""
+    saved = [m.config._attn_implementation for m in models]
+    try:
+        for m in models:
+            m.config._attn_implementation = ATTENTION
+        yield
+    finally:
+        for m, name in zip(models, saved):
+            m.config._attn_implementation = name
+
+
+@functools.lru_cache(None)
+def _cache_argument(model_class) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+_NO_TREE = {}
+
+
+def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tensor | None = None,
+            hidden: bool = False):
+    """One forward of T new tokens per row over ``cache`` (prefix lengths ``cache.lengths``).
+
+    input_ids [B,T], positions [B,T], tree_mask [B|1,T,W] int32 or None (causal).
+    Returns logits [B,T,V] (float32) and, when ``hidden``, the last hidden state [B,T,H].
+    """
+    if tree_mask is None:
+        key = (input_ids.device, input_ids.shape[1])
+        if key not in _NO_TREE:
+            _NO_TREE[key] = torch.zeros(1, 1, input_ids.shape[1], 0, dtype=torch.int32, device=input_ids.device)
+        mask4d = _NO_TREE[key]
+    else:
+        mask4d = tree_mask.unsqueeze(1)
+    out = model(input_ids=input_ids, position_ids=positions, attention_mask=mask4d, use_cache=True,
+                output_hidden_states=hidden, spec_prefix_lens=cache.lengths,
+                **{_cache_argument(type(model)): cache})
+    logits = out.logits.float()
+    return (logits, out.hidden_states[-1]) if hidden else logits

@@ -1,0 +1,143 @@
+"""Draft-length policies: how many tokens (or which tree) the draft proposes each round.
+
+A chain policy answers three questions for a batch of rows:
+  * ``plan()``: the most drafts each row may propose this round;
+  * ``keep_drafting(step, probs, tokens)``: after draft ``step`` (1-based) was sampled,
+    which rows go on (probs [B,V] is the draft's temperature-1 distribution);
+  * ``observe(num_draft, num_accepted)``: what the target accepted.
+``keep_rows`` follows the batch when finished rows drop out. A tree policy (``Tree``)
+instead gives a static tree shape. Every policy works with no arguments (published
+defaults) and can be named by its lower-case class name in ``policy=``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+class Policy:
+    kind = "chain"
+    max_draft: int = 5
+
+    def start(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+
+    def plan(self) -> list[int]:
+        return [self.max_draft] * self.batch_size
+
+    def keep_drafting(self, step: int, probs: Tensor, tokens: Tensor) -> Tensor:
+        return torch.ones(probs.shape[0], dtype=torch.bool, device=probs.device)
+
+    def observe(self, num_draft: Sequence[int], num_accepted: Sequence[int]) -> None:
+        pass
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        self.batch_size = len(rows)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_") and k != "batch_size")
+        return f"{type(self).__name__}({fields})"
+
+
+class Fixed(Policy):
+    """Vanilla speculative decoding: always ``k`` drafts."""
+
+    def __init__(self, k: int = 5):
+        if k < 1:
+            raise ValueError(f"k: must be >= 1, got {k}")
+        self.max_draft = k
+
+
+class Heuristic(Policy):
+    """HF assisted generation's "heuristic" schedule, per row: start at ``initial``
+    drafts, +2 after a round where all were accepted, else -1 (at least 1)."""
+
+    def __init__(self, initial: int = 20, max_draft: int = 64):
+        self.initial = initial
+        self.max_draft = max_draft
+
+    def start(self, batch_size: int) -> None:
+        super().start(batch_size)
+        self._k = [self.initial] * batch_size
+
+    def plan(self) -> list[int]:
+        return list(self._k)
+
+    def observe(self, num_draft, num_accepted) -> None:
+        self._k = [min(self.max_draft, k + 2) if a >= n else max(1, k - 1)
+                   for k, n, a in zip(self._k, num_draft, num_accepted)]
+
+    def keep_rows(self, rows) -> None:
+        super().keep_rows(rows)
+        self._k = [self._k[r] for r in rows]
+
+
+class Confidence(Policy):
+    """HF assisted generation's default: up to ``max_draft`` drafts, stop once the draft's
+    probability of the token it just proposed is below ``threshold``."""
+
+    def __init__(self, threshold: float = 0.4, max_draft: int = 20):
+        self.threshold = threshold
+        self.max_draft = max_draft
+
+    def keep_drafting(self, step, probs, tokens) -> Tensor:
+        return probs.gather(1, tokens[:, None]).squeeze(1) >= self.threshold
+
+
+class SVIP(Policy):
+    """SVIP: stop once sqrt(c * H(q)) > h for the draft distribution q the last token came
+    from (that token is kept as the last draft)."""
+
+    def __init__(self, c: float = 0.15, h: float = 0.3, max_draft: int = 16):
+        self.c = c
+        self.h = h
+        self.max_draft = max_draft
+
+    def keep_drafting(self, step, probs, tokens) -> Tensor:
+        entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+        return (self.c * entropy).sqrt() <= self.h
+
+
+class Tree(Policy):
+    """A static draft tree expanded by top-k of the draft: ``branching[d]`` children for
+    every node at depth d. Verified in one target pass with tree attention and (when
+    sampling) recursive rejection sampling with deterministic drafts."""
+
+    kind = "tree"
+
+    def __init__(self, branching: Sequence[int] = (3, 2, 1, 1)):
+        if not branching or any(b < 1 for b in branching):
+            raise ValueError(f"branching: need one or more positive counts, got {branching!r}")
+        self.branching = tuple(branching)
+        parents, levels, frontier = [-1], [], [0]
+        for width in self.branching:
+            level = []
+            for node in frontier:
+                for _ in range(width):
+                    parents.append(node)
+                    level.append(len(parents) - 1)
+            levels.append(level)
+            frontier = level
+        self.parents = parents
+        self.levels = levels  # node ids at depth 1, 2, ...
+        self.max_draft = len(parents) - 1
+
+
+POLICIES = {cls.__name__.lower(): cls for cls in (Fixed, Heuristic, Confidence, SVIP, Tree)}
+
+
+def register(cls) -> type:
+    """Make a policy class available by its lower-case name in ``policy=``."""
+    POLICIES[cls.__name__.lower()] = cls
+    return cls
+
+
+def resolve(policy: str | Policy) -> Policy:
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str) and policy.lower() in POLICIES:
+        return POLICIES[policy.lower()]()
+    raise ValueError(f"policy: expected a Policy or one of {sorted(POLICIES)}, got {policy!r}")
+

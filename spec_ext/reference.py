@@ -1,0 +1,200 @@
+"""Pure-PyTorch reference of every op: the executable specification.
+
+Written for clarity, not speed: loops over rows, float64 where a decision is made.
+Every other backend must return what these functions return (for the samplers: the
+same tokens for the same uniforms, up to float rounding at inverse-CDF bin edges).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+# ----------------------------------------------------------------------------- trees
+def tree_mask(parents: Tensor) -> tuple[Tensor, Tensor]:
+    """parents [B,T] int64 (root -1, parents[i] < i) -> depth [B,T] int64,
+    mask [B,T,ceil(T/32)] int32 where bit j of mask[b,i] says node i attends node j."""
+    B, T = parents.shape
+    words = (T + 31) // 32
+    depth = torch.zeros(B, T, dtype=torch.int64)
+    bits = torch.zeros(B, T, words * 32, dtype=torch.bool)
+    for b in range(B):
+        for i in range(T):
+            p = int(parents[b, i])
+            if p >= 0:
+                depth[b, i] = depth[b, p] + 1
+                bits[b, i] = bits[b, p]
+            bits[b, i, i] = True
+    weights = torch.tensor([1 << k for k in range(32)], dtype=torch.int64)
+    packed = (bits.view(B, T, words, 32).long() * weights).sum(-1)
+    mask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return depth.to(parents.device), mask.to(parents.device)
+
+
+def unpack_mask(mask: Tensor, n: int) -> Tensor:
+    """[..., W] int32 bits -> [..., n] bool."""
+    shifts = torch.arange(32, device=mask.device, dtype=torch.int32)
+    bits = (mask.unsqueeze(-1) >> shifts) & 1
+    return bits.flatten(-2)[..., :n].bool()
+
+
+# ----------------------------------------------------------------------- sampling
+def _inverse_cdf(mass: Tensor, u: float) -> int:
+    """Smallest j with cumsum(mass)[j] > u * sum(mass); -1 if the mass is not positive."""
+    mass = mass.double()
+    total = mass.sum()
+    if not bool(total > 0):
+        return -1
+    cdf = mass.cumsum(0)
+    j = int(torch.searchsorted(cdf, u * total, right=True))
+    positive = torch.nonzero(mass > 0).flatten()
+    return min(j, int(positive[-1]))
+
+
+def _sample(residual: Tensor, fallback: Tensor, u: float) -> int:
+    """Inverse CDF on the residual; on p when the residual is all zero; 0 if both are."""
+    token = _inverse_cdf(residual, u)
+    if token < 0:
+        token = _inverse_cdf(fallback, u)
+    return max(token, 0)
+
+
+def chain_verify(target: Tensor, draft_tokens: Tensor, draft_probs: Tensor | None,
+                 num_draft: Tensor, uniforms: Tensor | None, greedy: bool) -> tuple[Tensor, Tensor]:
+    """target [B,K+1,V] f32 (probabilities, or logits when greedy), draft_tokens [B,K],
+    draft_probs [B,K,V] or None (one-hot q), num_draft [B], uniforms [B,K+1] f64
+    -> tokens [B,K+1] (-1 padded), num_accepted [B]."""
+    B, K1, V = target.shape
+    tokens = torch.full((B, K1), -1, dtype=torch.int64)
+    num_accepted = torch.zeros(B, dtype=torch.int64)
+    for b in range(B):
+        for i in range(K1):
+            p = target[b, i].double()
+            x = int(draft_tokens[b, i]) if i < K1 - 1 and i < int(num_draft[b]) else -1
+            if greedy:
+                best = int(target[b, i].argmax())
+                if x == best:
+                    tokens[b, i] = x
+                    continue
+                tokens[b, i] = best
+            elif 0 <= x < V:
+                qx = 1.0 if draft_probs is None else float(draft_probs[b, i, x])
+                if qx > 0 and float(uniforms[b, i]) * qx < float(p[x]):
+                    tokens[b, i] = x
+                    continue
+                if draft_probs is None:
+                    residual = p.clone()
+                    residual[x] = 0
+                else:
+                    residual = (p - draft_probs[b, i].double()).clamp_min(0)
+                tokens[b, i] = _sample(residual, p, float(uniforms[b, -1]))
+            else:  # no draft here: a plain sample from p
+                tokens[b, i] = _sample(p, p, float(uniforms[b, -1]))
+            num_accepted[b] = i
+            break
+    return tokens.to(target.device), num_accepted.to(target.device)
+
+
+def tree_verify(target: Tensor, tree_tokens: Tensor, parents: Tensor, draft_probs: Tensor | None,
+                uniforms: Tensor | None, greedy: bool, without_replacement: bool
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """Multi-draft recursive rejection sampling down a tree.
+
+    target [B,T,V] (p after node i), tree_tokens [B,T] (node 0 is the root; -1 absent),
+    parents [B,T], draft_probs [B,T,V] (q that node i's children were drawn from) or
+    None (deterministic drafts), uniforms [B,T+1] f64 -> path [B,T] node ids,
+    tokens [B,T], num_accepted [B], each -1 padded.
+    """
+    B, T, V = target.shape
+    path = torch.full((B, T), -1, dtype=torch.int64)
+    tokens = torch.full((B, T), -1, dtype=torch.int64)
+    num_accepted = torch.zeros(B, dtype=torch.int64)
+    for b in range(B):
+        node, depth = 0, 0
+        path[b, 0] = 0
+        while True:
+            residual = target[b, node].double()
+            q = None if draft_probs is None else draft_probs[b, node].double().clone()
+            best = int(target[b, node].argmax())
+            accepted = -1
+            for child in range(node + 1, T):
+                x = int(tree_tokens[b, child])
+                if int(parents[b, child]) != node or not 0 <= x < V:
+                    continue
+                if greedy:
+                    if x == best:
+                        accepted = child
+                        break
+                    continue
+                qx = 1.0 if q is None else float(q[x])
+                if qx > 0 and float(uniforms[b, child]) * qx < float(residual[x]):
+                    accepted = child
+                    break
+                if q is None:
+                    rest = residual.clone()
+                    rest[x] = 0
+                else:
+                    rest = (residual - q).clamp_min(0)
+                if rest.sum() > 0:
+                    residual = rest / rest.sum()
+                if q is not None and without_replacement:
+                    q[x] = 0
+                    if q.sum() > 0:
+                        q = q / q.sum()
+            if accepted < 0:
+                tokens[b, depth] = best if greedy else _sample(residual, residual, float(uniforms[b, -1]))
+                num_accepted[b] = depth
+                break
+            depth += 1
+            path[b, depth] = accepted
+            tokens[b, depth - 1] = tree_tokens[b, accepted]
+            node = accepted
+    dev = target.device
+    return path.to(dev), tokens.to(dev), num_accepted.to(dev)
+
+
+# ----------------------------------------------------------------------- attention
+def visibility(prefix_lens: Tensor, tree_mask: Tensor | None, T: int, S: int) -> Tensor:
+    """[B,T,S] bool: key s is visible to query i of row b."""
+    B = prefix_lens.shape[0]
+    device = prefix_lens.device
+    s = torch.arange(S, device=device)
+    prefix = prefix_lens.long().view(B, 1, 1)
+    if tree_mask is None:
+        tree = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
+    else:
+        tree = unpack_mask(tree_mask, T).expand(B, T, T)
+    offset = s.view(1, 1, S) - prefix                          # [B,1,S]
+    inside = (offset >= 0) & (offset < T)
+    tree_bit = torch.gather(tree, 2, offset.clamp(0, T - 1).expand(B, T, S))
+    return (s.view(1, 1, S) < prefix) | (inside & tree_bit)
+
+
+def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor,
+                   tree_mask: Tensor | None, scale: float) -> Tensor:
+    """q [B,Hq,T,D], k/v [B,Hkv,S,D], prefix_lens [B], tree_mask [B|1,T,W] int32 or None
+    (causal) -> [B,Hq,T,D]; computed in float32 with a dense mask. A query that sees no
+    key returns zeros."""
+    B, Hq, T, D = q.shape
+    S = k.shape[2]
+    group = Hq // k.shape[1]
+    keys = k.float().repeat_interleave(group, 1)
+    values = v.float().repeat_interleave(group, 1)
+    visible = visibility(prefix_lens, tree_mask, T, S).unsqueeze(1)
+    scores = (q.float() @ keys.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    weights = torch.softmax(scores, -1).nan_to_num(0.0)
+    return (weights @ values).to(q.dtype)
+
+
+# ------------------------------------------------------------------------ kv cache
+def compact_kv(caches: list[Tensor], src: Tensor, dst_start: Tensor) -> None:
+    """In place, for every [B,H,S,D] tensor: row b's positions src[b,j] (j before the first
+    -1) move to dst_start[b] + j, gathered before stored so overlapping ranges are fine."""
+    for cache in caches:
+        for b in range(src.shape[0]):
+            n = int((src[b] >= 0).sum())
+            if n:
+                moved = cache[b, :, src[b, :n]].clone()
+                start = int(dst_start[b])
+                cache[b, :, start:start + n] = moved
