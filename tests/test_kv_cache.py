@@ -1,0 +1,138 @@
+"""compact_kv against the reference, and SpecCache against fresh forwards of an HF model."""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import spec_ext
+from spec_ext import hf, reference
+from spec_ext.cache import SpecCache
+from conftest import backend_params, device_for
+
+BACKENDS = backend_params("compact_kv")
+
+
+def scatter_case(B, M, S, generator, overlap=True):
+    src = torch.full((B, M), -1, dtype=torch.int64)
+    dst = torch.zeros(B, dtype=torch.int64)
+    for b in range(B):
+        n = int(torch.randint(0, M + 1, (1,), generator=generator))
+        if b == 0:
+            n = M
+        start = int(torch.randint(0, S - M - 4, (1,), generator=generator))
+        if overlap:  # sorted positions just after the destination: source and destination overlap
+            picks = torch.randperm(M + 4, generator=generator)[:n].sort().values + start
+        else:
+            picks = torch.randperm(S, generator=generator)[:n]
+        src[b, :n] = picks
+        dst[b] = start
+    if B > 1:  # an identity move
+        src[1, :2], dst[1] = torch.tensor([5, 6]), 5
+    return src, dst
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layers,B,H,S,D,M", [(1, 1, 1, 16, 8, 1), (2, 3, 2, 40, 33, 6), (32, 2, 2, 24, 16, 4),
+                                               (3, 4, 8, 64, 128, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("stacked", [True, False])
+def test_compact_kv_matches_reference(backend, layers, B, H, S, D, M, dtype, overlap, stacked):
+    g = torch.Generator().manual_seed(layers * 1000 + S)
+    caches = torch.randn(layers, B, H, S, D, generator=g).to(dtype)
+    src, dst = scatter_case(B, M, S, g, overlap)
+    expected = caches.clone()
+    reference.compact_kv(list(expected.unbind(0)), src, dst)
+    dev = device_for(backend)
+    mine = caches.to(dev)
+    spec_ext.compact_kv(mine if stacked else list(mine.unbind(0)), src.to(dev), dst.to(dev), backend=backend)
+    assert torch.equal(mine.cpu(), expected)
+
+
+def test_reference_is_gather_then_store():
+    cache = torch.arange(10.0).view(1, 1, 10, 1)
+    reference.compact_kv([cache], torch.tensor([[3, 4, 5]]), torch.tensor([2]))
+    assert cache.flatten().tolist() == [0, 1, 3, 4, 5, 5, 6, 7, 8, 9]
+    cache = torch.arange(10.0).view(1, 1, 10, 1)
+    reference.compact_kv([cache], torch.tensor([[2, 3]]), torch.tensor([3]))  # moving right, overlapping
+    assert cache.flatten().tolist() == [0, 1, 2, 2, 3, 5, 6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_and_right_moves(backend):
+    dev = device_for(backend)
+    cache = torch.arange(10.0).view(1, 1, 1, 10, 1).repeat(2, 2, 1, 1, 1).to(dev)
+    src = torch.tensor([[2, 3], [-1, -1]], device=dev)
+    spec_ext.compact_kv(cache, src, torch.tensor([3, 0], device=dev), backend=backend)
+    assert cache[0, 0].flatten().tolist() == [0, 1, 2, 2, 3, 5, 6, 7, 8, 9]
+    assert cache[0, 1].flatten().tolist() == list(map(float, range(10)))
+
+
+def test_bad_input():
+    caches = torch.zeros(2, 2, 1, 8, 4)
+    with pytest.raises(ValueError, match="dst_start: need"):
+        spec_ext.compact_kv(caches, torch.tensor([[1, 2], [0, -1]]), torch.tensor([7, 0]))
+    with pytest.raises(ValueError, match="src: positions must be"):
+        spec_ext.compact_kv(caches, torch.tensor([[1, 8], [0, -1]]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="src: -1 padding"):
+        spec_ext.compact_kv(caches, torch.tensor([[-1, 2], [0, -1]]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match=r"caches\[1\]: expected shape"):
+        spec_ext.compact_kv([caches[0], torch.zeros(2, 1, 8, 5)], torch.tensor([[1], [1]]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match=r"caches\[1\]: expected dtype"):
+        spec_ext.compact_kv([caches[0], caches[1].half()], torch.tensor([[1], [1]]), torch.tensor([0, 0]))
+
+
+# ------------------------------------------------------------------- SpecCache on models
+def tiny(kind):
+    common = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common)).eval()
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+    return MistralForCausalLM(MistralConfig(sliding_window=None, **common)).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@torch.no_grad()
+def test_spec_cache_commit_and_rollback_match_fresh_forward(kind):
+    model = tiny(kind)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 61, (n,), generator=g).tolist() for n in (6, 2, 9)]
+    cache = SpecCache.for_model(model, 3, 64)
+    tree = spec_ext.build_tree([-1, 0, 0, 1, 1, 2, 3])
+    committed = [list(p) for p in prompts]
+    with hf.attention_implementation(model):
+        ids = torch.tensor([p + [0] * (9 - len(p)) for p in prompts])
+        hf.forward(model, ids, cache, torch.arange(9).expand(3, 9))
+        cache.advance([len(p) - 1 for p in prompts])  # the last token is the next root
+        for round_ in range(3):
+            nodes = torch.randint(0, 61, (3, 7), generator=g)
+            nodes[:, 0] = torch.tensor([c[-1] for c in committed])
+            hf.forward(model, nodes, cache, tree.positions(cache.lengths), tree.mask)
+            # accept a different root-to-node path per row (and nothing for row 2 in round 1)
+            paths = torch.tensor([[0, 1, 3, 6], [0, 2, 5, -1], [0, 1, 4, -1]])
+            accepted = [3, 2, 0 if round_ == 1 else 2]
+            cache.commit(paths, accepted)
+            for b in range(3):
+                committed[b] += [int(nodes[b, n]) for n in paths[b, 1:accepted[b] + 1]]
+                committed[b].append(int(torch.randint(0, 61, (1,), generator=g)))
+        cache.rollback([n - 1 for n in cache.host_lengths])  # drop one kept token per row
+        for b in range(3):
+            committed[b].pop(-2)
+        cache.keep_rows([2, 0])
+        committed = [committed[2], committed[0]]
+        last = torch.tensor([[c[-1]] for c in committed])
+        logits = hf.forward(model, last, cache, cache.lengths[:, None])
+    for row, tokens in enumerate(committed):
+        fresh = model(torch.tensor([tokens])).logits[0, -1]
+        torch.testing.assert_close(logits[row, 0], fresh, rtol=1e-4, atol=1e-4)
+
+
+def test_spec_cache_capacity_error():
+    cache = SpecCache(1, 1, 4, batch_size=2, capacity=8)
+    cache.advance([6, 2])
+    with pytest.raises(ValueError, match="exceed the capacity of 8"):
+        cache.update(torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), 0)
+    with pytest.raises(ValueError, match="lengths: rollback"):
+        cache.rollback([7, 0])

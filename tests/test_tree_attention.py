@@ -1,0 +1,104 @@
+"""tree_attention: every backend against the reference; the reference against an
+independent oracle (causal attention over prefix + each node's root-to-node path)."""
+import pytest
+import torch
+
+import spec_ext
+from spec_ext import reference
+from conftest import backend_params, device_for
+from test_tree import random_parents
+
+BACKENDS = backend_params("tree_attention")
+
+
+def make(B, Hq, Hkv, T, S, D, dtype, seed, prefix=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, T, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    if prefix is None:
+        prefix = torch.randint(0, S - T + 1, (B,), generator=g)
+        prefix[0] = 0
+    return q, k, v, prefix, g
+
+
+def budget(dtype, q, k, v, prefix, mask):
+    """flash-attention style: allowed error = 2x PyTorch's own error in this dtype + a floor."""
+    if dtype == torch.float32:
+        return 1e-4
+    exact = reference.tree_attention(q.double(), k.double(), v.double(), prefix, mask, q.shape[-1] ** -0.5)
+    lowp = reference.tree_attention(q, k, v, prefix, mask, q.shape[-1] ** -0.5)  # f32 math, dtype output
+    return 2 * (lowp.double() - exact).abs().max().item() + 1e-3
+
+
+CASES = [  # B, Hq, Hkv, T, S, D
+    (1, 1, 1, 1, 1, 64),
+    (2, 4, 4, 5, 37, 64),
+    (3, 8, 2, 17, 101, 128),
+    (2, 4, 1, 64, 129, 64),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("tree", ["causal", "random", "shared"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_matches_reference(backend, case, tree, dtype):
+    B, Hq, Hkv, T, S, D = case
+    if backend == "triton" and device_for(backend) == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the Triton interpreter has no bf16 math")
+    q, k, v, prefix, g = make(B, Hq, Hkv, T, S, D, dtype, seed=T * S)
+    mask = None
+    if tree == "random":
+        mask = reference.tree_mask(random_parents(B, T, g))[1]
+    elif tree == "shared":
+        mask = reference.tree_mask(random_parents(1, T, g))[1]
+    dev = device_for(backend)
+    out = spec_ext.tree_attention(q.to(dev), k.to(dev), v.to(dev), prefix.to(dev),
+                                  None if mask is None else mask.to(dev), backend=backend)
+    assert out.dtype == dtype and out.shape == q.shape
+    expected = reference.tree_attention(q.float(), k.float(), v.float(), prefix, mask, D ** -0.5)
+    err = (out.cpu().float() - expected).abs().max().item()
+    assert err <= budget(dtype, q, k, v, prefix, mask), err
+
+
+def test_reference_matches_per_branch_oracle():
+    B, H, T, S, D = 3, 2, 12, 40, 16
+    q, k, v, prefix, g = make(B, H, H, T, S, D, torch.float64, seed=1)
+    parents = random_parents(B, T, g)
+    out = reference.tree_attention(q, k, v, prefix, reference.tree_mask(parents)[1], D ** -0.5)
+    for b in range(B):
+        for i in range(T):
+            path, node = [], i
+            while node >= 0:
+                path.append(node)
+                node = int(parents[b, node])
+            keys = list(range(int(prefix[b]))) + [int(prefix[b]) + n for n in sorted(path)]
+            weights = torch.softmax(q[b, :, i, None] @ k[b, :, keys].transpose(-1, -2) * D ** -0.5, -1)
+            oracle = (weights @ v[b, :, keys]).squeeze(1)
+            torch.testing.assert_close(out[b, :, i].double(), oracle, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_equals_sdpa_over_prefix_and_new_tokens():
+    B, H, T, S, D = 2, 4, 6, 20, 32
+    q, k, v, _, _ = make(B, H, H, T, S, D, torch.float32, seed=2, prefix=torch.tensor([0, 0]))
+    prefix = torch.tensor([9, 9])
+    out = spec_ext.tree_attention(q, k, v, prefix)
+    mask = torch.ones(T, 9 + T, dtype=torch.bool)
+    mask[:, 9:] = torch.ones(T, T, dtype=torch.bool).tril()
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :9 + T], v[:, :, :9 + T], attn_mask=mask)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input():
+    q, k, v, prefix, _ = make(2, 4, 2, 3, 10, 8, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="prefix_lens: need"):
+        spec_ext.tree_attention(q, k, v, torch.tensor([8, 0]))
+    with pytest.raises(ValueError, match="k: query heads"):
+        spec_ext.tree_attention(q, k[:, :1].expand(2, 3, 10, 8).contiguous(), v[:, :1].expand(2, 3, 10, 8), prefix)
+    with pytest.raises(ValueError, match="k: expected dtype"):
+        spec_ext.tree_attention(q, k.half(), v, prefix)
+    with pytest.raises(ValueError, match="tree_mask: expected"):
+        spec_ext.tree_attention(q, k, v, prefix, torch.zeros(2, 4, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="prefix_lens: expected shape"):
+        spec_ext.tree_attention(q, k, v, prefix[:1])
