@@ -77,7 +77,7 @@ def test_bad_input():
         spec_ext.compact_kv(caches, torch.tensor([[-1, 2], [0, -1]]), torch.tensor([0, 0]))
     with pytest.raises(ValueError, match=r"caches\[1\]: expected shape"):
         spec_ext.compact_kv([caches[0], torch.zeros(2, 1, 8, 5)], torch.tensor([[1], [1]]), torch.tensor([0, 0]))
-    with pytest.raises(ValueError, match=r"caches\[1\]: expected dtype"):
+    with pytest.raises(ValueError, match=r"caches\[1\]: expected shape .* and dtype torch.float32"):
         spec_ext.compact_kv([caches[0], caches[1].half()], torch.tensor([[1], [1]]), torch.tensor([0, 0]))
 
 
