@@ -1,0 +1,209 @@
+"""The loop end to end on tiny random-weight models (fp32, CPU): greedy output equals the
+target's own greedy generate; sampled output follows the target's exact distribution."""
+import copy
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import spec_ext
+from spec_ext.decoding import Sampler
+from spec_ext.policies import POLICIES
+
+POLICY_NAMES = sorted(POLICIES)
+
+
+def llama(vocab, hidden, layers, seed, sharpen=1.0, max_positions=256):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpen)
+    return model
+
+
+def perturbed(model, scale, seed):
+    torch.manual_seed(seed)
+    copy_ = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in copy_.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return copy_
+
+
+@pytest.fixture(scope="module")
+def greedy_pair():
+    target = llama(97, 64, 2, seed=0, sharpen=4.0)
+    return target, perturbed(target, 0.003, seed=1)
+
+
+def hf_greedy(model, prompt, max_new, eos):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
+                         pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_greedy_batch1_equals_target(greedy_pair, policy):
+    target, draft = greedy_pair
+    prompt = [5, 17, 33, 8]
+    expected = hf_greedy(target, prompt, 40, eos=[])
+    out = spec_ext.generate(target, draft, [prompt], max_new_tokens=40, eos_token_id=[], policy=policy)
+    assert out.sequences[0, len(prompt):].tolist() == expected
+    assert out.stats.new_tokens == 40 and out.stats.target_calls <= 41
+    assert out.stats.accepted > 0, "the perturbed draft should agree with the target sometimes"
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_greedy_ragged_batch_with_eos_equals_target(greedy_pair, policy):
+    target, draft = greedy_pair
+    prompts = [[5, 17, 33, 8], [40], [9, 9, 9, 9, 9, 9, 9, 12], [70, 71]]
+    free_run = hf_greedy(target, prompts[0], 30, eos=[])
+    eos = next(t for i, t in enumerate(free_run) if i >= 6 and t not in free_run[:i])  # row 0 stops mid-way
+    L = max(map(len, prompts))
+    input_ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+    out = spec_ext.generate(target, draft, input_ids, attention_mask=mask, max_new_tokens=30, eos_token_id=eos,
+                            pad_token_id=0, policy=policy)
+    assert torch.equal(out.sequences[:, :L], input_ids)
+    for b, prompt in enumerate(prompts):
+        expected = hf_greedy(target, prompt, 30, eos=eos)
+        got = out.sequences[b, L:].tolist()
+        assert got[:len(expected)] == expected, f"row {b}"
+        assert all(t == 0 for t in got[len(expected):])
+    assert len(hf_greedy(target, prompts[0], 30, eos=eos)) < 30
+
+
+def test_accelerate_is_a_drop_in_for_generate(greedy_pair):
+    target, draft = greedy_pair
+    fast = spec_ext.accelerate(target, draft, policy="fixed")
+    ids = torch.tensor([[5, 17, 33, 8]])
+    expected = target.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    got = fast.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, expected[:, :got.shape[1]]) and got.shape[1] <= expected.shape[1]
+    assert fast.config is target.config and fast.last_stats.target_calls > 0
+    with pytest.raises(ValueError, match="num_beams: not supported"):
+        fast.generate(ids, num_beams=4)
+
+
+def test_seed_makes_sampling_reproducible(greedy_pair):
+    target, draft = greedy_pair
+    runs = [spec_ext.generate(target, draft, [[3, 4, 5]] * 4, max_new_tokens=16, temperature=1.0, seed=7,
+                              policy="svip").sequences for _ in range(2)]
+    assert torch.equal(*runs)
+    torch.manual_seed(3)
+    a = spec_ext.generate(target, draft, [[3, 4, 5]] * 4, max_new_tokens=16, temperature=1.0).sequences
+    torch.manual_seed(3)
+    b = spec_ext.generate(target, draft, [[3, 4, 5]] * 4, max_new_tokens=16, temperature=1.0).sequences
+    assert torch.equal(a, b)
+
+
+def test_streamer_receives_every_token(greedy_pair):
+    target, draft = greedy_pair
+
+    class Collect:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.flatten().tolist())
+
+        def end(self):
+            self.ended = True
+
+    streamer = Collect()
+    out = spec_ext.generate(target, draft, [[5, 6]], max_new_tokens=10, eos_token_id=[], streamer=streamer)
+    assert streamer.ended and sum(streamer.chunks, []) == out.sequences[0].tolist()
+
+
+# ------------------------------------------------------------------- exact distribution
+VOCAB = 8
+PROMPT = [1, 3, 5]
+
+
+@pytest.fixture(scope="module")
+def sampling_models():
+    target = llama(VOCAB, 32, 2, seed=10, sharpen=3.0)
+    return target, {"near": perturbed(target, 0.01, seed=11), "far": llama(VOCAB, 32, 1, seed=12, sharpen=3.0)}
+
+
+@torch.no_grad()
+def exact_joint(target, sampler, steps=3):
+    """P(x1..x3 | PROMPT) under the processed target distribution, by enumeration."""
+    joint = {(): 1.0}
+    for _ in range(steps):
+        prefixes = list(joint)
+        ids = torch.tensor([PROMPT + list(p) for p in prefixes])
+        probs = sampler.probs(target(ids).logits[:, -1]).double()
+        joint = {p + (x,): joint[p] * float(probs[i, x]) for i, p in enumerate(prefixes) for x in range(VOCAB)}
+    return joint
+
+
+def assert_follows(samples: np.ndarray, joint: dict):
+    outcomes = list(joint)
+    index = {o: i for i, o in enumerate(outcomes)}
+    expected = np.array([joint[o] for o in outcomes])
+    codes = [index.get(tuple(row), -1) for row in samples.tolist()]
+    assert -1 not in codes and all(expected[c] > 0 for c in codes), "an impossible sequence was sampled"
+    counts = np.bincount(codes, minlength=len(outcomes)).astype(float)
+    expected = expected / expected.sum() * len(samples)
+    big = expected >= 5  # pool rare outcomes so the chi-square approximation holds
+    observed_bins = np.append(counts[big], counts[~big].sum())
+    expected_bins = np.append(expected[big], expected[~big].sum())
+    keep = expected_bins > 0
+    p_value = chisquare(observed_bins[keep], expected_bins[keep]).pvalue
+    assert p_value > 1e-4, p_value
+
+
+SAMPLING_CASES = [(policy, 1.0, None, "near") for policy in POLICY_NAMES]
+SAMPLING_CASES += [(policy, 0.7, 5, "near") for policy in POLICY_NAMES]
+SAMPLING_CASES += [("fixed", 1.0, None, "far"), ("tree", 0.7, 5, "far"), ("svip", 1.0, None, "far")]
+
+
+@pytest.mark.parametrize("policy,temperature,top_k,draft_name", SAMPLING_CASES)
+def test_sampling_follows_target_distribution(sampling_models, policy, temperature, top_k, draft_name):
+    target, drafts = sampling_models
+    n = 20_000
+    out = spec_ext.generate(target, drafts[draft_name], [PROMPT] * n, max_new_tokens=3, temperature=temperature,
+                            top_k=top_k, eos_token_id=[], policy=policy, seed=hash((policy, temperature)) % 1000)
+    samples = out.sequences[:, len(PROMPT):].numpy()
+    assert_follows(samples, exact_joint(target, Sampler(temperature, top_k)))
+    if draft_name == "near":
+        assert out.stats.accepted > 0
+
+
+# ------------------------------------------------------------------------ bad input
+def test_bad_input(greedy_pair):
+    target, draft = greedy_pair
+    with pytest.raises(ValueError, match="draft: vocabulary size 50 differs"):
+        spec_ext.generate(target, llama(50, 32, 1, seed=0), [[1, 2]])
+    with pytest.raises(ValueError, match="input_ids: prompt 1 is empty"):
+        spec_ext.generate(target, draft, [[1, 2], []])
+    with pytest.raises(ValueError, match="max_new_tokens: must be a positive int"):
+        spec_ext.generate(target, draft, [[1, 2]], max_new_tokens=0)
+    with pytest.raises(ValueError, match="exceeds the target's max_position_embeddings"):
+        spec_ext.generate(target, draft, [[1] * 250], max_new_tokens=10)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="target: unsupported architecture 'gpt2'"):
+        spec_ext.generate(gpt2, draft, [[1, 2]])
+    with pytest.raises(ValueError, match="policy: expected a Policy"):
+        spec_ext.generate(target, draft, [[1, 2]], policy="nonsense")
+    with pytest.raises(ValueError, match="temperature: must be >= 0"):
+        spec_ext.generate(target, draft, [[1, 2]], temperature=-1.0)
+    with pytest.raises(ValueError, match="streamer: supported for batch size 1"):
+        spec_ext.generate(target, draft, [[1, 2], [3]], streamer=object())
+
+
+def test_sampler_matches_hf_warpers():
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    logits = torch.randn(6, 50)
+    ours = Sampler(0.7, top_k=10, top_p=0.8).probs(logits)
+    x = TemperatureLogitsWarper(0.7)(None, logits.clone())
+    x = TopKLogitsWarper(10)(None, x)
+    x = TopPLogitsWarper(0.8)(None, x)
+    torch.testing.assert_close(ours, torch.softmax(x, -1))
