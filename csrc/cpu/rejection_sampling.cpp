@@ -9,24 +9,43 @@
 namespace spec_ext {
 namespace {
 
-// Smallest j with cumsum(mass)[j] > u * sum(mass); -1 if the mass is not positive.
+constexpr int64_t kBlock = 256;
+
+// Smallest j with cumsum(mass)[j] > u * sum(mass); the last positive index when rounding
+// leaves none; -1 if the mass is not positive. Block sums (four accumulators, so the
+// compiler can vectorise) find the block, then one block is scanned element by element.
 template <typename Mass>
 int64_t inverse_cdf(int64_t V, double u, Mass mass) {
+  const int64_t num_blocks = (V + kBlock - 1) / kBlock;
+  std::vector<double> blocks(num_blocks);
   double total = 0;
-  for (int64_t j = 0; j < V; ++j) total += mass(j);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t lo = b * kBlock, hi = std::min(V, lo + kBlock);
+    double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    int64_t j = lo;
+    for (; j + 4 <= hi; j += 4) {
+      s0 += mass(j);
+      s1 += mass(j + 1);
+      s2 += mass(j + 2);
+      s3 += mass(j + 3);
+    }
+    for (; j < hi; ++j) s0 += mass(j);
+    blocks[b] = (s0 + s1) + (s2 + s3);
+    total += blocks[b];
+  }
   if (!(total > 0)) return -1;
   const double threshold = u * total;
   double acc = 0;
-  int64_t last = -1;
-  for (int64_t j = 0; j < V; ++j) {
+  int64_t b = 0;
+  while (b < num_blocks && !(acc + blocks[b] > threshold)) acc += blocks[b++];
+  for (int64_t j = b * kBlock; j < V; ++j) {
     const double m = mass(j);
-    if (m > 0) {
-      acc += m;
-      last = j;
-      if (acc > threshold) return j;
-    }
+    acc += m;
+    if (acc > threshold && m > 0) return j;
   }
-  return last;
+  for (int64_t j = V - 1; j >= 0; --j)
+    if (mass(j) > 0) return j;
+  return -1;
 }
 
 template <typename Mass, typename Fallback>
@@ -87,7 +106,8 @@ std::tuple<at::Tensor, at::Tensor> chain_verify_cpu(
           auto fallback = [&](int64_t j) { return static_cast<double>(p[j]); };
           if (q) {
             token = sample(V, u_final, [&](int64_t j) {
-              return std::max(static_cast<double>(p[j]) - static_cast<double>(q[j]), 0.0);
+              const double d = static_cast<double>(p[j]) - static_cast<double>(q[j]);
+              return d > 0 ? d : 0.0;
             }, fallback);
           } else {
             token = sample(V, u_final, [&](int64_t j) { return j == x ? 0.0 : static_cast<double>(p[j]); },

@@ -1,0 +1,195 @@
+"""Kernel microbenchmarks: every available backend side by side in one run.
+
+Appends CSV rows (op, backend, shape, device, median_us, p20_us, p80_us, extra, version,
+commit) to benchmarks/results/kernels.csv and draws benchmarks/results/kernels_<device>.png
+(speed-up of each backend over the torch reference).
+
+    python benchmarks/kernels.py [--ops rejection attention kv] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import spec_ext
+from spec_ext import ops
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FIELDS = ["op", "backend", "shape", "device", "median_us", "p20_us", "p80_us", "extra", "version", "commit"]
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name().replace(" ", "-")
+    return f"cpu-{torch.get_num_threads()}threads"
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       cwd=Path(__file__).parent).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def measure(fn, budget_s: float = 3.0, min_repeats: int = 3, max_repeats: int = 50) -> np.ndarray:
+    """Seconds per call: one warm-up, then repeats until the time budget (at least min_repeats)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    sync()
+    times, started = [], time.perf_counter()
+    while len(times) < max_repeats and (len(times) < min_repeats or time.perf_counter() - started < budget_s):
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return np.array(times)
+
+
+def backends_for(op: str, device: str) -> list[str]:
+    names = ["torch"]
+    if device == "cpu" and ops.registered(op, "CPU"):
+        names.append("cpu")
+    if device == "cuda":
+        if ops.registered(op, "CUDA"):
+            names.append("cuda")
+        if spec_ext.backends()["triton"] == "available":
+            names.append("triton")
+    return names
+
+
+def rejection_cases(device, quick):
+    grid = [(B, K, V) for B in (1, 16, 64) for K in (1, 5, 8) for V in (32000, 128256)]
+    if quick:
+        grid = [(16, 5, 32000)]
+    for B, K, V in grid:
+        g = torch.Generator().manual_seed(0)
+        p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * 3, -1).to(device)
+        q = torch.softmax(torch.randn(B, K, V, generator=g) * 3, -1).to(device)
+        drafts = torch.multinomial(q.view(-1, V).cpu(), 1, generator=g).view(B, K).to(device)
+        u = torch.rand(B, K + 1, dtype=torch.float64, generator=g).to(device)
+        nd = torch.full((B,), K, device=device)
+        moved = p.numel() * 4 + q.numel() * 4
+
+        def run(backend, p=p, q=q, drafts=drafts, u=u, nd=nd):
+            return lambda: spec_ext.chain_rejection_sample(p, drafts, q, nd, u, backend=backend, validate=False)
+        yield "chain_rejection_sample", f"B={B},K={K},V={V}", run, f"bytes_if_read_once={moved}"
+
+
+def attention_cases(device, quick):
+    grid = [(B, S, T) for B in (1, 8) for S in (512, 4096) for T in (8, 32, 64)]
+    if quick:
+        grid = [(1, 512, 32)]
+    H, D = 32, 128
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    for B, S, T in grid:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(B, H, T, D, generator=g).to(device, dtype)
+        k = torch.randn(B, H, S, D, generator=g).to(device, dtype)
+        v = torch.randn(B, H, S, D, generator=g).to(device, dtype)
+        parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, T)])
+        mask = spec_ext.tree_mask(parents)[1].to(device)
+        prefix = torch.full((B,), S - T, device=device)
+        flops = 4 * B * H * T * S * D
+
+        def run(backend, q=q, k=k, v=v, mask=mask, prefix=prefix):
+            return lambda: spec_ext.tree_attention(q, k, v, prefix, mask, backend=backend, validate=False)
+        yield "tree_attention", f"B={B},H={H},S={S},T={T},D={D},{str(dtype)[6:]}", run, f"flops={flops}"
+
+
+def kv_cases(device, quick):
+    grid = [(B, M) for B in (1, 16) for M in (4, 16)]
+    if quick:
+        grid = [(1, 4)]
+    L, H, D, S = 32, 8, 128, 4096
+    for B, M in grid:
+        caches = torch.empty(2 * L, B, H, S, D, dtype=torch.float16, device=device)
+        src = (torch.arange(M, device=device) * 2 + 100).expand(B, M).contiguous()
+        dst = torch.full((B,), 100, device=device)
+        moved = 2 * (2 * L) * B * H * M * D * 2  # read + write, fp16
+
+        def run(backend, caches=caches, src=src, dst=dst):
+            return lambda: spec_ext.compact_kv(caches, src, dst, backend=backend, validate=False)
+        yield "compact_kv", f"L={L},B={B},H={H},S={S},D={D},M={M},fp16", run, f"bytes={moved}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ops", nargs="+", default=["rejection", "attention", "kv"])
+    parser.add_argument("--quick", action="store_true", help="one shape per op")
+    parser.add_argument("--budget", type=float, default=2.0, help="seconds of repeats per measurement")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    families = {"rejection": rejection_cases, "attention": attention_cases, "kv": kv_cases}
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "kernels.csv"
+    new = not out.exists()
+    rows = []
+    with out.open("a", newline="") as f:
+        writer = csv.DictWriter(f, FIELDS)
+        if new:
+            writer.writeheader()
+        for family in args.ops:
+            for op, shape, run, extra in tqdm(list(families[family](device, args.quick)), desc=family):
+                for backend in backends_for(op.replace("chain_rejection_sample", "chain_verify"), device):
+                    t = measure(run(backend), budget_s=args.budget) * 1e6
+                    row = dict(op=op, backend=backend, shape=shape, device=device_name(),
+                               median_us=round(float(np.median(t)), 2), p20_us=round(float(np.percentile(t, 20)), 2),
+                               p80_us=round(float(np.percentile(t, 80)), 2), extra=extra,
+                               version=spec_ext.__version__, commit=commit())
+                    writer.writerow(row)
+                    f.flush()
+                    rows.append(row)
+    report(rows)
+    plot(rows, RESULTS / f"kernels_{device_name()}.png")
+
+
+def report(rows):
+    by_key = {}
+    for r in rows:
+        by_key.setdefault((r["op"], r["shape"]), {})[r["backend"]] = r
+    print(f"\n{'op':24} {'shape':44} {'backend':8} {'median us':>12} {'vs torch':>9} {'achieved':>14}")
+    for (op, shape), group in by_key.items():
+        ref = group["torch"]["median_us"]
+        for backend, r in group.items():
+            kind, _, value = r["extra"].partition("=")
+            rate = float(value) / (r["median_us"] * 1e-6)
+            achieved = f"{rate / 1e9:.1f} GB/s" if "bytes" in kind else f"{rate / 1e12:.2f} TFLOP/s"
+            print(f"{op:24} {shape:44} {backend:8} {r['median_us']:12.1f} {ref / r['median_us']:8.1f}x {achieved:>14}")
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ops_ = sorted({r["op"] for r in rows})
+    fig, axes = plt.subplots(len(ops_), 1, figsize=(11, 3.2 * len(ops_)), squeeze=False)
+    for ax, op in zip(axes[:, 0], ops_):
+        shapes = list(dict.fromkeys(r["shape"] for r in rows if r["op"] == op))
+        backends = [b for b in ("cpu", "cuda", "triton") if any(r["backend"] == b and r["op"] == op for r in rows)]
+        for i, backend in enumerate(backends):
+            speedups = []
+            for shape in shapes:
+                group = {r["backend"]: r["median_us"] for r in rows if r["op"] == op and r["shape"] == shape}
+                speedups.append(group["torch"] / group[backend] if backend in group else 0)
+            ax.bar(np.arange(len(shapes)) + i * 0.8 / len(backends), speedups, 0.8 / len(backends), label=backend)
+        ax.axhline(1, color="gray", lw=0.8)
+        ax.set_xticks(np.arange(len(shapes)), shapes, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("speed-up vs torch ref")
+        ax.set_yscale("log")
+        ax.set_title(f"{op} ({rows[0]['device']})")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()
