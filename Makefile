@@ -33,7 +33,7 @@ demo: $(VENV)/.built
 	$(PY) -m spec_ext demo
 
 bench: $(VENV)/.built
-	$(PY) benchmarks/kernels.py
+	$(PY) benchmarks/bench_kernels.py
 	$(PY) benchmarks/e2e.py
 
 clean:

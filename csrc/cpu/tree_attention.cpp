@@ -3,6 +3,7 @@
 // are applied in place (no dense mask is built); softmax; one GEMM with the values.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -26,7 +27,10 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, co
   auto out = at::empty_like(q);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+  const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
+    // worker threads do not inherit inference mode; the output may be an inference tensor
+    const c10::InferenceMode guard(inference);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hq, h = task % Hq;
       const int64_t prefix = L[b], limit = std::min(S, prefix + T);

@@ -4,7 +4,7 @@ Appends CSV rows (op, backend, shape, device, median_us, p20_us, p80_us, extra, 
 commit) to benchmarks/results/kernels.csv and draws benchmarks/results/kernels_<device>.png
 (speed-up of each backend over the torch reference).
 
-    python benchmarks/kernels.py [--ops rejection attention kv] [--quick]
+    python benchmarks/bench_kernels.py [--ops rejection attention kv] [--quick]
 """
 from __future__ import annotations
 

@@ -1,0 +1,203 @@
+"""End-to-end benchmark on the bundled pair: the target alone (HF generate), HF assisted
+generation with the draft (its defaults, and the heuristic schedule), and spec_ext with
+every policy, on held-out stdlib prompts, side by side in one run.
+
+For each configuration (batch 1 / batch 8, greedy / temperature 0.7) every method runs
+on the same prompts; tokens/s are medians over prompts and repeats and speed-ups are
+medians of per-prompt ratios against the target alone measured in the same pass. Greedy
+outputs are compared with the target's own. Writes benchmarks/results/e2e.csv, speed-up
+bars (e2e_speedup.png) and accepted-length histograms (e2e_accepted.png).
+
+    python benchmarks/e2e.py [--prompts 8] [--repeats 1] [--new-tokens 128]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import spec_ext  # noqa: E402
+from stdlib_data import code_prompts  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+POLICIES = ["fixed", "heuristic", "confidence", "svip", "tree"]
+
+
+def load(path):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # every method generates exactly --new-tokens
+    return model
+
+
+def timed(fn):
+    started = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - started
+
+
+def left_pad(prompts, pad):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def run_config(target, draft, prompts, batch, temperature, n, repeats, pad):
+    """Returns {method: dict(rates, ratios, stats, matches)} for one configuration."""
+    greedy = temperature == 0
+    sample = {} if greedy else dict(do_sample=True, temperature=temperature, top_k=None, top_p=None)
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    results: dict[str, dict] = {}
+
+    def record(method, rate, ratio, stats=None, match=None):
+        entry = results.setdefault(method, dict(rates=[], ratios=[], stats=[], matches=[]))
+        entry["rates"].append(rate)
+        entry["ratios"].append(ratio)
+        if stats is not None:
+            entry["stats"].append(stats)
+        if match is not None:
+            entry["matches"].append(match)
+
+    for _ in range(repeats):
+        for group in tqdm(groups, desc=f"batch={batch} T={temperature}", leave=False):
+            ids, mask = left_pad(group, pad)
+            alone, t = timed(lambda: target.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                                     pad_token_id=pad, **(sample or dict(do_sample=False))))
+            base = len(group) * n / t
+            record("target alone", base, 1.0)
+            if batch == 1:
+                for name, schedule in (("HF assisted (defaults)", None), ("HF assisted (heuristic)", "heuristic")):
+                    config = draft.generation_config
+                    saved = (config.num_assistant_tokens_schedule, config.num_assistant_tokens,
+                             config.assistant_confidence_threshold)
+                    if schedule:
+                        config.num_assistant_tokens_schedule = schedule
+                        config.assistant_confidence_threshold = 0.0
+                    out, t = timed(lambda: target.generate(ids, attention_mask=mask, assistant_model=draft,
+                                                           max_new_tokens=n, min_new_tokens=n, pad_token_id=pad,
+                                                           **(sample or dict(do_sample=False))))
+                    (config.num_assistant_tokens_schedule, config.num_assistant_tokens,
+                     config.assistant_confidence_threshold) = saved
+                    new = out.shape[1] - ids.shape[1]
+                    record(name, new / t, new / t / base, match=bool(torch.equal(out, alone)) if greedy else None)
+            for policy in POLICIES:
+                out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n,
+                                        temperature=temperature, eos_token_id=[], pad_token_id=pad, policy=policy)
+                rate = out.stats.tokens_per_s
+                match = bool(torch.equal(out.sequences, alone)) if greedy else None
+                record(f"spec_ext {policy}", rate, rate / base, out.stats, match)
+    return results
+
+
+def forward_costs(target, draft, prompt):
+    """Median ms of one decode forward (HF cache) of target and draft, 1 and 6 new tokens."""
+    costs = {}
+    ids = torch.tensor([prompt])
+    for name, model in (("target", target), ("draft", draft)):
+        for width in (1, 6):
+            times = []
+            for _ in range(15):
+                cache = model(ids[:, :-width], use_cache=True).past_key_values
+                _, t = timed(lambda: model(ids[:, -width:], past_key_values=cache, use_cache=True))
+                times.append(t)
+            costs[f"{name}_T{width}_ms"] = statistics.median(times) * 1e3
+    return costs
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", type=Path, default=ROOT / "models" / "stdlib-target")
+    parser.add_argument("--draft", type=Path, default=ROOT / "models" / "stdlib-draft")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=96)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--configs", nargs="+", default=["1:0", "8:0", "1:0.7", "8:0.7"],
+                        help="batch:temperature pairs")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target, draft = load(args.target), load(args.draft)
+    prompts = code_prompts(tokenizer, "test", args.prompts, args.prompt_tokens, seed=0)
+    pad = tokenizer.pad_token_id
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    device = f"cpu-{torch.get_num_threads()}threads"
+    RESULTS.mkdir(exist_ok=True)
+    rows, histograms = [], {}
+    with torch.inference_mode():
+        costs = forward_costs(target, draft, prompts[0])
+        for config in args.configs:
+            batch, temperature = int(config.split(":")[0]), float(config.split(":")[1])
+            results = run_config(target, draft, prompts, batch, temperature, args.new_tokens, args.repeats, pad)
+            for method, r in results.items():
+                stats = r["stats"]
+                row = dict(method=method, batch=batch, temperature=temperature,
+                           tokens_per_s=round(statistics.median(r["rates"]), 1),
+                           speedup=round(statistics.median(r["ratios"]), 3),
+                           mean_accepted=round(np.mean([s.mean_accepted for s in stats]), 3) if stats else "",
+                           acceptance_rate=round(np.mean([s.acceptance_rate for s in stats]), 3) if stats else "",
+                           target_calls=sum(s.target_calls for s in stats) if stats else "",
+                           draft_calls=sum(s.draft_calls for s in stats) if stats else "",
+                           rollback=sum(s.rollback for s in stats) if stats else "",
+                           matches_target=(all(r["matches"]) if r["matches"] else ""),
+                           new_tokens=args.new_tokens, prompts=args.prompts, device=device, commit=commit)
+                rows.append(row)
+                if stats:
+                    histograms[(method, batch, temperature)] = sum((s.accepted_lengths for s in stats), [])
+    out = RESULTS / "e2e.csv"
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"\nforward costs (ms): {costs}  draft/target cost ratio (T=1): "
+          f"{costs['draft_T1_ms'] / costs['target_T1_ms']:.3f}")
+    print(f"\n{'method':26} {'batch':>5} {'temp':>5} {'tok/s':>8} {'speed-up':>9} {'acc/call':>9} {'rate':>6} "
+          f"{'== target':>10}")
+    for r in rows:
+        print(f"{r['method']:26} {r['batch']:5} {r['temperature']:5} {r['tokens_per_s']:8.1f} {r['speedup']:8.2f}x "
+              f"{str(r['mean_accepted']):>9} {str(r['acceptance_rate']):>6} {str(r['matches_target']):>10}")
+    (RESULTS / "e2e_costs.txt").write_text(f"{costs}\n")
+    plot(rows, histograms)
+
+
+def plot(rows, histograms):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    configs = list(dict.fromkeys((r["batch"], r["temperature"]) for r in rows))
+    fig, axes = plt.subplots(1, len(configs), figsize=(4.5 * len(configs), 4), squeeze=False)
+    for ax, (batch, temperature) in zip(axes[0], configs):
+        sub = [r for r in rows if r["batch"] == batch and r["temperature"] == temperature]
+        ax.barh([r["method"] for r in sub], [r["speedup"] for r in sub],
+                color=["gray" if "spec_ext" not in r["method"] else "tab:blue" for r in sub])
+        ax.axvline(1, color="black", lw=0.8)
+        ax.set_title(f"batch {batch}, {'greedy' if temperature == 0 else f'T={temperature}'}")
+        ax.set_xlabel("speed-up vs target alone")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "e2e_speedup.png", dpi=110)
+    keys = [k for k in histograms if k[1] == 1 and k[2] == 0]
+    fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(3.2 * max(1, len(keys)), 3), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        values = histograms[key]
+        ax.hist(values, bins=np.arange(0, max(values) + 2) - 0.5)
+        ax.set_title(f"{key[0].replace('spec_ext ', '')}", fontsize=9)
+        ax.set_xlabel("accepted drafts per round")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "e2e_accepted.png", dpi=110)
+    print(f"plots: {RESULTS / 'e2e_speedup.png'}, {RESULTS / 'e2e_accepted.png'}")
+
+
+if __name__ == "__main__":
+    main()
