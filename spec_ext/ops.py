@@ -80,7 +80,10 @@ def backends() -> dict[str, str]:
     }
 
 
+@functools.lru_cache(None)
 def _resolve(backend: str, device: torch.device, op: str) -> str:
+    """The backend that serves ``op`` for tensors on ``device`` (cached: registrations are
+    fixed once the extension is loaded)."""
     if backend not in ("auto",) + BACKENDS:
         raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {backend!r}")
     if backend == "auto":

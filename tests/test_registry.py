@@ -40,3 +40,43 @@ def test_backends_report():
 def test_unknown_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="backend must be one of"):
         spec_ext.tree_mask(torch.tensor([-1, 0]), backend="metal")
+
+
+def test_fake_implementations_agree_with_kernels():
+    parents = torch.tensor([[-1, 0, 0, 1]])
+    torch.library.opcheck(torch.ops.spec_ext.tree_mask.default, (parents,))
+    p = torch.softmax(torch.randn(2, 3, 11), -1)
+    drafts = torch.randint(0, 11, (2, 2))
+    u = torch.rand(2, 3, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.spec_ext.chain_verify.default, (p, drafts, None, torch.tensor([2, 1]), u, False))
+    torch.library.opcheck(torch.ops.spec_ext.tree_verify.default,
+                          (p[:, :3], torch.randint(0, 11, (2, 3)), torch.tensor([[-1, 0, 0]] * 2), None,
+                           torch.rand(2, 4, dtype=torch.float64), False, True))
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 10, 8)
+    torch.library.opcheck(torch.ops.spec_ext.tree_attention.default, (q, k, k, torch.tensor([4]), None, 0.3))
+
+
+def test_compiled_function_uses_the_ops():
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 10, 8)
+    prefix = torch.tensor([4])
+
+    def f(q, k):
+        return torch.ops.spec_ext.tree_attention(q, k, k, prefix, None, 0.3) * 2
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k), f(q, k))
+
+
+def test_import_without_extension_warns_and_keeps_torch_backend():
+    import subprocess
+    import sys
+    code = ("import sys, warnings; sys.modules['spec_ext._C'] = None\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import spec_ext, torch\n"
+            "assert any('spec_ext._C is not built' in str(x.message) for x in w), [str(x.message) for x in w]\n"
+            "assert spec_ext.backends()['cpu'].startswith('unavailable')\n"
+            "d, m = spec_ext.tree_mask(torch.tensor([-1, 0]))\n"
+            "assert d.tolist() == [[0, 1]]\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
