@@ -323,6 +323,8 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     if seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(seed)
     policy = resolve(policy)
+    for model, role in ((target, "target"), (draft, "draft")):
+        hf.check_window(model, role, longest + max_new_tokens + policy.max_draft + 1)
     loop = _Loop(target, draft, prompts, max_new_tokens, Sampler(temperature, top_k, top_p), eos, policy,
                  generator, streamer)
     if streamer is not None:

@@ -24,7 +24,7 @@ from spec_ext import ops
 ATTENTION = "spec_ext"
 SUPPORTED = ("llama", "qwen2", "mistral")
 
-__all__ = ["Cache", "ATTENTION", "check_pair", "check_model", "forward", "attention_implementation"]
+__all__ = ["Cache", "ATTENTION", "check_pair", "check_model", "check_window", "forward", "attention_implementation"]
 
 
 def _attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None, dropout=0.0,
@@ -46,12 +46,18 @@ def check_model(model, role: str) -> None:
     if model_type not in SUPPORTED:
         raise ValueError(f"{role}: unsupported architecture {model_type!r}; spec_ext supports the decoder-only "
                          f"transformers models {SUPPORTED}")
+
+
+def check_window(model, role: str, length: int) -> None:
+    """Sliding-window attention is exact here only while every sequence fits in the window."""
+    config = model.config
     window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and model_type != "llama":
-        layer_types = getattr(config, "layer_types", None) or []
-        if any(t == "sliding_attention" for t in layer_types) or not layer_types:
-            raise ValueError(f"{role}: sliding-window attention (window {window}) is not supported; "
-                             "load the model with sliding_window=None")
+    if window is None or not getattr(config, "use_sliding_window", True):
+        return
+    if length > window:
+        raise ValueError(f"{role}: sequences of up to {length} tokens exceed its sliding window ({window}); "
+                         "spec_ext attends over the whole prefix, so use shorter prompts/max_new_tokens "
+                         "or a model without a sliding window")
 
 
 def check_pair(target, draft) -> None:

@@ -207,3 +207,17 @@ def test_sampler_matches_hf_warpers():
     x = TopKLogitsWarper(10)(None, x)
     x = TopPLogitsWarper(0.8)(None, x)
     torch.testing.assert_close(ours, torch.softmax(x, -1))
+
+
+def test_sliding_window_models_run_while_sequences_fit():
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=64, pad_token_id=0)
+    target = MistralForCausalLM(config).eval()
+    draft = perturbed(target, 0.003, seed=1)
+    expected = hf_greedy(target, [5, 6, 7], 12, eos=[])
+    out = spec_ext.generate(target, draft, [[5, 6, 7]], max_new_tokens=12, eos_token_id=[], policy="fixed")
+    assert out.sequences[0, 3:].tolist() == expected
+    with pytest.raises(ValueError, match=r"target: sequences of up to \d+ tokens exceed its sliding window \(64\)"):
+        spec_ext.generate(target, draft, [[5, 6, 7]], max_new_tokens=60, eos_token_id=[], policy="fixed")
