@@ -40,8 +40,7 @@ class SpecCache(Cache):
         self.capacity = capacity
         self.buffer = torch.zeros(2 * num_layers, batch_size, num_kv_heads, capacity, head_dim, dtype=dtype,
                                   device=device)
-        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
-        self.host_lengths = [0] * batch_size
+        self._set([0] * batch_size)
 
     @classmethod
     def for_model(cls, model, batch_size: int, capacity: int) -> "SpecCache":
@@ -56,12 +55,12 @@ class SpecCache(Cache):
         """Write [B,H,T,D] new keys/values at positions lengths[b] + j; return the whole
         [B,H,S,D] buffers of the layer (attention reads only what prefix_lens allows)."""
         T = key_states.shape[2]
-        if max(self.host_lengths, default=0) + T > self.capacity:
+        if self._longest + T > self.capacity:
             raise ValueError(f"SpecCache: a row would exceed the capacity of {self.capacity} tokens "
                              f"(lengths {self.host_lengths} + {T} new); allocate a larger cache")
         keys, values = self.buffer[2 * layer_idx], self.buffer[2 * layer_idx + 1]
-        if len(set(self.host_lengths)) == 1:
-            start = self.host_lengths[0]
+        if self._common_length is not None:
+            start = self._common_length
             keys[:, :, start:start + T] = key_states
             values[:, :, start:start + T] = value_states
         else:
@@ -72,7 +71,7 @@ class SpecCache(Cache):
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return max(self.host_lengths, default=0)
+        return self._longest
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self.capacity
@@ -109,6 +108,9 @@ class SpecCache(Cache):
             raise ValueError(f"lengths: every entry must be in [0, {self.capacity}], got {lengths}")
         self.host_lengths = lengths
         self.lengths = torch.tensor(lengths, dtype=torch.int64, device=self.buffer.device)
+        # update() runs once per layer per forward: decide its write path once here
+        self._longest = max(lengths, default=0)
+        self._common_length = lengths[0] if lengths and lengths.count(lengths[0]) == len(lengths) else None
 
     def advance(self, counts: Sequence[int] | Tensor) -> None:
         """Keep ``counts[b]`` more tokens of row b (written by the last update, in order)."""

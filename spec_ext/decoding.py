@@ -234,10 +234,10 @@ class _Loop:
         target_logits = self._target(nodes, self.tcache.lengths[:, None] + self.depth, self.tree_mask)
         drafts = nodes
         if self.sampler.greedy:
-            result = ops.tree_greedy_verify(target_logits, drafts, self.parents)
+            result = ops.tree_greedy_verify(target_logits, drafts, self.parents, max_depth=self.tree.max_depth)
         else:
             result = ops.tree_rejection_sample(self.sampler.probs(target_logits), drafts, self.parents,
-                                               generator=self.generator)
+                                               generator=self.generator, max_depth=self.tree.max_depth)
         accepted = result.num_accepted.tolist()
         self.tcache.commit(result.path, accepted)
         return result.tokens.tolist(), accepted, [T - 1] * B

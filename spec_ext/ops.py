@@ -312,7 +312,8 @@ def _tree_args(target: Tensor, tree_tokens: Tensor, parents: Tensor, validate: b
 def tree_rejection_sample(target_probs: Tensor, tree_tokens: Tensor, parents: Tensor,
                           draft_probs: Tensor | None = None, siblings: str = "without_replacement",
                           uniforms: Tensor | None = None, generator: torch.Generator | None = None,
-                          backend: str = "auto", validate: bool | None = None) -> TreeResult:
+                          max_depth: int | None = None, backend: str = "auto",
+                          validate: bool | None = None) -> TreeResult:
     """Verify a batch of draft trees by multi-draft recursive rejection sampling (exact).
 
     Args:
@@ -325,6 +326,8 @@ def tree_rejection_sample(target_probs: Tensor, tree_tokens: Tensor, parents: Te
         siblings: ``"without_replacement"`` (children drawn without replacement from q;
             each rejected one is removed from q) or ``"iid"`` (q unchanged).
         uniforms: [B,T+1] float64: column i is node i's coin, the last the final draw.
+        max_depth: the trees' greatest depth (Dmax) when the caller knows it (e.g. a
+            static tree); otherwise computed from ``parents`` (one more launch and a sync).
     Returns:
         TreeResult(path [B,Dmax+1], tokens [B,Dmax+1], num_accepted [B]), -1 padded.
 
@@ -349,11 +352,11 @@ def tree_rejection_sample(target_probs: Tensor, tree_tokens: Tensor, parents: Te
             has_children.scatter_(1, parents[:, 1:].clamp_min(0), tree_tokens[:, 1:] >= 0)
             _check_distributions("draft_probs", draft_probs, has_children)
     return _call_tree(backend, target_probs, tree_tokens, parents, draft_probs, uniforms, False,
-                      siblings == "without_replacement")
+                      siblings == "without_replacement", max_depth, check)
 
 
-def tree_greedy_verify(target_logits: Tensor, tree_tokens: Tensor, parents: Tensor, backend: str = "auto",
-                       validate: bool | None = None) -> TreeResult:
+def tree_greedy_verify(target_logits: Tensor, tree_tokens: Tensor, parents: Tensor, max_depth: int | None = None,
+                       backend: str = "auto", validate: bool | None = None) -> TreeResult:
     """Greedy tree verification: from the root, follow the first child whose token is the
     target's argmax; emit the argmax where none is. Shapes as :func:`tree_rejection_sample`."""
     if isinstance(target_logits, Tensor) and target_logits.dtype in (torch.float16, torch.bfloat16):
@@ -362,10 +365,11 @@ def tree_greedy_verify(target_logits: Tensor, tree_tokens: Tensor, parents: Tens
     parents = _tree_args(target_logits, tree_tokens, parents, check)
     if check and not bool(torch.isfinite(target_logits).all()):
         _fail("target_logits", "contains NaN or inf")
-    return _call_tree(backend, target_logits, tree_tokens, parents, None, None, True, True)
+    return _call_tree(backend, target_logits, tree_tokens, parents, None, None, True, True, max_depth, check)
 
 
-def _call_tree(backend, target, tree_tokens, parents, draft_probs, uniforms, greedy, without_replacement):
+def _call_tree(backend, target, tree_tokens, parents, draft_probs, uniforms, greedy, without_replacement,
+               max_depth, check):
     impl = _resolve(backend, target.device, "tree_verify")
     if impl == "torch":
         out = reference.tree_verify(target, tree_tokens, parents, draft_probs, uniforms, greedy,
@@ -376,8 +380,11 @@ def _call_tree(backend, target, tree_tokens, parents, draft_probs, uniforms, gre
     else:
         out = torch.ops.spec_ext.tree_verify(target, tree_tokens, parents, draft_probs, uniforms, greedy,
                                              without_replacement)
-    depth, _ = tree_mask(parents, backend="auto", validate=False)
-    width = int(depth.max()) + 1
+    if max_depth is None:
+        max_depth = int(tree_mask(parents, validate=False)[0].max())
+    elif check and bool((out[0][:, max_depth + 1:] >= 0).any()):
+        _fail("max_depth", f"{max_depth} is less than the depth of an accepted path")
+    width = max_depth + 1
     return TreeResult(out[0][:, :width], out[1][:, :width], out[2])
 
 

@@ -284,3 +284,15 @@ def test_tree_bad_input():
         spec_ext.tree_rejection_sample(p, torch.tensor([[0, 1, 2]]), torch.tensor([-1, 0, 0]), siblings="other")
     with pytest.raises(ValueError, match="tree_tokens: ids must be"):
         spec_ext.tree_rejection_sample(p, torch.tensor([[0, 1, 7]]), torch.tensor([-1, 0, 0]))
+
+
+def test_tree_max_depth_argument():
+    parents = torch.tensor(TREES["chain"])
+    p = torch.nn.functional.one_hot(torch.tensor([[1, 2, 3, 4]]), 6).float()
+    tokens = torch.tensor([[0, 1, 2, 3]])
+    computed = spec_ext.tree_rejection_sample(p, tokens, parents)
+    given_depth = spec_ext.tree_rejection_sample(p, tokens, parents, max_depth=3)
+    assert computed.path.tolist() == given_depth.path.tolist() == [[0, 1, 2, 3]]
+    assert computed.tokens.tolist() == given_depth.tokens.tolist() == [[1, 2, 3, 4]]
+    with pytest.raises(ValueError, match="max_depth: 1 is less than"):
+        spec_ext.tree_greedy_verify(p, tokens, parents, max_depth=1)
