@@ -9,9 +9,6 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-P_ONLY, P_WITHOUT_X, P_MINUS_Q = 0, 1, 2
-
-
 @triton.jit
 def _argmax(row_ptr, V, BLOCK_V: tl.constexpr):
     best_val = float("-inf")
@@ -29,6 +26,7 @@ def _argmax(row_ptr, V, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _mass(p_row, q_row, x, offs, V, kind, HAS_Q: tl.constexpr):
+    # kind 0: p; 1: p with token x removed (one-hot q); 2: relu(p - q)
     inside = offs < V
     p = tl.load(p_row + offs, mask=inside, other=0.0).to(tl.float64)
     m = p
