@@ -22,6 +22,8 @@ import spec_ext
 from spec_ext import ops
 
 RESULTS = Path(__file__).resolve().parent / "results"
+KERNEL_OF = {"chain_rejection_sample": "chain_verify", "tree_rejection_sample": "tree_verify",
+             "tree_greedy_verify": "tree_verify"}  # public function -> registered op
 FIELDS = ["op", "backend", "shape", "device", "median_us", "p20_us", "p80_us", "extra", "version", "commit"]
 
 
@@ -83,6 +85,34 @@ def rejection_cases(device, quick):
         yield "chain_rejection_sample", f"B={B},K={K},V={V}", run, f"bytes_if_read_once={moved}"
 
 
+def tree_cases(device, quick):
+    parents = torch.tensor(spec_ext.policies.Tree((3, 2, 1, 1)).parents)
+    T, V = len(parents), 32000
+    for B in ((16,) if quick else (1, 16, 64)):
+        g = torch.Generator().manual_seed(0)
+        p = torch.softmax(torch.randn(B, T, V, generator=g) * 3, -1).to(device)
+        tokens = torch.topk(torch.randn(B, T, V, generator=g), 3, -1).indices[..., 0].to(device)
+        u = torch.rand(B, T + 1, dtype=torch.float64, generator=g).to(device)
+        par = parents.to(device)
+
+        def sample(backend, p=p, tokens=tokens, u=u, par=par):
+            return lambda: spec_ext.tree_rejection_sample(p, tokens, par, uniforms=u, max_depth=4, backend=backend,
+                                                          validate=False)
+
+        def greedy(backend, p=p, tokens=tokens, par=par):
+            return lambda: spec_ext.tree_greedy_verify(p, tokens, par, max_depth=4, backend=backend, validate=False)
+        yield "tree_rejection_sample", f"B={B},T={T},V={V}", sample, f"bytes_if_read_once={p.numel() * 4}"
+        yield "tree_greedy_verify", f"B={B},T={T},V={V}", greedy, f"bytes_if_read_once={p.numel() * 4}"
+    g = torch.Generator().manual_seed(0)
+    for B, T in (((64, 64),) if quick else ((1, 22), (64, 64))):
+        parents_bt = torch.stack([torch.cat([torch.tensor([-1]), (torch.rand(T - 1, generator=g) *
+                                  torch.arange(1, T)).long()]) for _ in range(B)]).to(device)
+
+        def build(backend, parents_bt=parents_bt):
+            return lambda: spec_ext.tree_mask(parents_bt, backend=backend, validate=False)
+        yield "tree_mask", f"B={B},T={T}", build, f"bytes={parents_bt.numel() * 8 * 2}"
+
+
 def attention_cases(device, quick):
     grid = [(B, S, T) for B in (1, 8) for S in (512, 4096) for T in (8, 32, 64)]
     if quick:
@@ -122,12 +152,12 @@ def kv_cases(device, quick):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", nargs="+", default=["rejection", "attention", "kv"])
+    parser.add_argument("--ops", nargs="+", default=["rejection", "tree", "attention", "kv"])
     parser.add_argument("--quick", action="store_true", help="one shape per op")
     parser.add_argument("--budget", type=float, default=2.0, help="seconds of repeats per measurement")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    families = {"rejection": rejection_cases, "attention": attention_cases, "kv": kv_cases}
+    families = {"rejection": rejection_cases, "tree": tree_cases, "attention": attention_cases, "kv": kv_cases}
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "kernels.csv"
     new = not out.exists()
@@ -138,7 +168,7 @@ def main():
             writer.writeheader()
         for family in args.ops:
             for op, shape, run, extra in tqdm(list(families[family](device, args.quick)), desc=family):
-                for backend in backends_for(op.replace("chain_rejection_sample", "chain_verify"), device):
+                for backend in backends_for(KERNEL_OF.get(op, op), device):
                     t = measure(run(backend), budget_s=args.budget) * 1e6
                     row = dict(op=op, backend=backend, shape=shape, device=device_name(),
                                median_us=round(float(np.median(t)), 2), p20_us=round(float(np.percentile(t, 20)), 2),
@@ -148,7 +178,19 @@ def main():
                     f.flush()
                     rows.append(row)
     report(rows)
-    plot(rows, RESULTS / f"kernels_{device_name()}.png")
+    plot(latest_rows(out, device_name()), RESULTS / f"kernels_{device_name()}.png")
+
+
+def latest_rows(path: Path, device: str) -> list[dict]:
+    """The newest row of every (op, shape, backend) measured on ``device``, so the plot
+    covers every family even when a run measured only some of them."""
+    latest = {}
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            if row["device"] == device:
+                row["median_us"] = float(row["median_us"])
+                latest[(row["op"], row["shape"], row["backend"])] = row
+    return list(latest.values())
 
 
 def report(rows):
