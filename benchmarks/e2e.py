@@ -6,7 +6,9 @@ For each configuration (batch 1 / batch 8, greedy / temperature 0.7) every metho
 on the same prompts; tokens/s are medians over prompts and repeats and speed-ups are
 medians of per-prompt ratios against the target alone measured in the same pass. Greedy
 outputs are compared with the target's own. Writes benchmarks/results/e2e.csv, speed-up
-bars (e2e_speedup.png) and accepted-length histograms (e2e_accepted.png).
+bars (e2e_speedup.png), accepted-length and chosen-draft-length histograms at batch 1
+greedy (e2e_accepted.png, e2e_lengths.png). The learned policies and the best fixed k come
+from benchmarks/train_policies.py, which chose them on the validation split.
 
     python benchmarks/e2e.py [--prompts 8] [--repeats 1] [--new-tokens 128]
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import statistics
 import subprocess
 import sys
@@ -31,7 +34,18 @@ from stdlib_data import code_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-POLICIES = ["fixed", "heuristic", "confidence", "svip", "tree"]
+POLICIES = ["fixed", "heuristic", "confidence", "svip", "tree", "specdecpp", "adalength"]
+
+
+def policies() -> dict:
+    """Row name -> policy; adds Fixed(k) with the best k on the validation split
+    (benchmarks/train_policies.py) when that sweep exists."""
+    chosen = {name: name for name in POLICIES}
+    sweep = ROOT / "models" / "policies" / "validation.json"
+    if sweep.exists():
+        k = json.loads(sweep.read_text())["best_fixed_k"]
+        chosen[f"fixed k={k} (best on validation)"] = spec_ext.policies.Fixed(k)
+    return chosen
 
 
 def load(path):
@@ -91,12 +105,12 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad):
                      config.assistant_confidence_threshold) = saved
                     new = out.shape[1] - ids.shape[1]
                     record(name, new / t, new / t / base, match=bool(torch.equal(out, alone)) if greedy else None)
-            for policy in POLICIES:
+            for name, policy in policies().items():
                 out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n,
                                         temperature=temperature, eos_token_id=[], pad_token_id=pad, policy=policy)
                 rate = out.stats.tokens_per_s
                 match = bool(torch.equal(out.sequences, alone)) if greedy else None
-                record(f"spec_ext {policy}", rate, rate / base, out.stats, match)
+                record(f"spec_ext {name}", rate, rate / base, out.stats, match)
     return results
 
 
@@ -155,7 +169,8 @@ def main():
                            new_tokens=args.new_tokens, prompts=args.prompts, device=device, commit=commit)
                 rows.append(row)
                 if stats:
-                    histograms[(method, batch, temperature)] = sum((s.accepted_lengths for s in stats), [])
+                    histograms[(method, batch, temperature)] = (sum((s.accepted_lengths for s in stats), []),
+                                                                sum((s.draft_lengths for s in stats), []))
     out = RESULTS / "e2e.csv"
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, list(rows[0]))
@@ -163,10 +178,10 @@ def main():
         writer.writerows(rows)
     print(f"\nforward costs (ms): {costs}  draft/target cost ratio (T=1): "
           f"{costs['draft_T1_ms'] / costs['target_T1_ms']:.3f}")
-    print(f"\n{'method':26} {'batch':>5} {'temp':>5} {'tok/s':>8} {'speed-up':>9} {'acc/call':>9} {'rate':>6} "
+    print(f"\n{'method':40} {'batch':>5} {'temp':>5} {'tok/s':>8} {'speed-up':>9} {'acc/call':>9} {'rate':>6} "
           f"{'== target':>10}")
     for r in rows:
-        print(f"{r['method']:26} {r['batch']:5} {r['temperature']:5} {r['tokens_per_s']:8.1f} {r['speedup']:8.2f}x "
+        print(f"{r['method']:40} {r['batch']:5} {r['temperature']:5} {r['tokens_per_s']:8.1f} {r['speedup']:8.2f}x "
               f"{str(r['mean_accepted']):>9} {str(r['acceptance_rate']):>6} {str(r['matches_target']):>10}")
     (RESULTS / "e2e_costs.txt").write_text(f"{costs}\n")
     plot(rows, histograms)
@@ -188,15 +203,17 @@ def plot(rows, histograms):
     fig.tight_layout()
     fig.savefig(RESULTS / "e2e_speedup.png", dpi=110)
     keys = [k for k in histograms if k[1] == 1 and k[2] == 0]
-    fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(3.2 * max(1, len(keys)), 3), squeeze=False)
-    for ax, key in zip(axes[0], keys):
-        values = histograms[key]
-        ax.hist(values, bins=np.arange(0, max(values) + 2) - 0.5)
-        ax.set_title(f"{key[0].replace('spec_ext ', '')}", fontsize=9)
-        ax.set_xlabel("accepted drafts per round")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "e2e_accepted.png", dpi=110)
-    print(f"plots: {RESULTS / 'e2e_speedup.png'}, {RESULTS / 'e2e_accepted.png'}")
+    for column, (filename, label) in enumerate((("e2e_accepted.png", "accepted drafts per round"),
+                                                ("e2e_lengths.png", "draft length chosen per round"))):
+        fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(3.2 * max(1, len(keys)), 3), squeeze=False)
+        for ax, key in zip(axes[0], keys):
+            values = histograms[key][column]
+            ax.hist(values, bins=np.arange(0, max(values) + 2) - 0.5)
+            ax.set_title(key[0].replace("spec_ext ", "").replace(" (best on validation)", "*"), fontsize=9)
+            ax.set_xlabel(label, fontsize=8)
+        fig.tight_layout()
+        fig.savefig(RESULTS / filename, dpi=110)
+    print(f"plots: e2e_speedup.png, e2e_accepted.png, e2e_lengths.png in {RESULTS}")
 
 
 if __name__ == "__main__":

@@ -2,12 +2,21 @@
 
 A chain policy answers three questions for a batch of rows:
   * ``plan()``: the most drafts each row may propose this round;
-  * ``keep_drafting(step, probs, tokens)``: after draft ``step`` (1-based) was sampled,
-    which rows go on (probs [B,V] is the draft's temperature-1 distribution);
+  * ``keep_drafting(step, probs, tokens, hidden)``: after draft ``step`` (1-based) was
+    sampled, which rows go on (probs [B,V] is the draft's temperature-1 distribution the
+    token came from; hidden [B,H] the draft's last hidden state that produced it, passed
+    only to policies whose ``needs`` has ``"draft_hidden"``, else None);
   * ``observe(num_draft, num_accepted)``: what the target accepted.
-``keep_rows`` follows the batch when finished rows drop out. A tree policy (``Tree``)
-instead gives a static tree shape. Every policy works with no arguments (published
-defaults) and can be named by its lower-case class name in ``policy=``.
+``bind(target, draft)`` is called once per generate call, ``start(batch_size, greedy)``
+before the first round, ``keep_rows`` when finished rows drop out. Policies whose
+``needs`` has ``"target_hidden"`` also get ``see_target(hidden [B,H], next_tokens [B])``
+after every verification (and after the prefill): the target's last hidden state at the
+last accepted token and the token it produced, the root of the next round.
+
+A tree policy (``Tree``) instead gives a static tree shape; a parallel policy
+(``spec_ext.parallel.PEARL``) brings its own loop (``make_loop``). Every policy works with
+no arguments (published defaults; the learned ones of ``spec_ext.learned`` load the
+bundled pair's predictors) and can be named by its lower-case class name in ``policy=``.
 """
 from __future__ import annotations
 
@@ -20,14 +29,19 @@ from torch import Tensor
 class Policy:
     kind = "chain"
     max_draft: int = 5
+    needs: tuple[str, ...] = ()
 
-    def start(self, batch_size: int) -> None:
+    def bind(self, target, draft) -> None:
+        pass
+
+    def start(self, batch_size: int, greedy: bool = True) -> None:
         self.batch_size = batch_size
+        self.greedy = greedy
 
     def plan(self) -> list[int]:
         return [self.max_draft] * self.batch_size
 
-    def keep_drafting(self, step: int, probs: Tensor, tokens: Tensor) -> Tensor:
+    def keep_drafting(self, step: int, probs: Tensor, tokens: Tensor, hidden: Tensor | None = None) -> Tensor:
         return torch.ones(probs.shape[0], dtype=torch.bool, device=probs.device)
 
     def observe(self, num_draft: Sequence[int], num_accepted: Sequence[int]) -> None:
@@ -37,7 +51,8 @@ class Policy:
         self.batch_size = len(rows)
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_") and k != "batch_size")
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items()
+                           if not k.startswith("_") and k not in ("batch_size", "greedy"))
         return f"{type(self).__name__}({fields})"
 
 
@@ -58,8 +73,8 @@ class Heuristic(Policy):
         self.initial = initial
         self.max_draft = max_draft
 
-    def start(self, batch_size: int) -> None:
-        super().start(batch_size)
+    def start(self, batch_size: int, greedy: bool = True) -> None:
+        super().start(batch_size, greedy)
         self._k = [self.initial] * batch_size
 
     def plan(self) -> list[int]:
@@ -82,7 +97,7 @@ class Confidence(Policy):
         self.threshold = threshold
         self.max_draft = max_draft
 
-    def keep_drafting(self, step, probs, tokens) -> Tensor:
+    def keep_drafting(self, step, probs, tokens, hidden=None) -> Tensor:
         return probs.gather(1, tokens[:, None]).squeeze(1) >= self.threshold
 
 
@@ -95,7 +110,7 @@ class SVIP(Policy):
         self.h = h
         self.max_draft = max_draft
 
-    def keep_drafting(self, step, probs, tokens) -> Tensor:
+    def keep_drafting(self, step, probs, tokens, hidden=None) -> Tensor:
         entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
         return (self.c * entropy).sqrt() <= self.h
 
