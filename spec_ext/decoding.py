@@ -135,6 +135,10 @@ class _Loop:
         self.tcache = SpecCache.for_model(target, len(prompts), capacity)
         self.dcache = SpecCache.for_model(draft, len(prompts), capacity)
         self.stats = Stats()
+        self.draft_hidden = "draft_hidden" in policy.needs
+        self.target_hidden = "target_hidden" in policy.needs
+        # a policy that never stops a row early needs no host sync per draft step
+        self.adaptive = type(policy).keep_drafting is not Policy.keep_drafting
         if policy.kind == "tree":
             self.tree = build_tree(policy.parents)
             self.parents = self.tree.parents.to(self.device)
@@ -142,31 +146,41 @@ class _Loop:
             self.depth = self.tree.depth[0].to(self.device)
 
     # ------------------------------------------------------------------ forwards
-    def _target(self, ids: Tensor, positions: Tensor, mask=None) -> Tensor:
+    def _target(self, ids: Tensor, positions: Tensor, mask=None, hidden=False):
         self.stats.target_calls += 1
-        return hf.forward(self.target, ids, self.tcache, positions, mask)
+        return hf.forward(self.target, ids, self.tcache, positions, mask, hidden)
 
-    def _draft(self, ids: Tensor, positions: Tensor, mask=None) -> Tensor:
+    def _draft(self, ids: Tensor, positions: Tensor, mask=None, hidden=False):
         self.stats.draft_calls += 1
-        return hf.forward(self.draft, ids, self.dcache, positions, mask)
+        return hf.forward(self.draft, ids, self.dcache, positions, mask, hidden)
 
     def prefill(self) -> None:
         heads = [s[:-1] for s in self.seqs]
         if max(map(len, heads)) == 0:
             return
         ids = _pad(heads, 0, self.device)
-        self._target(ids, torch.arange(ids.shape[1], device=self.device).expand_as(ids))
+        out = self._target(ids, torch.arange(ids.shape[1], device=self.device).expand_as(ids),
+                           hidden=self.target_hidden)
         self.tcache.advance([len(h) for h in heads])
+        if self.target_hidden and min(map(len, heads)) > 0:  # one-token prompts: the policy's first guess
+            last = torch.tensor([len(h) - 1 for h in heads], device=self.device)
+            rows = torch.arange(len(heads), device=self.device)
+            roots = torch.tensor([s[-1] for s in self.seqs], device=self.device)
+            self.policy.see_target(out[1][rows, last], roots)
 
-    def _catch_up_draft(self) -> Tensor:
-        """Feed the draft the committed tokens it has not seen; logits [B,V] after the last."""
+    def _catch_up_draft(self) -> tuple[Tensor, Tensor | None]:
+        """Feed the draft the committed tokens it has not seen; logits [B,V] after the last
+        (and the hidden state [B,H] that produced them, for policies that need it)."""
         pending = [self.seqs[r][n:] for r, n in zip(self.active, self.dcache.host_lengths)]
         ids = _pad(pending, 0, self.device)
         positions = self.dcache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
-        logits = self._draft(ids, positions)
+        out = self._draft(ids, positions, hidden=self.draft_hidden)
         last = torch.tensor([len(p) - 1 for p in pending], device=self.device)
+        rows = torch.arange(len(pending), device=self.device)
         self.dcache.advance([len(p) for p in pending])
-        return logits[torch.arange(len(pending), device=self.device), last]
+        if self.draft_hidden:
+            return out[0][rows, last], out[1][rows, last]
+        return out[rows, last], None
 
     def _propose(self, logits: Tensor) -> tuple[Tensor, Tensor | None]:
         if self.sampler.greedy:
@@ -177,7 +191,7 @@ class _Loop:
     # ------------------------------------------------------------------ rounds
     def chain_round(self) -> tuple[list[list[int]], list[int], list[int]]:
         B = len(self.active)
-        logits = self._catch_up_draft()
+        logits, hidden = self._catch_up_draft()
         start = list(self.dcache.host_lengths)
         budget = self.policy.plan()
         kmax = max(budget)
@@ -194,22 +208,29 @@ class _Loop:
                 q_all[:, step - 1] = q
             num_draft += going
             steps = step
-            going = going & (step < budget_t) & self.policy.keep_drafting(step, torch.softmax(logits, -1), token)
-            if step == kmax or not bool(going.any()):
+            going = going & (step < budget_t)
+            if self.adaptive:
+                going &= self.policy.keep_drafting(step, torch.softmax(logits, -1), token, hidden)
+            if step == kmax or (self.adaptive and not bool(going.any())):
                 break
-            logits = self._draft(token[:, None], self.dcache.lengths[:, None])[:, 0]
+            out = self._draft(token[:, None], self.dcache.lengths[:, None], hidden=self.draft_hidden)
+            logits, hidden = (out[0][:, 0], out[1][:, 0]) if self.draft_hidden else (out[:, 0], None)
             self.dcache.advance([1] * B)
             extra_forwards += 1
         drafts = drafts[:, :steps]
         roots = torch.tensor([self.seqs[r][-1] for r in self.active], device=self.device)
         ids = torch.cat([roots[:, None], drafts.clamp_min(0)], 1)
         positions = self.tcache.lengths[:, None] + torch.arange(steps + 1, device=self.device)
-        target_logits = self._target(ids, positions)
+        target_out = self._target(ids, positions, hidden=self.target_hidden)
+        target_logits = target_out[0] if self.target_hidden else target_out
         if self.sampler.greedy:
             result = ops.greedy_verify(target_logits, drafts, num_draft)
         else:
             result = ops.chain_rejection_sample(self.sampler.probs(target_logits), drafts, q_all[:, :steps],
                                                 num_draft, generator=self.generator)
+        if self.target_hidden:
+            rows = torch.arange(B, device=self.device)
+            self.policy.see_target(target_out[1][rows, result.num_accepted], result.tokens[rows, result.num_accepted])
         tokens, accepted = result.tokens.tolist(), result.num_accepted.tolist()
         self.tcache.advance([a + 1 for a in accepted])
         self.dcache.rollback([s + min(a, extra_forwards) for s, a in zip(start, accepted)])
@@ -217,7 +238,7 @@ class _Loop:
 
     def tree_round(self) -> tuple[list[list[int]], list[int], list[int]]:
         B = len(self.active)
-        logits = self._catch_up_draft()
+        logits, _ = self._catch_up_draft()
         levels, branching = self.policy.levels, self.policy.branching
         T = len(self.policy.parents)
         nodes = torch.zeros(B, T, dtype=torch.int64, device=self.device)
@@ -244,7 +265,7 @@ class _Loop:
 
     # ------------------------------------------------------------------ bookkeeping
     def run(self) -> Stats:
-        self.policy.start(len(self.active))
+        self.policy.start(len(self.active), self.sampler.greedy)
         self.prefill()
         while self.active:
             round_fn = self.tree_round if self.policy.kind == "tree" else self.chain_round
@@ -286,7 +307,8 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     target's own greedy output; sampled output follows the target's distribution.
 
     Args:
-        target, draft: transformers Llama/Qwen2/Mistral causal LMs with the same vocabulary.
+        target, draft: transformers Llama/Qwen2/Mistral causal LMs with the same vocabulary
+            (draft None when the policy's draft runs on another rank).
         input_ids: [B, L] LongTensor (left-padded, with ``attention_mask``) or a list of
             token-id lists (ragged).
         temperature: 0 for greedy; top_k / top_p as in HF, applied to target and draft alike.
@@ -302,7 +324,14 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         ...                max_new_tokens=32, policy="fixed")           # doctest: +SKIP
     """
     started = time.perf_counter()
-    hf.check_pair(target, draft)
+    policy = resolve(policy)
+    if draft is None:
+        if getattr(policy, "mode", None) != "distributed":
+            raise ValueError("draft: required (None only with a policy whose draft runs on another rank, "
+                             "e.g. PEARL(mode='distributed'))")
+        hf.check_model(target, "target")
+    else:
+        hf.check_pair(target, draft)
     prompts = _prompts(input_ids, attention_mask)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be a positive int, got {max_new_tokens!r}")
@@ -322,14 +351,19 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     generator = None
     if seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(seed)
-    policy = resolve(policy)
-    for model, role in ((target, "target"), (draft, "draft")):
-        hf.check_window(model, role, longest + max_new_tokens + policy.max_draft + 1)
-    loop = _Loop(target, draft, prompts, max_new_tokens, Sampler(temperature, top_k, top_p), eos, policy,
-                 generator, streamer)
+    policy.bind(target, draft)
+    models = [m for m in (target, draft) if m is not None]
+    for model, role in zip(models, ("target", "draft")):
+        ahead = policy.lookahead if policy.kind == "parallel" else policy.max_draft
+        hf.check_window(model, role, longest + max_new_tokens + ahead + 1)
+    sampler = Sampler(temperature, top_k, top_p)
+    if policy.kind == "parallel":
+        loop = policy.make_loop(target, draft, prompts, max_new_tokens, sampler, eos, generator, streamer)
+    else:
+        loop = _Loop(target, draft, prompts, max_new_tokens, sampler, eos, policy, generator, streamer)
     if streamer is not None:
         streamer.put(torch.tensor([prompts[0]]))
-    with hf.attention_implementation(target, draft):
+    with hf.attention_implementation(*models):
         stats = loop.run()
     if streamer is not None:
         streamer.end()

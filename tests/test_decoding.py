@@ -11,9 +11,21 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 import spec_ext
 from spec_ext.decoding import Sampler
+from spec_ext.learned import AdaLength, ResidualMLP, SpecDecPP
 from spec_ext.policies import POLICIES
 
 POLICY_NAMES = sorted(POLICIES)
+
+
+def make_policy(name, target, draft):
+    """The policy called ``name``; the learned ones get untrained predictors sized for these
+    tiny models (the bundled predictors fit the bundled pair only), set to draft varied lengths."""
+    torch.manual_seed(0)
+    if name == "specdecpp":
+        return SpecDecPP(ResidualMLP(draft.config.hidden_size), threshold=0.9, max_draft=6)
+    if name == "adalength":
+        return AdaLength(ResidualMLP(2 * target.config.hidden_size), offset=2.0, max_draft=6)
+    return name
 
 
 def llama(vocab, hidden, layers, seed, sharpen=1.0, max_positions=256):
@@ -53,7 +65,8 @@ def test_greedy_batch1_equals_target(greedy_pair, policy):
     target, draft = greedy_pair
     prompt = [5, 17, 33, 8]
     expected = hf_greedy(target, prompt, 40, eos=[])
-    out = spec_ext.generate(target, draft, [prompt], max_new_tokens=40, eos_token_id=[], policy=policy)
+    out = spec_ext.generate(target, draft, [prompt], max_new_tokens=40, eos_token_id=[],
+                            policy=make_policy(policy, target, draft))
     assert out.sequences[0, len(prompt):].tolist() == expected
     assert out.stats.new_tokens == 40 and out.stats.target_calls <= 41
     assert out.stats.accepted > 0, "the perturbed draft should agree with the target sometimes"
@@ -69,7 +82,7 @@ def test_greedy_ragged_batch_with_eos_equals_target(greedy_pair, policy):
     input_ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
     out = spec_ext.generate(target, draft, input_ids, attention_mask=mask, max_new_tokens=30, eos_token_id=eos,
-                            pad_token_id=0, policy=policy)
+                            pad_token_id=0, policy=make_policy(policy, target, draft))
     assert torch.equal(out.sequences[:, :L], input_ids)
     for b, prompt in enumerate(prompts):
         expected = hf_greedy(target, prompt, 30, eos=eos)
@@ -169,8 +182,10 @@ SAMPLING_CASES += [("fixed", 1.0, None, "far"), ("tree", 0.7, 5, "far"), ("svip"
 def test_sampling_follows_target_distribution(sampling_models, policy, temperature, top_k, draft_name):
     target, drafts = sampling_models
     n = 20_000
-    out = spec_ext.generate(target, drafts[draft_name], [PROMPT] * n, max_new_tokens=3, temperature=temperature,
-                            top_k=top_k, eos_token_id=[], policy=policy, seed=hash((policy, temperature)) % 1000)
+    draft = drafts[draft_name]
+    out = spec_ext.generate(target, draft, [PROMPT] * n, max_new_tokens=3, temperature=temperature, top_k=top_k,
+                            eos_token_id=[], policy=make_policy(policy, target, draft),
+                            seed=sum(map(ord, policy)) + int(10 * temperature))
     samples = out.sequences[:, len(PROMPT):].numpy()
     assert_follows(samples, exact_joint(target, Sampler(temperature, top_k)))
     if draft_name == "near":
