@@ -2,7 +2,8 @@
 generation with the draft (its defaults, and the heuristic schedule), and spec_ext with
 every policy, on held-out stdlib prompts, side by side in one run.
 
-For each configuration (batch 1 / batch 8, greedy / temperature 0.7) every method runs
+For each configuration (batch 1 / batch 8, greedy / temperature 0.7, and batch 1 at
+temperature 1 where SpecBranch is compared with PEARL) every method runs
 on the same prompts; tokens/s are medians over prompts and repeats and speed-ups are
 medians of per-prompt ratios against the target alone measured in the same pass. Greedy
 outputs are compared with the target's own. Writes benchmarks/results/e2e.csv, speed-up
@@ -34,13 +35,15 @@ from stdlib_data import code_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-POLICIES = ["fixed", "heuristic", "confidence", "svip", "tree", "specdecpp", "adalength"]
+POLICIES = ["fixed", "heuristic", "confidence", "svip", "tree", "specdecpp", "adalength", "pearl", "specbranch"]
+SAME_WINDOW = "serial fixed k=PEARL's gamma"
 
 
 def policies() -> dict:
     """Row name -> policy; adds Fixed(k) with the best k on the validation split
     (benchmarks/train_policies.py) when that sweep exists."""
     chosen = {name: name for name in POLICIES}
+    chosen["pearl"] = spec_ext.parallel.PEARL()
     sweep = ROOT / "models" / "policies" / "validation.json"
     if sweep.exists():
         k = json.loads(sweep.read_text())["best_fixed_k"]
@@ -73,6 +76,7 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad):
     sample = {} if greedy else dict(do_sample=True, temperature=temperature, top_k=None, top_p=None)
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     results: dict[str, dict] = {}
+    gammas: list[int] = []
 
     def record(method, rate, ratio, stats=None, match=None):
         entry = results.setdefault(method, dict(rates=[], ratios=[], stats=[], matches=[]))
@@ -111,6 +115,15 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad):
                 rate = out.stats.tokens_per_s
                 match = bool(torch.equal(out.sequences, alone)) if greedy else None
                 record(f"spec_ext {name}", rate, rate / base, out.stats, match)
+                if name == "pearl":  # serial SD with the window PEARL chose, on the same prompts
+                    gammas.append(policy.chosen_gamma)
+                    out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n,
+                                            temperature=temperature, eos_token_id=[], pad_token_id=pad,
+                                            policy=spec_ext.policies.Fixed(policy.chosen_gamma))
+                    rate = out.stats.tokens_per_s
+                    record(f"spec_ext {SAME_WINDOW}", rate, rate / base, out.stats,
+                           bool(torch.equal(out.sequences, alone)) if greedy else None)
+    results["spec_ext pearl"]["gammas"] = gammas
     return results
 
 
@@ -137,7 +150,7 @@ def main():
     parser.add_argument("--prompt-tokens", type=int, default=96)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--configs", nargs="+", default=["1:0", "8:0", "1:0.7", "8:0.7"],
+    parser.add_argument("--configs", nargs="+", default=["1:0", "8:0", "1:0.7", "8:0.7", "1:1.0"],
                         help="batch:temperature pairs")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -166,6 +179,7 @@ def main():
                            draft_calls=sum(s.draft_calls for s in stats) if stats else "",
                            rollback=sum(s.rollback for s in stats) if stats else "",
                            matches_target=(all(r["matches"]) if r["matches"] else ""),
+                           pearl_gamma=(statistics.median(r["gammas"]) if "gammas" in r else ""),
                            new_tokens=args.new_tokens, prompts=args.prompts, device=device, commit=commit)
                 rows.append(row)
                 if stats:
@@ -178,6 +192,10 @@ def main():
         writer.writerows(rows)
     print(f"\nforward costs (ms): {costs}  draft/target cost ratio (T=1): "
           f"{costs['draft_T1_ms'] / costs['target_T1_ms']:.3f}")
+    target_threads, draft_threads = spec_ext.parallel.split_threads()
+    print(f"serial methods: {torch.get_num_threads()} intra-op threads; PEARL (threads mode): {target_threads} for "
+          f"the target, {draft_threads} for the draft; its gamma (median per config): "
+          f"{ {(r['batch'], r['temperature']): r['pearl_gamma'] for r in rows if r['pearl_gamma'] != ''} }")
     print(f"\n{'method':40} {'batch':>5} {'temp':>5} {'tok/s':>8} {'speed-up':>9} {'acc/call':>9} {'rate':>6} "
           f"{'== target':>10}")
     for r in rows:

@@ -137,6 +137,16 @@ class SpecCache(Cache):
         ops.compact_kv(list(self.buffer.unbind(0)), src, self.lengths, validate=False)
         self.advance([a + 1 for a in accepted])
 
+    def copy_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Row ``dst[i]`` becomes a copy of row ``src[i]`` (contents and length): a branch
+        that shares its parent's prefix."""
+        lengths = list(self.host_lengths)
+        width = max(lengths[s] for s in src)
+        self.buffer[:, list(dst), :, :width] = self.buffer[:, list(src), :, :width]
+        for s, d in zip(src, dst):
+            lengths[d] = lengths[s]
+        self._set(lengths)
+
     def keep_rows(self, rows: Sequence[int] | Tensor) -> None:
         """Keep only ``rows`` (e.g. drop finished sequences); copies the buffer once."""
         index = torch.as_tensor(rows, dtype=torch.int64, device=self.buffer.device)

@@ -33,14 +33,15 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     new_tokens: int = 0
+    discarded: int = 0  # drafts thrown away unverified (parallel methods draft ahead)
     wall_time: float = 0.0
     accepted_lengths: list[int] = field(default_factory=list, repr=False)
     draft_lengths: list[int] = field(default_factory=list, repr=False)
 
     @property
     def rollback(self) -> int:
-        """Drafted tokens that were discarded."""
-        return self.drafted - self.accepted
+        """Drafts thrown away: verified and rejected, plus (parallel methods) unverified ones."""
+        return self.drafted - self.accepted + self.discarded
 
     @property
     def mean_accepted(self) -> float:
@@ -59,7 +60,7 @@ class Stats:
         return dict(target_calls=self.target_calls, draft_calls=self.draft_calls, rounds=self.rounds,
                     drafted=self.drafted, accepted=self.accepted, rollback=self.rollback,
                     mean_accepted=round(self.mean_accepted, 4), acceptance_rate=round(self.acceptance_rate, 4),
-                    new_tokens=self.new_tokens, wall_time=round(self.wall_time, 4),
+                    discarded=self.discarded, new_tokens=self.new_tokens, wall_time=round(self.wall_time, 4),
                     tokens_per_s=round(self.tokens_per_s, 2))
 
 

@@ -1,26 +1,32 @@
-"""Parallel speculative decoding (PEARL): the draft never waits for the target.
+"""Parallel speculative decoding: the draft never waits for the target (PEARL), and
+branches where it is unsure (SpecBranch).
 
 Two sides run at once and talk only through messages:
-  * the draft side drafts one token per row per step, forever ahead of what is committed
-    (up to a lookahead), and sends each step's tokens (and their distributions q);
-  * the target side owns every decision and all verification randomness: each round it
-    feeds the root and the first k queued drafts of every row (k = what is queued, at most
-    ``gamma``), and when the forward is done verifies k+1 drafts with its k+1
-    distributions, so the draft token that arrived during the forward is checked by the
-    forward's last distribution (PEARL's pre-verify) while drafting went on meanwhile
-    (post-verify). All k+1 accepted: nothing is sampled, the last draft is the next root
-    and the draft carries on undisturbed. A rejection: the corrected token is the next
-    root and that row of the draft is reset to it.
-Each draft is tested exactly once, against the target distribution of its own prefix,
-with a fresh uniform, so greedy output equals the target's and sampled output follows
-the target's distribution whatever the timing (PEARL's published code reuses one
-uniform for two tests and is not exact when sampling).
+  * the draft side drafts one token per lane per step, ahead of what is committed (up to
+    a lookahead), and sends each new node (row, id, parent id, token, and the q it was
+    drawn from). A row has one lane (PEARL) or up to ``branches`` (SpecBranch): where the
+    draft's probability of its token is q, it forks k = max(1, floor(branches * (1 - q)))
+    siblings (top-k when greedy, drawn without replacement from q when sampling), each a
+    lane that copies its parent's cache row and drafts on;
+  * the target side owns every decision and all verification randomness. Each round it
+    feeds the root and up to ``gamma`` queued nodes that already have a child, with tree
+    attention, then verifies those nodes and their children with (multi-draft recursive)
+    rejection sampling: a draft that arrived during the forward is checked by its
+    parent's distribution at once (PEARL's pre-verify) while drafting went on meanwhile
+    (post-verify). If the accepted path ends on an unfed draft, nothing is sampled: that
+    draft is the next root and the lanes through it carry on undisturbed; otherwise the
+    corrected token is the next root and the row's draft restarts from it.
+Each draft is tested exactly once, against the target distribution of its own prefix, with
+fresh uniforms (siblings as draws without replacement), so greedy output equals the
+target's and sampled output follows the target's distribution whatever the timing
+(PEARL's published code reuses one uniform for two tests; SpecBranch's drafts top-k
+branches against a temperature-1 q: neither is exact when sampling).
 
 Modes: ``threads`` runs the draft side in a thread of this process (the cores split
 between the two: torch intra-op threads are set to half each); ``distributed`` runs it
 in another process of a torch.distributed group (gloo on CPU), rank ``draft_rank``
 running :func:`serve_draft`. If the other side dies or stalls, the waiting side raises
-within ``timeout`` seconds and no output is returned.
+:class:`PeerError` within ``timeout`` seconds and no output is returned.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ from torch import Tensor
 from spec_ext import hf, ops
 from spec_ext.cache import SpecCache
 from spec_ext.policies import Policy, register
+from spec_ext.tree import build_tree
 
 
 # ------------------------------------------------------------------ messages
@@ -50,6 +57,7 @@ class _Start:
     seed: int
     capacity: int
     lookahead: int
+    branches: int         # most lanes (branches) per row; 1 = a chain (PEARL)
 
 
 @dataclass
@@ -59,17 +67,22 @@ class _Hello:
 
 @dataclass
 class _Drafts:
-    rows: list[int]       # row ids (positions in the original batch)
+    """One draft step: node ``nodes[i]`` of row ``rows[i]`` holds ``tokens[i]``, a child of
+    node ``parents[i]`` (-1: the row's current root), drawn from ``q[i]`` (sampling)."""
+    rows: list[int]
     epochs: list[int]
+    nodes: list[int]
+    parents: list[int]
     tokens: list[int]
-    q: Tensor | None      # [len(rows), V] when sampling
+    q: Tensor | None
     seconds: float        # the draft step's wall time
 
 
 @dataclass
 class _Verdict:
-    committed: dict[int, int]                                   # row -> committed length
-    resets: dict[int, tuple[int, int]] = field(default_factory=dict)  # row -> (epoch, next root token)
+    committed: dict[int, int]                                     # row -> committed length
+    moves: dict[int, int] = field(default_factory=dict)           # row -> accepted node that is the new root
+    resets: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # row -> (epoch, last accepted node, token)
     finished: list[int] = field(default_factory=list)
 
 
@@ -168,20 +181,22 @@ class _DistributedLink(_Link):
             self.inbox.put(_Failure(f"rank {self.peer_rank}: {type(error).__name__}: {error}"))
 
 
-# ------------------------------------------------------------------ the policy
+# ------------------------------------------------------------------ the policies
 @register
 class PEARL(Policy):
     """Parallel speculative decoding (see the module docstring).
 
     Args:
         gamma: most drafts fed to one target forward; None picks it from the measured
-            target-forward / draft-step time ratio after the first rounds.
+            target-forward / draft-step time ratio.
         mode: ``"threads"`` or ``"distributed"`` (the draft model lives on ``draft_rank``,
             which runs :func:`serve_draft`; pass ``draft=None`` to generate).
         timeout: seconds without a message from the other side before giving up.
+        max_gamma: the most drafts per forward that the automatic gamma may pick.
     """
 
     kind = "parallel"
+    branches = 1
 
     def __init__(self, gamma: int | None = None, mode: str = "threads", draft_rank: int = 1,
                  timeout: float = 60.0, max_gamma: int = 12):
@@ -197,14 +212,37 @@ class PEARL(Policy):
 
     @property
     def lookahead(self) -> int:
+        """How far (tokens past the committed ones) a lane may draft ahead."""
         return 2 * self.max_draft + 2
 
     def make_loop(self, target, draft, prompts, max_new_tokens, sampler, eos, generator, streamer):
         return _TargetSide(self, target, draft, prompts, max_new_tokens, sampler, eos, generator, streamer)
 
 
+@register
+class SpecBranch(PEARL):
+    """PEARL plus branches at uncertain points: when the draft's probability of the token
+    it drew is q, it forks k = max(1, floor(branches * (1 - q))) siblings there (top-k when
+    greedy, drawn without replacement from the draft distribution when sampling), each
+    drafted on as its own lane while lanes are free (at most ``branches`` per row). The
+    target verifies the whole tree in one forward with tree attention and multi-draft
+    recursive rejection sampling, so the branch decisions keep the output exact.
+    Other arguments as :class:`PEARL`.
+    """
+
+    def __init__(self, branches: int = 4, gamma: int | None = None, mode: str = "threads", draft_rank: int = 1,
+                 timeout: float = 60.0, max_gamma: int = 12):
+        super().__init__(gamma, mode, draft_rank, timeout, max_gamma)
+        if branches < 1:
+            raise ValueError(f"branches: must be >= 1, got {branches}")
+        self.branches = branches
+
+
 # ------------------------------------------------------------------ target side
 class _TargetSide:
+    """Owns the target, every decision and all verification randomness. Per row it keeps
+    the draft tree received so far: node id -> (parent id, token, q it was drawn from)."""
+
     def __init__(self, policy: PEARL, target, draft, prompts, max_new, sampler, eos, generator, streamer):
         from spec_ext.decoding import Stats
         self.policy, self.target, self.draft = policy, target, draft
@@ -218,8 +256,9 @@ class _TargetSide:
         self.capacity = max(map(len, prompts)) + max_new + policy.lookahead + 2
         self.cache = SpecCache.for_model(target, len(prompts), self.capacity)
         self.stats = Stats()
-        self.queues: dict[int, list[tuple[int, Tensor | None]]] = {r: [] for r in self.active}
+        self.trees: dict[int, dict[int, tuple[int, int, Tensor | None]]] = {r: {} for r in self.active}
         self.epochs = {r: 0 for r in self.active}
+        self.root_node = {r: -1 for r in self.active}  # the draft node id of each row's root (-1: none)
         self.forward_seconds: list[float] = []
         self.draft_seconds: list[float] = []
 
@@ -231,19 +270,18 @@ class _TargetSide:
         ratio = statistics.median(self.forward_seconds[-16:]) / statistics.median(self.draft_seconds[-64:])
         return max(1, min(self.policy.max_draft, round(ratio)))
 
-    def _receive(self, link, enough) -> None:
-        """Queue drafts from the link until ``enough()`` holds (no wait when it already does)."""
-        for message in link.poll():
-            self._take(message)
-        while not enough():
-            self._take(link.get())
-
     def _take(self, message) -> None:
         if isinstance(message, _Drafts):
             self.draft_seconds.append(message.seconds)
-            for i, (row, epoch, token) in enumerate(zip(message.rows, message.epochs, message.tokens)):
-                if row in self.queues and epoch == self.epochs[row]:
-                    self.queues[row].append((token, None if message.q is None else message.q[i]))
+            for i, (row, epoch) in enumerate(zip(message.rows, message.epochs)):
+                parent = message.parents[i]
+                if row in self.trees and parent == self.root_node[row]:
+                    parent = -1
+                if row in self.trees and epoch == self.epochs[row] and (parent == -1 or parent in self.trees[row]):
+                    q = None if message.q is None else message.q[i]
+                    self.trees[row][message.nodes[i]] = (parent, message.tokens[i], q)
+                else:  # stale: drafted before the draft side heard of a rejection or a pruned branch
+                    self.stats.discarded += 1
         elif isinstance(message, _Done):
             self.stats.draft_calls = message.draft_calls
         else:
@@ -286,7 +324,7 @@ class _TargetSide:
     def _run(self, link):
         seed = int(torch.randint(0, 2 ** 62, (1,), generator=self.generator))
         link.send(_Start(self.prompts, self.sampler.temperature, self.sampler.top_k, self.sampler.top_p, seed,
-                         self.capacity, self.policy.lookahead))
+                         self.capacity, self.policy.lookahead, self.policy.branches))
         while not isinstance(hello := link.get(), _Hello):
             pass  # leftovers of an earlier call that failed on this side
         if hello.vocab_size != self.target.config.vocab_size:
@@ -312,44 +350,97 @@ class _TargetSide:
         hf.forward(self.target, ids, self.cache, torch.arange(ids.shape[1], device=self.device).expand_as(ids))
         self.cache.advance([len(h) for h in heads])
 
+    def _plan(self, tree: dict, gamma: int) -> tuple[list[int], list[int]]:
+        """(fed, checked): the nodes fed to the forward (the first ``gamma`` nodes that have a
+        child, in id order: closed under parents) and every node verified this round (the
+        fed ones and their children, plus the root's children), in id order."""
+        parents_with_children = {parent for parent, _, _ in tree.values()}
+        fed = [n for n in sorted(tree) if n in parents_with_children][:gamma]
+        shown = set(fed) | {-1}
+        checked = [n for n in sorted(tree) if n in shown or tree[n][0] in shown]
+        return fed, checked
+
     def _round(self, link) -> None:
         rows, gamma = self.active, self._gamma()
-        self._receive(link, lambda: all(self.queues[r] for r in rows))
-        fed = [min(len(self.queues[r]) - 1, gamma) for r in rows]
-        width = max(fed)
-        ids = torch.tensor([[self.seqs[r][-1]] + [t for t, _ in self.queues[r][:k]] + [0] * (width - k)
-                            for r, k in zip(rows, fed)], device=self.device)
-        positions = self.cache.lengths[:, None] + torch.arange(width + 1, device=self.device)
+        for message in link.poll():
+            self._take(message)
+        while not all(any(parent == -1 for parent, _, _ in self.trees[r].values()) for r in rows):
+            self._take(link.get())
+        plans = [self._plan(self.trees[r], gamma) for r in rows]
+        width = 1 + max(len(fed) for fed, _ in plans)
+        size = 1 + max(len(checked) for _, checked in plans)
+        # forward: root + fed nodes (index 0 is the root); padding hangs off the root
+        ids = torch.zeros(len(rows), width, dtype=torch.int64)
+        forward_parents = torch.zeros(len(rows), width, dtype=torch.int64)
+        forward_parents[:, 0] = -1
+        # verification tree: root + checked nodes; padding is absent (-1 tokens)
+        tokens_v = torch.full((len(rows), size), -1, dtype=torch.int64)
+        parents_v = torch.zeros(len(rows), size, dtype=torch.int64)
+        parents_v[:, 0] = -1
+        source = torch.zeros(len(rows), size, dtype=torch.int64)  # forward index whose p node i uses
+        for i, (r, (fed, checked)) in enumerate(zip(rows, plans)):
+            tree = self.trees[r]
+            ids[i, 0] = tokens_v[i, 0] = self.seqs[r][-1]
+            forward_index = {-1: 0} | {n: j + 1 for j, n in enumerate(fed)}
+            for j, n in enumerate(fed):
+                ids[i, j + 1] = tree[n][1]
+                forward_parents[i, j + 1] = forward_index[tree[n][0]]
+            check_index = {-1: 0} | {n: j + 1 for j, n in enumerate(checked)}
+            for j, n in enumerate(checked):
+                parent, token, _ = tree[n]
+                tokens_v[i, j + 1], parents_v[i, j + 1] = token, check_index[parent]
+                # an unfed node is a leaf here: its p only feeds a bonus draw that is never used
+                source[i, j + 1] = forward_index.get(n, forward_index[parent])
+        layout = build_tree(forward_parents)
+        positions = self.cache.lengths[:, None] + layout.depth.to(self.device)
         started = time.perf_counter()
         self.stats.target_calls += 1
-        logits = hf.forward(self.target, ids, self.cache, positions)
-        logits = torch.cat([logits, logits[:, -1:]], 1)  # a placeholder bonus row: all-accepted samples nothing
+        logits = hf.forward(self.target, ids.to(self.device), self.cache, positions, layout.mask.to(self.device))
         self.forward_seconds.append(time.perf_counter() - started)
-        self._receive(link, lambda: all(len(self.queues[r]) > k for r, k in zip(rows, fed)))
-        num_draft = [k + 1 for k in fed]
-        drafts = torch.tensor([[t for t, _ in self.queues[r][:n]] + [-1] * (width + 1 - n)
-                               for r, n in zip(rows, num_draft)], device=self.device)
-        num_draft_t = torch.tensor(num_draft, device=self.device)
+        logits = logits.gather(1, source.to(self.device)[..., None].expand(-1, -1, logits.shape[-1]))
+        tokens_v, parents_v = tokens_v.to(self.device), parents_v.to(self.device)
         if self.sampler.greedy:
-            result = ops.greedy_verify(logits, drafts, num_draft_t)
+            result = ops.tree_greedy_verify(logits, tokens_v, parents_v)
         else:
-            V = logits.shape[-1]
-            q = torch.zeros(len(rows), width + 1, V, device=self.device)
-            for i, (r, n) in enumerate(zip(rows, num_draft)):
-                q[i, :n] = torch.stack([dist for _, dist in self.queues[r][:n]])
-            result = ops.chain_rejection_sample(self.sampler.probs(logits), drafts, q, num_draft_t,
-                                                generator=self.generator)
-        tokens, accepted = result.tokens.tolist(), result.num_accepted.tolist()
-        self.cache.advance([min(a, k) + 1 for a, k in zip(accepted, fed)])
+            q = torch.zeros(len(rows), size, logits.shape[-1], device=self.device)
+            for i, (r, (_, checked)) in enumerate(zip(rows, plans)):
+                for j, n in enumerate(checked):  # q of a node's children sits on the node (index of its parent)
+                    parent = int(parents_v[i, j + 1])
+                    q[i, parent] = self.trees[r][n][2]
+            result = ops.tree_rejection_sample(self.sampler.probs(logits), tokens_v, parents_v, q,
+                                               siblings="without_replacement", generator=self.generator)
+        self._settle(link, rows, plans, result)
+
+    def _settle(self, link, rows, plans, result) -> None:
+        """Emit the accepted tokens, commit the target cache, tell the draft side."""
+        paths, tokens, accepted = result.path.tolist(), result.tokens.tolist(), result.num_accepted.tolist()
+        commit_paths, commit_counts = [], []
         verdict, keep = _Verdict(committed={}), []
         for i, r in enumerate(rows):
-            a, n = accepted[i], num_draft[i]
-            emitted = tokens[i][:a] if a == n else tokens[i][:a + 1]
-            if a == n:
-                del self.queues[r][:n]
+            fed, checked = plans[i]
+            tree, a = self.trees[r], accepted[i]
+            path_nodes = [-1] + [checked[j - 1] for j in paths[i][1:a + 1]]
+            last = path_nodes[-1]
+            moved = last != -1 and last not in fed  # ended on an unfed draft: it becomes the root
+            emitted = tokens[i][:a] if moved else tokens[i][:a + 1]
+            forward_index = {-1: 0} | {n: j + 1 for j, n in enumerate(fed)}
+            kept_in_cache = path_nodes[:-1] if moved else path_nodes
+            commit_paths.append([forward_index[n] for n in kept_in_cache])
+            commit_counts.append(len(kept_in_cache) - 1)
+            before = len(tree)
+            if moved:
+                subtree = {last}
+                for n in sorted(tree):
+                    if tree[n][0] in subtree:
+                        subtree.add(n)
+                self.trees[r] = {n: ((-1 if p == last else p), t, q) for n, (p, t, q) in tree.items()
+                                 if n in subtree and n != last}
+                self.root_node[r] = last
             else:
-                self.queues[r].clear()
+                self.trees[r] = {}
                 self.epochs[r] += 1
+                self.root_node[r] = -1
+            self.stats.discarded += before - len(self.trees[r]) - len(checked)
             emitted = emitted[:self.max_new - len(self.new[r])]
             for j, tok in enumerate(emitted):
                 if tok in self.eos:
@@ -358,20 +449,24 @@ class _TargetSide:
             self.seqs[r] += emitted
             self.new[r] += emitted
             self.stats.rounds += 1
-            self.stats.drafted += n
+            self.stats.drafted += len(checked)
             self.stats.accepted += a
             self.stats.accepted_lengths.append(a)
-            self.stats.draft_lengths.append(n)
+            self.stats.draft_lengths.append(len(checked))
             if self.streamer is not None:
                 self.streamer.put(torch.tensor(emitted))
             if len(self.new[r]) < self.max_new and not (emitted and emitted[-1] in self.eos):
                 keep.append(i)
                 verdict.committed[r] = len(self.seqs[r])
-                if a < n:
-                    verdict.resets[r] = (self.epochs[r], self.seqs[r][-1])
+                if moved:
+                    verdict.moves[r] = last
+                else:
+                    verdict.resets[r] = (self.epochs[r], last, self.seqs[r][-1])
             else:
                 verdict.finished.append(r)
-                del self.queues[r]
+                del self.trees[r]
+        width = max(map(len, commit_paths))
+        self.cache.commit(torch.tensor([p + [-1] * (width - len(p)) for p in commit_paths]), commit_counts)
         if len(keep) < len(rows):
             self.cache.keep_rows(keep)
             self.active = [rows[i] for i in keep]
@@ -380,8 +475,9 @@ class _TargetSide:
 
 # ------------------------------------------------------------------ draft side
 def serve_draft(draft, target_rank: int = 0, timeout: float = 600.0, group=None) -> None:
-    """Run the draft side of ``PEARL(mode="distributed")`` generate calls made on
-    ``target_rank`` until that rank calls :func:`shutdown` (or dies: then PeerError).
+    """Run the draft side of ``PEARL(mode="distributed")`` (or ``SpecBranch``) generate
+    calls made on ``target_rank`` until that rank calls :func:`shutdown` (or dies: then
+    PeerError after ``timeout`` seconds at most).
 
     Example (one script, ``torchrun --nproc-per-node 2 script.py``):
         >>> dist.init_process_group("gloo")                                   # doctest: +SKIP
@@ -424,7 +520,18 @@ def _serve_one(draft, link, raise_errors: bool = False, threads: int | None = No
             raise
 
 
+@dataclass
+class _Lane:
+    slot: int              # the draft cache row it drafts in
+    next_token: int        # fed at its next step
+    history: set[int]      # node ids on its path since the row's root was last reset
+    last: int              # its newest node (-1: the root)
+
+
 class _DraftSide:
+    """Drafts every lane of every row one token per step; lane ``slot``s are rows of one
+    SpecCache, ``branches`` per batch row."""
+
     def __init__(self, draft, link):
         self.draft, self.link = draft, link
         self.calls = 0
@@ -437,66 +544,118 @@ class _DraftSide:
             raise PeerError(f"expected a start message, got {type(start).__name__}")
         from spec_ext.decoding import Sampler
         self.link.send(_Hello(self.draft.config.vocab_size))
-        sampler = Sampler(start.temperature, start.top_k, start.top_p)
-        generator = torch.Generator(device=self.draft.device).manual_seed(start.seed)
-        device = self.draft.device
-        rows = list(range(len(start.prompts)))
-        epochs = [0] * len(rows)
-        committed = [len(p) for p in start.prompts]
-        next_token = [p[-1] for p in start.prompts]
-        cache = SpecCache.for_model(self.draft, len(rows), start.capacity)
+        self.start, self.device = start, self.draft.device
+        self.sampler = Sampler(start.temperature, start.top_k, start.top_p)
+        self.generator = torch.Generator(device=self.device).manual_seed(start.seed)
+        B, k = len(start.prompts), start.branches
+        self.cache = SpecCache.for_model(self.draft, B * k, start.capacity)
+        self.lanes = {r: [_Lane(r * k, p[-1], set(), -1)] for r, p in enumerate(start.prompts)}
+        self.free = {r: list(range(r * k + 1, (r + 1) * k)) for r in range(B)}
+        self.epochs, self.next_node = [0] * B, [0] * B
+        self.committed = [len(p) for p in start.prompts]
         with hf.attention_implementation(self.draft), torch.inference_mode():
-            heads = [p[:-1] for p in start.prompts]
-            if max(map(len, heads)) > 0:
-                ids = torch.tensor([h + [0] * (max(map(len, heads)) - len(h)) for h in heads], device=device)
-                self.calls += 1
-                hf.forward(self.draft, ids, cache, torch.arange(ids.shape[1], device=device).expand_as(ids))
-                cache.advance([len(h) for h in heads])
+            self._prefill()
             while True:
-                lengths = cache.host_lengths
-                go = [lengths[i] + 1 - committed[i] < start.lookahead for i in range(len(rows))]
-                messages = self.link.poll() if any(go) else [self.link.get()]
+                live = [lane for r, lanes in self.lanes.items() for lane in lanes
+                        if self.cache.host_lengths[lane.slot] + 1 - self.committed[r] < start.lookahead]
+                messages = self.link.poll() if live else [self.link.get()]
                 for message in messages:
                     if isinstance(message, _End):
                         self.link.send(_Done(self.calls))
                         return "done"
                     if not isinstance(message, _Verdict):
                         raise PeerError(f"unexpected message from the target side: {type(message).__name__}")
-                    index = {r: i for i, r in enumerate(rows)}
-                    keep_lengths = list(cache.host_lengths)
-                    for r, length in message.committed.items():
-                        committed[index[r]] = length
-                    for r, (epoch, token) in message.resets.items():
-                        i = index[r]
-                        epochs[i], next_token[i] = epoch, token
-                        keep_lengths[i] = message.committed[r] - 1
-                    cache.rollback(keep_lengths)
-                    if message.finished:
-                        keep = [i for i, r in enumerate(rows) if r not in set(message.finished)]
-                        if not keep:
-                            continue
-                        cache.keep_rows(keep)
-                        rows, epochs, committed, next_token = ([x[i] for i in keep]
-                                                              for x in (rows, epochs, committed, next_token))
-                if messages:
-                    continue  # re-plan with the new state (or wait again)
-                started = time.perf_counter()
-                ids = torch.tensor(next_token, device=device)[:, None]
-                self.calls += 1
-                logits = hf.forward(self.draft, ids, cache, cache.lengths[:, None])[:, 0]
-                if sampler.greedy:
-                    tokens, q = logits.argmax(-1), None
+                    self._apply(message)
+                if not messages:
+                    self._step(live)
+
+    def _prefill(self) -> None:
+        heads = [p[:-1] for p in self.start.prompts]
+        if max(map(len, heads)) == 0:
+            return
+        k = self.start.branches
+        rows = [heads[slot // k] if slot % k == 0 else [] for slot in range(len(heads) * k)]
+        width = max(map(len, rows))
+        ids = torch.tensor([h + [0] * (width - len(h)) for h in rows], device=self.device)
+        self.calls += 1
+        hf.forward(self.draft, ids, self.cache, torch.arange(width, device=self.device).expand_as(ids))
+        self.cache.advance([len(h) for h in rows])
+
+    def _apply(self, verdict: _Verdict) -> None:
+        lengths = list(self.cache.host_lengths)
+        for r, length in verdict.committed.items():
+            self.committed[r] = length
+        for r, node in verdict.moves.items():
+            self._keep(r, [lane for lane in self.lanes[r] if node in lane.history])
+        for r, (epoch, node, token) in verdict.resets.items():
+            lane = next(lane for lane in self.lanes[r] if node == -1 or node in lane.history)
+            self._keep(r, [lane])
+            lane.next_token, lane.history, lane.last = token, set(), -1
+            lengths[lane.slot] = verdict.committed[r] - 1
+            self.epochs[r], self.next_node[r] = epoch, 0
+        self.cache.rollback([min(n, lengths[i]) for i, n in enumerate(self.cache.host_lengths)])
+        for r in verdict.finished:
+            self._keep(r, [])
+
+    def _keep(self, r: int, lanes: list) -> None:
+        self.free[r] += [lane.slot for lane in self.lanes[r] if lane not in lanes]
+        self.lanes[r] = lanes
+
+    def _step(self, live: list) -> None:
+        started = time.perf_counter()
+        slots = len(self.cache.host_lengths)
+        ids = torch.zeros(slots, 1, dtype=torch.int64)
+        for lane in live:
+            ids[lane.slot, 0] = lane.next_token
+        self.calls += 1
+        logits = hf.forward(self.draft, ids.to(self.device), self.cache, self.cache.lengths[:, None])[:, 0]
+        advance = [0] * slots
+        for lane in live:
+            advance[lane.slot] = 1
+        self.cache.advance(advance)
+        index = torch.tensor([lane.slot for lane in live], device=self.device)
+        logits = logits[index]
+        confidence_probs = torch.softmax(logits, -1)
+        if self.sampler.greedy:
+            q, first = None, logits.argmax(-1)
+        else:
+            q = self.sampler.probs(logits)
+            first = torch.multinomial(q, 1, generator=self.generator)[:, 0]
+        confidence = confidence_probs.gather(1, first[:, None])[:, 0].tolist()
+        first = first.tolist()
+        owner = {lane.slot: r for r, lanes in self.lanes.items() for lane in lanes}
+        rows, nodes, parents, tokens, sources = [], [], [], [], []
+        copies = []
+        for i, lane in enumerate(live):
+            r = owner[lane.slot]
+            count = min(max(1, int(self.start.branches * (1 - confidence[i]))), 1 + len(self.free[r]))
+            if count > 1:
+                if q is None:
+                    siblings = torch.topk(logits[i], count).indices.tolist()[1:]
                 else:
-                    q = sampler.probs(logits)
-                    tokens = torch.multinomial(q, 1, generator=generator)[:, 0]
-                cache.advance([int(g) for g in go])
-                chosen = [i for i, g in enumerate(go) if g]
-                token_list = tokens.tolist()
-                self.link.send(_Drafts([rows[i] for i in chosen], [epochs[i] for i in chosen],
-                                       [token_list[i] for i in chosen], None if q is None else q[chosen],
-                                       time.perf_counter() - started))
-                for i in chosen:
-                    next_token[i] = token_list[i]
+                    rest = q[i].clone()
+                    rest[first[i]] = 0
+                    count = min(count, 1 + int((rest > 0).sum()))
+                    siblings = (torch.multinomial(rest, count - 1, replacement=False, generator=self.generator)
+                                .tolist() if count > 1 else [])
+            else:
+                siblings = []
+            parent = lane.last
+            for token in [first[i]] + siblings:
+                node = self.next_node[r]
+                self.next_node[r] += 1
+                rows.append(r), nodes.append(node), parents.append(parent), tokens.append(token), sources.append(i)
+                if token == first[i]:
+                    lane.next_token, lane.last = token, node
+                    lane.history.add(node)
+                else:
+                    slot = self.free[r].pop()
+                    copies.append((lane.slot, slot))
+                    self.lanes[r].append(_Lane(slot, token, (lane.history - {lane.last}) | {node}, node))
+        if copies:
+            self.cache.copy_rows([src for src, _ in copies], [dst for _, dst in copies])
+        self.link.send(_Drafts(rows, [self.epochs[r] for r in rows], nodes, parents, tokens,
+                               None if q is None else q[sources], time.perf_counter() - started))
 
 
 def split_threads() -> tuple[int, int]:

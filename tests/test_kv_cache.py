@@ -136,3 +136,15 @@ def test_spec_cache_capacity_error():
         cache.update(torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), 0)
     with pytest.raises(ValueError, match="lengths: rollback"):
         cache.rollback([7, 0])
+
+
+def test_spec_cache_copy_rows_shares_a_prefix():
+    cache = SpecCache(2, 2, 4, batch_size=4, capacity=8)
+    cache.buffer.copy_(torch.randn_like(cache.buffer))
+    cache.advance([5, 3, 0, 7])
+    before = cache.buffer.clone()
+    cache.copy_rows([0, 1], [2, 3])
+    assert cache.host_lengths == [5, 3, 5, 3] and cache.lengths.tolist() == [5, 3, 5, 3]
+    torch.testing.assert_close(cache.buffer[:, 2, :, :5], before[:, 0, :, :5], rtol=0, atol=0)
+    torch.testing.assert_close(cache.buffer[:, 3, :, :3], before[:, 1, :, :3], rtol=0, atol=0)
+    torch.testing.assert_close(cache.buffer[:, :2], before[:, :2], rtol=0, atol=0)

@@ -1,6 +1,6 @@
-"""PEARL in both execution modes. The greedy-equality and exact-distribution tests of
-test_decoding run PEARL in the threads mode (it is a registered policy); here: the same
-checks across two processes with torch.distributed (gloo), and faults on either side."""
+"""PEARL and SpecBranch in both execution modes. The greedy-equality and exact-distribution
+tests of test_decoding run both in the threads mode (they are registered policies); here:
+the same checks across two processes with torch.distributed (gloo), branching, and faults."""
 import os
 import pickle
 import time
@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 import spec_ext
 from spec_ext.decoding import Sampler
-from spec_ext.parallel import PEARL, PeerError, serve_draft, shutdown
+from spec_ext.parallel import PEARL, PeerError, SpecBranch, serve_draft, shutdown
 from test_decoding import PROMPT, VOCAB, assert_follows, exact_joint, hf_greedy, llama, perturbed
 
 RAGGED = [[5, 17, 33, 8], [40], [9, 9, 9, 9, 9, 9, 9, 12], [70, 71]]
@@ -69,6 +69,21 @@ def test_threads_mode_fails_fast_when_the_draft_fails_or_stalls(action, match):
     assert time.perf_counter() - started < 10
 
 
+def test_specbranch_forks_at_uncertain_tokens_and_verifies_the_tree():
+    target, draft = greedy_models()
+    prompt = RAGGED[0]
+    chain = spec_ext.generate(target, draft, [prompt], max_new_tokens=40, eos_token_id=[], policy=PEARL(gamma=3))
+    policy = SpecBranch(branches=4, gamma=3)
+    out = spec_ext.generate(target, draft, [prompt], max_new_tokens=40, eos_token_id=[], policy=policy)
+    assert out.sequences[0, 4:].tolist() == hf_greedy(target, prompt, 40, eos=[])
+    # a round verifies at most gamma fed nodes plus their children; more than gamma + 1 needs branches
+    assert max(out.stats.draft_lengths) > 4 and max(chain.stats.draft_lengths) <= 4
+    assert out.stats.drafted > chain.stats.drafted
+    one_lane = spec_ext.generate(target, draft, [prompt], max_new_tokens=40, eos_token_id=[],
+                                 policy=SpecBranch(branches=1, gamma=3))
+    assert max(one_lane.stats.draft_lengths) <= 4
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="gamma: must be >= 1"):
         PEARL(gamma=0)
@@ -76,13 +91,18 @@ def test_bad_arguments():
         PEARL(mode="mpi")
     with pytest.raises(ValueError, match="timeout: must be > 0"):
         PEARL(timeout=0)
+    with pytest.raises(ValueError, match="branches: must be >= 1"):
+        SpecBranch(branches=0)
     target, _ = greedy_models()
     with pytest.raises(ValueError, match="draft: required"):
         spec_ext.generate(target, None, [[1, 2]], policy=PEARL())
 
 
 # ------------------------------------------------------------------ distributed mode
-def _rank_main(rank, rendezvous, results, scenario):
+METHODS = {"pearl": PEARL, "specbranch": SpecBranch}
+
+
+def _rank_main(rank, rendezvous, results, scenario, method):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     greedy_target, greedy_draft = greedy_models()
@@ -93,7 +113,7 @@ def _rank_main(rank, rendezvous, results, scenario):
         serve_draft(greedy_draft if scenario != "sample" else sample_draft, timeout=60)
         return
     report = {}
-    policy = PEARL(mode="distributed", timeout=20.0)
+    policy = METHODS[method](mode="distributed", timeout=20.0)
     try:
         if scenario == "greedy":
             out = spec_ext.generate(greedy_target, None, [RAGGED[0]], max_new_tokens=40, eos_token_id=[],
@@ -107,14 +127,14 @@ def _rank_main(rank, rendezvous, results, scenario):
             report["ragged"] = out.sequences[:, width:].tolist()
             report["accepted"] = out.stats.accepted
         elif scenario == "sample":
-            out = spec_ext.generate(sample_target, None, [PROMPT] * 20_000, max_new_tokens=3, temperature=1.0,
+            out = spec_ext.generate(sample_target, None, [PROMPT] * 10_000, max_new_tokens=3, temperature=1.0,
                                     eos_token_id=[], policy=policy, seed=5)
             report["samples"] = out.sequences[:, len(PROMPT):].numpy()
         else:
             started = time.perf_counter()
             try:
                 spec_ext.generate(greedy_target, None, [RAGGED[0]], max_new_tokens=60, eos_token_id=[],
-                                  policy=PEARL(mode="distributed", timeout=10.0))
+                                  policy=METHODS[method](mode="distributed", timeout=10.0))
                 report["error"] = None
             except PeerError as error:
                 report["error"] = str(error)
@@ -128,10 +148,10 @@ def _rank_main(rank, rendezvous, results, scenario):
             os._exit(0)  # the group is broken; tearing it down could wait on the dead rank
 
 
-def _launch(tmp_path, scenario) -> dict:
+def _launch(tmp_path, scenario, method) -> dict:
     results = tmp_path / "results.pkl"
     context = mp.get_context("spawn")
-    processes = [context.Process(target=_rank_main, args=(rank, str(tmp_path / "rdv"), str(results), scenario))
+    processes = [context.Process(target=_rank_main, args=(rank, str(tmp_path / "rdv"), str(results), scenario, method))
                  for rank in range(2)]
     for p in processes:
         p.start()
@@ -145,8 +165,9 @@ def _launch(tmp_path, scenario) -> dict:
     return pickle.loads(results.read_bytes())
 
 
-def test_distributed_greedy_equals_target(tmp_path):
-    report = _launch(tmp_path, "greedy")
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_distributed_greedy_equals_target(tmp_path, method):
+    report = _launch(tmp_path, "greedy", method)
     target, _ = greedy_models()
     assert report["batch1"] == hf_greedy(target, RAGGED[0], 40, eos=[])
     for row, prompt in zip(report["ragged"], RAGGED):
@@ -154,13 +175,14 @@ def test_distributed_greedy_equals_target(tmp_path):
     assert report["accepted"] > 0
 
 
-def test_distributed_sampling_follows_target_distribution(tmp_path):
-    report = _launch(tmp_path, "sample")
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_distributed_sampling_follows_target_distribution(tmp_path, method):
+    report = _launch(tmp_path, "sample", method)
     target, _ = sampling_models()
     assert_follows(np.asarray(report["samples"]), exact_joint(target, Sampler(1.0)))
 
 
 def test_distributed_target_raises_when_the_draft_rank_dies(tmp_path):
-    report = _launch(tmp_path, "die")
+    report = _launch(tmp_path, "die", "specbranch")
     assert report["error"] is not None and "draft side" in report["error"], report
     assert report["seconds"] < 15, report
