@@ -3,11 +3,13 @@
 Stages (the generated data is cached under --work, so a rerun skips it):
   1. the target continues prompts of the training split, greedily and sampled at T=1;
   2. teacher-forced features and labels from both models (spec_ext.learned.features_and_labels);
-  3. the SpecDecPP acceptance head (BCE on soft labels) and the AdaLength length predictor
-     (asymmetric L1), each with a held-out tenth for its validation loss;
+  3. the SpecDecPP acceptance head (BCE on soft labels), the AdaLength length predictor
+     (asymmetric L1) and SpecBranch's branch-point predictor (3 classes from the accepted
+     length: none / some / at least ACCEPT_ALL_LENGTH; cross-entropy), each with a
+     held-out tenth for its validation loss;
   4. on prompts of the validation split (never the test prompts), batch 1 greedy, side by
      side: the best fixed k, the SpecDecPP threshold and the AdaLength offset by tokens/s;
-  5. models/policies/{specdecpp,adalength}.safetensors (settings in their metadata) and
+  5. models/policies/{specdecpp,adalength,branch}.safetensors (settings in their metadata) and
      models/policies/validation.json (the sweeps and the best fixed k).
 
     python benchmarks/train_policies.py [--sequences 384] [--new-tokens 128]
@@ -28,11 +30,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spec_ext  # noqa: E402
-from spec_ext.learned import ResidualMLP, features_and_labels, train_predictor  # noqa: E402
+from spec_ext.learned import ResidualMLP, branch_classes, features_and_labels, train_predictor  # noqa: E402
 from stdlib_data import code_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LENGTH = 12  # longest chain the labels (and the learned policies) consider
+ACCEPT_ALL_LENGTH = 4  # the branch predictor's "accept all" class: at least this many drafts accepted
 
 
 def load(path):
@@ -120,10 +123,14 @@ def main():
 
     report = {}
     predictors = {}
+    for greedy in (True, False):
+        data[greedy]["branch_x"] = data[greedy]["adalength_x"]
+        data[greedy]["branch_y"] = branch_classes(data[greedy]["adalength_y"], ACCEPT_ALL_LENGTH)
     for kind, loss, width in (("specdecpp", "bce", draft.config.hidden_size),
-                              ("adalength", "asymmetric_l1", 2 * target.config.hidden_size)):
+                              ("adalength", "asymmetric_l1", 2 * target.config.hidden_size),
+                              ("branch", "cross_entropy", 2 * target.config.hidden_size)):
         torch.manual_seed(0)
-        model = ResidualMLP(width)
+        model = ResidualMLP(width, out_features=6 if kind == "branch" else 2)
         train_sets, held_sets = {}, {}
         for column, greedy in ((0, True), (1, False)):
             train_sets[column], held_sets[column] = split(data[greedy][f"{kind}_x"], data[greedy][f"{kind}_y"])
@@ -132,6 +139,12 @@ def main():
         with torch.no_grad():
             held = {}
             for column, (x, y) in held_sets.items():
+                if kind == "branch":
+                    predicted = model(x)[:, 3 * column:3 * column + 3].argmax(-1)
+                    held[column] = dict(accuracy=(predicted == y).float().mean().item(),
+                                        class_shares=torch.bincount(y.long(), minlength=3).div(len(y)).tolist(),
+                                        predicted_shares=torch.bincount(predicted, minlength=3).div(len(y)).tolist())
+                    continue
                 out = model(x)[:, column]
                 if kind == "specdecpp":
                     held[column] = dict(bce=torch.nn.functional.binary_cross_entropy_with_logits(out, y).item(),
@@ -161,7 +174,8 @@ def main():
     settings = dict(
         specdecpp=dict(kind="specdecpp", threshold=float(best["specdecpp"].split("=")[1]), max_draft=MAX_LENGTH),
         adalength=dict(kind="adalength", offset=float(best["adalength"].split("=")[1]), max_draft=MAX_LENGTH,
-                       first_round=int(best["fixed"].split("=")[1])))
+                       first_round=int(best["fixed"].split("=")[1])),
+        branch=dict(kind="branch", accept_all_length=ACCEPT_ALL_LENGTH))
     for kind, model in predictors.items():
         model.save(args.out / f"{kind}.safetensors", **settings[kind])
     report.update(validation_tokens_per_s={k: round(v, 1) for k, v in rates.items()}, best=best,

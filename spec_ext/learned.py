@@ -8,6 +8,10 @@
 * :class:`AdaLength` (AdaEAGLE's length predictor): a residual MLP on [target input
   embedding of the round's root token; target last hidden state that produced it]
   predicts how many drafts the target will accept; the round drafts that many.
+* :class:`BranchPredictor` (SpecBranch's branch points): a 3-class residual MLP on the same
+  features says whether the next drafts are likely all rejected (branch at once), all
+  accepted (no branches) or uncertain (branch by the draft's confidence);
+  :class:`LearnedSpecBranch` is SpecBranch driven by it.
 
 Each predictor has two outputs, one per decoding mode: greedy (trained on the target's
 greedy continuations with exact greedy labels) and sampling (trained on its temperature-1
@@ -16,7 +20,7 @@ choose lengths, so outputs stay exact whatever the predictors say.
 
 Predictors are safetensors files with their config in the metadata;
 ``benchmarks/train_policies.py`` makes ``models/policies/*.safetensors`` for the bundled
-pair, and ``policy="specdecpp"`` / ``"adalength"`` load those.
+pair, and ``policy="specdecpp"`` / ``"adalength"`` / ``"learnedspecbranch"`` load those.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from spec_ext.parallel import SpecBranch
 from spec_ext.policies import Policy, register
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "models" / "policies"
@@ -167,6 +172,57 @@ class AdaLength(Policy):
         self._k = [self._k[r] for r in rows]
 
 
+class BranchPredictor:
+    """SpecBranch's branch-point predictor: a 3-class residual MLP on [target input
+    embedding of a row's new root; target hidden state that produced it] -> REJECT_ALL
+    (the next draft is likely rejected: branch at once), DEFER (branch by the draft's
+    confidence) or ACCEPT_ALL (the next ``accept_all_length`` drafts likely all pass:
+    draft a plain chain). Six outputs: three for greedy decoding, three for sampling.
+
+    Example:
+        >>> policy = SpecBranch(predictor=BranchPredictor())   # the bundled pair's  # doctest: +SKIP
+    """
+
+    def __init__(self, predictor=None):
+        self._model, settings = _predictor(predictor, "branch")
+        self.accept_all_length = settings.get("accept_all_length", 4)
+        if self._model.config["out_features"] != 6:
+            raise ValueError(f"predictor: a branch predictor has 6 outputs, got {self._model.config['out_features']}")
+
+    def bind(self, target) -> None:
+        _check_width(self._model, 2 * target.config.hidden_size,
+                     "[target input embedding; target hidden state]", "branch")
+        self._embed = target.get_input_embeddings()
+        self._model.to(target.device)
+
+    def classify(self, hidden: Tensor, roots: Tensor, greedy: bool) -> list[int]:
+        features = torch.cat([self._embed(roots).float(), hidden.float()], -1)
+        logits = self._model(features)[:, :3] if greedy else self._model(features)[:, 3:]
+        return logits.argmax(-1).tolist()
+
+
+def branch_classes(lengths: Tensor, accept_all_length: int = 4) -> Tensor:
+    """Branch-point labels from accepted lengths: 0 (none accepted: REJECT_ALL),
+    2 (at least ``accept_all_length``: ACCEPT_ALL), else 1 (DEFER)."""
+    classes = torch.ones_like(lengths, dtype=torch.int64)
+    classes[lengths < 0.5] = 0
+    classes[lengths >= accept_all_length] = 2
+    return classes
+
+
+@register
+class LearnedSpecBranch(SpecBranch):
+    """:class:`spec_ext.parallel.SpecBranch` with the bundled pair's branch-point
+    predictor (``models/policies/branch.safetensors``) or ``predictor`` (a path, a
+    :class:`ResidualMLP` or a :class:`BranchPredictor`)."""
+
+    def __init__(self, branches: int = 4, gamma: int | None = None, mode: str = "threads", draft_rank: int = 1,
+                 timeout: float = 60.0, max_gamma: int = 12, predictor=None):
+        if not isinstance(predictor, BranchPredictor):
+            predictor = BranchPredictor(predictor)
+        super().__init__(branches, gamma, mode, draft_rank, timeout, max_gamma, predictor)
+
+
 # ---------------------------------------------------------------------- training
 @torch.inference_mode()
 def features_and_labels(target, draft, sequences: Tensor, start: int, greedy: bool, max_length: int = 12) -> dict:
@@ -216,12 +272,13 @@ def train_predictor(model: ResidualMLP, data: dict[int, tuple[Tensor, Tensor]], 
                     batch: int = 512, lr: float = 2e-3, seed: int = 0, progress: bool = True) -> list[float]:
     """Train ``model``'s output columns on ``data[column] = (x [M,F], y [M])``.
 
-    loss: "bce" (acceptance probabilities, soft labels allowed) or "asymmetric_l1"
-    (lengths). Returns the mean training loss of every epoch.
+    loss: "bce" (acceptance probabilities, soft labels allowed), "asymmetric_l1"
+    (lengths) or "cross_entropy" (class labels y; column c is output group c*3..c*3+2).
+    Returns the mean training loss of every epoch.
     """
     from tqdm import tqdm
-    if loss not in ("bce", "asymmetric_l1"):
-        raise ValueError(f"loss: expected 'bce' or 'asymmetric_l1', got {loss!r}")
+    if loss not in ("bce", "asymmetric_l1", "cross_entropy"):
+        raise ValueError(f"loss: expected 'bce', 'asymmetric_l1' or 'cross_entropy', got {loss!r}")
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     steps_per_epoch = max(math.ceil(len(y) / batch) for _, y in data.values())
@@ -235,6 +292,10 @@ def train_predictor(model: ResidualMLP, data: dict[int, tuple[Tensor, Tensor]], 
             value = 0.0
             for column, (x, y) in data.items():
                 index = orders[column][(step * batch) % len(y):][:batch]
+                if loss == "cross_entropy":
+                    out = model(x[index])[:, 3 * column:3 * column + 3]
+                    value = value + F.cross_entropy(out, y[index].long())
+                    continue
                 out = model(x[index])[:, column]
                 if loss == "bce":
                     value = value + F.binary_cross_entropy_with_logits(out, y[index])

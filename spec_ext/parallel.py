@@ -84,8 +84,10 @@ class _Verdict:
     moves: dict[int, int] = field(default_factory=dict)           # row -> accepted node that is the new root
     resets: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # row -> (epoch, last accepted node, token)
     finished: list[int] = field(default_factory=list)
+    hints: dict[int, int] = field(default_factory=dict)           # row -> branch hint (REJECT_ALL, ...)
 
 
+REJECT_ALL, DEFER, ACCEPT_ALL = 0, 1, 2  # branch-point predictor classes for the next drafts
 @dataclass
 class _End:
     pass
@@ -197,6 +199,7 @@ class PEARL(Policy):
 
     kind = "parallel"
     branches = 1
+    learned = False
 
     def __init__(self, gamma: int | None = None, mode: str = "threads", draft_rank: int = 1,
                  timeout: float = 60.0, max_gamma: int = 12):
@@ -227,15 +230,31 @@ class SpecBranch(PEARL):
     drafted on as its own lane while lanes are free (at most ``branches`` per row). The
     target verifies the whole tree in one forward with tree attention and multi-draft
     recursive rejection sampling, so the branch decisions keep the output exact.
+    ``predictor``: a :class:`spec_ext.learned.BranchPredictor` that reads the target's
+    hidden state after each verification and tells the draft side where to branch (SpecBranch's
+    learned branch points); None branches by the draft's confidence only.
     Other arguments as :class:`PEARL`.
     """
 
     def __init__(self, branches: int = 4, gamma: int | None = None, mode: str = "threads", draft_rank: int = 1,
-                 timeout: float = 60.0, max_gamma: int = 12):
+                 timeout: float = 60.0, max_gamma: int = 12, predictor=None):
         super().__init__(gamma, mode, draft_rank, timeout, max_gamma)
         if branches < 1:
             raise ValueError(f"branches: must be >= 1, got {branches}")
         self.branches = branches
+        self._predictor = predictor
+        self.learned = predictor is not None
+
+    def bind(self, target, draft) -> None:
+        if self._predictor is not None:
+            self._predictor.bind(target)
+
+    def hints(self, hidden: Tensor, roots: Tensor, greedy: bool) -> list[int]:
+        """Per row: REJECT_ALL (fork all branches at the root's first draft), ACCEPT_ALL
+        (draft a plain chain) or DEFER (fork by the draft's confidence)."""
+        if self._predictor is None:
+            return [DEFER] * len(roots)
+        return self._predictor.classify(hidden, roots, greedy)
 
 
 # ------------------------------------------------------------------ target side
@@ -395,7 +414,9 @@ class _TargetSide:
         positions = self.cache.lengths[:, None] + layout.depth.to(self.device)
         started = time.perf_counter()
         self.stats.target_calls += 1
-        logits = hf.forward(self.target, ids.to(self.device), self.cache, positions, layout.mask.to(self.device))
+        out = hf.forward(self.target, ids.to(self.device), self.cache, positions, layout.mask.to(self.device),
+                         hidden=self.policy.learned)
+        logits, hidden = out if self.policy.learned else (out, None)
         self.forward_seconds.append(time.perf_counter() - started)
         logits = logits.gather(1, source.to(self.device)[..., None].expand(-1, -1, logits.shape[-1]))
         tokens_v, parents_v = tokens_v.to(self.device), parents_v.to(self.device)
@@ -409,9 +430,9 @@ class _TargetSide:
                     q[i, parent] = self.trees[r][n][2]
             result = ops.tree_rejection_sample(self.sampler.probs(logits), tokens_v, parents_v, q,
                                                siblings="without_replacement", generator=self.generator)
-        self._settle(link, rows, plans, result)
+        self._settle(link, rows, plans, result, hidden)
 
-    def _settle(self, link, rows, plans, result) -> None:
+    def _settle(self, link, rows, plans, result, hidden) -> None:
         """Emit the accepted tokens, commit the target cache, tell the draft side."""
         paths, tokens, accepted = result.path.tolist(), result.tokens.tolist(), result.num_accepted.tolist()
         commit_paths, commit_counts = [], []
@@ -465,6 +486,12 @@ class _TargetSide:
             else:
                 verdict.finished.append(r)
                 del self.trees[r]
+        if hidden is not None and keep:  # the state that produced each row's new root
+            index = torch.tensor([commit_paths[i][-1] for i in keep], device=self.device)
+            roots = torch.tensor([self.seqs[rows[i]][-1] for i in keep], device=self.device)
+            hints = self.policy.hints(hidden[torch.tensor(keep, device=self.device), index], roots,
+                                      self.sampler.greedy)
+            verdict.hints = {rows[i]: h for i, h in zip(keep, hints)}
         width = max(map(len, commit_paths))
         self.cache.commit(torch.tensor([p + [-1] * (width - len(p)) for p in commit_paths]), commit_counts)
         if len(keep) < len(rows):
@@ -552,6 +579,7 @@ class _DraftSide:
         self.lanes = {r: [_Lane(r * k, p[-1], set(), -1)] for r, p in enumerate(start.prompts)}
         self.free = {r: list(range(r * k + 1, (r + 1) * k)) for r in range(B)}
         self.epochs, self.next_node = [0] * B, [0] * B
+        self.roots, self.hints = [-1] * B, [DEFER] * B  # each row's root node id, branch hint
         self.committed = [len(p) for p in start.prompts]
         with hf.attention_implementation(self.draft), torch.inference_mode():
             self._prefill()
@@ -585,12 +613,16 @@ class _DraftSide:
         lengths = list(self.cache.host_lengths)
         for r, length in verdict.committed.items():
             self.committed[r] = length
+        for r, hint in verdict.hints.items():
+            self.hints[r] = hint
         for r, node in verdict.moves.items():
             self._keep(r, [lane for lane in self.lanes[r] if node in lane.history])
+            self.roots[r] = node
         for r, (epoch, node, token) in verdict.resets.items():
             lane = next(lane for lane in self.lanes[r] if node == -1 or node in lane.history)
             self._keep(r, [lane])
             lane.next_token, lane.history, lane.last = token, set(), -1
+            self.roots[r] = -1
             lengths[lane.slot] = verdict.committed[r] - 1
             self.epochs[r], self.next_node[r] = epoch, 0
         self.cache.rollback([min(n, lengths[i]) for i, n in enumerate(self.cache.host_lengths)])
@@ -628,7 +660,13 @@ class _DraftSide:
         copies = []
         for i, lane in enumerate(live):
             r = owner[lane.slot]
-            count = min(max(1, int(self.start.branches * (1 - confidence[i]))), 1 + len(self.free[r]))
+            if self.hints[r] == ACCEPT_ALL:
+                count = 1
+            elif self.hints[r] == REJECT_ALL and lane.last == self.roots[r]:
+                count = self.start.branches
+            else:
+                count = max(1, int(self.start.branches * (1 - confidence[i])))
+            count = min(count, 1 + len(self.free[r]))
             if count > 1:
                 if q is None:
                     siblings = torch.topk(logits[i], count).indices.tolist()[1:]

@@ -11,7 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 import spec_ext
 from spec_ext.decoding import Sampler
-from spec_ext.learned import AdaLength, ResidualMLP, SpecDecPP
+from spec_ext.learned import AdaLength, LearnedSpecBranch, ResidualMLP, SpecDecPP
 from spec_ext.policies import POLICIES
 
 POLICY_NAMES = sorted(POLICIES)
@@ -25,6 +25,8 @@ def make_policy(name, target, draft):
         return SpecDecPP(ResidualMLP(draft.config.hidden_size), threshold=0.9, max_draft=6)
     if name == "adalength":
         return AdaLength(ResidualMLP(2 * target.config.hidden_size), offset=2.0, max_draft=6)
+    if name == "learnedspecbranch":
+        return LearnedSpecBranch(predictor=ResidualMLP(2 * target.config.hidden_size, out_features=6))
     return name
 
 

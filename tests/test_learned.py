@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import spec_ext
-from spec_ext.learned import (AdaLength, ResidualMLP, SpecDecPP, asymmetric_l1, features_and_labels,
-                              train_predictor)
+from spec_ext.learned import (AdaLength, BranchPredictor, LearnedSpecBranch, ResidualMLP, SpecDecPP,
+                              asymmetric_l1, branch_classes, features_and_labels, train_predictor)
+from spec_ext.parallel import ACCEPT_ALL, REJECT_ALL, PEARL
 from spec_ext.policies import Fixed
 from test_decoding import hf_greedy, llama, perturbed
 
@@ -21,8 +22,8 @@ def pair():
     return target, perturbed(target, 0.004, seed=1)
 
 
-def constant(width: int, outputs: tuple[float, float]) -> ResidualMLP:
-    model = ResidualMLP(width)
+def constant(width: int, outputs: tuple[float, ...]) -> ResidualMLP:
+    model = ResidualMLP(width, out_features=len(outputs))
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -139,7 +140,29 @@ def test_adalength_drafts_the_predicted_length(pair):
         spec_ext.generate(target, big, [[5, 6]], policy=SpecDecPP(constant(64, (1, 1))))
 
 
-@pytest.mark.parametrize("name", ["specdecpp", "adalength"])
+def test_branch_classes():
+    lengths = torch.tensor([0.0, 0.4, 1.0, 3.9, 4.0, 7.0])
+    assert branch_classes(lengths, accept_all_length=4).tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_branch_predictor_steers_the_branches(pair):
+    target, draft = pair
+    drafted = {}
+    for hint in (ACCEPT_ALL, REJECT_ALL):
+        outputs = [0.0] * 6
+        outputs[hint] = outputs[3 + hint] = 10.0
+        policy = LearnedSpecBranch(branches=4, gamma=3, predictor=constant(128, tuple(outputs)))
+        out = spec_ext.generate(target, draft, [[5, 6, 7]], max_new_tokens=30, eos_token_id=[], policy=policy)
+        assert out.sequences[0, 3:].tolist() == hf_greedy(target, [5, 6, 7], 30, eos=[])
+        drafted[hint] = out.stats.drafted / out.stats.rounds
+    chain = spec_ext.generate(target, draft, [[5, 6, 7]], max_new_tokens=30, eos_token_id=[], policy=PEARL(gamma=3))
+    # REJECT_ALL forks every fresh root 4 ways; ACCEPT_ALL stops forking after the first verdict
+    assert drafted[REJECT_ALL] > drafted[ACCEPT_ALL] and drafted[REJECT_ALL] > chain.stats.drafted / chain.stats.rounds
+    with pytest.raises(ValueError, match="predictor: a branch predictor has 6 outputs"):
+        BranchPredictor(ResidualMLP(128))
+
+
+@pytest.mark.parametrize("name", ["specdecpp", "adalength", "learnedspecbranch"])
 def test_bundled_predictors_run_exactly_on_the_bundled_pair(name):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     target = AutoModelForCausalLM.from_pretrained(ROOT / "models" / "stdlib-target", dtype=torch.float32).eval()
