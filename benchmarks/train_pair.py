@@ -3,7 +3,7 @@
 Stages (each checkpointed; rerunning resumes where it stopped):
   1. a byte-level BPE tokenizer on the training split;
   2. the target, a Llama of about 10M parameters, trained with next-token loss;
-  3. the draft, a Llama of about 1.3M parameters, distilled from the target's logits;
+  3. the draft, a Llama of about 1.7M parameters, distilled from the target's logits;
   4. both exported as HF folders (bf16 safetensors + tokenizer) under --out, and
      evaluated on the held-out test modules (perplexity, draft/target top-1
      agreement, forward-cost ratio).
@@ -31,8 +31,8 @@ VOCAB_SIZE = 4096
 TARGET = dict(hidden_size=320, intermediate_size=864, num_hidden_layers=8,
               num_attention_heads=10, num_key_value_heads=5)
 STREAM_SEEDS = {"target": 0, "draft": 1000}  # data order per model; fixed so a resumed run replays it
-DRAFT = dict(hidden_size=160, intermediate_size=480, num_hidden_layers=2,
-             num_attention_heads=5, num_key_value_heads=5)
+DRAFT = dict(hidden_size=192, intermediate_size=576, num_hidden_layers=2,
+             num_attention_heads=6, num_key_value_heads=6)
 
 
 def train_tokenizer(work: Path):
@@ -190,7 +190,7 @@ def main():
     parser.add_argument("--work", type=Path, default=Path(__file__).resolve().parent / ".train_work")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "models")
     parser.add_argument("--target-steps", type=int, default=2000)
-    parser.add_argument("--draft-steps", type=int, default=800)
+    parser.add_argument("--draft-steps", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--lr", type=float, default=2e-3)
