@@ -72,16 +72,17 @@ def test_threads_mode_fails_fast_when_the_draft_fails_or_stalls(action, match):
 def test_specbranch_forks_at_uncertain_tokens_and_verifies_the_tree():
     target, draft = greedy_models()
     prompt = RAGGED[0]
-    chain = spec_ext.generate(target, draft, [prompt], max_new_tokens=40, eos_token_id=[], policy=PEARL(gamma=3))
-    policy = SpecBranch(branches=4, gamma=3)
-    out = spec_ext.generate(target, draft, [prompt], max_new_tokens=40, eos_token_id=[], policy=policy)
-    assert out.sequences[0, 4:].tolist() == hf_greedy(target, prompt, 40, eos=[])
-    # a round verifies at most gamma fed nodes plus their children; more than gamma + 1 needs branches
-    assert max(out.stats.draft_lengths) > 4 and max(chain.stats.draft_lengths) <= 4
-    assert out.stats.drafted > chain.stats.drafted
-    one_lane = spec_ext.generate(target, draft, [prompt], max_new_tokens=40, eos_token_id=[],
-                                 policy=SpecBranch(branches=1, gamma=3))
-    assert max(one_lane.stats.draft_lengths) <= 4
+    expected = hf_greedy(target, prompt, 40, eos=[])
+    per_round = {}
+    for branches in (1, 4):
+        out = spec_ext.generate(target, draft, [prompt], max_new_tokens=40, eos_token_id=[],
+                                policy=SpecBranch(branches=branches, gamma=3))
+        assert out.sequences[0, 4:].tolist() == expected
+        per_round[branches] = out.stats.drafted / out.stats.rounds
+        if branches == 1:  # a chain: at most gamma fed drafts plus the one that arrived during the forward
+            assert max(out.stats.draft_lengths) <= 4
+    # siblings are sent together, so a forked root shows all its children in the next verification
+    assert per_round[4] > per_round[1]
 
 
 def test_bad_arguments():
