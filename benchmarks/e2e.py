@@ -11,7 +11,7 @@ bars (e2e_speedup.png), accepted-length and chosen-draft-length histograms at ba
 greedy (e2e_accepted.png, e2e_lengths.png). The learned policies and the best fixed k come
 from benchmarks/train_policies.py, which chose them on the validation split.
 
-    python benchmarks/e2e.py [--prompts 8] [--repeats 1] [--new-tokens 128]
+    python benchmarks/e2e.py [--prompts 8] [--repeats 1] [--new-tokens 128] [--configs 1:0 ...] [--name e2e]
 """
 from __future__ import annotations
 
@@ -153,6 +153,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--configs", nargs="+", default=["1:0", "8:0", "1:0.7", "8:0.7", "1:1.0"],
                         help="batch:temperature pairs")
+    parser.add_argument("--name", default="e2e", help="file prefix under benchmarks/results")
     args = parser.parse_args()
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
@@ -186,7 +187,7 @@ def main():
                 if stats:
                     histograms[(method, batch, temperature)] = (sum((s.accepted_lengths for s in stats), []),
                                                                 sum((s.draft_lengths for s in stats), []))
-    out = RESULTS / "e2e.csv"
+    out = RESULTS / f"{args.name}.csv"
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, list(rows[0]))
         writer.writeheader()
@@ -202,11 +203,11 @@ def main():
     for r in rows:
         print(f"{r['method']:40} {r['batch']:5} {r['temperature']:5} {r['tokens_per_s']:8.1f} {r['speedup']:8.2f}x "
               f"{str(r['mean_accepted']):>9} {str(r['acceptance_rate']):>6} {str(r['matches_target']):>10}")
-    (RESULTS / "e2e_costs.txt").write_text(f"{costs}\n")
-    plot(rows, histograms)
+    (RESULTS / f"{args.name}_costs.txt").write_text(f"{costs}\n")
+    plot(rows, histograms, args.name)
 
 
-def plot(rows, histograms):
+def plot(rows, histograms, name):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -220,19 +221,23 @@ def plot(rows, histograms):
         ax.set_title(f"batch {batch}, {'greedy' if temperature == 0 else f'T={temperature}'}")
         ax.set_xlabel("speed-up vs target alone")
     fig.tight_layout()
-    fig.savefig(RESULTS / "e2e_speedup.png", dpi=110)
+    fig.savefig(RESULTS / f"{name}_speedup.png", dpi=110)
     keys = [k for k in histograms if k[1] == 1 and k[2] == 0]
-    for column, (filename, label) in enumerate((("e2e_accepted.png", "accepted drafts per round"),
-                                                ("e2e_lengths.png", "draft length chosen per round"))):
-        fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(3.2 * max(1, len(keys)), 3), squeeze=False)
-        for ax, key in zip(axes[0], keys):
-            values = histograms[key][column]
+    for which, (filename, label) in enumerate(((f"{name}_accepted.png", "accepted drafts per round"),
+                                                (f"{name}_lengths.png", "draft length chosen per round"))):
+        columns = min(6, max(1, len(keys)))
+        lines = -(-max(1, len(keys)) // columns)
+        fig, axes = plt.subplots(lines, columns, figsize=(3.2 * columns, 3 * lines), squeeze=False)
+        for ax in axes.flat[len(keys):]:
+            ax.axis("off")
+        for ax, key in zip(axes.flat, keys):
+            values = histograms[key][which]
             ax.hist(values, bins=np.arange(0, max(values) + 2) - 0.5)
             ax.set_title(key[0].replace("spec_ext ", "").replace(" (best on validation)", "*"), fontsize=9)
             ax.set_xlabel(label, fontsize=8)
         fig.tight_layout()
         fig.savefig(RESULTS / filename, dpi=110)
-    print(f"plots: e2e_speedup.png, e2e_accepted.png, e2e_lengths.png in {RESULTS}")
+    print(f"plots: {name}_speedup.png, {name}_accepted.png, {name}_lengths.png in {RESULTS}")
 
 
 if __name__ == "__main__":
