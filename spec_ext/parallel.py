@@ -44,7 +44,6 @@ from torch import Tensor
 from spec_ext import hf, ops
 from spec_ext.cache import SpecCache
 from spec_ext.policies import Policy, register
-from spec_ext.tree import build_tree
 
 
 # ------------------------------------------------------------------ messages
@@ -410,11 +409,11 @@ class _TargetSide:
                 tokens_v[i, j + 1], parents_v[i, j + 1] = token, check_index[parent]
                 # an unfed node is a leaf here: its p only feeds a bonus draw that is never used
                 source[i, j + 1] = forward_index.get(n, forward_index[parent])
-        layout = build_tree(forward_parents)
-        positions = self.cache.lengths[:, None] + layout.depth.to(self.device)
+        depth, tree_mask = ops.tree_mask(forward_parents.to(self.device), validate=False)
+        positions = self.cache.lengths[:, None] + depth
         started = time.perf_counter()
         self.stats.target_calls += 1
-        out = hf.forward(self.target, ids.to(self.device), self.cache, positions, layout.mask.to(self.device),
+        out = hf.forward(self.target, ids.to(self.device), self.cache, positions, tree_mask,
                          hidden=self.policy.learned)
         logits, hidden = out if self.policy.learned else (out, None)
         self.forward_seconds.append(time.perf_counter() - started)
