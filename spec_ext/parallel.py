@@ -121,10 +121,11 @@ class _Link:
             raise PeerError(f"the {self.peer} side failed: {message.error} (no output is returned)")
         return message
 
-    def get(self):
-        """The next message; PeerError after ``timeout`` seconds of silence."""
+    def get(self, wait_forever: bool = False):
+        """The next message; PeerError after ``timeout`` seconds of silence (unless
+        ``wait_forever``: a dead peer still raises, through the receiver)."""
         try:
-            return self._check(self.inbox.get(timeout=self.timeout))
+            return self._check(self.inbox.get(timeout=None if wait_forever else self.timeout))
         except queue.Empty:
             raise PeerError(f"the {self.peer} side sent nothing for {self.timeout:g} s: it stalled or died "
                             "(no output is returned)") from None
@@ -503,7 +504,8 @@ class _TargetSide:
 def serve_draft(draft, target_rank: int = 0, timeout: float = 600.0, group=None) -> None:
     """Run the draft side of ``PEARL(mode="distributed")`` (or ``SpecBranch``) generate
     calls made on ``target_rank`` until that rank calls :func:`shutdown` (or dies: then
-    PeerError after ``timeout`` seconds at most).
+    PeerError). Between calls it waits as long as it takes; within a call, ``timeout``
+    seconds of silence from the target rank raise PeerError.
 
     Example (one script, ``torchrun --nproc-per-node 2 script.py``):
         >>> dist.init_process_group("gloo")                                   # doctest: +SKIP
@@ -563,7 +565,7 @@ class _DraftSide:
         self.calls = 0
 
     def run(self):
-        start = self.link.get()
+        start = self.link.get(wait_forever=True)  # a serving rank may idle between generate calls
         if isinstance(start, _Shutdown):
             return "shutdown"
         if not isinstance(start, _Start):
