@@ -122,7 +122,31 @@ def _pad(rows: list[list[int]], value: int, device) -> Tensor:
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
 
 
-class _Loop:
+class _Rows:
+    """Per-row output bookkeeping shared by the serial and the parallel loops; needs
+    ``seqs``, ``new``, ``max_new``, ``eos``, ``stats`` and ``streamer``."""
+
+    def _emit(self, r: int, tokens: list[int], num_drafted: int, num_accepted: int) -> bool:
+        """Append row ``r``'s tokens of one verification, cut at max_new_tokens and at EOS,
+        and count the round; True while the row goes on."""
+        emitted = tokens[:self.max_new - len(self.new[r])]
+        for n, tok in enumerate(emitted):
+            if tok in self.eos:
+                emitted = emitted[:n + 1]
+                break
+        self.seqs[r] += emitted
+        self.new[r] += emitted
+        self.stats.rounds += 1
+        self.stats.drafted += num_drafted
+        self.stats.accepted += num_accepted
+        self.stats.accepted_lengths.append(num_accepted)
+        self.stats.draft_lengths.append(num_drafted)
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor(emitted))
+        return len(self.new[r]) < self.max_new and not (emitted and emitted[-1] in self.eos)
+
+
+class _Loop(_Rows):
     def __init__(self, target, draft, prompts, max_new_tokens, sampler, eos, policy, generator, streamer):
         self.target, self.draft = target, draft
         self.sampler, self.eos, self.policy = sampler, eos, policy
@@ -274,21 +298,7 @@ class _Loop:
             self.policy.observe(drafted, accepted)
             keep = []
             for i, r in enumerate(self.active):
-                emitted = tokens[i][:accepted[i] + 1][:self.max_new - len(self.new[r])]
-                for n, tok in enumerate(emitted):
-                    if tok in self.eos:
-                        emitted = emitted[:n + 1]
-                        break
-                self.seqs[r] += emitted
-                self.new[r] += emitted
-                self.stats.rounds += 1
-                self.stats.drafted += drafted[i]
-                self.stats.accepted += accepted[i]
-                self.stats.accepted_lengths.append(accepted[i])
-                self.stats.draft_lengths.append(drafted[i])
-                if self.streamer is not None:
-                    self.streamer.put(torch.tensor(emitted))
-                if len(self.new[r]) < self.max_new and not (emitted and emitted[-1] in self.eos):
+                if self._emit(r, tokens[i][:accepted[i] + 1], drafted[i], accepted[i]):
                     keep.append(i)
             if len(keep) < len(self.active):
                 self.tcache.keep_rows(keep)

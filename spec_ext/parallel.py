@@ -43,6 +43,7 @@ from torch import Tensor
 
 from spec_ext import hf, ops
 from spec_ext.cache import SpecCache
+from spec_ext.decoding import Sampler, Stats, _Rows
 from spec_ext.policies import Policy, register
 
 
@@ -258,12 +259,11 @@ class SpecBranch(PEARL):
 
 
 # ------------------------------------------------------------------ target side
-class _TargetSide:
+class _TargetSide(_Rows):
     """Owns the target, every decision and all verification randomness. Per row it keeps
     the draft tree received so far: node id -> (parent id, token, q it was drawn from)."""
 
     def __init__(self, policy: PEARL, target, draft, prompts, max_new, sampler, eos, generator, streamer):
-        from spec_ext.decoding import Stats
         self.policy, self.target, self.draft = policy, target, draft
         self.sampler, self.eos, self.generator, self.streamer = sampler, eos, generator, streamer
         self.device = target.device
@@ -462,21 +462,7 @@ class _TargetSide:
                 self.epochs[r] += 1
                 self.root_node[r] = -1
             self.stats.discarded += before - len(self.trees[r]) - len(checked)
-            emitted = emitted[:self.max_new - len(self.new[r])]
-            for j, tok in enumerate(emitted):
-                if tok in self.eos:
-                    emitted = emitted[:j + 1]
-                    break
-            self.seqs[r] += emitted
-            self.new[r] += emitted
-            self.stats.rounds += 1
-            self.stats.drafted += len(checked)
-            self.stats.accepted += a
-            self.stats.accepted_lengths.append(a)
-            self.stats.draft_lengths.append(len(checked))
-            if self.streamer is not None:
-                self.streamer.put(torch.tensor(emitted))
-            if len(self.new[r]) < self.max_new and not (emitted and emitted[-1] in self.eos):
+            if self._emit(r, emitted, len(checked), a):
                 keep.append(i)
                 verdict.committed[r] = len(self.seqs[r])
                 if moved:
@@ -570,7 +556,6 @@ class _DraftSide:
             return "shutdown"
         if not isinstance(start, _Start):
             raise PeerError(f"expected a start message, got {type(start).__name__}")
-        from spec_ext.decoding import Sampler
         self.link.send(_Hello(self.draft.config.vocab_size))
         self.start, self.device = start, self.draft.device
         self.sampler = Sampler(start.temperature, start.top_k, start.top_p)
