@@ -369,14 +369,15 @@ class _TargetSide(_Rows):
         hf.forward(self.target, ids, self.cache, torch.arange(ids.shape[1], device=self.device).expand_as(ids))
         self.cache.advance([len(h) for h in heads])
 
-    def _plan(self, tree: dict, gamma: int) -> tuple[list[int], list[int]]:
-        """(fed, checked): the nodes fed to the forward (the first ``gamma`` nodes that have a
-        child, in id order: closed under parents) and every node verified this round (the
-        fed ones and their children, plus the root's children), in id order."""
+    def _plan(self, tree: dict, gamma: int) -> tuple[dict[int, int], list[int]]:
+        """(fed, checked): the forward position of the root (-1 -> 0) and of every node fed
+        to the forward (the first ``gamma`` nodes that have a child, in id order: closed
+        under parents), and every node verified this round (the fed ones' and the root's
+        children, plus the fed ones), in id order."""
         parents_with_children = {parent for parent, _, _ in tree.values()}
-        fed = [n for n in sorted(tree) if n in parents_with_children][:gamma]
-        shown = set(fed) | {-1}
-        checked = [n for n in sorted(tree) if n in shown or tree[n][0] in shown]
+        fed = {-1: 0} | {n: j + 1 for j, n in enumerate([n for n in sorted(tree) if n in parents_with_children]
+                                                         [:gamma])}
+        checked = [n for n in sorted(tree) if n in fed or tree[n][0] in fed]
         return fed, checked
 
     def _round(self, link) -> None:
@@ -386,7 +387,7 @@ class _TargetSide(_Rows):
         while not all(any(parent == -1 for parent, _, _ in self.trees[r].values()) for r in rows):
             self._take(link.get())
         plans = [self._plan(self.trees[r], gamma) for r in rows]
-        width = 1 + max(len(fed) for fed, _ in plans)
+        width = max(len(fed) for fed, _ in plans)
         size = 1 + max(len(checked) for _, checked in plans)
         # forward: root + fed nodes (index 0 is the root); padding hangs off the root
         ids = torch.zeros(len(rows), width, dtype=torch.int64)
@@ -400,16 +401,16 @@ class _TargetSide(_Rows):
         for i, (r, (fed, checked)) in enumerate(zip(rows, plans)):
             tree = self.trees[r]
             ids[i, 0] = tokens_v[i, 0] = self.seqs[r][-1]
-            forward_index = {-1: 0} | {n: j + 1 for j, n in enumerate(fed)}
-            for j, n in enumerate(fed):
-                ids[i, j + 1] = tree[n][1]
-                forward_parents[i, j + 1] = forward_index[tree[n][0]]
+            for n, j in fed.items():
+                if n != -1:
+                    ids[i, j] = tree[n][1]
+                    forward_parents[i, j] = fed[tree[n][0]]
             check_index = {-1: 0} | {n: j + 1 for j, n in enumerate(checked)}
             for j, n in enumerate(checked):
                 parent, token, _ = tree[n]
                 tokens_v[i, j + 1], parents_v[i, j + 1] = token, check_index[parent]
                 # an unfed node is a leaf here: its p only feeds a bonus draw that is never used
-                source[i, j + 1] = forward_index.get(n, forward_index[parent])
+                source[i, j + 1] = fed.get(n, fed[parent])
         depth, tree_mask = ops.tree_mask(forward_parents.to(self.device), validate=False)
         positions = self.cache.lengths[:, None] + depth
         started = time.perf_counter()
@@ -442,11 +443,10 @@ class _TargetSide(_Rows):
             tree, a = self.trees[r], accepted[i]
             path_nodes = [-1] + [checked[j - 1] for j in paths[i][1:a + 1]]
             last = path_nodes[-1]
-            moved = last != -1 and last not in fed  # ended on an unfed draft: it becomes the root
+            moved = last not in fed  # ended on an unfed draft: it becomes the root
             emitted = tokens[i][:a] if moved else tokens[i][:a + 1]
-            forward_index = {-1: 0} | {n: j + 1 for j, n in enumerate(fed)}
             kept_in_cache = path_nodes[:-1] if moved else path_nodes
-            commit_paths.append([forward_index[n] for n in kept_in_cache])
+            commit_paths.append([fed[n] for n in kept_in_cache])
             commit_counts.append(len(kept_in_cache) - 1)
             before = len(tree)
             if moved:
