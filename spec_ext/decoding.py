@@ -309,6 +309,16 @@ class _Loop(_Rows):
         return self.stats
 
 
+def _check_models(target, draft, policy: Policy) -> None:
+    if draft is None:
+        if getattr(policy, "mode", None) != "distributed":
+            raise ValueError("draft: required (None only with a policy whose draft runs on another rank, "
+                             "e.g. PEARL(mode='distributed'))")
+        hf.check_model(target, "target")
+    else:
+        hf.check_pair(target, draft)
+
+
 @torch.inference_mode()
 def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max_new_tokens: int = 32,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
@@ -336,13 +346,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     """
     started = time.perf_counter()
     policy = resolve(policy)
-    if draft is None:
-        if getattr(policy, "mode", None) != "distributed":
-            raise ValueError("draft: required (None only with a policy whose draft runs on another rank, "
-                             "e.g. PEARL(mode='distributed'))")
-        hf.check_model(target, "target")
-    else:
-        hf.check_pair(target, draft)
+    _check_models(target, draft, policy)
     prompts = _prompts(input_ids, attention_mask)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be a positive int, got {max_new_tokens!r}")
@@ -398,8 +402,8 @@ class Accelerated:
     target's. ``last_stats`` holds the stats of the latest call."""
 
     def __init__(self, target, draft, policy: str | Policy = "svip"):
-        hf.check_pair(target, draft)
         self._target, self._draft, self._policy = target, draft, resolve(policy)
+        _check_models(target, draft, self._policy)
         self.last_stats: Stats | None = None
 
     def __getattr__(self, name):

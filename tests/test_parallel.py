@@ -97,6 +97,9 @@ def test_bad_arguments():
     target, _ = greedy_models()
     with pytest.raises(ValueError, match="draft: required"):
         spec_ext.generate(target, None, [[1, 2]], policy=PEARL())
+    with pytest.raises(ValueError, match="draft: required"):
+        spec_ext.accelerate(target, None, policy="pearl")
+    assert spec_ext.accelerate(target, None, policy=PEARL(mode="distributed")).config is target.config
 
 
 # ------------------------------------------------------------------ distributed mode
