@@ -1,15 +1,82 @@
-// Tree attention on CPU: one (row, query head) per task. Scores of the T queries against
-// the keys they may see (s < prefix_lens[b] + T) come from one GEMM; the packed mask bits
-// are applied in place (no dense mask is built); softmax; one GEMM with the values.
+// Tree attention on CPU: one (row, key/value head) per task, so the K/V rows a GQA group
+// shares are read once for all its query heads. Plain loops over raw pointers with float
+// accumulation: at decode sizes (T <= 64 queries, a few hundred keys, D <= 256) the work
+// per head is tens of thousands of multiply-adds, less than the cost of launching ATen ops
+// per head. The packed mask bits are tested in place (no dense mask is built).
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 namespace spec_ext {
+namespace {
+
+template <typename scalar_t>
+void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* out, const int64_t* prefix_lens,
+            const uint32_t* bits, int64_t mask_rows, int64_t W, int64_t B, int64_t Hq, int64_t Hkv, int64_t T,
+            int64_t S, int64_t D, float scale) {
+  const int64_t group = Hq / Hkv;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, std::min(S, prefix_lens[b] + T));
+  // enough multiply-adds per chunk that a thread's wake-up is worth it
+  const int64_t work = std::max<int64_t>(1, group * T * longest * D);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / work);
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> weights(S), query(D), acc(D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, g = task % Hkv;
+      const int64_t prefix = std::max<int64_t>(prefix_lens[b], 0), limit = std::min(S, prefix + T);
+      const scalar_t* keys = k + task * S * D;
+      const scalar_t* values = v + task * S * D;
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        for (int64_t i = 0; i < T; ++i) {
+          const int64_t row = (b * Hq + h) * T + i;
+          scalar_t* o = out + row * D;
+          const uint32_t* mrow = bits ? bits + ((mask_rows == 1 ? 0 : b) * T + i) * W : nullptr;
+          for (int64_t d = 0; d < D; ++d) query[d] = static_cast<float>(q[row * D + d]) * scale;
+          float best = kNegInf;
+          for (int64_t s = 0; s < limit; ++s) {
+            const int64_t j = s - prefix;
+            const bool visible = j < 0 || (mrow ? ((mrow[j / 32] >> (j % 32)) & 1u) : j <= i);
+            if (!visible) {
+              weights[s] = kNegInf;
+              continue;
+            }
+            const scalar_t* key = keys + s * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += query[d] * static_cast<float>(key[d]);
+            weights[s] = dot;
+            best = std::max(best, dot);
+          }
+          std::fill(acc.begin(), acc.end(), 0.f);
+          float total = 0.f;
+          if (best != kNegInf) {
+            for (int64_t s = 0; s < limit; ++s) {
+              if (weights[s] == kNegInf) continue;
+              const float w = std::exp(weights[s] - best);
+              total += w;
+              const scalar_t* value = values + s * D;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) acc[d] += w * static_cast<float>(value[d]);
+            }
+          }
+          const float inv = total > 0.f ? 1.f / total : 0.f;  // a query that sees no key: zeros
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[d] * inv);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
 
 at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                               const at::Tensor& prefix_lens_in, const std::optional<at::Tensor>& tree_mask_in,
@@ -19,49 +86,15 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, co
   at::Tensor tree_mask;
   if (tree_mask_in) tree_mask = tree_mask_in->contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), S = k.size(2), group = Hq / Hkv;
-  const bool causal = !tree_mask.defined();
-  const int64_t W = causal ? 0 : tree_mask.size(2), mask_rows = causal ? 0 : tree_mask.size(0);
-  const uint32_t* bits = causal ? nullptr : reinterpret_cast<const uint32_t*>(tree_mask.data_ptr<int32_t>());
-  const int64_t* L = prefix_lens.data_ptr<int64_t>();
+  const int64_t Hkv = k.size(1), S = k.size(2);
+  const uint32_t* bits =
+      tree_mask.defined() ? reinterpret_cast<const uint32_t*>(tree_mask.data_ptr<int32_t>()) : nullptr;
+  const int64_t W = bits ? tree_mask.size(2) : 0, mask_rows = bits ? tree_mask.size(0) : 0;
   auto out = at::empty_like(q);
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-  const bool inference = c10::InferenceMode::is_enabled();
-  at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
-    // worker threads do not inherit inference mode; the output may be an inference tensor
-    const c10::InferenceMode guard(inference);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hq, h = task % Hq;
-      const int64_t prefix = L[b], limit = std::min(S, prefix + T);
-      if (limit <= 0) {
-        out[b][h].zero_();
-        continue;
-      }
-      auto keys = k[b][h / group].narrow(0, 0, limit).to(at::kFloat);
-      auto values = v[b][h / group].narrow(0, 0, limit).to(at::kFloat);
-      auto scores = at::mm(q[b][h].to(at::kFloat), keys.t()).mul_(scale);  // [T, limit]
-      float* sc = scores.data_ptr<float>();
-      for (int64_t i = 0; i < T; ++i) {
-        float* row = sc + i * limit;
-        const uint32_t* mrow = causal ? nullptr : bits + ((mask_rows == 1 ? 0 : b) * T + i) * W;
-        for (int64_t s = std::max<int64_t>(prefix, 0); s < limit; ++s) {
-          const int64_t j = s - prefix;
-          const bool visible = causal ? j <= i : ((mrow[j / 32] >> (j % 32)) & 1u);
-          if (!visible) row[s] = kNegInf;
-        }
-        float best = kNegInf;
-        for (int64_t s = 0; s < limit; ++s) best = std::max(best, row[s]);
-        float total = 0;
-        for (int64_t s = 0; s < limit; ++s) {
-          row[s] = best == kNegInf ? 0.f : std::exp(row[s] - best);
-          total += row[s];
-        }
-        const float inv = total > 0 ? 1.f / total : 0.f;
-        for (int64_t s = 0; s < limit; ++s) row[s] *= inv;
-      }
-      out[b][h].copy_(at::mm(scores, values));
-    }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "tree_attention_cpu", [&] {
+    attend<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                     out.data_ptr<scalar_t>(), prefix_lens.data_ptr<int64_t>(), bits, mask_rows, W, B, Hq, Hkv, T,
+                     S, D, static_cast<float>(scale));
   });
   return out;
 }
