@@ -20,6 +20,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 from spec_ext import ops
+from spec_ext import lean
 
 ATTENTION = "spec_ext"
 SUPPORTED = ("llama", "qwen2", "mistral")
@@ -73,11 +74,13 @@ def check_pair(target, draft) -> None:
 
 @contextlib.contextmanager
 def attention_implementation(*models):
-    """Route the models' attention through spec_ext for the duration of the block."""
+    """Route the models' attention through spec_ext for the duration of the block (and
+    choose, per model, between the lean forward and the HF modules)."""
     saved = [m.config._attn_implementation for m in models]
     try:
         for m in models:
             m.config._attn_implementation = ATTENTION
+            lean.prepare(m)
         yield
     finally:
         for m, name in zip(models, saved):
@@ -94,12 +97,17 @@ _NO_TREE = {}
 
 
 def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tensor | None = None,
-            hidden: bool = False):
+            hidden: bool = False, use_lean: bool = True):
     """One forward of T new tokens per row over ``cache`` (prefix lengths ``cache.lengths``).
 
     input_ids [B,T], positions [B,T], tree_mask [B|1,T,W] int32 or None (causal).
     Returns logits [B,T,V] (float32) and, when ``hidden``, the last hidden state [B,T,H].
+    Llama-family models take the lean forward of :mod:`spec_ext.lean` (same numbers, less
+    overhead) unless ``use_lean`` is False; others go through the HF modules.
     """
+    decoder = lean.lean_decoder(model) if use_lean else None
+    if decoder is not None:
+        return decoder(input_ids, cache, positions, tree_mask, hidden)
     if tree_mask is None:
         key = (input_ids.device, input_ids.shape[1])
         if key not in _NO_TREE:

@@ -1,0 +1,100 @@
+"""One decode forward of the bundled target and draft, three ways, side by side:
+
+* ``hf``: the model's own forward with its own cache (DynamicCache, its default attention),
+  as HF generate runs it;
+* ``hf+spec_ext``: the HF modules over a SpecCache with spec_ext's tree attention
+  (spec_ext.hf.forward(lean=False), the path of models spec_ext.lean does not know);
+* ``lean``: spec_ext.lean, the same arithmetic without the HF module machinery.
+
+Median milliseconds over --repeats calls after a warm-up, for T new tokens per row over a
+prefix of --prefix tokens; ratios against ``hf`` measured in the same run. Writes
+benchmarks/results/lean_forward.csv.
+
+    python benchmarks/bench_forward.py [--repeats 100] [--prefix 128] [--dtypes bfloat16 float32]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from spec_ext import hf
+from spec_ext.cache import SpecCache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def median_ms(fn, repeats: int) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def costs(model, batch: int, width: int, prefix: int, repeats: int) -> dict[str, float]:
+    g = torch.Generator().manual_seed(0)
+    head = torch.randint(0, model.config.vocab_size, (batch, prefix), generator=g)
+    new = torch.randint(0, model.config.vocab_size, (batch, width), generator=g)
+    results = {}
+
+    cache = DynamicCache(config=model.config)
+    model(head, past_key_values=cache, use_cache=True)
+
+    def hf_step():
+        model(new, past_key_values=cache, use_cache=True)
+        cache.crop(prefix)
+
+    results["hf"] = median_ms(hf_step, repeats)
+    for name, lean in (("hf+spec_ext", False), ("lean", True)):
+        spec = SpecCache.for_model(model, batch, prefix + width + 1)
+        with hf.attention_implementation(model):
+            hf.forward(model, head, spec, torch.arange(prefix).expand(batch, prefix), use_lean=lean)
+            spec.advance([prefix] * batch)
+            positions = spec.lengths[:, None] + torch.arange(width)
+            results[name] = median_ms(lambda: hf.forward(model, new, spec, positions, use_lean=lean), repeats)
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--prefix", type=int, default=128)
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    args = parser.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    rows = []
+    print(f"{'model':7} {'dtype':9} {'B':>2} {'T':>2} {'hf ms':>7} {'hf+spec_ext':>12} {'lean':>7} {'hf/lean':>8}")
+    with torch.inference_mode():
+        for dtype in args.dtypes:
+            for name in ("draft", "target"):
+                model = AutoModelForCausalLM.from_pretrained(ROOT / "models" / f"stdlib-{name}",
+                                                             dtype=getattr(torch, dtype)).eval()
+                for batch, width in ((1, 1), (1, 4), (8, 1), (8, 4)):
+                    r = costs(model, batch, width, args.prefix, args.repeats)
+                    rows.append(dict(model=name, dtype=dtype, batch=batch, new_tokens=width, prefix=args.prefix,
+                                     hf_ms=round(r["hf"], 3), hf_spec_ext_ms=round(r["hf+spec_ext"], 3),
+                                     lean_ms=round(r["lean"], 3), hf_over_lean=round(r["hf"] / r["lean"], 2),
+                                     device=f"cpu-{torch.get_num_threads()}threads", commit=commit))
+                    print(f"{name:7} {dtype:9} {batch:2} {width:2} {r['hf']:7.2f} {r['hf+spec_ext']:12.2f} "
+                          f"{r['lean']:7.2f} {r['hf'] / r['lean']:7.2f}x")
+    out = ROOT / "benchmarks" / "results" / "lean_forward.csv"
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

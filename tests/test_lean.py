@@ -1,0 +1,102 @@
+"""The lean forward (spec_ext.lean) against the HF modules it replaces: same numbers, bit for bit."""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+import spec_ext
+from spec_ext import hf
+from spec_ext.cache import SpecCache
+from spec_ext.lean import lean_decoder, prepare, unsupported_reason
+from test_kv_cache import tiny
+
+
+def run_both(model, steps):
+    """Feed the same (ids, positions, tree mask) steps through a fresh cache per path; the
+    cache advances by the given lengths after each step. Returns [(logits, hidden)] per path."""
+    results = []
+    for lean in (False, True):
+        cache = SpecCache.for_model(model, steps[0][0].shape[0], 640)
+        outs = []
+        with torch.inference_mode(), hf.attention_implementation(model):
+            assert lean_decoder(model) is not None  # so use_lean=True really takes the lean forward
+            for ids, positions, mask, advance in steps:
+                outs.append(hf.forward(model, ids, cache, positions, mask, hidden=True, use_lean=lean))
+                cache.advance(advance)
+        results.append(outs)
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_lean_forward_equals_hf_forward(kind, dtype):
+    model = tiny(kind).to(dtype)
+    assert unsupported_reason(model) is None
+    g = torch.Generator().manual_seed(0)
+    tree = spec_ext.build_tree([-1, 0, 0, 1, 2, 2])
+    lengths = torch.tensor([9, 4, 1])
+    steps = [(torch.randint(0, 61, (3, 9), generator=g), torch.arange(9).expand(3, 9), None, lengths.tolist()),
+             (torch.randint(0, 61, (3, 6), generator=g), tree.positions(lengths), tree.mask, [1, 2, 3]),
+             (torch.randint(0, 61, (3, 1), generator=g), (lengths + torch.tensor([1, 2, 3]))[:, None], None,
+              [1, 1, 1])]
+    reference, lean = run_both(model, steps)
+    for (logits, hidden), (lean_logits, lean_hidden) in zip(reference, lean):
+        assert logits.dtype == lean_logits.dtype == torch.float32
+        assert torch.equal(logits, lean_logits)
+        assert torch.equal(hidden, lean_hidden)
+
+
+def test_rotary_table_grows_with_the_positions():
+    model = tiny("llama")
+    g = torch.Generator().manual_seed(1)
+    steps = [(torch.randint(0, 61, (1, 300), generator=g), torch.arange(300)[None], None, [300]),
+             (torch.randint(0, 61, (1, 3), generator=g), torch.tensor([[300, 301, 302]]), None, [3]),
+             (torch.randint(0, 61, (1, 1), generator=g), torch.tensor([[600]]), None, [1])]
+    reference, lean = run_both(model, steps)
+    for (logits, _), (lean_logits, _) in zip(reference, lean):
+        assert torch.equal(logits, lean_logits)
+
+
+def test_models_the_lean_forward_does_not_know_take_the_hf_forward():
+    dynamic = LlamaForCausalLM(LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                           num_attention_heads=4,
+                                           rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                            "rope_theta": 10000.0})).eval()
+    assert "rope_type 'dynamic'" in unsupported_reason(dynamic)
+    prepare(dynamic)
+    assert lean_decoder(dynamic) is None
+
+    class CustomMLP(LlamaMLP):
+        pass
+
+    custom = tiny("llama")
+    custom.model.layers[1].mlp.__class__ = CustomMLP
+    assert "unknown layer modules" in unsupported_reason(custom)
+
+    training = tiny("llama").train()
+    prepare(training)
+    assert lean_decoder(training) is None
+    assert lean_decoder(training.eval()) is not None
+
+
+def test_forward_hooks_send_the_model_through_the_hf_forward():
+    model = tiny("llama")
+    prepare(model)
+    assert lean_decoder(model) is not None
+    seen = []
+    model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    assert "hooks or a patched forward on model.layers.0.mlp" in unsupported_reason(model)
+    out = spec_ext.generate(model, tiny("llama"), [[1, 2, 3]], max_new_tokens=4, policy="fixed")
+    assert lean_decoder(model) is None  # generate decided again, and the hook ran
+    assert len(seen) == out.stats.target_calls
+
+
+def test_lean_forward_sees_in_place_weight_updates():
+    model = tiny("llama")
+    ids = torch.randint(0, 61, (1, 5))
+    before = run_both(model, [(ids, torch.arange(5)[None], None, [5])])[1][0][0]
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(2)
+    reference, lean = run_both(model, [(ids, torch.arange(5)[None], None, [5])])
+    assert not torch.equal(before, lean[0][0])
+    assert torch.equal(reference[0][0], lean[0][0])
