@@ -52,8 +52,9 @@ def policies() -> dict:
     return chosen
 
 
-def load(path):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def load(path, dtype):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+    model.eval()
     model.generation_config.eos_token_id = None  # every method generates exactly --new-tokens
     return model
 
@@ -154,10 +155,12 @@ def main():
     parser.add_argument("--configs", nargs="+", default=["1:0", "8:0", "1:0.7", "8:0.7", "1:1.0"],
                         help="batch:temperature pairs")
     parser.add_argument("--name", default="e2e", help="file prefix under benchmarks/results")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto: as stored (the bundled pair: bfloat16); every method runs in it")
     args = parser.parse_args()
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    target, draft = load(args.target), load(args.draft)
+    target, draft = load(args.target, args.dtype), load(args.draft, args.dtype)
     prompts = code_prompts(tokenizer, "test", args.prompts, args.prompt_tokens, seed=0)
     pad = tokenizer.pad_token_id
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -182,7 +185,8 @@ def main():
                            rollback=sum(s.rollback for s in stats) if stats else "",
                            matches_target=(all(r["matches"]) if r["matches"] else ""),
                            pearl_gamma=(statistics.median(r["gammas"]) if "gammas" in r else ""),
-                           new_tokens=args.new_tokens, prompts=args.prompts, device=device, commit=commit)
+                           new_tokens=args.new_tokens, prompts=args.prompts, dtype=str(target.dtype).removeprefix("torch."),
+                           device=device, commit=commit)
                 rows.append(row)
                 if stats:
                     histograms[(method, batch, temperature)] = (sum((s.accepted_lengths for s in stats), []),

@@ -38,8 +38,9 @@ MAX_LENGTH = 12  # longest chain the labels (and the learned policies) consider
 ACCEPT_ALL_LENGTH = 4  # the branch predictor's "accept all" class: at least this many drafts accepted
 
 
-def load(path):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def load(path, dtype):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+    model.eval()
     model.generation_config.eos_token_id = None
     return model
 
@@ -105,19 +106,22 @@ def main():
     parser.add_argument("--validation-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto: as stored (the bundled pair: bfloat16); use the dtype you will decode in")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
     started = time.time()
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    target, draft = load(args.target), load(args.draft)
+    target, draft = load(args.target, args.dtype), load(args.draft, args.dtype)
+    dtype = str(target.dtype).removeprefix("torch.")
     prompts = code_prompts(tokenizer, "train", args.sequences, args.prompt_tokens, seed=7)
     data = {}
     for greedy in (True, False):
         name = "greedy" if greedy else "sampled"
         sequences = continuations(target, prompts, args.new_tokens, greedy, 32,
-                                  args.work / f"{name}_{args.sequences}x{args.new_tokens}.pt")
+                                  args.work / f"{name}_{args.sequences}x{args.new_tokens}_{dtype}.pt")
         data[greedy] = dataset(target, draft, sequences, args.prompt_tokens, greedy)
     print(f"data: {len(data[True]['specdecpp_y']):,} positions per mode ({time.time() - started:.0f} s)", flush=True)
 
@@ -181,7 +185,7 @@ def main():
     report.update(validation_tokens_per_s={k: round(v, 1) for k, v in rates.items()}, best=best,
                   best_fixed_k=int(best["fixed"].split("=")[1]), settings=settings,
                   pair=dict(target=args.target.name, draft=args.draft.name),
-                  sequences_per_mode=args.sequences, total_seconds=round(time.time() - started))
+                  sequences_per_mode=args.sequences, dtype=dtype, total_seconds=round(time.time() - started))
     (args.out / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: report[k] for k in ("validation_tokens_per_s", "best", "total_seconds")}, indent=2))
 

@@ -26,14 +26,19 @@ DEMO_PROMPT = '''def median(data):
 '''
 
 
-def load_pair(target_dir: Path, draft_dir: Path):
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def load_pair(target_dir: Path, draft_dir: Path, dtype: str = "auto"):
+    """dtype "auto": as stored (the bundled pair: bfloat16), else a torch dtype name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     for path, role in ((target_dir, "--target"), (draft_dir, "--draft")):
         if not (Path(path) / "config.json").exists():
             raise SystemExit(f"{role}: no Hugging Face model folder at {path}")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
     return tokenizer, target, draft
 
 
@@ -44,7 +49,7 @@ def _streamer(tokenizer):
 
 def cmd_generate(args) -> None:
     import spec_ext
-    tokenizer, target, draft = load_pair(args.target, args.draft)
+    tokenizer, target, draft = load_pair(args.target, args.draft, args.dtype)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     out = spec_ext.generate(target, draft, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, policy=args.policy, seed=args.seed,
@@ -64,7 +69,7 @@ def _tokens_per_s(fn, repeats: int) -> tuple[float, object]:
 def cmd_demo(args) -> None:
     import spec_ext
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    tokenizer, target, draft = load_pair(args.target, args.draft)
+    tokenizer, target, draft = load_pair(args.target, args.draft, args.dtype)
     ids = tokenizer(DEMO_PROMPT, return_tensors="pt").input_ids
     n = args.max_new_tokens
     print(f"spec_ext demo: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params, "
@@ -109,12 +114,14 @@ def main(argv=None) -> None:
     gen.add_argument("--top-k", type=int)
     gen.add_argument("--top-p", type=float)
     gen.add_argument("--seed", type=int)
+    gen.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: as stored")
     demo = sub.add_parser("demo", help="the bundled pair: streamed completion and a speed table")
     demo.add_argument("--target", type=Path, default=MODELS / "stdlib-target")
     demo.add_argument("--draft", type=Path, default=MODELS / "stdlib-draft")
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--repeats", type=int, default=3)
     demo.add_argument("--threads", type=int)
+    demo.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: as stored (bfloat16)")
     demo.add_argument("--policies", nargs="+", default=["fixed", "svip", "confidence", "tree"])
     sub.add_parser("backends", help="which kernel backends this build can run, and why not")
     args = parser.parse_args(argv)
