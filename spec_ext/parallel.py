@@ -34,8 +34,10 @@ import os
 import pickle
 import queue
 import statistics
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -129,7 +131,10 @@ class _Link:
             return self._check(self.inbox.get(timeout=None if wait_forever else self.timeout))
         except queue.Empty:
             raise PeerError(f"the {self.peer} side sent nothing for {self.timeout:g} s: it stalled or died "
-                            "(no output is returned)") from None
+                            f"(no output is returned){self.peer_location()}") from None
+
+    def peer_location(self) -> str:
+        return ""
 
     def poll(self) -> list:
         """Every message already here, without waiting."""
@@ -145,6 +150,14 @@ class _ThreadLink(_Link):
     def __init__(self, inbox: queue.Queue, outbox: queue.Queue, timeout: float, peer: str):
         super().__init__(inbox, timeout, peer)
         self.outbox = outbox
+        self.peer_thread: threading.Thread | None = None
+
+    def peer_location(self) -> str:
+        """Where the stalled peer thread is, for the error message."""
+        frame = sys._current_frames().get(getattr(self.peer_thread, "ident", None))
+        if frame is None:
+            return ""
+        return "; it was at:\n" + "".join(traceback.format_stack(frame)[-6:])
 
     def send(self, message) -> None:
         self.outbox.put(message)
@@ -331,6 +344,7 @@ class _TargetSide(_Rows):
             draft_link = _ThreadLink(to_draft, to_target, self.policy.timeout, "target")
             worker = threading.Thread(target=_serve_one, args=(self.draft, draft_link, False, split_threads()[1]),
                                       daemon=True, name="spec_ext-draft")
+            link.peer_thread = worker
             worker.start()
             return link, worker
         key = (self.policy.draft_rank, None)
