@@ -106,8 +106,8 @@ def main():
     parser.add_argument("--validation-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="auto: as stored (the bundled pair: bfloat16); use the dtype you will decode in")
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                        help="use the dtype you will decode in; auto: as stored (the bundled pair: bfloat16)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)

@@ -29,8 +29,8 @@ DEMO_PROMPT = '''def median(data):
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def load_pair(target_dir: Path, draft_dir: Path, dtype: str = "auto"):
-    """dtype "auto": as stored (the bundled pair: bfloat16), else a torch dtype name."""
+def load_pair(target_dir: Path, draft_dir: Path, dtype: str = "float32"):
+    """dtype: a torch dtype name, or "auto": as stored (the bundled pair: bfloat16)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     for path, role in ((target_dir, "--target"), (draft_dir, "--draft")):
         if not (Path(path) / "config.json").exists():
@@ -114,14 +114,15 @@ def main(argv=None) -> None:
     gen.add_argument("--top-k", type=int)
     gen.add_argument("--top-p", type=float)
     gen.add_argument("--seed", type=int)
-    gen.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: as stored")
+    gen.add_argument("--dtype", default="float32", choices=DTYPES, help="auto: as stored")
     demo = sub.add_parser("demo", help="the bundled pair: streamed completion and a speed table")
     demo.add_argument("--target", type=Path, default=MODELS / "stdlib-target")
     demo.add_argument("--draft", type=Path, default=MODELS / "stdlib-draft")
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--repeats", type=int, default=3)
     demo.add_argument("--threads", type=int)
-    demo.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: as stored (bfloat16)")
+    demo.add_argument("--dtype", default="float32", choices=DTYPES,
+                      help="auto: as stored (bfloat16; greedy output then depends on the attention kernel's rounding)")
     demo.add_argument("--policies", nargs="+", default=["fixed", "svip", "confidence", "tree"])
     sub.add_parser("backends", help="which kernel backends this build can run, and why not")
     args = parser.parse_args(argv)
