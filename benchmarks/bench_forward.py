@@ -48,11 +48,11 @@ def costs(model, batch: int, width: int, prefix: int, repeats: int) -> dict[str,
     results = {}
 
     cache = DynamicCache(config=model.config)
-    model(head, past_key_values=cache, use_cache=True)
+    model(head, cache=cache, use_cache=True)
 
     def hf_step():
-        model(new, past_key_values=cache, use_cache=True)
-        cache.crop(prefix)
+        model(new, cache=cache, use_cache=True)
+        cache.crop(-width)  # drop the new tokens again
 
     results["hf"] = median_ms(hf_step, repeats)
     for name, lean in (("hf+spec_ext", False), ("lean", True)):

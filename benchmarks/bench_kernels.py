@@ -114,7 +114,7 @@ def tree_cases(device, quick):
 
 
 def attention_cases(device, quick):
-    grid = [(B, S, T) for B in (1, 8) for S in (512, 4096) for T in (8, 32, 64)]
+    grid = [(B, S, T) for B in (1, 8) for S in (512, 4096) for T in (1, 4, 8, 32, 64)]
     if quick:
         grid = [(1, 512, 32)]
     H, D = 32, 128

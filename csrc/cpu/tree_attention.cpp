@@ -1,11 +1,14 @@
-// Tree attention on CPU: one (row, key/value head) per task, so the K/V rows a GQA group
-// shares are read once for all its query heads. Plain loops over raw pointers with float
-// accumulation: at decode sizes (T <= 64 queries, a few hundred keys, D <= 256) the work
-// per head is tens of thousands of multiply-adds, less than the cost of launching ATen ops
-// per head. The packed mask bits are tested in place (no dense mask is built).
+// Tree attention on CPU, two ways. One new token per row (the draft's decode steps): one
+// (row, key/value head) per task, plain loops over raw pointers with float accumulation,
+// the K/V rows a GQA group shares read once for all its query heads; two GEMVs per head
+// are less work than launching ATen ops per head (2.5x faster at H=32, S=4096, D=128 and
+// at H=10, S=250, D=32). From a few new tokens on (verification, trees, prefill), one
+// (row, query head) per task with two GEMMs wins, even at D=32 (measured at T=4 and 8).
+// Either way the packed mask bits are tested in place (no dense mask is built).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -15,6 +18,13 @@
 
 namespace spec_ext {
 namespace {
+
+constexpr int64_t kLoopQueries = 1;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline bool visible(const uint32_t* mrow, int64_t j, int64_t i) {
+  return j < 0 || (mrow ? ((mrow[j / 32] >> (j % 32)) & 1u) : j <= i);
+}
 
 template <typename scalar_t>
 void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* out, const int64_t* prefix_lens,
@@ -26,8 +36,6 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o
   // enough multiply-adds per chunk that a thread's wake-up is worth it
   const int64_t work = std::max<int64_t>(1, group * T * longest * D);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / work);
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> weights(S), query(D), acc(D);
     for (int64_t task = begin; task < end; ++task) {
@@ -43,9 +51,7 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o
           for (int64_t d = 0; d < D; ++d) query[d] = static_cast<float>(q[row * D + d]) * scale;
           float best = kNegInf;
           for (int64_t s = 0; s < limit; ++s) {
-            const int64_t j = s - prefix;
-            const bool visible = j < 0 || (mrow ? ((mrow[j / 32] >> (j % 32)) & 1u) : j <= i);
-            if (!visible) {
+            if (!visible(mrow, s - prefix, i)) {
               weights[s] = kNegInf;
               continue;
             }
@@ -76,6 +82,44 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o
   });
 }
 
+void attend_gemm(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                 const int64_t* prefix_lens, const uint32_t* bits, int64_t mask_rows, int64_t W, double scale) {
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), S = k.size(2), group = Hq / k.size(1);
+  const bool inference = c10::InferenceMode::is_enabled();
+  at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
+    const c10::InferenceMode guard(inference);  // worker threads do not inherit it; out may be an inference tensor
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hq, h = task % Hq;
+      const int64_t prefix = std::max<int64_t>(prefix_lens[b], 0), limit = std::min(S, prefix + T);
+      if (limit <= 0) {
+        out[b][h].zero_();
+        continue;
+      }
+      auto keys = k[b][h / group].narrow(0, 0, limit).to(at::kFloat);
+      auto values = v[b][h / group].narrow(0, 0, limit).to(at::kFloat);
+      auto scores = at::mm(q[b][h].to(at::kFloat), keys.t()).mul_(scale);  // [T, limit]
+      float* sc = scores.data_ptr<float>();
+      for (int64_t i = 0; i < T; ++i) {
+        float* row = sc + i * limit;
+        const uint32_t* mrow = bits ? bits + ((mask_rows == 1 ? 0 : b) * T + i) * W : nullptr;
+        float best = kNegInf;
+        for (int64_t s = 0; s < limit; ++s) {
+          if (!visible(mrow, s - prefix, i)) row[s] = kNegInf;
+          best = std::max(best, row[s]);
+        }
+        float total = 0.f;
+        for (int64_t s = 0; s < limit; ++s) {
+          row[s] = best == kNegInf ? 0.f : std::exp(row[s] - best);
+          total += row[s];
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int64_t s = 0; s < limit; ++s) row[s] *= inv;
+      }
+      out[b][h].copy_(at::mm(scores, values));
+    }
+  });
+}
+
 }  // namespace
 
 at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -91,6 +135,10 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, co
       tree_mask.defined() ? reinterpret_cast<const uint32_t*>(tree_mask.data_ptr<int32_t>()) : nullptr;
   const int64_t W = bits ? tree_mask.size(2) : 0, mask_rows = bits ? tree_mask.size(0) : 0;
   auto out = at::empty_like(q);
+  if (T > kLoopQueries) {
+    attend_gemm(q, k, v, out, prefix_lens.data_ptr<int64_t>(), bits, mask_rows, W, scale);
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "tree_attention_cpu", [&] {
     attend<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                      out.data_ptr<scalar_t>(), prefix_lens.data_ptr<int64_t>(), bits, mask_rows, W, B, Hq, Hkv, T,
