@@ -2,7 +2,7 @@
 everything else (sampling/verification kernels, cache moves, Python), next to the target
 alone with HF generate on the same prompt, in the same run.
 
-    python benchmarks/profile_rounds.py [--policy fixed] [--k 3] [--batch 1] [--repeats 3] [--dtype auto]
+    python benchmarks/profile_rounds.py [--policy fixed] [--k 3] [--batch 1] [--repeats 3] [--dtype float32]
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     args = parser.parse_args()
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "models" / "stdlib-target")
