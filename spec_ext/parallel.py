@@ -22,14 +22,16 @@ target's and sampled output follows the target's distribution whatever the timin
 (PEARL's published code reuses one uniform for two tests; SpecBranch's drafts top-k
 branches against a temperature-1 q: neither is exact when sampling).
 
-Modes: ``threads`` runs the draft side in a thread of this process (the cores split
-between the two: torch intra-op threads are set to half each); ``distributed`` runs it
+Modes: ``threads`` runs the draft side in a thread of this process (on CPU the cores
+split between the two: torch intra-op threads are set to half each; on a GPU the draft
+thread runs on its own CUDA stream); ``distributed`` runs it
 in another process of a torch.distributed group (gloo on CPU), rank ``draft_rank``
 running :func:`serve_draft`. If the other side dies or stalls, the waiting side raises
 :class:`PeerError` within ``timeout`` seconds and no output is returned.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
@@ -305,6 +307,8 @@ class _TargetSide(_Rows):
     def _take(self, message) -> None:
         if isinstance(message, _Drafts):
             self.draft_seconds.append(message.seconds)
+            if message.q is not None and message.q.is_cuda:  # made on the draft thread's stream
+                message.q.record_stream(torch.cuda.current_stream(message.q.device))
             for i, (row, epoch) in enumerate(zip(message.rows, message.epochs)):
                 parent = message.parents[i]
                 if row in self.trees and parent == self.root_node[row]:
@@ -537,8 +541,11 @@ def _serve_one(draft, link, raise_errors: bool = False, threads: int | None = No
     when ``raise_errors``)."""
     if threads is not None:
         torch.set_num_threads(threads)  # per calling thread for the OpenMP backend
+    # in one process on a GPU the draft runs on its own CUDA stream, so its kernels overlap the target's
+    stream = torch.cuda.Stream(draft.device) if threads is not None and draft.device.type == "cuda" else None
     try:
-        return _DraftSide(draft, link).run()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            return _DraftSide(draft, link, stream).run()
     except BaseException as error:  # noqa: BLE001 - the target side must learn of any failure
         try:
             link.send(_Failure(f"{type(error).__name__}: {error}"))
@@ -560,8 +567,8 @@ class _DraftSide:
     """Drafts every lane of every row one token per step; lane ``slot``s are rows of one
     SpecCache, ``branches`` per batch row."""
 
-    def __init__(self, draft, link):
-        self.draft, self.link = draft, link
+    def __init__(self, draft, link, stream=None):
+        self.draft, self.link, self.stream = draft, link, stream
         self.calls = 0
 
     def run(self):
@@ -692,8 +699,11 @@ class _DraftSide:
                     self.lanes[r].append(_Lane(slot, token, (lane.history - {lane.last}) | {node}, node))
         if copies:
             self.cache.copy_rows([src for src, _ in copies], [dst for _, dst in copies])
-        self.link.send(_Drafts(rows, [self.epochs[r] for r in rows], nodes, parents, tokens,
-                               None if q is None else q[sources], time.perf_counter() - started))
+        q_sent = None if q is None else q[sources]
+        if self.stream is not None:
+            self.stream.synchronize()  # the target reads q_sent on its own stream
+        self.link.send(_Drafts(rows, [self.epochs[r] for r in rows], nodes, parents, tokens, q_sent,
+                               time.perf_counter() - started))
 
 
 def split_threads() -> tuple[int, int]:

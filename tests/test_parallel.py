@@ -70,6 +70,19 @@ def test_threads_mode_fails_fast_when_the_draft_fails_or_stalls(action, match):
     assert time.perf_counter() - started < 10
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the draft thread's own stream)")
+@pytest.mark.parametrize("method", [PEARL, SpecBranch])
+def test_threads_mode_on_a_gpu_runs_the_draft_on_its_own_stream_and_stays_exact(method):
+    target, draft = (model.cuda() for model in greedy_models())
+    ids = torch.tensor([RAGGED[0]], device="cuda")
+    expected = target.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=[], pad_token_id=0)
+    out = spec_ext.generate(target, draft, ids, max_new_tokens=40, eos_token_id=[], policy=method())
+    assert torch.equal(out.sequences, expected)
+    sampled = spec_ext.generate(target, draft, ids, max_new_tokens=40, temperature=1.0, eos_token_id=[],
+                                policy=method(), seed=0)
+    assert sampled.sequences.shape == expected.shape and sampled.stats.accepted > 0
+
+
 def test_specbranch_forks_at_uncertain_tokens_and_verifies_the_tree():
     target, draft = greedy_models()
     prompt = RAGGED[0]
