@@ -7,6 +7,8 @@ A forward of an unmodified HF decoder runs through spec_ext by
     mask is handed to the attention function untouched, so transformers builds no mask),
   * the attention function ``"spec_ext"``, registered with ``AttentionInterface``, that
     calls :func:`spec_ext.ops.tree_attention` with the cache's per-row prefix lengths.
+Models :mod:`spec_ext.lean` reproduces (Llama, Mistral, Qwen2 without hooks) skip the HF
+modules and run the same arithmetic there.
 """
 from __future__ import annotations
 
