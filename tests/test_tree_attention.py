@@ -63,6 +63,18 @@ def test_matches_reference(backend, case, tree, dtype):
     assert err <= budget(dtype, q, k, v, prefix, mask), err
 
 
+@pytest.mark.skipif(not spec_ext.ops.registered("tree_attention", "CPU"), reason="C++ kernels not built")
+@pytest.mark.parametrize("tree", ["causal", "random"])
+def test_cpu_kernel_on_blocks_too_big_for_its_batched_path(tree):
+    """Over 2^20 scores the CPU kernel goes one head at a time (the CASES above all stay batched)."""
+    B, Hq, Hkv, T, S, D = 2, 8, 2, 64, 1100, 32
+    q, k, v, prefix, g = make(B, Hq, Hkv, T, S, D, torch.float32, seed=5, prefix=torch.tensor([S - T, 700]))
+    assert B * Hq * T * S > 2 ** 20
+    mask = reference.tree_mask(random_parents(B, T, g))[1] if tree == "random" else None
+    out = spec_ext.tree_attention(q, k, v, prefix, mask, backend="cpu")
+    torch.testing.assert_close(out, reference.tree_attention(q, k, v, prefix, mask, D ** -0.5), rtol=1e-4, atol=1e-4)
+
+
 def test_reference_matches_per_branch_oracle():
     B, H, T, S, D = 3, 2, 12, 40, 16
     q, k, v, prefix, g = make(B, H, H, T, S, D, torch.float64, seed=1)
