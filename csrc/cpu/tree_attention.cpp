@@ -31,13 +31,28 @@ inline bool visible(const uint32_t* mrow, int64_t j, int64_t i) {
   return j < 0 || (mrow ? ((mrow[j / 32] >> (j % 32)) & 1u) : j <= i);
 }
 
+// In place over one query's scores row[0..width): keys from ``limit`` on and those the mask
+// hides get weight 0, the rest a softmax; a query that sees no key gets all zeros.
+void masked_softmax(float* row, int64_t width, int64_t limit, int64_t prefix, const uint32_t* mrow, int64_t i) {
+  float best = kNegInf;
+  for (int64_t s = 0; s < width; ++s) {
+    if (s >= limit || !visible(mrow, s - prefix, i)) row[s] = kNegInf;
+    best = std::max(best, row[s]);
+  }
+  float total = 0.f;
+  for (int64_t s = 0; s < width; ++s) {
+    row[s] = best == kNegInf ? 0.f : std::exp(row[s] - best);
+    total += row[s];
+  }
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  for (int64_t s = 0; s < width; ++s) row[s] *= inv;
+}
+
 template <typename scalar_t>
 void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* out, const int64_t* prefix_lens,
             const uint32_t* bits, int64_t mask_rows, int64_t W, int64_t B, int64_t Hq, int64_t Hkv, int64_t T,
-            int64_t S, int64_t D, float scale) {
+            int64_t S, int64_t D, int64_t longest, float scale) {
   const int64_t group = Hq / Hkv;
-  int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, std::min(S, prefix_lens[b] + T));
   // enough multiply-adds per chunk that a thread's wake-up is worth it
   const int64_t work = std::max<int64_t>(1, group * T * longest * D);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / work);
@@ -88,7 +103,7 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o
 }
 
 void attend_per_head(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                 const int64_t* prefix_lens, const uint32_t* bits, int64_t mask_rows, int64_t W, double scale) {
+                     const int64_t* prefix_lens, const uint32_t* bits, int64_t mask_rows, int64_t W, double scale) {
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), S = k.size(2), group = Hq / k.size(1);
   const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
@@ -105,20 +120,8 @@ void attend_per_head(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       auto scores = at::mm(q[b][h].to(at::kFloat), keys.t()).mul_(scale);  // [T, limit]
       float* sc = scores.data_ptr<float>();
       for (int64_t i = 0; i < T; ++i) {
-        float* row = sc + i * limit;
         const uint32_t* mrow = bits ? bits + ((mask_rows == 1 ? 0 : b) * T + i) * W : nullptr;
-        float best = kNegInf;
-        for (int64_t s = 0; s < limit; ++s) {
-          if (!visible(mrow, s - prefix, i)) row[s] = kNegInf;
-          best = std::max(best, row[s]);
-        }
-        float total = 0.f;
-        for (int64_t s = 0; s < limit; ++s) {
-          row[s] = best == kNegInf ? 0.f : std::exp(row[s] - best);
-          total += row[s];
-        }
-        const float inv = total > 0.f ? 1.f / total : 0.f;
-        for (int64_t s = 0; s < limit; ++s) row[s] *= inv;
+        masked_softmax(sc + i * limit, limit, limit, prefix, mrow, i);
       }
       out[b][h].copy_(at::mm(scores, values));
     }
@@ -126,15 +129,10 @@ void attend_per_head(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 void attend_batched(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                 const int64_t* prefix_lens, const uint32_t* bits, int64_t mask_rows, int64_t W, double scale) {
+                    const int64_t* prefix_lens, const uint32_t* bits, int64_t mask_rows, int64_t W, int64_t longest,
+                    double scale) {
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2), group = Hq / Hkv;
-  int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, std::min(S, std::max<int64_t>(prefix_lens[b], 0) + T));
-  if (longest == 0) {
-    out.zero_();
-    return;
-  }
   // a GQA group's query heads become extra query rows of its kv head: [B, Hkv, group*T, D]
   auto queries = q.to(at::kFloat).view({B, Hkv, group * T, D});
   auto keys = k.narrow(2, 0, longest).to(at::kFloat);
@@ -146,19 +144,7 @@ void attend_batched(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       const int64_t b = r / (Hkv * group * T), i = r % T;
       const int64_t prefix = std::max<int64_t>(prefix_lens[b], 0), limit = std::min(S, prefix + T);
       const uint32_t* mrow = bits ? bits + ((mask_rows == 1 ? 0 : b) * T + i) * W : nullptr;
-      float* row = sc + r * longest;
-      float best = kNegInf;
-      for (int64_t s = 0; s < longest; ++s) {
-        if (s >= limit || !visible(mrow, s - prefix, i)) row[s] = kNegInf;
-        best = std::max(best, row[s]);
-      }
-      float total = 0.f;
-      for (int64_t s = 0; s < longest; ++s) {
-        row[s] = best == kNegInf ? 0.f : std::exp(row[s] - best);
-        total += row[s];
-      }
-      const float inv = total > 0.f ? 1.f / total : 0.f;  // a query that sees no key: zeros
-      for (int64_t s = 0; s < longest; ++s) row[s] *= inv;
+      masked_softmax(sc + r * longest, longest, limit, prefix, mrow, i);
     }
   });
   out.copy_(at::matmul(scores, values).view({B, Hq, T, D}));
@@ -178,24 +164,22 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, co
   const uint32_t* bits =
       tree_mask.defined() ? reinterpret_cast<const uint32_t*>(tree_mask.data_ptr<int32_t>()) : nullptr;
   const int64_t W = bits ? tree_mask.size(2) : 0, mask_rows = bits ? tree_mask.size(0) : 0;
+  const int64_t* lengths = prefix_lens.data_ptr<int64_t>();
+  int64_t longest = 0;  // keys the furthest row may see
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, std::min(S, std::max<int64_t>(lengths[b], 0) + T));
   auto out = at::empty_like(q);
-  if (T > kLoopQueries) {
-    const int64_t* lengths = prefix_lens.data_ptr<int64_t>();
-    int64_t longest = 0;
-    for (int64_t b = 0; b < B; ++b) longest = std::max(longest, std::min(S, std::max<int64_t>(lengths[b], 0) + T));
-    // batched scores up to kBatchedScores floats (launches dominate); beyond, one head at a time stays in cache
-    if (B * Hq * T * longest <= kBatchedScores) {
-      attend_batched(q, k, v, out, prefix_lens.data_ptr<int64_t>(), bits, mask_rows, W, scale);
-    } else {
-      attend_per_head(q, k, v, out, prefix_lens.data_ptr<int64_t>(), bits, mask_rows, W, scale);
-    }
-    return out;
+  if (longest == 0) return out.zero_();
+  if (T <= kLoopQueries) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "tree_attention_cpu", [&] {
+      attend<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                       out.data_ptr<scalar_t>(), lengths, bits, mask_rows, W, B, Hq, Hkv, T, S, D, longest,
+                       static_cast<float>(scale));
+    });
+  } else if (B * Hq * T * longest <= kBatchedScores) {  // launches dominate: batch them
+    attend_batched(q, k, v, out, lengths, bits, mask_rows, W, longest, scale);
+  } else {  // one head at a time keeps its scores in cache
+    attend_per_head(q, k, v, out, lengths, bits, mask_rows, W, scale);
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "tree_attention_cpu", [&] {
-    attend<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                     out.data_ptr<scalar_t>(), prefix_lens.data_ptr<int64_t>(), bits, mask_rows, W, B, Hq, Hkv, T,
-                     S, D, static_cast<float>(scale));
-  });
   return out;
 }
 
