@@ -105,17 +105,15 @@ class LeanDecoder:
         self.lm_head = _linear(model.lm_head)
         self._rope: tuple[Tensor, Tensor] | None = None
 
-    def _rotary(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin [B,1,T,D] for ``positions`` [B,T], from a table grown on demand; the
-        table holds what the model's own rotary module returns for those positions."""
-        needed = int(positions.max()) + 1
+    def _rotary(self, positions: Tensor, dtype: torch.dtype, capacity: int) -> tuple[Tensor, Tensor]:
+        """cos, sin [B,1,T,D] for ``positions`` [B,T] (each below the cache's ``capacity``),
+        from a table of what the model's own rotary module returns, made once per capacity
+        (no read of the positions on the host)."""
         table = self._rope
-        if table is None or table[0].shape[0] < needed or table[0].dtype != dtype or \
+        if table is None or table[0].shape[0] < capacity or table[0].dtype != dtype or \
                 table[0].device != positions.device:
-            size = max(needed, 2 * (table[0].shape[0] if table is not None else 256))
-            size = min(size, max(needed, self.model().config.max_position_embeddings))
             probe = torch.empty(0, dtype=dtype, device=positions.device)
-            cos, sin = self.model().model.rotary_emb(probe, torch.arange(size, device=positions.device)[None])
+            cos, sin = self.model().model.rotary_emb(probe, torch.arange(capacity, device=positions.device)[None])
             table = self._rope = (cos[0], sin[0])
         return table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1)
 
@@ -123,7 +121,7 @@ class LeanDecoder:
                  hidden: bool = False):
         B, T = input_ids.shape
         x = F.embedding(input_ids, self.embed)
-        cos, sin = self._rotary(positions, x.dtype)
+        cos, sin = self._rotary(positions, x.dtype, cache.capacity)
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, *layer["input_norm"])
             shape = (B, T, -1, layer["head_dim"])
