@@ -229,6 +229,9 @@ def plot(rows, histograms, name):
     fig.tight_layout()
     fig.savefig(RESULTS / f"{name}_speedup.png", dpi=110)
     keys = [k for k in histograms if k[1] == 1 and k[2] == 0]
+    if not keys:  # the histograms are of batch 1 greedy only
+        print(f"plot: {name}_speedup.png in {RESULTS}")
+        return
     for which, (filename, label) in enumerate(((f"{name}_accepted.png", "accepted drafts per round"),
                                                 (f"{name}_lengths.png", "draft length chosen per round"))):
         columns = min(6, max(1, len(keys)))
