@@ -198,8 +198,8 @@ def main():
         writer = csv.DictWriter(f, list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"\nforward costs (ms): {costs}  draft/target cost ratio (T=1): "
-          f"{costs['draft_T1_ms'] / costs['target_T1_ms']:.3f}")
+    print(f"\nHF forward costs (ms; spec_ext runs the lean forward, see bench_forward.py): {costs}  "
+          f"draft/target cost ratio (T=1): {costs['draft_T1_ms'] / costs['target_T1_ms']:.3f}")
     target_threads, draft_threads = spec_ext.parallel.split_threads()
     print(f"serial methods: {torch.get_num_threads()} intra-op threads; PEARL (threads mode): {target_threads} for "
           f"the target, {draft_threads} for the draft; its gamma (median per config): "
