@@ -187,8 +187,8 @@ def main():
                            rollback=sum(s.rollback for s in stats) if stats else "",
                            matches_target=(all(r["matches"]) if r["matches"] else ""),
                            pearl_gamma=(statistics.median(r["gammas"]) if "gammas" in r else ""),
-                           new_tokens=args.new_tokens, prompts=args.prompts, dtype=str(target.dtype).removeprefix("torch."),
-                           device=device, commit=commit)
+                           new_tokens=args.new_tokens, prompts=args.prompts,
+                           dtype=str(target.dtype).removeprefix("torch."), device=device, commit=commit)
                 rows.append(row)
                 if stats:
                     histograms[(method, batch, temperature)] = (sum((s.accepted_lengths for s in stats), []),
