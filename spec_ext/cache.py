@@ -38,8 +38,8 @@ class SpecCache(Cache):
         super().__init__(layers=[])
         self.num_layers = num_layers
         self.capacity = capacity
-        self.buffer = torch.zeros(2 * num_layers, batch_size, num_kv_heads, capacity, head_dim, dtype=dtype,
-                                  device=device)
+        self._set_buffer(torch.zeros(2 * num_layers, batch_size, num_kv_heads, capacity, head_dim, dtype=dtype,
+                                     device=device))
         self._set([0] * batch_size)
 
     @classmethod
@@ -58,14 +58,16 @@ class SpecCache(Cache):
         if self._longest + T > self.capacity:
             raise ValueError(f"SpecCache: a row would exceed the capacity of {self.capacity} tokens "
                              f"(lengths {self.host_lengths} + {T} new); allocate a larger cache")
-        keys, values = self.buffer[2 * layer_idx], self.buffer[2 * layer_idx + 1]
+        keys, values = self._layers[layer_idx]
         if self._common_length is not None:
             start = self._common_length
             keys[:, :, start:start + T] = key_states
             values[:, :, start:start + T] = value_states
         else:
-            rows = torch.arange(keys.shape[0], device=keys.device).unsqueeze(1)
-            positions = self.lengths.unsqueeze(1) + torch.arange(T, device=keys.device)
+            if self._scatter is None or self._scatter[1].shape[1] != T:  # the same for every layer of a forward
+                rows = torch.arange(keys.shape[0], device=keys.device).unsqueeze(1)
+                self._scatter = rows, self.lengths.unsqueeze(1) + torch.arange(T, device=keys.device)
+            rows, positions = self._scatter
             keys[rows, :, positions] = key_states.transpose(1, 2)
             values[rows, :, positions] = value_states.transpose(1, 2)
         return keys, values
@@ -100,6 +102,10 @@ class SpecCache(Cache):
     def batch_size(self) -> int:
         return self.buffer.shape[1]
 
+    def _set_buffer(self, buffer: Tensor) -> None:
+        self.buffer = buffer
+        self._layers = list(zip(buffer[0::2].unbind(0), buffer[1::2].unbind(0)))  # (K, V) views per layer
+
     def _set(self, lengths: Sequence[int]) -> None:
         lengths = [int(n) for n in lengths]
         if len(lengths) != self.batch_size:
@@ -111,6 +117,7 @@ class SpecCache(Cache):
         # update() runs once per layer per forward: decide its write path once here
         self._longest = max(lengths, default=0)
         self._common_length = lengths[0] if lengths and lengths.count(lengths[0]) == len(lengths) else None
+        self._scatter = None  # update()'s write positions of ragged rows, made by its first layer
 
     def advance(self, counts: Sequence[int] | Tensor) -> None:
         """Keep ``counts[b]`` more tokens of row b (written by the last update, in order)."""
@@ -150,5 +157,5 @@ class SpecCache(Cache):
     def keep_rows(self, rows: Sequence[int] | Tensor) -> None:
         """Keep only ``rows`` (e.g. drop finished sequences); copies the buffer once."""
         index = torch.as_tensor(rows, dtype=torch.int64, device=self.buffer.device)
-        self.buffer = self.buffer.index_select(1, index)
+        self._set_buffer(self.buffer.index_select(1, index))
         self._set([self.host_lengths[i] for i in index.tolist()])

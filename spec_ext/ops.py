@@ -439,6 +439,26 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
     return torch.ops.spec_ext.tree_attention(q, k, v, prefix_lens, tree_mask, scale)
 
 
+def tree_attention_kernel(device: torch.device | str):
+    """The implementation :func:`tree_attention` dispatches to for tensors on ``device``
+    (backend "auto"), as a function ``(q, k, v, prefix_lens, tree_mask, scale) -> out``
+    that checks nothing: for per-layer calls whose shapes the caller already guarantees
+    (a model forward makes several hundred calls a second, each check costs microseconds).
+
+    Example:
+        >>> attend = tree_attention_kernel("cpu")
+        >>> q = torch.randn(1, 4, 3, 64); k = v = torch.randn(1, 2, 16, 64)
+        >>> out = attend(q, k, v, torch.tensor([5]), None, 0.125)
+    """
+    device = torch.device(device)
+    impl = _resolve("auto", device, "tree_attention")
+    if impl == "torch":
+        return reference.tree_attention
+    if impl == "triton":
+        return _triton("tree_attention").tree_attention
+    return torch.ops.spec_ext.tree_attention
+
+
 # ------------------------------------------------------------------------ kv cache
 def compact_kv(caches: Sequence[Tensor] | Tensor, src: Tensor, dst_start: Tensor, backend: str = "auto",
                validate: bool | None = None) -> None:

@@ -115,3 +115,10 @@ def test_bad_input():
         spec_ext.tree_attention(q, k, v, prefix, torch.zeros(2, 4, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="prefix_lens: expected shape"):
         spec_ext.tree_attention(q, k, v, prefix[:1])
+
+
+def test_unchecked_kernel_is_what_the_checked_op_dispatches_to():
+    q, k, v, prefix, _ = make(2, 4, 2, 3, 10, 8, torch.float32, seed=3)
+    mask = spec_ext.ops.tree_mask(torch.tensor([-1, 0, 0]))[1]
+    attend = spec_ext.ops.tree_attention_kernel("cpu")
+    assert torch.equal(attend(q, k, v, prefix, mask, 0.3), spec_ext.tree_attention(q, k, v, prefix, mask, scale=0.3))
