@@ -75,6 +75,23 @@ def test_cpu_kernel_on_blocks_too_big_for_its_batched_path(tree):
     torch.testing.assert_close(out, reference.tree_attention(q, k, v, prefix, mask, D ** -0.5), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("T", [1, 6])
+def test_a_query_that_sees_no_key_gets_zeros(backend, T):
+    """Row 0 has no prefix and its tree mask hides everything from query 0; row 1 is normal."""
+    B, Hq, Hkv, S, D = 2, 4, 2, 16, 32
+    q, k, v, _, _ = make(B, Hq, Hkv, T, S, D, torch.float32, seed=7)
+    prefix = torch.tensor([0, 5])
+    mask = reference.tree_mask(torch.tensor([-1] + list(range(T - 1))).expand(B, T))[1].clone()
+    mask[0, 0] = 0
+    dev = device_for(backend)
+    out = spec_ext.tree_attention(q.to(dev), k.to(dev), v.to(dev), prefix.to(dev), mask.to(dev), backend=backend).cpu()
+    expected = reference.tree_attention(q, k, v, prefix, mask, D ** -0.5)
+    assert torch.equal(expected[0, :, 0], torch.zeros(Hq, D)) and expected[1].abs().sum() > 0
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_reference_matches_per_branch_oracle():
     B, H, T, S, D = 3, 2, 12, 40, 16
     q, k, v, prefix, g = make(B, H, H, T, S, D, torch.float64, seed=1)

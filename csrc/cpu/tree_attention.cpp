@@ -8,7 +8,9 @@
 // two ATen calls per layer instead of two per (row, head), which made batch 8 slower than
 // HF's fused SDPA; beyond that, one (row, query head) at a time, whose [T, keys] scores
 // stay in cache (1.8x faster than batched at B=8, H=32, T=64, S=4096).
-// Either way the packed mask bits are tested in place (no dense mask is built).
+// The GEMM paths expand the packed mask bits once into a [B, T, keys] bool mask that every
+// head shares, and take ATen's vectorised softmax (1.3-1.7x faster than a scalar loop with
+// std::exp at T=5..64).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -18,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace spec_ext {
@@ -31,21 +34,28 @@ inline bool visible(const uint32_t* mrow, int64_t j, int64_t i) {
   return j < 0 || (mrow ? ((mrow[j / 32] >> (j % 32)) & 1u) : j <= i);
 }
 
-// In place over one query's scores row[0..width): keys from ``limit`` on and those the mask
-// hides get weight 0, the rest a softmax; a query that sees no key gets all zeros.
-void masked_softmax(float* row, int64_t width, int64_t limit, int64_t prefix, const uint32_t* mrow, int64_t i) {
-  float best = kNegInf;
-  for (int64_t s = 0; s < width; ++s) {
-    if (s >= limit || !visible(mrow, s - prefix, i)) row[s] = kNegInf;
-    best = std::max(best, row[s]);
+// Which keys each (row, query) may not see, [B, 1, 1, T, longest] (the same for every head),
+// and whether some query sees no key at all (its softmax would be NaN; it gets zeros).
+std::pair<at::Tensor, bool> hidden_keys(const at::Tensor& q, const int64_t* prefix_lens, const uint32_t* bits,
+                                        int64_t mask_rows, int64_t W, int64_t S, int64_t longest) {
+  const int64_t B = q.size(0), T = q.size(2);
+  auto hidden = at::empty({B, 1, 1, T, longest}, q.options().dtype(at::kBool));
+  bool* hide = hidden.data_ptr<bool>();
+  bool blind = false;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t prefix = std::max<int64_t>(prefix_lens[b], 0), limit = std::min(S, prefix + T);
+    for (int64_t i = 0; i < T; ++i) {
+      const uint32_t* mrow = bits ? bits + ((mask_rows == 1 ? 0 : b) * T + i) * W : nullptr;
+      bool* row = hide + (b * T + i) * longest;
+      bool none = true;
+      for (int64_t s = 0; s < longest; ++s) {
+        row[s] = s >= limit || !visible(mrow, s - prefix, i);
+        none = none && row[s];
+      }
+      blind = blind || none;
+    }
   }
-  float total = 0.f;
-  for (int64_t s = 0; s < width; ++s) {
-    row[s] = best == kNegInf ? 0.f : std::exp(row[s] - best);
-    total += row[s];
-  }
-  const float inv = total > 0.f ? 1.f / total : 0.f;
-  for (int64_t s = 0; s < width; ++s) row[s] *= inv;
+  return {hidden, blind};
 }
 
 template <typename scalar_t>
@@ -103,51 +113,41 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o
 }
 
 void attend_per_head(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                     const int64_t* prefix_lens, const uint32_t* bits, int64_t mask_rows, int64_t W, double scale) {
+                     const at::Tensor& hidden, bool blind, const int64_t* prefix_lens, double scale) {
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), S = k.size(2), group = Hq / k.size(1);
   const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
     const c10::InferenceMode guard(inference);  // worker threads do not inherit it; out may be an inference tensor
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hq, h = task % Hq;
-      const int64_t prefix = std::max<int64_t>(prefix_lens[b], 0), limit = std::min(S, prefix + T);
+      const int64_t limit = std::min(S, std::max<int64_t>(prefix_lens[b], 0) + T);
       if (limit <= 0) {
         out[b][h].zero_();
         continue;
       }
       auto keys = k[b][h / group].narrow(0, 0, limit).to(at::kFloat);
       auto values = v[b][h / group].narrow(0, 0, limit).to(at::kFloat);
-      auto scores = at::mm(q[b][h].to(at::kFloat), keys.t()).mul_(scale);  // [T, limit]
-      float* sc = scores.data_ptr<float>();
-      for (int64_t i = 0; i < T; ++i) {
-        const uint32_t* mrow = bits ? bits + ((mask_rows == 1 ? 0 : b) * T + i) * W : nullptr;
-        masked_softmax(sc + i * limit, limit, limit, prefix, mrow, i);
-      }
-      out[b][h].copy_(at::mm(scores, values));
+      auto hide = hidden[b][0][0].narrow(1, 0, limit);  // [T, limit]
+      auto scores = at::mm(q[b][h].to(at::kFloat), keys.t()).mul_(scale).masked_fill_(hide, kNegInf);
+      auto weights = at::softmax(scores, -1);
+      if (blind) weights.masked_fill_(hide.all(-1, true), 0.f);
+      out[b][h].copy_(at::mm(weights, values));
     }
   });
 }
 
 void attend_batched(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                    const int64_t* prefix_lens, const uint32_t* bits, int64_t mask_rows, int64_t W, int64_t longest,
-                    double scale) {
+                    const at::Tensor& hidden, bool blind, int64_t longest, double scale) {
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), S = k.size(2), group = Hq / Hkv;
+  const int64_t Hkv = k.size(1), group = Hq / Hkv;
   // a GQA group's query heads become extra query rows of its kv head: [B, Hkv, group*T, D]
   auto queries = q.to(at::kFloat).view({B, Hkv, group * T, D});
   auto keys = k.narrow(2, 0, longest).to(at::kFloat);
   auto values = v.narrow(2, 0, longest).to(at::kFloat);
-  auto scores = at::matmul(queries, keys.transpose(2, 3)).mul_(scale).contiguous();  // [B, Hkv, group*T, longest]
-  float* sc = scores.data_ptr<float>();
-  at::parallel_for(0, B * Hkv * group * T, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t b = r / (Hkv * group * T), i = r % T;
-      const int64_t prefix = std::max<int64_t>(prefix_lens[b], 0), limit = std::min(S, prefix + T);
-      const uint32_t* mrow = bits ? bits + ((mask_rows == 1 ? 0 : b) * T + i) * W : nullptr;
-      masked_softmax(sc + r * longest, longest, limit, prefix, mrow, i);
-    }
-  });
-  out.copy_(at::matmul(scores, values).view({B, Hq, T, D}));
+  auto scores = at::matmul(queries, keys.transpose(2, 3)).mul_(scale).view({B, Hkv, group, T, longest});
+  auto weights = at::softmax(scores.masked_fill_(hidden, kNegInf), -1);
+  if (blind) weights.masked_fill_(hidden.all(-1, true), 0.f);
+  out.copy_(at::matmul(weights.view({B, Hkv, group * T, longest}), values).view({B, Hq, T, D}));
 }
 
 }  // namespace
@@ -175,10 +175,13 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, co
                        out.data_ptr<scalar_t>(), lengths, bits, mask_rows, W, B, Hq, Hkv, T, S, D, longest,
                        static_cast<float>(scale));
     });
-  } else if (B * Hq * T * longest <= kBatchedScores) {  // launches dominate: batch them
-    attend_batched(q, k, v, out, lengths, bits, mask_rows, W, longest, scale);
-  } else {  // one head at a time keeps its scores in cache
-    attend_per_head(q, k, v, out, lengths, bits, mask_rows, W, scale);
+  } else {
+    const auto [hidden, blind] = hidden_keys(q, lengths, bits, mask_rows, W, S, longest);
+    if (B * Hq * T * longest <= kBatchedScores) {  // launches dominate: batch them
+      attend_batched(q, k, v, out, hidden, blind, longest, scale);
+    } else {  // one head at a time keeps its scores in cache
+      attend_per_head(q, k, v, out, hidden, blind, lengths, scale);
+    }
   }
   return out;
 }
