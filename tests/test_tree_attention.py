@@ -64,13 +64,17 @@ def test_matches_reference(backend, case, tree, dtype):
 
 
 @pytest.mark.skipif(not spec_ext.ops.registered("tree_attention", "CPU"), reason="C++ kernels not built")
-@pytest.mark.parametrize("tree", ["causal", "random"])
+@pytest.mark.parametrize("tree", ["causal", "random", "blind"])
 def test_cpu_kernel_on_blocks_too_big_for_its_batched_path(tree):
-    """Over 2^20 scores the CPU kernel goes one head at a time (the CASES above all stay batched)."""
+    """Over 2^20 scores the CPU kernel goes one head at a time (the CASES above all stay
+    batched); "blind": row 0 has no prefix and its first query sees no key."""
     B, Hq, Hkv, T, S, D = 2, 8, 2, 64, 1100, 32
-    q, k, v, prefix, g = make(B, Hq, Hkv, T, S, D, torch.float32, seed=5, prefix=torch.tensor([S - T, 700]))
-    assert B * Hq * T * S > 2 ** 20
-    mask = reference.tree_mask(random_parents(B, T, g))[1] if tree == "random" else None
+    prefix = torch.tensor([0, S - T] if tree == "blind" else [S - T, 700])
+    q, k, v, prefix, g = make(B, Hq, Hkv, T, S, D, torch.float32, seed=5, prefix=prefix)
+    assert B * Hq * T * (int(prefix.max()) + T) > 2 ** 20  # scores up to the longest row
+    mask = reference.tree_mask(random_parents(B, T, g))[1] if tree != "causal" else None
+    if tree == "blind":
+        mask[0, 0] = 0
     out = spec_ext.tree_attention(q, k, v, prefix, mask, backend="cpu")
     torch.testing.assert_close(out, reference.tree_attention(q, k, v, prefix, mask, D ** -0.5), rtol=1e-4, atol=1e-4)
 
