@@ -21,4 +21,5 @@ TORCH_LIBRARY(spec_ext, m) {
   m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor prefix_lens, Tensor? tree_mask, "
         "float scale) -> Tensor");
   m.def("compact_kv(Tensor(a!)[] caches, Tensor src, Tensor dst_start) -> ()");
+  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }

@@ -323,7 +323,8 @@ def _check_models(target, draft, policy: Policy) -> None:
 def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max_new_tokens: int = 32,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
-             policy: str | Policy = "svip", seed: int | None = None, streamer=None) -> Output:
+             policy: str | Policy = "svip", seed: int | None = None, streamer=None,
+             fast_linear: bool = False) -> Output:
     """Speculative decoding of ``target`` with ``draft``: greedy output equals the
     target's own greedy output; sampled output follows the target's distribution.
 
@@ -336,6 +337,11 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         policy: a :class:`spec_ext.policies.Policy` or its lower-case name.
         seed: seeds a private generator; None uses torch's global generator.
         streamer: an HF streamer (batch size 1).
+        fast_linear: run the models' linear layers through :func:`spec_ext.ops.skinny_linear`
+            (CPU float32 Llama-family models; 2-4x faster matmuls at decode and verification
+            sizes). Output is then exact with respect to that forward, whose logits differ
+            from HF's by float32 rounding: greedy text can differ from ``target.generate``
+            where two tokens tie to within that rounding.
     Returns:
         Output(sequences [B, L + new] as HF generate returns them, padded with
         ``pad_token_id`` after EOS; stats).
@@ -373,12 +379,13 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         hf.check_window(model, role, longest + max_new_tokens + ahead + 1)
     sampler = Sampler(temperature, top_k, top_p)
     if policy.kind == "parallel":
-        loop = policy.make_loop(target, draft, prompts, max_new_tokens, sampler, eos, generator, streamer)
+        loop = policy.make_loop(target, draft, prompts, max_new_tokens, sampler, eos, generator, streamer,
+                                fast_linear)
     else:
         loop = _Loop(target, draft, prompts, max_new_tokens, sampler, eos, policy, generator, streamer)
     if streamer is not None:
         streamer.put(torch.tensor([prompts[0]]))
-    with hf.attention_implementation(*models):
+    with hf.attention_implementation(*models, fast_linear=fast_linear):
         stats = loop.run()
     if streamer is not None:
         streamer.end()
@@ -401,8 +408,9 @@ class Accelerated:
     """The target model with a speculative ``generate``; every other attribute is the
     target's. ``last_stats`` holds the stats of the latest call."""
 
-    def __init__(self, target, draft, policy: str | Policy = "svip"):
+    def __init__(self, target, draft, policy: str | Policy = "svip", fast_linear: bool = False):
         self._target, self._draft, self._policy = target, draft, resolve(policy)
+        self._fast_linear = fast_linear
         _check_models(target, draft, self._policy)
         self.last_stats: Stats | None = None
 
@@ -433,16 +441,17 @@ class Accelerated:
             top_k = config.top_k if top_k is None else top_k
             top_p = config.top_p if top_p is None else top_p
         out = generate(self._target, self._draft, input_ids, attention_mask, max_new_tokens, temperature, top_k,
-                       top_p, eos_token_id, pad_token_id, self._policy, seed, streamer)
+                       top_p, eos_token_id, pad_token_id, self._policy, seed, streamer, self._fast_linear)
         self.last_stats = out.stats
         return out.sequences
 
 
-def accelerate(target, draft, policy: str | Policy = "svip") -> Accelerated:
-    """Wrap ``target`` so that ``.generate(...)`` runs speculative decoding with ``draft``.
+def accelerate(target, draft, policy: str | Policy = "svip", fast_linear: bool = False) -> Accelerated:
+    """Wrap ``target`` so that ``.generate(...)`` runs speculative decoding with ``draft``
+    (``fast_linear``: see :func:`generate`).
 
     Example:
         >>> fast = accelerate(target, draft, policy="fixed")            # doctest: +SKIP
         >>> fast.generate(input_ids, max_new_tokens=64)                 # doctest: +SKIP
     """
-    return Accelerated(target, draft, policy)
+    return Accelerated(target, draft, policy, fast_linear)

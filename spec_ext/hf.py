@@ -75,14 +75,15 @@ def check_pair(target, draft) -> None:
 
 
 @contextlib.contextmanager
-def attention_implementation(*models):
+def attention_implementation(*models, fast_linear: bool = False):
     """Route the models' attention through spec_ext for the duration of the block (and
-    choose, per model, between the lean forward and the HF modules)."""
+    choose, per model, between the lean forward and the HF modules; ``fast_linear``: the
+    lean forward's linear layers take ``ops.skinny_linear``)."""
     saved = [m.config._attn_implementation for m in models]
     try:
         for m in models:
             m.config._attn_implementation = ATTENTION
-            lean.prepare(m)
+            lean.prepare(m, fast_linear)
         yield
     finally:
         for m, name in zip(models, saved):

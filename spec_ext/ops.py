@@ -15,12 +15,16 @@ import warnings
 from typing import NamedTuple, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from spec_ext import reference
 
 BACKENDS = ("torch", "cpu", "triton", "cuda")
-OPS = ("tree_mask", "chain_verify", "tree_verify", "tree_attention", "compact_kv")
+OPS = ("tree_mask", "chain_verify", "tree_verify", "tree_attention", "compact_kv", "skinny_linear")
+# dispatch keys each op has compiled kernels for, in a build with CUDA (skinny_linear: CPU
+# only; on a GPU cuBLAS already reads skinny operands at full bandwidth)
+KERNEL_KEYS = {op: ("CPU", "CUDA") for op in OPS} | {"skinny_linear": ("CPU",)}
 
 try:
     from spec_ext import _C  # noqa: F401  (registers the spec_ext:: kernels)
@@ -459,6 +463,67 @@ def tree_attention_kernel(device: torch.device | str):
     return torch.ops.spec_ext.tree_attention
 
 
+# ------------------------------------------------------------------------ linear
+SKINNY_ROWS = 16  # up to this many rows the CPU kernel beats MKL: 3-4x at 1-5 rows, 1.2-2.4x at 8-16
+
+
+def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend: str = "auto") -> Tensor:
+    """``x @ weight.T + bias`` for a few rows of x (a decode step, a verification block):
+    what ``torch.nn.functional.linear`` computes, faster on CPU when x has at most
+    ``SKINNY_ROWS`` rows in all. The CPU kernel streams each weight row once for every row
+    of x (MKL packs cold weights first and reads them at a quarter of the speed here); it
+    sums in a fixed order, so a row's result is the same bits whatever other rows come with
+    it, but not the same bits as MKL's (float32 rounding apart). Other cases (more rows,
+    other dtypes or devices, no AVX-512: a portable loop, correct but slower than MKL) take
+    ``F.linear``.
+
+    Args:
+        x: [..., K] float32 (other dtypes go to F.linear).
+        weight: [N, K], same dtype and device. bias: [N] or None.
+        backend: "auto" (the kernel when it applies, else F.linear), "cpu" (the kernel,
+            any row count) or "torch" (the float64 reference).
+    Returns:
+        [..., N] in x's dtype.
+
+    Example:
+        >>> w = torch.randn(864, 320); x = torch.randn(1, 5, 320)
+        >>> y = skinny_linear(x, w)         # [1, 5, 864], close to F.linear(x, w)
+    """
+    _check_tensor("x", x, tuple(range(1, 8)), (torch.float32, torch.float16, torch.bfloat16))
+    _check_tensor("weight", weight, 2, (x.dtype,), x.device)
+    if weight.shape[1] != x.shape[-1]:
+        _fail("weight", f"expected [N, K={x.shape[-1]}] (K = x's last dim), got {tuple(weight.shape)}")
+    if bias is not None:
+        _check_tensor("bias", bias, 1, (x.dtype,), x.device)
+        _check_shape("bias", bias, (weight.shape[0],))
+    if backend == "torch":
+        return reference.skinny_linear(x, weight, bias)
+    if backend == "cpu":
+        _resolve("cpu", x.device, "skinny_linear")
+        if x.dtype != torch.float32:
+            _fail("x", f"backend='cpu' takes float32, got {x.dtype}")
+        return torch.ops.spec_ext.skinny_linear(x, weight, bias)
+    if backend != "auto":
+        raise ValueError(f"backend must be one of ('auto', 'cpu', 'torch') for skinny_linear, got {backend!r}")
+    return skinny_linear_kernel(x.device, x.dtype)(x, weight, bias)
+
+
+def skinny_linear_kernel(device: torch.device | str, dtype: torch.dtype = torch.float32):
+    """What :func:`skinny_linear` (backend "auto") runs for x on ``device`` in ``dtype``, as
+    an unchecked function ``(x, weight, bias) -> y``: the CPU kernel up to ``SKINNY_ROWS``
+    rows of x and F.linear beyond them, or F.linear wherever the kernel does not apply."""
+    device = torch.device(device)
+    if (device.type != "cpu" or dtype != torch.float32 or not registered("skinny_linear", "CPU")
+            or torch.backends.cpu.get_cpu_capability() != "AVX512"):
+        return F.linear
+    kernel = torch.ops.spec_ext.skinny_linear
+
+    def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        return kernel(x, weight, bias) if x.numel() <= SKINNY_ROWS * x.shape[-1] else F.linear(x, weight, bias)
+
+    return linear
+
+
 # ------------------------------------------------------------------------ kv cache
 def compact_kv(caches: Sequence[Tensor] | Tensor, src: Tensor, dst_start: Tensor, backend: str = "auto",
                validate: bool | None = None) -> None:
@@ -538,3 +603,7 @@ if _C_ERROR is None:
     @torch.library.register_fake("spec_ext::compact_kv")
     def _(caches, src, dst_start):
         return None
+
+    @torch.library.register_fake("spec_ext::skinny_linear")
+    def _(x, weight, bias):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -62,6 +62,7 @@ class _Start:
     capacity: int
     lookahead: int
     branches: int         # most lanes (branches) per row; 1 = a chain (PEARL)
+    fast_linear: bool     # the draft's linear layers take ops.skinny_linear
 
 
 @dataclass
@@ -234,8 +235,10 @@ class PEARL(Policy):
         """How far (tokens past the committed ones) a lane may draft ahead."""
         return 2 * self.max_draft + 2
 
-    def make_loop(self, target, draft, prompts, max_new_tokens, sampler, eos, generator, streamer):
-        return _TargetSide(self, target, draft, prompts, max_new_tokens, sampler, eos, generator, streamer)
+    def make_loop(self, target, draft, prompts, max_new_tokens, sampler, eos, generator, streamer,
+                  fast_linear: bool = False):
+        return _TargetSide(self, target, draft, prompts, max_new_tokens, sampler, eos, generator, streamer,
+                           fast_linear)
 
 
 @register
@@ -278,8 +281,10 @@ class _TargetSide(_Rows):
     """Owns the target, every decision and all verification randomness. Per row it keeps
     the draft tree received so far: node id -> (parent id, token, q it was drawn from)."""
 
-    def __init__(self, policy: PEARL, target, draft, prompts, max_new, sampler, eos, generator, streamer):
+    def __init__(self, policy: PEARL, target, draft, prompts, max_new, sampler, eos, generator, streamer,
+                 fast_linear: bool = False):
         self.policy, self.target, self.draft = policy, target, draft
+        self.fast_linear = fast_linear
         self.sampler, self.eos, self.generator, self.streamer = sampler, eos, generator, streamer
         self.device = target.device
         self.max_new = max_new
@@ -361,7 +366,7 @@ class _TargetSide(_Rows):
     def _run(self, link):
         seed = int(torch.randint(0, 2 ** 62, (1,), generator=self.generator))
         link.send(_Start(self.prompts, self.sampler.temperature, self.sampler.top_k, self.sampler.top_p, seed,
-                         self.capacity, self.policy.lookahead, self.policy.branches))
+                         self.capacity, self.policy.lookahead, self.policy.branches, self.fast_linear))
         while not isinstance(hello := link.get(), _Hello):
             pass  # leftovers of an earlier call that failed on this side
         if hello.vocab_size != self.target.config.vocab_size:
@@ -588,7 +593,7 @@ class _DraftSide:
         self.epochs, self.next_node = [0] * B, [0] * B
         self.roots, self.hints = [-1] * B, [DEFER] * B  # each row's root node id, branch hint
         self.committed = [len(p) for p in start.prompts]
-        with hf.attention_implementation(self.draft), torch.inference_mode():
+        with hf.attention_implementation(self.draft, fast_linear=start.fast_linear), torch.inference_mode():
             self._prefill()
             while True:
                 live = [lane for r, lanes in self.lanes.items() for lane in lanes

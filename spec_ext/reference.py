@@ -198,3 +198,14 @@ def compact_kv(caches: list[Tensor], src: Tensor, dst_start: Tensor) -> None:
                 moved = cache[b, :, src[b, :n]].clone()
                 start = int(dst_start[b])
                 cache[b, :, start:start + n] = moved
+
+
+# ------------------------------------------------------------------------ linear
+def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x [..., K], weight [N, K], bias [N] or None -> x @ weight.T + bias [..., N], summed in
+    float64 and rounded once to x's dtype (the other backends sum in float32, in their own
+    order)."""
+    y = x.double() @ weight.double().T
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)

@@ -74,6 +74,18 @@ def test_greedy_batch1_equals_target(greedy_pair, policy):
     assert out.stats.accepted > 0, "the perturbed draft should agree with the target sometimes"
 
 
+@pytest.mark.parametrize("policy", ["fixed", "tree", "pearl"])
+def test_greedy_with_fast_linear_equals_target(greedy_pair, policy):
+    """The skinny-GEMM forward rounds differently from HF's, but not enough to change these
+    greedy continuations (an exact tie within float32 rounding could)."""
+    target, draft = greedy_pair
+    prompts = [[5, 17, 33, 8], [40, 2]]
+    out = spec_ext.generate(target, draft, prompts, max_new_tokens=40, eos_token_id=[], policy=policy,
+                            fast_linear=True)
+    for b, prompt in enumerate(prompts):
+        assert out.sequences[b, -40:].tolist() == hf_greedy(target, prompt, 40, eos=[]), f"row {b}"
+
+
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_greedy_ragged_batch_with_eos_equals_target(greedy_pair, policy):
     target, draft = greedy_pair

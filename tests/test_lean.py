@@ -11,14 +11,14 @@ from spec_ext.lean import lean_decoder, prepare, unsupported_reason
 from test_kv_cache import tiny
 
 
-def run_both(model, steps):
+def run_both(model, steps, fast_linear=False):
     """Feed the same (ids, positions, tree mask) steps through a fresh cache per path; the
     cache advances by the given lengths after each step. Returns [(logits, hidden)] per path."""
     results = []
     for lean in (False, True):
         cache = SpecCache.for_model(model, steps[0][0].shape[0], 640)
         outs = []
-        with torch.inference_mode(), hf.attention_implementation(model):
+        with torch.inference_mode(), hf.attention_implementation(model, fast_linear=fast_linear):
             assert lean_decoder(model) is not None  # so use_lean=True really takes the lean forward
             for ids, positions, mask, advance in steps:
                 outs.append(hf.forward(model, ids, cache, positions, mask, hidden=True, use_lean=lean))
@@ -44,6 +44,24 @@ def test_lean_forward_equals_hf_forward(kind, dtype):
         assert logits.dtype == lean_logits.dtype == torch.float32
         assert torch.equal(logits, lean_logits)
         assert torch.equal(hidden, lean_hidden)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v projections with a bias
+def test_fast_linear_forward_is_close_to_hf_forward(kind):
+    model = tiny(kind)
+    g = torch.Generator().manual_seed(1)
+    tree = spec_ext.build_tree([-1, 0, 0, 1])
+    lengths = torch.tensor([7, 3])
+    steps = [(torch.randint(0, 61, (2, 7), generator=g), torch.arange(7).expand(2, 7), None, lengths.tolist()),
+             (torch.randint(0, 61, (2, 4), generator=g), tree.positions(lengths), tree.mask, [1, 2]),
+             (torch.randint(0, 61, (2, 1), generator=g), (lengths + torch.tensor([1, 2]))[:, None], None, [1, 1])]
+    reference, fast = run_both(model, steps, fast_linear=True)
+    with hf.attention_implementation(model, fast_linear=True):
+        kernel_applies = spec_ext.ops.skinny_linear_kernel("cpu") is not torch.nn.functional.linear
+        assert (lean_decoder(model).linear is not torch.nn.functional.linear) == kernel_applies
+    for (logits, hidden), (fast_logits, fast_hidden) in zip(reference, fast):
+        torch.testing.assert_close(fast_logits, logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(fast_hidden, hidden, rtol=1e-4, atol=1e-4)
 
 
 def test_rotary_table_covers_every_cache_capacity():

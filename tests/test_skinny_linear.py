@@ -1,0 +1,67 @@
+"""skinny_linear: the CPU kernel against the float64 reference (with a budget relative to
+F.linear's own float32 error), its row invariance, its dispatch rule and its errors."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spec_ext
+from spec_ext import ops, reference
+
+pytestmark = pytest.mark.skipif(not ops.registered("skinny_linear", "CPU"), reason="C++ kernels not built")
+
+SHAPES = [  # leading dims of x, K, N
+    ((1,), 320, 864),     # a decode step of the bundled target's MLP
+    ((1, 5), 320, 160),   # a verification block
+    ((3,), 17, 5),        # K below one vector, odd N
+    ((2, 7), 193, 33),    # 14 rows: two register blocks, a K tail
+    ((16,), 64, 1),
+    ((40,), 96, 48),      # more rows than the auto path sends to the kernel
+]
+
+
+@pytest.mark.parametrize("lead,K,N", SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_reference(lead, K, N, with_bias):
+    g = torch.Generator().manual_seed(K * N)
+    x = torch.randn(*lead, K, generator=g)
+    w = torch.randn(N, K, generator=g) / K ** 0.5
+    b = torch.randn(N, generator=g) if with_bias else None
+    y = spec_ext.ops.skinny_linear(x, w, b, backend="cpu")
+    exact = reference.skinny_linear(x.double(), w.double(), None if b is None else b.double())
+    assert y.shape == (*lead, N) and y.dtype == torch.float32
+    mkl_error = (F.linear(x, w, b).double() - exact).abs().max().item()
+    assert (y.double() - exact).abs().max().item() <= 4 * mkl_error + 1e-6
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(9, 320, generator=g), torch.randn(500, 320, generator=g)
+    together = spec_ext.ops.skinny_linear(x, w, backend="cpu")
+    for m in range(9):
+        assert torch.equal(spec_ext.ops.skinny_linear(x[m:m + 1], w, backend="cpu")[0], together[m])
+
+
+def test_auto_takes_the_kernel_for_few_rows_and_f_linear_beyond():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 96, generator=g)
+    few, many = torch.randn(2, 8, 96, generator=g), torch.randn(ops.SKINNY_ROWS + 1, 96, generator=g)
+    assert torch.equal(spec_ext.ops.skinny_linear(many, w), F.linear(many, w))
+    expected = torch.ops.spec_ext.skinny_linear(few, w, None) if torch.backends.cpu.get_cpu_capability() == "AVX512" \
+        else F.linear(few, w)
+    assert torch.equal(spec_ext.ops.skinny_linear(few, w), expected)
+    half = few.to(torch.bfloat16)
+    assert torch.equal(spec_ext.ops.skinny_linear(half, w.to(torch.bfloat16)), F.linear(half, w.to(torch.bfloat16)))
+
+
+def test_bad_input():
+    x, w = torch.randn(2, 8), torch.randn(3, 8)
+    with pytest.raises(ValueError, match="weight: expected \\[N, K=8\\]"):
+        spec_ext.ops.skinny_linear(x, torch.randn(3, 7))
+    with pytest.raises(ValueError, match="weight: expected dtype"):
+        spec_ext.ops.skinny_linear(x, w.double())
+    with pytest.raises(ValueError, match="bias: expected shape"):
+        spec_ext.ops.skinny_linear(x, w, torch.randn(4))
+    with pytest.raises(ValueError, match="x: backend='cpu' takes float32"):
+        spec_ext.ops.skinny_linear(x.half(), w.half(), backend="cpu")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        spec_ext.ops.skinny_linear(x, w, backend="triton")
