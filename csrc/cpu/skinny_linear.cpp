@@ -1,9 +1,12 @@
-// y = x @ weight.T (+ bias) for a few rows of x (a decode step or a verification block),
-// float32. MKL's GEMM reads cold weights at 4-7 GB/s on this kind of machine for M <= 16
-// (it packs them first); here every weight row is streamed once, straight from memory, and
-// dotted with all M rows of x (which stay in L1): 22-26 GB/s for M <= 5, 14 GB/s at M = 8.
-// Each y[m, n] is one fixed-order dot product, so a row's result does not depend on how
-// many other rows come with it (M = 1 and M = 5 give the same bits for the same row).
+// y = x @ weight.T (+ bias) for a few rows of x (decode steps, verification blocks),
+// float32. MKL's GEMM reads cold weights at 4-7 GB/s on this machine for up to ~40 rows;
+// here each weight row is streamed from memory once and dotted with every row of x (which
+// stays in cache): 15-30 GB/s for 1-2 rows, about 10 GB/s for 5-8, 1.1-1.5x MKL at 16-40
+// (medians of single runs; this box's speed varies by 2x between runs). Up to 8 rows of x
+// one weight row is streamed at a time; from 9 rows on, blocks of 4 weight rows x 6 rows
+// of x keep 24 accumulators in registers. Each y[m, n] is one fixed-order dot product (16
+// interleaved partial sums over k, a tree, then the tail), so a row's result does not
+// depend on how many other rows come with it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -16,8 +19,6 @@
 
 namespace spec_ext {
 namespace {
-
-constexpr int64_t kRowBlock = 8;  // rows of x whose accumulators live in registers at once
 
 // Reference order of the sums below: 16 interleaved partial sums over k (lane j takes
 // k = j mod 16), summed as a tree, then the tail k >= K - K % 16 added in order.
@@ -48,26 +49,53 @@ void rows_portable(const float* x, const float* w, float* y, int64_t M, int64_t 
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx512f,fma"))) void rows_avx512(const float* x, const float* w, float* y, int64_t M,
-                                                         int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const float* wr = w + n * K;
-    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, M - m0);
-      __m512 acc[kRowBlock];
-      for (int64_t i = 0; i < rows; ++i) acc[i] = _mm512_setzero_ps();
-      int64_t k = 0;
-      for (; k + 16 <= K; k += 16) {
-        const __m512 wv = _mm512_loadu_ps(wr + k);
-        for (int64_t i = 0; i < rows; ++i) acc[i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + (m0 + i) * K + k), acc[i]);
-      }
-      for (int64_t i = 0; i < rows; ++i) {
-        alignas(64) float lanes[16];
-        _mm512_store_ps(lanes, acc[i]);
-        y[(m0 + i) * N + n] = finish_dot(lanes, wr, x + (m0 + i) * K, k, K);
-      }
+// NR weight rows x MR rows of x per block: NR + MR loads feed NR * MR FMAs, the
+// accumulators stay in registers (24 of the 32 zmm at 4 x 6).
+template <int NR, int MR>
+__attribute__((target("avx512f,fma"))) void block_avx512(const float* x, const float* w, float* y, int64_t N,
+                                                          int64_t K, int64_t n, int64_t m0) {
+  __m512 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MR; ++i) acc[r][i] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = _mm512_loadu_ps(w + (n + r) * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + (m0 + i) * K + k);
+      for (int r = 0; r < NR; ++r) acc[r][i] = _mm512_fmadd_ps(wv[r], xv, acc[r][i]);
     }
   }
+  for (int r = 0; r < NR; ++r) {
+    for (int i = 0; i < MR; ++i) {
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, acc[r][i]);
+      y[(m0 + i) * N + n + r] = finish_dot(lanes, w + (n + r) * K, x + (m0 + i) * K, k, K);
+    }
+  }
+}
+
+template <int NR>
+__attribute__((target("avx512f,fma"))) void columns_avx512(const float* x, const float* w, float* y, int64_t M,
+                                                            int64_t N, int64_t K, int64_t n) {
+  int64_t m0 = 0;
+  for (; m0 + 6 <= M; m0 += 6) block_avx512<NR, 6>(x, w, y, N, K, n, m0);
+  switch (M - m0) {
+    case 5: return block_avx512<NR, 5>(x, w, y, N, K, n, m0);
+    case 4: return block_avx512<NR, 4>(x, w, y, N, K, n, m0);
+    case 3: return block_avx512<NR, 3>(x, w, y, N, K, n, m0);
+    case 2: return block_avx512<NR, 2>(x, w, y, N, K, n, m0);
+    case 1: return block_avx512<NR, 1>(x, w, y, N, K, n, m0);
+    default: return;
+  }
+}
+
+__attribute__((target("avx512f,fma"))) void rows_avx512(const float* x, const float* w, float* y, int64_t M,
+                                                         int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (M > 8)  // with up to 8 rows of x, one weight row at a time streams faster
+    for (; n + 4 <= n1; n += 4) columns_avx512<4>(x, w, y, M, N, K, n);
+  for (; n < n1; ++n) columns_avx512<1>(x, w, y, M, N, K, n);
 }
 #endif
 
