@@ -45,9 +45,8 @@ def policies() -> dict:
     (benchmarks/train_policies.py) when that sweep exists."""
     chosen = {name: name for name in POLICIES}
     chosen["pearl"] = spec_ext.parallel.PEARL()
-    sweep = ROOT / "models" / "policies" / "validation.json"
-    if sweep.exists():
-        k = json.loads(sweep.read_text())["best_fixed_k"]
+    if (ROOT / "models" / "policies" / "validation.json").exists():
+        k = best_fixed()
         chosen[f"fixed k={k} (best on validation)"] = spec_ext.policies.Fixed(k)
     return chosen
 
@@ -70,6 +69,32 @@ def left_pad(prompts, pad):
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     return ids, mask
+
+
+def lean_alone(target, group, n, temperature, fast_linear):
+    """The target alone, no draft, on spec_ext's lean forward and SpecCache: separates what
+    the forward (and fast_linear's kernel) gains from what speculation gains."""
+    assert len(set(map(len, group))) == 1, "equal-length prompts only"
+    sampler = spec_ext.decoding.Sampler(temperature)
+    ids = torch.tensor(group)
+    B, L = ids.shape
+    tokens = []
+    with torch.inference_mode(), spec_ext.hf.attention_implementation(target, fast_linear=fast_linear):
+        cache = spec_ext.SpecCache.for_model(target, B, L + n)
+        logits = spec_ext.hf.forward(target, ids, cache, torch.arange(L).expand(B, L))[:, -1]
+        cache.advance([L] * B)
+        for step in range(n):
+            token = logits.argmax(-1) if sampler.greedy else torch.multinomial(sampler.probs(logits), 1)[:, 0]
+            tokens.append(token)
+            if step + 1 < n:
+                logits = spec_ext.hf.forward(target, token[:, None], cache, cache.lengths[:, None])[:, 0]
+                cache.advance([1] * B)
+    return torch.cat([ids, torch.stack(tokens, 1)], 1)
+
+
+def best_fixed():
+    sweep = ROOT / "models" / "policies" / "validation.json"
+    return json.loads(sweep.read_text())["best_fixed_k"] if sweep.exists() else 4
 
 
 def run_config(target, draft, prompts, batch, temperature, n, repeats, pad):
@@ -125,6 +150,18 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad):
                     rate = out.stats.tokens_per_s
                     record(f"spec_ext {SAME_WINDOW}", rate, rate / base, out.stats,
                            bool(torch.equal(out.sequences, alone)) if greedy else None)
+            k = best_fixed()
+            out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n, temperature=temperature,
+                                    eos_token_id=[], pad_token_id=pad, policy=spec_ext.policies.Fixed(k),
+                                    fast_linear=True)
+            rate = out.stats.tokens_per_s
+            record(f"spec_ext fixed k={k}*, fast_linear", rate, rate / base, out.stats,
+                   bool(torch.equal(out.sequences, alone)) if greedy else None)
+            for fast in (False, True):
+                out, t = timed(lambda: lean_alone(target, group, n, temperature, fast))
+                rate = len(group) * n / t
+                record(f"target alone, lean forward{', fast_linear' if fast else ''}", rate, rate / base,
+                       match=bool(torch.equal(out, alone)) if greedy else None)
     results["spec_ext pearl"]["gammas"] = gammas
     return results
 
