@@ -53,7 +53,7 @@ def cmd_generate(args) -> None:
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     out = spec_ext.generate(target, draft, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, policy=args.policy, seed=args.seed,
-                            streamer=_streamer(tokenizer))
+                            streamer=_streamer(tokenizer), fast_linear=args.fast_linear)
     print("\n" + json.dumps(out.stats.as_dict(), indent=2))
 
 
@@ -85,19 +85,23 @@ def cmd_demo(args) -> None:
     rows = []
     base, reference = _tokens_per_s(alone, args.repeats)
     rows.append(("target alone (HF generate)", base, None))
-    for policy in args.policies:
+    runs = [(policy, False) for policy in args.policies] + [("fixed", True)]
+    for policy, fast_linear in runs:
         def run():
-            out = spec_ext.generate(target, draft, ids, max_new_tokens=n, eos_token_id=[], policy=policy)
+            out = spec_ext.generate(target, draft, ids, max_new_tokens=n, eos_token_id=[], policy=policy,
+                                    fast_linear=fast_linear)
             return out, out.stats.new_tokens
         rate, out = _tokens_per_s(run, args.repeats)
         same = torch.equal(out.sequences[0], reference[0, :out.sequences.shape[1]])
-        rows.append((f"spec_ext {policy}{'' if same else ' (OUTPUT DIFFERS)'}", rate, out.stats))
+        name = f"spec_ext {policy}{', fast_linear' if fast_linear else ''}"
+        rows.append((f"{name}{'' if same else ' (OUTPUT DIFFERS)'}", rate, out.stats))
     print(f"{'':34} {'tokens/s':>9} {'speed-up':>9} {'accepted/call':>14} {'accept rate':>12} {'target calls':>13}")
     for name, rate, stats in rows:
         extra = ("", "", "") if stats is None else (f"{stats.mean_accepted:.2f}", f"{stats.acceptance_rate:.2f}",
                                                     str(stats.target_calls))
         print(f"{name:34} {rate:9.1f} {rate / base:8.2f}x {extra[0]:>14} {extra[1]:>12} {extra[2]:>13}")
-    print(f"\n(medians of {args.repeats} runs; greedy output identical to the target's own)")
+    print(f"\n(medians of {args.repeats} runs; greedy output identical to the target's own unless marked;"
+          " fast_linear: spec_ext's skinny-GEMM kernel for the linear layers)")
 
 
 def main(argv=None) -> None:
@@ -115,6 +119,8 @@ def main(argv=None) -> None:
     gen.add_argument("--top-p", type=float)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--dtype", default="float32", choices=DTYPES, help="auto: as stored")
+    gen.add_argument("--fast-linear", action="store_true",
+                     help="linear layers through spec_ext's skinny GEMM (CPU float32; not bit-equal to HF's)")
     demo = sub.add_parser("demo", help="the bundled pair: streamed completion and a speed table")
     demo.add_argument("--target", type=Path, default=MODELS / "stdlib-target")
     demo.add_argument("--draft", type=Path, default=MODELS / "stdlib-draft")
