@@ -464,7 +464,7 @@ def tree_attention_kernel(device: torch.device | str):
 
 
 # ------------------------------------------------------------------------ linear
-SKINNY_ROWS = 48  # up to this many rows the CPU kernel beats MKL: 1.5-4x at 1-8 rows, 1.1-1.5x at 16-40
+SKINNY_ROWS = 48  # up to this many rows the CPU kernel beats MKL: 2.5-4x at 1-8 rows, 1.1-1.5x at 16-48
 
 
 def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend: str = "auto") -> Tensor:

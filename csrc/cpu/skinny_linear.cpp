@@ -1,17 +1,17 @@
 // y = x @ weight.T (+ bias) for a few rows of x (decode steps, verification blocks),
-// float32. MKL's GEMM reads cold weights at 4-7 GB/s on this machine for up to ~40 rows;
+// float32. MKL's GEMM reads cold weights at 4-7 GB/s on this machine for up to ~64 rows;
 // here each weight row is streamed from memory once and dotted with every row of x (which
-// stays in cache): 15-30 GB/s for 1-2 rows, about 10 GB/s for 5-8, 1.1-1.5x MKL at 16-40
-// (medians of single runs; this box's speed varies by 2x between runs). Up to 8 rows of x
-// one weight row is streamed at a time; from 9 rows on, blocks of 4 weight rows x 6 rows
-// of x keep 24 accumulators in registers. Each y[m, n] is one fixed-order dot product (16
-// interleaved partial sums over k, a tree, then the tail), so a row's result does not
-// depend on how many other rows come with it.
+// stays in cache): 19-32 GB/s for 1-2 rows, 15-19 for 5-8, 8 at 16 and 1.1-1.3x MKL at
+// 24-64 (single runs; this box's speed varies by 2x between runs). Up to 24 rows of x one
+// weight row is streamed at a time; beyond, blocks of 4 weight rows x 6 rows of x keep 24
+// accumulators in registers. Each y[m, n] is one fixed-order dot product (see tail_dot),
+// so a row's result does not depend on how many other rows come with it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -20,17 +20,18 @@
 namespace spec_ext {
 namespace {
 
-// Reference order of the sums below: 16 interleaved partial sums over k (lane j takes
-// k = j mod 16), summed as a tree, then the tail k >= K - K % 16 added in order.
-float finish_dot(const float* lanes, const float* w, const float* x, int64_t k, int64_t K) {
-  float s = 0.f;
-  float pairs[16];
-  std::copy(lanes, lanes + 16, pairs);
-  for (int64_t width = 8; width >= 1; width /= 2)
-    for (int64_t j = 0; j < width; ++j) pairs[j] = pairs[j] + pairs[j + width];
-  s = pairs[0];
-  for (; k < K; ++k) s += w[k] * x[k];
+// The order of every sum, on every path: 16 interleaved partial sums over k (lane j takes
+// k = j mod 16, one fused multiply-add per step), added as a tree (j + j+8, then j + j+4,
+// j + j+2, j + j+1), then the tail k >= K - K % 16 fused in order.
+inline float tail_dot(float s, const float* w, const float* x, int64_t k, int64_t K) {
+  for (; k < K; ++k) s = std::fma(w[k], x[k], s);
   return s;
+}
+
+float finish_portable(float* lanes, const float* w, const float* x, int64_t k, int64_t K) {
+  for (int64_t width = 8; width >= 1; width /= 2)
+    for (int64_t j = 0; j < width; ++j) lanes[j] = lanes[j] + lanes[j + width];
+  return tail_dot(lanes[0], w, x, k, K);
 }
 
 void rows_portable(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
@@ -43,12 +44,21 @@ void rows_portable(const float* x, const float* w, float* y, int64_t M, int64_t 
       int64_t k = 0;
       for (; k + 16 <= K; k += 16)
         for (int64_t j = 0; j < 16; ++j) lanes[j] = std::fma(wr[k + j], xr[k + j], lanes[j]);
-      y[m * N + n] = finish_dot(lanes, wr, xr, k, K);
+      y[m * N + n] = finish_portable(lanes, wr, xr, k, K);
     }
   }
 }
 
 #if defined(__x86_64__)
+// finish_portable's tree over the 16 lanes, in registers
+__attribute__((target("avx512f,fma"))) inline float sum_lanes(__m512 v) {
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
 // NR weight rows x MR rows of x per block: NR + MR loads feed NR * MR FMAs, the
 // accumulators stay in registers (24 of the 32 zmm at 4 x 6).
 template <int NR, int MR>
@@ -66,13 +76,9 @@ __attribute__((target("avx512f,fma"))) void block_avx512(const float* x, const f
       for (int r = 0; r < NR; ++r) acc[r][i] = _mm512_fmadd_ps(wv[r], xv, acc[r][i]);
     }
   }
-  for (int r = 0; r < NR; ++r) {
-    for (int i = 0; i < MR; ++i) {
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, acc[r][i]);
-      y[(m0 + i) * N + n + r] = finish_dot(lanes, w + (n + r) * K, x + (m0 + i) * K, k, K);
-    }
-  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MR; ++i)
+      y[(m0 + i) * N + n + r] = tail_dot(sum_lanes(acc[r][i]), w + (n + r) * K, x + (m0 + i) * K, k, K);
 }
 
 template <int NR>
@@ -93,7 +99,7 @@ __attribute__((target("avx512f,fma"))) void columns_avx512(const float* x, const
 __attribute__((target("avx512f,fma"))) void rows_avx512(const float* x, const float* w, float* y, int64_t M,
                                                          int64_t N, int64_t K, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  if (M > 8)  // with up to 8 rows of x, one weight row at a time streams faster
+  if (M > 24)  // with fewer rows of x, one weight row at a time streams faster
     for (; n + 4 <= n1; n += 4) columns_avx512<4>(x, w, y, M, N, K, n);
   for (; n < n1; ++n) columns_avx512<1>(x, w, y, M, N, K, n);
 }
