@@ -4,7 +4,7 @@ Appends CSV rows (op, backend, shape, device, median_us, p20_us, p80_us, extra, 
 commit) to benchmarks/results/kernels.csv and draws benchmarks/results/kernels_<device>.png
 (speed-up of each backend over the torch reference).
 
-    python benchmarks/bench_kernels.py [--ops rejection attention kv] [--quick]
+    python benchmarks/bench_kernels.py [--ops rejection tree attention kv linear] [--quick]
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from spec_ext import ops
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KERNEL_OF = {"chain_rejection_sample": "chain_verify", "tree_rejection_sample": "tree_verify",
-             "tree_greedy_verify": "tree_verify"}  # public function -> registered op
+             "tree_greedy_verify": "tree_verify", "skinny_linear vs F.linear": "skinny_linear"}  # row -> op
 FIELDS = ["op", "backend", "shape", "device", "median_us", "p20_us", "p80_us", "extra", "version", "commit"]
 
 
@@ -150,14 +150,36 @@ def kv_cases(device, quick):
         yield "compact_kv", f"L={L},B={B},H={H},S={S},D={D},M={M},fp16", run, f"bytes={moved}"
 
 
+def linear_cases(device, quick):
+    """skinny_linear against what a model runs otherwise, F.linear (MKL on CPU; the "torch"
+    rows here), on cold weights: each call takes the next matrix of a ring over 96 MB, so
+    the weights come from memory as they do in a forward."""
+    if device != "cpu":
+        return
+    grid = [(864, 320, M) for M in (1, 5, 8, 40)] + [(4096, 4096, M) for M in (1, 5, 16)]
+    if quick:
+        grid = [(864, 320, 5)]
+    for N, K, M in grid:
+        ring = [torch.randn(N, K) for _ in range(max(2, (96 << 20) // (N * K * 4)))]
+        x = torch.randn(M, K)
+        turn = iter(range(1 << 62))
+
+        def run(backend, ring=ring, x=x, turn=turn):
+            if backend == "torch":
+                return lambda: torch.nn.functional.linear(x, ring[next(turn) % len(ring)])
+            return lambda: spec_ext.ops.skinny_linear(x, ring[next(turn) % len(ring)], backend=backend)
+        yield "skinny_linear vs F.linear", f"M={M},N={N},K={K},float32", run, f"bytes={N * K * 4}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", nargs="+", default=["rejection", "tree", "attention", "kv"])
+    parser.add_argument("--ops", nargs="+", default=["rejection", "tree", "attention", "kv", "linear"])
     parser.add_argument("--quick", action="store_true", help="one shape per op")
     parser.add_argument("--budget", type=float, default=2.0, help="seconds of repeats per measurement")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    families = {"rejection": rejection_cases, "tree": tree_cases, "attention": attention_cases, "kv": kv_cases}
+    families = {"rejection": rejection_cases, "tree": tree_cases, "attention": attention_cases, "kv": kv_cases,
+                "linear": linear_cases}
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "kernels.csv"
     new = not out.exists()
