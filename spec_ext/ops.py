@@ -73,7 +73,7 @@ def backends() -> dict[str, str]:
     def status(reason):
         return "available" if reason is None else f"unavailable: {reason}"
     cpu_missing = [op for op in OPS if not registered(op, "CPU")]
-    cuda_missing = [op for op in OPS if not registered(op, "CUDA")]
+    cuda_missing = [op for op in OPS if "CUDA" in KERNEL_KEYS[op] and not registered(op, "CUDA")]
     cuda_reason = _C_ERROR or (f"CUDA kernels not built ({', '.join(cuda_missing)} missing)" if cuda_missing
                                else None if torch.cuda.is_available() else "built, but no CUDA device")
     return {
