@@ -65,3 +65,5 @@ def test_bad_input():
         spec_ext.ops.skinny_linear(x.half(), w.half(), backend="cpu")
     with pytest.raises(ValueError, match="backend must be one of"):
         spec_ext.ops.skinny_linear(x, w, backend="triton")
+    with pytest.raises(RuntimeError, match="expected x \\[..., K\\] and weight \\[N, K\\]"):
+        torch.ops.spec_ext.skinny_linear(torch.randn(2, 8), torch.randn(3, 4), None)  # unchecked entry point

@@ -120,6 +120,10 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
                              const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && weight_in.scalar_type() == at::kFloat,
               "skinny_linear: float32 only");
+  TORCH_CHECK(x_in.dim() >= 1 && weight_in.dim() == 2 && x_in.size(-1) == weight_in.size(1),
+              "skinny_linear: expected x [..., K] and weight [N, K], got ", x_in.sizes(), " and ", weight_in.sizes());
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == weight_in.size(0)),
+              "skinny_linear: bias must be [N] = [", weight_in.size(0), "]");
   auto weight = weight_in.contiguous();
   const int64_t K = weight.size(1), N = weight.size(0);
   auto x = x_in.reshape({-1, K}).contiguous();
