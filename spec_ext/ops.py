@@ -435,12 +435,15 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
             _fail("prefix_lens", f"need 0 <= prefix_lens and prefix_lens + T ({T}) <= S ({k.shape[2]}); "
                                  f"got {prefix_lens.tolist()}")
     scale = D ** -0.5 if scale is None else float(scale)
-    impl = _resolve(backend, q.device, "tree_attention")
+    return _attention_impl(_resolve(backend, q.device, "tree_attention"))(q, k, v, prefix_lens, tree_mask, scale)
+
+
+def _attention_impl(impl: str):
     if impl == "torch":
-        return reference.tree_attention(q, k, v, prefix_lens, tree_mask, scale)
+        return reference.tree_attention
     if impl == "triton":
-        return _triton("tree_attention").tree_attention(q, k, v, prefix_lens, tree_mask, scale)
-    return torch.ops.spec_ext.tree_attention(q, k, v, prefix_lens, tree_mask, scale)
+        return _triton("tree_attention").tree_attention
+    return torch.ops.spec_ext.tree_attention
 
 
 def tree_attention_kernel(device: torch.device | str):
@@ -454,13 +457,7 @@ def tree_attention_kernel(device: torch.device | str):
         >>> q = torch.randn(1, 4, 3, 64); k = v = torch.randn(1, 2, 16, 64)
         >>> out = attend(q, k, v, torch.tensor([5]), None, 0.125)
     """
-    device = torch.device(device)
-    impl = _resolve("auto", device, "tree_attention")
-    if impl == "torch":
-        return reference.tree_attention
-    if impl == "triton":
-        return _triton("tree_attention").tree_attention
-    return torch.ops.spec_ext.tree_attention
+    return _attention_impl(_resolve("auto", torch.device(device), "tree_attention"))
 
 
 # ------------------------------------------------------------------------ linear
