@@ -12,25 +12,39 @@ pytestmark = pytest.mark.skipif(not ops.registered("skinny_linear", "CPU"), reas
 SHAPES = [  # leading dims of x, K, N
     ((1,), 320, 864),     # a decode step of the bundled target's MLP
     ((1, 5), 320, 160),   # a verification block
-    ((3,), 17, 5),        # K below one vector, odd N
+    ((3,), 7, 5),         # K below one 16-lane vector: all tail, odd N
+    ((3,), 17, 5),        # one vector and a tail of 1
     ((2, 7), 193, 33),    # 14 rows: two register blocks, a K tail
     ((16,), 64, 1),
     ((40,), 96, 48),      # more rows than the auto path sends to the kernel
 ]
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("lead,K,N", SHAPES, ids=lambda v: str(v))
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_reference(lead, K, N, with_bias):
+def test_matches_reference(backend, lead, K, N, with_bias):
     g = torch.Generator().manual_seed(K * N)
     x = torch.randn(*lead, K, generator=g)
     w = torch.randn(N, K, generator=g) / K ** 0.5
     b = torch.randn(N, generator=g) if with_bias else None
-    y = spec_ext.ops.skinny_linear(x, w, b, backend="cpu")
+    y = spec_ext.ops.skinny_linear(x, w, b, backend=backend)
     exact = reference.skinny_linear(x.double(), w.double(), None if b is None else b.double())
     assert y.shape == (*lead, N) and y.dtype == torch.float32
     mkl_error = (F.linear(x, w, b).double() - exact).abs().max().item()
     assert (y.double() - exact).abs().max().item() <= 4 * mkl_error + 1e-6
+
+
+def test_non_contiguous_operands_and_no_rows():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 6, generator=g)[:, ::2].T  # [3, 40], strided
+    w = torch.randn(40, 24, generator=g).T         # [24, 40], transposed
+    assert not x.is_contiguous() and not w.is_contiguous()
+    y = spec_ext.ops.skinny_linear(x, w, backend="cpu")
+    torch.testing.assert_close(y, spec_ext.ops.skinny_linear(x.contiguous(), w.contiguous(), backend="cpu"),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(y.double(), reference.skinny_linear(x.double(), w.double(), None), rtol=1e-5, atol=1e-5)
+    assert spec_ext.ops.skinny_linear(torch.randn(0, 40), w, backend="cpu").shape == (0, 24)
 
 
 def test_a_rows_result_does_not_depend_on_the_other_rows():
