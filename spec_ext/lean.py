@@ -11,6 +11,7 @@ generate call, by :func:`prepare` (``spec_ext.hf.attention_implementation`` call
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -157,7 +158,12 @@ def prepare(model, fast_linear: bool = False) -> None:
     """Decide (again) whether ``model`` takes the lean forward: its modules, hooks and
     weights may have changed since the last generate call (``fast_linear``: see
     :class:`LeanDecoder`)."""
-    _DECODERS[model] = None if unsupported_reason(model) else LeanDecoder(model, fast_linear)
+    reason = unsupported_reason(model)
+    decoder = _DECODERS[model] = None if reason else LeanDecoder(model, fast_linear)
+    if fast_linear and (decoder is None or decoder.linear is F.linear):
+        why = reason or "skinny_linear runs on CPU float32 models with AVX-512 only"
+        warnings.warn(f"fast_linear: no effect on this {type(model).__name__} ({model.dtype}, {model.device}): {why}",
+                      stacklevel=3)
 
 
 def lean_decoder(model) -> LeanDecoder | None:

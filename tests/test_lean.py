@@ -64,6 +64,12 @@ def test_fast_linear_forward_is_close_to_hf_forward(kind):
         torch.testing.assert_close(fast_hidden, hidden, rtol=1e-4, atol=1e-4)
 
 
+def test_fast_linear_says_when_it_cannot_apply():
+    model = tiny("llama").to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="fast_linear: no effect on this LlamaForCausalLM"):
+        prepare(model, fast_linear=True)
+
+
 def test_rotary_table_covers_every_cache_capacity():
     model = tiny("llama")
     g = torch.Generator().manual_seed(1)
