@@ -1,18 +1,25 @@
 """Train the learned draft-length policies (spec_ext.learned) for a draft/target pair.
 
-Stages (the generated data is cached under --work, so a rerun skips it):
-  1. the target continues prompts of the training split, greedily and sampled at T=1;
-  2. teacher-forced features and labels from both models (spec_ext.learned.features_and_labels);
-  3. the SpecDecPP acceptance head (BCE on soft labels), the AdaLength length predictor
-     (asymmetric L1) and SpecBranch's branch-point predictor (3 classes from the accepted
-     length: none / some / at least ACCEPT_ALL_LENGTH; cross-entropy), each with a
-     held-out tenth for its validation loss;
-  4. on prompts of the validation split (never the test prompts), batch 1 greedy, side by
-     side: the best fixed k, the SpecDecPP threshold and the AdaLength offset by tokens/s;
-  5. models/policies/{specdecpp,adalength,branch}.safetensors (settings in their metadata) and
-     models/policies/validation.json (the sweeps and the best fixed k).
+Stages (generated text is cached under --work, so a rerun skips it):
+  1. the target continues prompts of the training split and of the validation split,
+     greedily and sampled at T=1;
+  2. teacher-forced features and labels of both decoding modes from both models
+     (spec_ext.learned.features_and_labels);
+  3. the SpecDecPP acceptance head (BCE; both modes' labels on all training text), the
+     AdaLength length predictor (asymmetric L1) and SpecBranch's branch-point predictor
+     (3 classes from the accepted length: none / some / at least ACCEPT_ALL_LENGTH;
+     cross-entropy). An eighth of the training sequences is held out; each predictor keeps
+     its epoch with the lowest held-out loss;
+  4. the cost of a round with k drafts: measured in the loop at batch 1 for a few k, a line
+     fitted; and the learned policies' own time per decision;
+  5. on the validation split (never the test prompts), per decoding mode, the replay of
+     spec_ext.learned.simulated_tokens_per_ms under that cost chooses the best fixed k, the
+     SpecDecPP threshold and the AdaLength offset; the oracle (drafting exactly the run the
+     target will accept) bounds what any length rule can gain;
+  6. models/policies/{specdecpp,adalength,branch}.safetensors (settings in their metadata) and
+     models/policies/validation.json (losses, costs, replayed rates, choices).
 
-    python benchmarks/train_policies.py [--sequences 384] [--new-tokens 128]
+    python benchmarks/train_policies.py [--sequences 384] [--fast-linear]
 """
 from __future__ import annotations
 
@@ -24,18 +31,22 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+from torch import Tensor
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spec_ext  # noqa: E402
-from spec_ext.learned import ResidualMLP, branch_classes, features_and_labels, train_predictor  # noqa: E402
+from spec_ext.learned import (GREEDY, SAMPLING, ResidualMLP, branch_classes, features_and_labels,  # noqa: E402
+                              simulated_tokens_per_ms, train_predictor)
 from stdlib_data import code_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LENGTH = 12  # longest chain the labels (and the learned policies) consider
 ACCEPT_ALL_LENGTH = 4  # the branch predictor's "accept all" class: at least this many drafts accepted
+COST_KS = (1, 2, 3, 4, 6, 8, 12)  # draft lengths whose round cost is measured
 
 
 def load(path, dtype):
@@ -61,35 +72,79 @@ def continuations(target, prompts, new_tokens, greedy, batch, path: Path) -> tor
     return sequences
 
 
-def dataset(target, draft, sequences, start, greedy, batch=32) -> dict:
-    parts = [features_and_labels(target, draft, sequences[i:i + batch], start, greedy, MAX_LENGTH)
+def dataset(target, draft, sequences, start, batch=32) -> dict:
+    parts = [features_and_labels(target, draft, sequences[i:i + batch], start, MAX_LENGTH)
              for i in range(0, len(sequences), batch)]
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    data = {k: torch.cat([p[k] for p in parts]) for k in parts[0] if k != "sequence"}
+    data["sequence"] = torch.cat([p["sequence"] + i for i, p in zip(range(0, len(sequences), batch), parts)])
+    data["positions"] = len(data["sequence"]) // len(sequences)
+    return data
 
 
-def split(x, y, seed=0):
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    held = len(y) // 10
-    return (x[order[held:]], y[order[held:]]), (x[order[:held]], y[order[:held]])
+def by_sequence(data: dict, x: str, y: str, held: Tensor) -> tuple[tuple, tuple]:
+    """(train, held-out) pairs of ``data[x], data[y]``; held [N] bool marks held-out sequences."""
+    mask = held[data["sequence"]]
+    return (data[x][~mask], data[y][~mask]), (data[x][mask], data[y][mask])
 
 
-def tokens_per_s(target, draft, prompts, policy, new_tokens) -> float:
-    """Total tokens / total time over the prompts, batch 1 greedy."""
-    produced = elapsed = 0.0
-    for prompt in prompts:
-        out = spec_ext.generate(target, draft, [prompt], max_new_tokens=new_tokens, eos_token_id=[], policy=policy)
-        produced += out.stats.new_tokens
-        elapsed += out.stats.wall_time
-    return produced / elapsed
+def round_costs(target, draft, prompts, new_tokens, repeats, fast_linear) -> dict:
+    """Batch-1 ms per round of Fixed(k), k in COST_KS, over all prompts and repeats (every k
+    runs on a prompt before the next prompt, so the box's drift hits all alike), and the
+    least-squares line through them for every k in 0..MAX_LENGTH (one noisy point would
+    bend an interpolation and with it the choices)."""
+    from spec_ext.policies import Fixed
+    elapsed, rounds = dict.fromkeys(COST_KS, 0.0), dict.fromkeys(COST_KS, 0)
+    for _ in tqdm(range(repeats), desc="round costs"):
+        for prompt in prompts:
+            for k in COST_KS:
+                out = spec_ext.generate(target, draft, [prompt], max_new_tokens=new_tokens, eos_token_id=[],
+                                        policy=Fixed(k), fast_linear=fast_linear)
+                elapsed[k] += out.stats.wall_time
+                rounds[k] += out.stats.rounds
+    measured = {k: 1e3 * elapsed[k] / rounds[k] for k in COST_KS}
+    per_draft, base = np.polyfit(list(measured), list(measured.values()), 1)
+    round_ms = base + per_draft * np.arange(MAX_LENGTH + 1)
+    return dict(measured_ms={k: round(v, 3) for k, v in measured.items()}, base_ms=round(float(base), 3),
+                per_draft_ms=round(float(per_draft), 3), round_ms=round_ms.round(3).tolist())
 
 
-def sweep(target, draft, prompts, candidates: dict, new_tokens, repeats) -> dict:
-    """{name: median tokens/s}; candidates interleaved per repeat so drift hits all alike."""
-    rates = {name: [] for name in candidates}
-    for _ in tqdm(range(repeats), desc="validation sweep"):
-        for name, make in candidates.items():
-            rates[name].append(tokens_per_s(target, draft, prompts, make(), new_tokens))
-    return {name: statistics.median(r) for name, r in rates.items()}
+def decision_ms(predictors, target, draft, repeats=300) -> dict:
+    """Median ms of the learned policies' own work at batch 1: SpecDecPP's per draft step
+    (features and head), AdaLength's per round (embedding and predictor)."""
+    from spec_ext.learned import AdaLength, SpecDecPP
+    specdecpp, adalength = SpecDecPP(predictors["specdecpp"]), AdaLength(predictors["adalength"])
+    for policy in (specdecpp, adalength):
+        policy.bind(target, draft)
+        policy.start(1, greedy=True)
+    probs = torch.softmax(torch.randn(1, draft.config.vocab_size) * 4, -1)
+    token, draft_hidden = probs.argmax(-1), torch.randn(1, draft.config.hidden_size)
+    target_hidden = torch.randn(1, target.config.hidden_size)
+    calls = dict(specdecpp_per_draft=lambda: specdecpp.keep_drafting(1, probs, token, draft_hidden),
+                 adalength_per_round=lambda: adalength.see_target(target_hidden, token))
+    costs = {}
+    with torch.inference_mode():
+        for name, call in calls.items():
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - started)
+            costs[name] = round(1e3 * statistics.median(times[repeats // 10:]), 4)
+    return costs
+
+
+def replay(accept: Tensor, candidates: dict, round_ms: list[float]) -> dict:
+    """{name: (tokens per ms, mean drafts)} of each candidate's lengths [N,P]."""
+    return {name: simulated_tokens_per_ms(accept, lengths, round_ms, MAX_LENGTH) for name, lengths in candidates.items()}
+
+
+def specdecpp_lengths(accept_probability: Tensor, threshold: float) -> Tensor:
+    """SpecDecPP's drafts per root [N,P]: the first m with 1 - prod of the next m predicted
+    acceptances > threshold, at most MAX_LENGTH."""
+    windows = torch.nn.functional.pad(accept_probability, (0, MAX_LENGTH), value=1.0).unfold(1, MAX_LENGTH, 1)
+    stop = (1 - windows[:, :accept_probability.shape[1]].cumprod(-1)) > threshold
+    first = stop.float().argmax(-1) + 1
+    return torch.where(stop.any(-1), first, torch.full_like(first, MAX_LENGTH))
 
 
 def main():
@@ -98,13 +153,16 @@ def main():
     parser.add_argument("--draft", type=Path, default=ROOT / "models" / "stdlib-draft")
     parser.add_argument("--out", type=Path, default=ROOT / "models" / "policies")
     parser.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".train_work" / "policies")
-    parser.add_argument("--sequences", type=int, default=384, help="continuations per decoding mode")
+    parser.add_argument("--sequences", type=int, default=384, help="training continuations per decoding mode")
+    parser.add_argument("--validation-sequences", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--validation-prompts", type=int, default=8)
-    parser.add_argument("--validation-tokens", type=int, default=96)
+    parser.add_argument("--hidden", type=int, default=64, help="predictor width (wider ones over-fit this data)")
+    parser.add_argument("--depth", type=int, default=1, help="residual blocks per predictor")
+    parser.add_argument("--cost-prompts", type=int, default=6, help="validation prompts timed for the round cost")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fast-linear", action="store_true", help="tune for generate(..., fast_linear=True)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                         help="use the dtype you will decode in; auto: as stored (the bundled pair: bfloat16)")
@@ -116,78 +174,97 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target, draft = load(args.target, args.dtype), load(args.draft, args.dtype)
     dtype = str(target.dtype).removeprefix("torch.")
-    prompts = code_prompts(tokenizer, "train", args.sequences, args.prompt_tokens, seed=7)
-    data = {}
-    for greedy in (True, False):
-        name = "greedy" if greedy else "sampled"
-        sequences = continuations(target, prompts, args.new_tokens, greedy, 32,
-                                  args.work / f"{name}_{args.sequences}x{args.new_tokens}_{dtype}.pt")
-        data[greedy] = dataset(target, draft, sequences, args.prompt_tokens, greedy)
-    print(f"data: {len(data[True]['specdecpp_y']):,} positions per mode ({time.time() - started:.0f} s)", flush=True)
+    texts = {}
+    for split, count, seed in (("train", args.sequences, 7), ("validation", args.validation_sequences, 3)):
+        prompts = code_prompts(tokenizer, split, count, args.prompt_tokens, seed=seed)
+        for mode in ("greedy", "sampling"):
+            name = f"{split}_{mode}_{count}x{args.new_tokens}_{dtype}.pt"
+            sequences = continuations(target, prompts, args.new_tokens, mode == "greedy", 32, args.work / name)
+            texts[split, mode] = dataset(target, draft, sequences, args.prompt_tokens)
+    print(f"data: {len(texts['train', 'greedy']['sequence']):,} positions per mode ({time.time() - started:.0f} s)",
+          flush=True)
 
-    report = {}
-    predictors = {}
-    for greedy in (True, False):
-        data[greedy]["branch_x"] = data[greedy]["adalength_x"]
-        data[greedy]["branch_y"] = branch_classes(data[greedy]["adalength_y"], ACCEPT_ALL_LENGTH)
-    for kind, loss, width in (("specdecpp", "bce", draft.config.hidden_size),
-                              ("adalength", "asymmetric_l1", 2 * target.config.hidden_size),
-                              ("branch", "cross_entropy", 2 * target.config.hidden_size)):
+    held = torch.zeros(args.sequences, dtype=torch.bool)
+    held[torch.randperm(args.sequences, generator=torch.Generator().manual_seed(0))[:args.sequences // 8]] = True
+    train = {mode: texts["train", mode] for mode in ("greedy", "sampling")}
+    for data in train.values():
+        for mode in ("greedy", "sampling"):
+            data[f"branch_y_{mode}"] = branch_classes(data[f"adalength_y_{mode}"], ACCEPT_ALL_LENGTH)
+    both = {k: torch.cat([train["greedy"][k], train["sampling"][k]]) for k in train["greedy"] if k != "positions"}
+    sources = dict(  # kind -> column -> (data, labels); SpecDecPP's labels hold on any text, so it reads both
+        specdecpp={GREEDY: (both, "specdecpp_y_greedy"), SAMPLING: (both, "specdecpp_y_sampling")},
+        adalength={GREEDY: (train["greedy"], "adalength_y_greedy"),
+                   SAMPLING: (train["sampling"], "adalength_y_sampling")},
+        branch={GREEDY: (train["greedy"], "branch_y_greedy"), SAMPLING: (train["sampling"], "branch_y_sampling")})
+    report, predictors = {}, {}
+    for kind, loss, x_name in (("specdecpp", "bce", "specdecpp_x"), ("adalength", "asymmetric_l1", "adalength_x"),
+                               ("branch", "cross_entropy", "adalength_x")):
         torch.manual_seed(0)
-        model = ResidualMLP(width, out_features=6 if kind == "branch" else 2)
-        train_sets, held_sets = {}, {}
-        for column, greedy in ((0, True), (1, False)):
-            train_sets[column], held_sets[column] = split(data[greedy][f"{kind}_x"], data[greedy][f"{kind}_y"])
+        model = ResidualMLP(both[x_name].shape[1], out_features=6 if kind == "branch" else 2, hidden=args.hidden,
+                            depth=args.depth)
+        fit, held_out = {}, {}
+        for column, (data, y_name) in sources[kind].items():
+            fit[column], held_out[column] = by_sequence(data, x_name, y_name, held)
         t = time.time()
-        history = train_predictor(model, train_sets, loss, epochs=args.epochs)
-        with torch.no_grad():
-            held = {}
-            for column, (x, y) in held_sets.items():
-                if kind == "branch":
-                    predicted = model(x)[:, 3 * column:3 * column + 3].argmax(-1)
-                    held[column] = dict(accuracy=(predicted == y).float().mean().item(),
-                                        class_shares=torch.bincount(y.long(), minlength=3).div(len(y)).tolist(),
-                                        predicted_shares=torch.bincount(predicted, minlength=3).div(len(y)).tolist())
-                    continue
-                out = model(x)[:, column]
-                if kind == "specdecpp":
-                    held[column] = dict(bce=torch.nn.functional.binary_cross_entropy_with_logits(out, y).item(),
-                                        base_rate=y.mean().item(),
-                                        mae=(torch.sigmoid(out) - y).abs().mean().item())
-                else:
-                    held[column] = dict(mae=(out - y).abs().mean().item(), mean_label=y.mean().item(),
-                                        mean_prediction=out.mean().item())
-        report[kind] = dict(train_seconds=round(time.time() - t, 1), train_loss=history,
-                            held_out_greedy=held[0], held_out_sampling=held[1])
+        history = train_predictor(model, fit, loss, epochs=args.epochs, held_out=held_out)
+        report[kind] = dict(train_seconds=round(time.time() - t, 1), **history)
         predictors[kind] = model
         print(kind, json.dumps(report[kind]), flush=True)
 
-    validation = code_prompts(tokenizer, "validation", args.validation_prompts, 96, seed=1)
-    from spec_ext.learned import AdaLength, SpecDecPP
-    from spec_ext.policies import Fixed
-    candidates = {f"fixed k={k}": (lambda k=k: Fixed(k)) for k in range(1, 9)}
-    thresholds = (0.3, 0.5, 0.7, 0.8, 0.9)
-    offsets = (-0.5, 0.0, 0.5, 1.0, 2.0)
-    candidates |= {f"specdecpp threshold={h}": (lambda h=h: SpecDecPP(predictors["specdecpp"], threshold=h,
-                                                                         max_draft=MAX_LENGTH)) for h in thresholds}
-    candidates |= {f"adalength offset={o}": (lambda o=o: AdaLength(predictors["adalength"], offset=o,
-                                                                      max_draft=MAX_LENGTH)) for o in offsets}
-    rates = sweep(target, draft, validation, candidates, args.validation_tokens, args.repeats)
-    best = {family: max((name for name in rates if name.startswith(family)), key=rates.get)
-            for family in ("fixed", "specdecpp", "adalength")}
+    cost_prompts = code_prompts(tokenizer, "validation", args.cost_prompts, 96, seed=1)
+    costs = round_costs(target, draft, cost_prompts, 96, args.repeats, args.fast_linear)
+    decisions = decision_ms(predictors, target, draft)
+    print("round cost", json.dumps(costs), "decisions", json.dumps(decisions), flush=True)
+
+    chosen, replayed, oracle = {}, {}, {}
+    for mode, column in (("greedy", GREEDY), ("sampling", SAMPLING)):
+        data = texts["validation", mode]
+        shape = (-1, data["positions"])
+        label = data[f"specdecpp_y_{mode}"].view(shape)
+        if mode == "greedy":
+            accept = label > 0.5
+        else:  # one draw of each acceptance
+            accept = torch.rand(label.shape, generator=torch.Generator().manual_seed(1)) < label
+        with torch.no_grad():
+            accept_probability = torch.sigmoid(predictors["specdecpp"](data["specdecpp_x"])[:, column]).view(shape)
+            length = predictors["adalength"](data["adalength_x"])[:, column].view(shape)
+        rates = replay(accept, {f"fixed k={k}": torch.full(label.shape, k) for k in range(1, MAX_LENGTH + 1)},
+                       costs["round_ms"])
+        best_k = int(max(rates, key=lambda n: rates[n][0]).split("=")[1])
+        length = torch.cat([torch.full_like(length[:, :1], best_k), length[:, :-1]], 1)  # root j reads entry j-1
+        specdecpp_ms = [c + k * decisions["specdecpp_per_draft"] for k, c in enumerate(costs["round_ms"])]
+        rates |= replay(accept, {f"specdecpp threshold={h}": specdecpp_lengths(accept_probability, h)
+                                 for h in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.97)}, specdecpp_ms)
+        adalength_ms = [c + decisions["adalength_per_round"] for c in costs["round_ms"]]
+        rates |= replay(accept, {f"adalength offset={o}": (length + o).ceil().clamp(1, MAX_LENGTH).long()
+                                 for o in (-1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0, 4.0)}, adalength_ms)
+        runs = torch.nn.functional.pad(accept.float(), (0, MAX_LENGTH)).unfold(1, MAX_LENGTH, 1)[:, :label.shape[1]]
+        rates |= replay(accept, {"oracle": runs.cumprod(-1).sum(-1).clamp_min(1).long()}, costs["round_ms"])
+        best = {family: max((n for n in rates if n.startswith(family)), key=lambda n: rates[n][0])
+                for family in ("fixed", "specdecpp", "adalength")}
+        chosen[mode] = {family: float(name.split("=")[1]) for family, name in best.items()}
+        reference = rates[best["fixed"]][0]
+        replayed[mode] = {n: dict(tokens_per_ms=round(r, 4), vs_best_fixed=round(r / reference, 3),
+                                  mean_drafts=round(k, 2)) for n, (r, k) in rates.items()}
+        oracle[mode] = replayed[mode]["oracle"]["vs_best_fixed"]
+        print(mode, {name: replayed[mode][name]["vs_best_fixed"] for name in best.values()},
+              f"oracle {oracle[mode]}x", flush=True)
+
+    best_k = int(chosen["greedy"]["fixed"])
     settings = dict(
-        specdecpp=dict(kind="specdecpp", threshold=float(best["specdecpp"].split("=")[1]), max_draft=MAX_LENGTH),
-        adalength=dict(kind="adalength", offset=float(best["adalength"].split("=")[1]), max_draft=MAX_LENGTH,
-                       first_round=int(best["fixed"].split("=")[1])),
+        specdecpp=dict(kind="specdecpp", threshold=chosen["greedy"]["specdecpp"],
+                       threshold_sampling=chosen["sampling"]["specdecpp"], max_draft=MAX_LENGTH),
+        adalength=dict(kind="adalength", offset=chosen["greedy"]["adalength"],
+                       offset_sampling=chosen["sampling"]["adalength"], max_draft=MAX_LENGTH, first_round=best_k),
         branch=dict(kind="branch", accept_all_length=ACCEPT_ALL_LENGTH))
     for kind, model in predictors.items():
         model.save(args.out / f"{kind}.safetensors", **settings[kind])
-    report.update(validation_tokens_per_s={k: round(v, 1) for k, v in rates.items()}, best=best,
-                  best_fixed_k=int(best["fixed"].split("=")[1]), settings=settings,
-                  pair=dict(target=args.target.name, draft=args.draft.name),
-                  sequences_per_mode=args.sequences, dtype=dtype, total_seconds=round(time.time() - started))
+    report.update(round_cost=costs, decision_ms=decisions, fast_linear=args.fast_linear, replayed_on_validation=replayed,
+                  oracle_vs_best_fixed=oracle, best_fixed_k=best_k, settings=settings,
+                  pair=dict(target=args.target.name, draft=args.draft.name), sequences_per_mode=args.sequences,
+                  dtype=dtype, total_seconds=round(time.time() - started))
     (args.out / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report[k] for k in ("validation_tokens_per_s", "best", "total_seconds")}, indent=2))
+    print(json.dumps({k: report[k] for k in ("settings", "oracle_vs_best_fixed", "total_seconds")}, indent=2))
 
 
 if __name__ == "__main__":

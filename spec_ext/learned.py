@@ -1,10 +1,10 @@
 """Learned draft-length policies and the functions that train them on any pair.
 
-* :class:`SpecDecPP` (SpecDec++): a residual MLP on the draft's last hidden state predicts
-  the probability that the token drafted from it is accepted; drafting stops once the
-  predicted probability that some draft of the round is rejected, 1 - prod(accept),
-  exceeds ``threshold``. The head reads the hidden state that produced the draft token's
-  distribution, so deciding costs no extra draft forward.
+* :class:`SpecDecPP` (SpecDec++): a residual MLP on the draft's last hidden state (plus
+  three numbers of the distribution q it produced: log max q, entropy, top-1 minus top-2,
+  see :func:`draft_features`) predicts the probability that the token drafted from q is
+  accepted; drafting stops once the predicted probability that some draft of the round is
+  rejected, 1 - prod(accept), exceeds ``threshold``. Deciding costs no extra draft forward.
 * :class:`AdaLength` (AdaEAGLE's length predictor): a residual MLP on [target input
   embedding of the round's root token; target last hidden state that produced it]
   predicts how many drafts the target will accept; the round drafts that many.
@@ -13,10 +13,10 @@
   accepted (no branches) or uncertain (branch by the draft's confidence);
   :class:`LearnedSpecBranch` is SpecBranch driven by it.
 
-Each predictor has two outputs, one per decoding mode: greedy (trained on the target's
-greedy continuations with exact greedy labels) and sampling (trained on its temperature-1
-samples with soft labels sum_x min(p, q) = E_{x~q} min(1, p(x)/q(x))). The policies only
-choose lengths, so outputs stay exact whatever the predictors say.
+Each predictor has two outputs, one per decoding mode: greedy (exact greedy labels) and
+sampling (soft labels sum_x min(p, q) = E_{x~q} min(1, p(x)/q(x))), each with its own
+threshold or offset. The policies only choose lengths, so outputs stay exact whatever the
+predictors say.
 
 Predictors are safetensors files with their config in the metadata;
 ``benchmarks/train_policies.py`` makes ``models/policies/*.safetensors`` for the bundled
@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +97,28 @@ def _check_width(predictor: ResidualMLP, expected: int, what: str, policy: str) 
                          f"{what} gives {expected}; train one for this pair (benchmarks/train_policies.py)")
 
 
+def draft_features(hidden: Tensor, probs: Tensor) -> Tensor:
+    """SpecDecPP's input [B,H+3] float32: the draft's hidden state [B,H] that produced the
+    distribution ``probs`` [B,V] (temperature 1), then log max q, entropy of q and
+    max q minus the second largest q. The three numbers carry most of what generalises to
+    unseen text; the hidden state alone over-fits the training sequences."""
+    top = probs.float().topk(2, dim=-1).values
+    entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+    return torch.cat([hidden.float(), top[:, :1].clamp_min(1e-30).log(), entropy[:, None],
+                      top[:, :1] - top[:, 1:]], -1)
+
+
+DRAFT_EXTRA_FEATURES = 3  # the numbers draft_features appends to the hidden state
+
+
+def _per_mode(value, settings: dict, key: str, default: float) -> tuple[float, float]:
+    """(greedy, sampling) setting: ``value`` for both when given, else as tuned."""
+    if value is not None:
+        return float(value), float(value)
+    greedy = settings.get(key, default)
+    return greedy, settings.get(f"{key}_sampling", greedy)
+
+
 @register
 class SpecDecPP(Policy):
     """SpecDec++: stop drafting once 1 - prod(predicted acceptance) > ``threshold``.
@@ -103,29 +126,33 @@ class SpecDecPP(Policy):
     Args:
         predictor: path of a safetensors predictor, a :class:`ResidualMLP` or None for
             the bundled pair's (``models/policies/specdecpp.safetensors``).
-        threshold, max_draft: None takes the values tuned with the predictor.
+        threshold: one value for both decoding modes, or None for the values tuned with
+            the predictor (one for greedy, one for sampling).
+        max_draft: None takes the value tuned with the predictor.
     """
 
     needs = ("draft_hidden",)
 
     def __init__(self, predictor=None, threshold: float | None = None, max_draft: int | None = None):
         self._predictor, settings = _predictor(predictor, "specdecpp")
-        self.threshold = settings.get("threshold", 0.5) if threshold is None else threshold
+        self.threshold, self.threshold_sampling = _per_mode(threshold, settings, "threshold", 0.5)
         self.max_draft = settings.get("max_draft", 12) if max_draft is None else max_draft
-        if not 0 < self.threshold < 1:
-            raise ValueError(f"threshold: must be in (0, 1), got {self.threshold}")
+        for value in (self.threshold, self.threshold_sampling):
+            if not 0 < value < 1:
+                raise ValueError(f"threshold: must be in (0, 1), got {value}")
         if self.max_draft < 1:
             raise ValueError(f"max_draft: must be >= 1, got {self.max_draft}")
 
     def bind(self, target, draft) -> None:
-        _check_width(self._predictor, draft.config.hidden_size, "the draft's hidden state", "SpecDecPP")
+        _check_width(self._predictor, draft.config.hidden_size + DRAFT_EXTRA_FEATURES,
+                     "the draft's hidden state and draft_features", "SpecDecPP")
         self._predictor.to(draft.device)
 
     def keep_drafting(self, step, probs, tokens, hidden=None) -> Tensor:
-        column = GREEDY if self.greedy else SAMPLING
-        accept = torch.sigmoid(self._predictor(hidden.float())[:, column])
+        column, threshold = (GREEDY, self.threshold) if self.greedy else (SAMPLING, self.threshold_sampling)
+        accept = torch.sigmoid(self._predictor(draft_features(hidden, probs))[:, column])
         self._all_accepted = accept if step == 1 else self._all_accepted * accept
-        return 1 - self._all_accepted <= self.threshold
+        return 1 - self._all_accepted <= threshold
 
 
 @register
@@ -136,14 +163,16 @@ class AdaLength(Policy):
     Args:
         predictor: path of a safetensors predictor, a :class:`ResidualMLP` or None for
             the bundled pair's (``models/policies/adalength.safetensors``).
-        offset, max_draft: None takes the values tuned with the predictor.
+        offset: one value for both decoding modes, or None for the values tuned with the
+            predictor (one for greedy, one for sampling).
+        max_draft: None takes the value tuned with the predictor.
     """
 
     needs = ("target_hidden",)
 
     def __init__(self, predictor=None, offset: float | None = None, max_draft: int | None = None):
         self._predictor, settings = _predictor(predictor, "adalength")
-        self.offset = settings.get("offset", 0.0) if offset is None else offset
+        self.offset, self.offset_sampling = _per_mode(offset, settings, "offset", 0.0)
         self.max_draft = settings.get("max_draft", 12) if max_draft is None else max_draft
         self._first = settings.get("first_round", 3)
         if self.max_draft < 1:
@@ -161,7 +190,8 @@ class AdaLength(Policy):
 
     def see_target(self, hidden: Tensor, next_tokens: Tensor) -> None:
         features = torch.cat([self._embed(next_tokens).float(), hidden.float()], -1)
-        length = self._predictor(features)[:, GREEDY if self.greedy else SAMPLING] + self.offset
+        column, offset = (GREEDY, self.offset) if self.greedy else (SAMPLING, self.offset_sampling)
+        length = self._predictor(features)[:, column] + offset
         self._k = length.ceil().clamp(1, self.max_draft).long().tolist()
 
     def plan(self) -> list[int]:
@@ -225,41 +255,73 @@ class LearnedSpecBranch(SpecBranch):
 
 # ---------------------------------------------------------------------- training
 @torch.inference_mode()
-def features_and_labels(target, draft, sequences: Tensor, start: int, greedy: bool, max_length: int = 12) -> dict:
-    """Teacher-forced predictor data from the target's own continuations.
+def features_and_labels(target, draft, sequences: Tensor, start: int, max_length: int = 12) -> dict:
+    """Teacher-forced predictor data from text the target wrote (its greedy or sampled
+    continuations), with the labels of both decoding modes.
 
-    sequences [N,L] int64: prompts of ``start`` tokens continued by the target (greedily
-    when ``greedy``, else sampled at temperature 1). For every context end i with
-    start-1 <= i <= L-2-max_length:
-      * ``specdecpp_x`` [M,Hd]: the draft's hidden state at i (it produces q_i);
-        ``specdecpp_y`` [M]: greedy 1[argmax q_i == argmax p_i], sampling sum_x min(p_i, q_i);
-      * ``adalength_x`` [M,2Ht]: [target embedding of token i+1; target hidden at i];
-        ``adalength_y`` [M]: drafts accepted in a round rooted at token i+1 with up to
-        ``max_length`` drafts: greedy, the run of draft/target argmax agreements from i+1
-        (exact, since accepted drafts equal the target's own tokens); sampling, the
-        expected count sum_j prod_{m<=j} sum_x min(p_m, q_m).
+    sequences [N,L] int64: prompts of ``start`` tokens and their continuations. For every
+    context end i with start-1 <= i <= L-2-max_length (P of them; row-major, so any
+    [N*P] entry reshapes to [N,P]):
+      * ``specdecpp_x`` [N*P,Hd+3]: :func:`draft_features` at i (where the draft makes q_i);
+        ``specdecpp_y_greedy`` [N*P]: 1[argmax q_i == argmax p_i];
+        ``specdecpp_y_sampling`` [N*P]: sum_x min(p_i, q_i), the chance a token drawn from
+        q_i is accepted. Both hold on any context, so any text serves for both.
+      * ``adalength_x`` [N*P,2Ht]: [target embedding of token i+1; target hidden at i];
+        ``adalength_y_greedy`` [N*P]: drafts accepted in a round rooted at token i+1 with up
+        to ``max_length`` drafts, the run of argmax agreements from i+1 (exact on greedy
+        continuations, where accepted drafts are the text's own tokens);
+        ``adalength_y_sampling`` [N*P]: the expected count sum_j prod_{m<=j} sum_x min(p_m, q_m)
+        (acceptances taken as independent).
+      * ``sequence`` [N*P] int64: the row of ``sequences`` each entry comes from.
     """
-    t_out = target(input_ids=sequences, output_hidden_states=True)
-    d_out = draft(input_ids=sequences, output_hidden_states=True)
-    p, q = torch.softmax(t_out.logits.float(), -1), torch.softmax(d_out.logits.float(), -1)
-    if greedy:
-        accept = (p.argmax(-1) == q.argmax(-1)).float()  # [N,L]
-    else:
-        accept = torch.minimum(p, q).sum(-1)
     L = sequences.shape[1]
     if L - 1 - max_length <= start - 1:
         raise ValueError(f"sequences: need more than start + max_length = {start + max_length} tokens, got {L}")
+    t_out = target(input_ids=sequences, output_hidden_states=True)
+    d_out = draft(input_ids=sequences, output_hidden_states=True)
+    p, q = torch.softmax(t_out.logits.float(), -1), torch.softmax(d_out.logits.float(), -1)
     ends = torch.arange(start - 1, L - 1 - max_length)
-    windows = accept.unfold(1, max_length, 1)[:, ends + 1]  # [N,M,max_length]: accept at i+1 .. i+max_length
-    lengths = windows.cumprod(-1).sum(-1)  # sampling: the expected count if acceptances were independent
+    out = dict(sequence=torch.arange(len(sequences)).repeat_interleave(len(ends)))
+    accept = dict(greedy=(p.argmax(-1) == q.argmax(-1)).float(), sampling=torch.minimum(p, q).sum(-1))  # [N,L]
+    for mode, a in accept.items():
+        out[f"specdecpp_y_{mode}"] = a[:, ends].reshape(-1)
+        windows = a.unfold(1, max_length, 1)[:, ends + 1]  # [N,P,max_length]: accept at i+1 .. i+max_length
+        out[f"adalength_y_{mode}"] = windows.cumprod(-1).sum(-1).reshape(-1)
+    hidden = d_out.hidden_states[-1][:, ends]
+    out["specdecpp_x"] = draft_features(hidden.reshape(-1, hidden.shape[-1]), q[:, ends].reshape(-1, q.shape[-1]))
     embed = target.get_input_embeddings()(sequences[:, ends + 1]).float()
-    return dict(
-        specdecpp_x=d_out.hidden_states[-1][:, ends].float().reshape(-1, draft.config.hidden_size),
-        specdecpp_y=accept[:, ends].reshape(-1),
-        adalength_x=torch.cat([embed, t_out.hidden_states[-1][:, ends].float()], -1).reshape(
-            -1, 2 * target.config.hidden_size),
-        adalength_y=lengths.reshape(-1),
-    )
+    out["adalength_x"] = torch.cat([embed, t_out.hidden_states[-1][:, ends].float()], -1).reshape(
+        -1, 2 * target.config.hidden_size)
+    return out
+
+
+def simulated_tokens_per_ms(accept: Tensor, lengths: Tensor, round_ms: Sequence[float],
+                            max_length: int) -> tuple[float, float]:
+    """Replay chain speculative decoding on teacher-forced acceptances with measured round
+    costs, to compare draft-length rules without timing noise.
+
+    accept [N,P] bool: accept[n, j] says whether the draft proposed right after root j of
+    row n is accepted, given every earlier draft of the round was. lengths [N,P] int: the
+    drafts a rule proposes in a round rooted at j (1..max_length). round_ms[k]: the cost of
+    a round with k drafts. A round rooted at j keeps the run of accepted drafts (at most
+    ``lengths[n, j]``) plus the target's token; rows stop when a round could reach past the
+    data (j + max_length > P).
+    Returns (tokens per ms, mean drafts per round).
+    """
+    N, P = accept.shape
+    runs = torch.nn.functional.pad(accept.float(), (0, max_length)).unfold(1, max_length, 1)[:, :P]
+    runs = runs.cumprod(-1).sum(-1).long().tolist()  # [N][P]: accepted run from j, at most max_length
+    tokens = cost = rounds = drafted = 0
+    for run, length in zip(runs, lengths.tolist()):
+        j = 0
+        while j + max_length <= P:
+            kept = min(run[j], length[j])
+            tokens += kept + 1
+            cost += round_ms[length[j]]
+            rounds += 1
+            drafted += length[j]
+            j += kept + 1
+    return tokens / cost, drafted / max(1, rounds)
 
 
 def asymmetric_l1(prediction: Tensor, target: Tensor, under_weight: float = 2.0) -> Tensor:
@@ -269,43 +331,58 @@ def asymmetric_l1(prediction: Tensor, target: Tensor, under_weight: float = 2.0)
 
 
 def train_predictor(model: ResidualMLP, data: dict[int, tuple[Tensor, Tensor]], loss: str, epochs: int = 8,
-                    batch: int = 512, lr: float = 2e-3, seed: int = 0, progress: bool = True) -> list[float]:
+                    batch: int = 512, lr: float = 2e-3, seed: int = 0, progress: bool = True,
+                    held_out: dict[int, tuple[Tensor, Tensor]] | None = None) -> dict:
     """Train ``model``'s output columns on ``data[column] = (x [M,F], y [M])``.
 
     loss: "bce" (acceptance probabilities, soft labels allowed), "asymmetric_l1"
     (lengths) or "cross_entropy" (class labels y; column c is output group c*3..c*3+2).
-    Returns the mean training loss of every epoch.
+    held_out: data of the same form (best from other sequences than ``data``'s, as
+    neighbouring positions of one sequence are near copies); the model keeps the weights of
+    the epoch with the lowest held-out loss.
+    Returns {"train": mean training loss per epoch, "held_out": held-out loss per epoch
+    (with ``held_out``), "best_epoch": the epoch kept}.
     """
     from tqdm import tqdm
     if loss not in ("bce", "asymmetric_l1", "cross_entropy"):
         raise ValueError(f"loss: expected 'bce', 'asymmetric_l1' or 'cross_entropy', got {loss!r}")
+
+    def objective(x: Tensor, y: Tensor, column: int) -> Tensor:
+        if loss == "cross_entropy":
+            return F.cross_entropy(model(x)[:, 3 * column:3 * column + 3], y.long())
+        out = model(x)[:, column]
+        return F.binary_cross_entropy_with_logits(out, y) if loss == "bce" else asymmetric_l1(out, y)
+
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     steps_per_epoch = max(math.ceil(len(y) / batch) for _, y in data.values())
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=epochs * steps_per_epoch)
-    history = []
-    model.train()
-    for _ in tqdm(range(epochs), desc=f"train {loss}", disable=not progress):
+    history = dict(train=[], held_out=[], best_epoch=epochs - 1)
+    best = (math.inf, None)
+    for epoch in tqdm(range(epochs), desc=f"train {loss}", disable=not progress):
+        model.train()
         orders = {c: torch.randperm(len(y), generator=generator) for c, (_, y) in data.items()}
         total = 0.0
         for step in range(steps_per_epoch):
             value = 0.0
             for column, (x, y) in data.items():
                 index = orders[column][(step * batch) % len(y):][:batch]
-                if loss == "cross_entropy":
-                    out = model(x[index])[:, 3 * column:3 * column + 3]
-                    value = value + F.cross_entropy(out, y[index].long())
-                    continue
-                out = model(x[index])[:, column]
-                if loss == "bce":
-                    value = value + F.binary_cross_entropy_with_logits(out, y[index])
-                else:
-                    value = value + asymmetric_l1(out, y[index])
+                value = value + objective(x[index], y[index], column)
             optimizer.zero_grad(set_to_none=True)
             value.backward()
             optimizer.step()
             schedule.step()
             total += value.item()
-        history.append(total / steps_per_epoch)
+        history["train"].append(total / steps_per_epoch)
+        if held_out:
+            model.eval()
+            with torch.no_grad():
+                value = sum(objective(x, y, column).item() for column, (x, y) in held_out.items())
+            history["held_out"].append(value)
+            if value < best[0]:
+                best = (value, {k: v.clone() for k, v in model.state_dict().items()})
+                history["best_epoch"] = epoch
+    if best[1] is not None:
+        model.load_state_dict(best[1])
     model.eval()
     return history

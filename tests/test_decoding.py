@@ -11,7 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 import spec_ext
 from spec_ext.decoding import Sampler
-from spec_ext.learned import AdaLength, LearnedSpecBranch, ResidualMLP, SpecDecPP
+from spec_ext.learned import DRAFT_EXTRA_FEATURES, AdaLength, LearnedSpecBranch, ResidualMLP, SpecDecPP
 from spec_ext.policies import POLICIES
 
 POLICY_NAMES = sorted(POLICIES)
@@ -22,7 +22,7 @@ def make_policy(name, target, draft):
     tiny models (the bundled predictors fit the bundled pair only), set to draft varied lengths."""
     torch.manual_seed(0)
     if name == "specdecpp":
-        return SpecDecPP(ResidualMLP(draft.config.hidden_size), threshold=0.9, max_draft=6)
+        return SpecDecPP(ResidualMLP(draft.config.hidden_size + DRAFT_EXTRA_FEATURES), threshold=0.9, max_draft=6)
     if name == "adalength":
         return AdaLength(ResidualMLP(2 * target.config.hidden_size), offset=2.0, max_draft=6)
     if name == "learnedspecbranch":

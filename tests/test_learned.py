@@ -8,7 +8,8 @@ import torch
 
 import spec_ext
 from spec_ext.learned import (AdaLength, BranchPredictor, LearnedSpecBranch, ResidualMLP, SpecDecPP,
-                              asymmetric_l1, branch_classes, features_and_labels, train_predictor)
+                              asymmetric_l1, branch_classes, features_and_labels, simulated_tokens_per_ms,
+                              train_predictor)
 from spec_ext.parallel import ACCEPT_ALL, REJECT_ALL, PEARL
 from spec_ext.policies import Fixed
 from test_decoding import hf_greedy, llama, perturbed
@@ -35,35 +36,59 @@ def test_greedy_length_labels_equal_the_loops_accepted_counts(pair):
     target, draft = pair
     prompt = [5, 17, 33, 8]
     sequence = prompt + hf_greedy(target, prompt, 40, eos=[])
-    data = features_and_labels(target, draft, torch.tensor([sequence]), start=len(prompt), greedy=True,
-                               max_length=6)
+    data = features_and_labels(target, draft, torch.tensor([sequence]), start=len(prompt), max_length=6)
     for n, i in enumerate(range(len(prompt) - 1, len(sequence) - 7)):
         out = spec_ext.generate(target, draft, [sequence[:i + 2]], max_new_tokens=1, eos_token_id=[],
                                 policy=Fixed(6))
-        assert data["adalength_y"][n].item() == out.stats.accepted_lengths[0], f"root at {i + 1}"
-    assert data["adalength_y"].max() > 0 and data["adalength_y"].min() < 6
+        assert data["adalength_y_greedy"][n].item() == out.stats.accepted_lengths[0], f"root at {i + 1}"
+    assert data["adalength_y_greedy"].max() > 0 and data["adalength_y_greedy"].min() < 6
 
 
-def test_acceptance_labels_against_prefix_forwards(pair):
+def test_acceptance_labels_and_features_against_prefix_forwards(pair):
     target, draft = pair
     torch.manual_seed(0)
     sequences = torch.randint(3, 97, (2, 30))
-    greedy = features_and_labels(target, draft, sequences, start=10, greedy=True, max_length=4)
-    sampled = features_and_labels(target, draft, sequences, start=10, greedy=False, max_length=4)
+    data = features_and_labels(target, draft, sequences, start=10, max_length=4)
     ends = list(range(9, 30 - 1 - 4))
-    assert greedy["specdecpp_y"].shape == (2 * len(ends),)
+    assert data["specdecpp_y_greedy"].shape == (2 * len(ends),)
+    assert data["sequence"].tolist() == [0] * len(ends) + [1] * len(ends)
     with torch.no_grad():
         for row in range(2):
+            p = torch.softmax(target(sequences[row:row + 1]).logits[0], -1)  # causal: row i sees tokens <= i
+            q = torch.softmax(draft(sequences[row:row + 1]).logits[0], -1)
+            accept = torch.minimum(p, q).sum(-1)
             for n, i in enumerate(ends):
-                p = torch.softmax(target(sequences[row:row + 1, :i + 1]).logits[0, -1], -1)
-                q = torch.softmax(draft(sequences[row:row + 1, :i + 1]).logits[0, -1], -1)
+                p_i = torch.softmax(target(sequences[row:row + 1, :i + 1]).logits[0, -1], -1)
+                q_i = torch.softmax(draft(sequences[row:row + 1, :i + 1]).logits[0, -1], -1)
                 k = row * len(ends) + n
-                assert greedy["specdecpp_y"][k].item() == float(p.argmax() == q.argmax())
-                torch.testing.assert_close(sampled["specdecpp_y"][k], torch.minimum(p, q).sum(), atol=1e-5, rtol=0)
-    assert greedy["adalength_x"].shape == (2 * len(ends), 128)
-    assert greedy["specdecpp_x"].shape == (2 * len(ends), 64)
+                assert data["specdecpp_y_greedy"][k].item() == float(p_i.argmax() == q_i.argmax())
+                torch.testing.assert_close(data["specdecpp_y_sampling"][k], torch.minimum(p_i, q_i).sum(),
+                                           atol=1e-5, rtol=0)
+                top2 = q_i.sort(descending=True).values[:2]
+                expected = torch.stack([top2[0].log(), -(q_i * q_i.log()).sum(), top2[0] - top2[1]])
+                torch.testing.assert_close(data["specdecpp_x"][k, -3:], expected, atol=1e-4, rtol=1e-4)
+                expected_count = accept[i + 1:i + 5].cumprod(0).sum()
+                torch.testing.assert_close(data["adalength_y_sampling"][k], expected_count, atol=1e-4, rtol=0)
+    assert data["adalength_x"].shape == (2 * len(ends), 128)
+    assert data["specdecpp_x"].shape == (2 * len(ends), 64 + 3)
     with pytest.raises(ValueError, match="sequences: need more than"):
-        features_and_labels(target, draft, sequences[:, :12], start=10, greedy=True, max_length=4)
+        features_and_labels(target, draft, sequences[:, :12], start=10, max_length=4)
+
+
+def test_simulated_tokens_per_ms_replays_rounds_by_hand():
+    accept = torch.tensor([[True, True, False, True, True, True, False, False, True, True]])
+    # max_length 3 (rows stop at j + 3 > 10). Fixed 2: root 0 keeps 2 (+1) -> root 3 keeps 2 -> root 6
+    # keeps 0 -> root 7 keeps 0 -> root 8 would pass the end. 4 rounds, 3+3+1+1 = 8 tokens, cost 4*12
+    round_ms = [10.0, 11.0, 12.0, 13.0, 14.0, 15.0]
+    rate, mean = simulated_tokens_per_ms(accept, torch.full((1, 10), 2), round_ms, 3)
+    assert (rate, mean) == (pytest.approx(8 / 48), 2.0)
+    # lengths by root: root 0 drafts 1 (keeps 1) -> root 2 drafts 3 (keeps 0) -> root 3 drafts 3 (keeps 3)
+    # -> root 7 drafts 1 (keeps 0): 2+1+4+1 = 8 tokens, cost 11+13+13+11
+    lengths = torch.tensor([[1, 5, 3, 3, 5, 5, 5, 1, 5, 5]])
+    rate, mean = simulated_tokens_per_ms(accept, lengths, round_ms, 3)
+    assert (rate, mean) == (pytest.approx(8 / 48), 2.0)
+    rate, _ = simulated_tokens_per_ms(accept, lengths, [10.0, 20.0, 0.0, 30.0], 3)
+    assert rate == pytest.approx(8 / 100)
 
 
 def test_asymmetric_l1_weights_under_prediction():
@@ -80,7 +105,7 @@ def test_train_predictor_fits_both_columns():
     model = ResidualMLP(8, hidden=64)
     history = train_predictor(model, {0: (x, probability), 1: (x, 1 - probability)}, "bce", epochs=15,
                               batch=128, progress=False)
-    assert history[-1] < history[0]
+    assert history["train"][-1] < history["train"][0] and history["held_out"] == []
     with torch.no_grad():
         predicted = torch.sigmoid(model(x))
     assert (predicted[:, 0] - probability).abs().mean() < 0.05
@@ -95,6 +120,21 @@ def test_train_predictor_fits_both_columns():
         train_predictor(model, {0: (x, length)}, "mse")
 
 
+def test_train_predictor_keeps_the_epoch_best_on_held_out_data():
+    torch.manual_seed(0)
+    x, held_x = torch.randn(256, 8), torch.randn(256, 8)
+    y, held_y = torch.randint(0, 2, (256,)).float(), torch.randint(0, 2, (256,)).float()  # noise: it over-fits
+    model = ResidualMLP(8, hidden=64)
+    history = train_predictor(model, {0: (x, y)}, "bce", epochs=12, batch=32, progress=False,
+                              held_out={0: (held_x, held_y)})
+    assert len(history["held_out"]) == 12
+    best = min(range(12), key=history["held_out"].__getitem__)
+    assert history["best_epoch"] == best < 11
+    with torch.no_grad():
+        kept = torch.nn.functional.binary_cross_entropy_with_logits(model(held_x)[:, 0], held_y).item()
+    assert kept == pytest.approx(history["held_out"][best], rel=1e-5)
+
+
 def test_predictor_file_round_trip(tmp_path):
     model = ResidualMLP(12, hidden=32, depth=1)
     model.save(tmp_path / "p.safetensors", kind="specdecpp", threshold=0.6, max_draft=7)
@@ -103,7 +143,10 @@ def test_predictor_file_round_trip(tmp_path):
     torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
     assert settings == dict(kind="specdecpp", threshold=0.6, max_draft=7)
     policy = SpecDecPP(tmp_path / "p.safetensors")
-    assert (policy.threshold, policy.max_draft) == (0.6, 7)
+    assert (policy.threshold, policy.threshold_sampling, policy.max_draft) == (0.6, 0.6, 7)
+    model.save(tmp_path / "q.safetensors", kind="specdecpp", threshold=0.6, threshold_sampling=0.8)
+    assert (SpecDecPP(tmp_path / "q.safetensors").threshold_sampling, SpecDecPP(tmp_path / "q.safetensors",
+                                                                                threshold=0.3).threshold_sampling) == (0.8, 0.3)
     with pytest.raises(ValueError, match="holds a 'specdecpp' predictor, not 'adalength'"):
         AdaLength(tmp_path / "p.safetensors")
     with pytest.raises(ValueError, match="predictor: .* not found"):
@@ -116,7 +159,7 @@ def test_specdecpp_stops_when_predicted_rejection_exceeds_threshold(pair):
     target, draft = pair
     # constant acceptance 0.8: 1 - 0.8^3 = 0.49 <= 0.5 < 1 - 0.8^4, so every round drafts 4
     logit = torch.logit(torch.tensor(0.8)).item()
-    policy = SpecDecPP(constant(64, (logit, -5.0)), threshold=0.5, max_draft=12)
+    policy = SpecDecPP(constant(64 + 3, (logit, -5.0)), threshold=0.5, max_draft=12)
     out = spec_ext.generate(target, draft, [[5, 6, 7], [8, 9]], max_new_tokens=20, eos_token_id=[], policy=policy)
     assert set(out.stats.draft_lengths) == {4}
     out = spec_ext.generate(target, draft, [[5, 6, 7]], max_new_tokens=20, eos_token_id=[], policy=policy,
