@@ -337,11 +337,13 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         policy: a :class:`spec_ext.policies.Policy` or its lower-case name.
         seed: seeds a private generator; None uses torch's global generator.
         streamer: an HF streamer (batch size 1).
-        fast_linear: run the models' linear layers through :func:`spec_ext.ops.skinny_linear`
-            (CPU float32 Llama-family models; 2-4x faster matmuls at decode and verification
-            sizes). Output is then exact with respect to that forward, whose logits differ
-            from HF's by float32 rounding: greedy text can differ from ``target.generate``
-            where two tokens tie to within that rounding.
+        fast_linear: run the target's linear layers through :func:`spec_ext.ops.skinny_linear`
+            too (CPU float32 Llama-family models; 2-4x faster matmuls at decode and
+            verification sizes). Output is then exact with respect to that forward, whose
+            logits differ from HF's by float32 rounding: greedy text can differ from
+            ``target.generate`` where two tokens tie to within that rounding. The draft
+            takes skinny_linear wherever it applies, whatever this says: its rounding
+            changes only which tokens are proposed, never the output.
     Returns:
         Output(sequences [B, L + new] as HF generate returns them, padded with
         ``pad_token_id`` after EOS; stats).
@@ -385,7 +387,8 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         loop = _Loop(target, draft, prompts, max_new_tokens, sampler, eos, policy, generator, streamer)
     if streamer is not None:
         streamer.put(torch.tensor([prompts[0]]))
-    with hf.attention_implementation(*models, fast_linear=fast_linear):
+    # the draft's rounding changes only which tokens are proposed, never the output
+    with hf.attention_implementation(*models, fast_linear=[fast_linear, fast_linear or "auto"][:len(models)]):
         stats = loop.run()
     if streamer is not None:
         streamer.end()

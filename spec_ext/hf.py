@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -75,15 +76,18 @@ def check_pair(target, draft) -> None:
 
 
 @contextlib.contextmanager
-def attention_implementation(*models, fast_linear: bool = False):
+def attention_implementation(*models, fast_linear: bool | str | Sequence[bool | str] = False):
     """Route the models' attention through spec_ext for the duration of the block (and
-    choose, per model, between the lean forward and the HF modules; ``fast_linear``: the
-    lean forward's linear layers take ``ops.skinny_linear``)."""
+    choose, per model, between the lean forward and the HF modules; ``fast_linear``, one
+    for all models or one per model: see :func:`spec_ext.lean.prepare`)."""
     saved = [m.config._attn_implementation for m in models]
+    fast = list(fast_linear) if isinstance(fast_linear, (list, tuple)) else [fast_linear] * len(models)
+    if len(fast) != len(models):
+        raise ValueError(f"fast_linear: {len(fast)} settings for {len(models)} models")
     try:
-        for m in models:
+        for m, f in zip(models, fast):
             m.config._attn_implementation = ATTENTION
-            lean.prepare(m, fast_linear)
+            lean.prepare(m, f)
         yield
     finally:
         for m, name in zip(models, saved):

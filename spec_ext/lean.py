@@ -154,13 +154,16 @@ class LeanDecoder:
 _DECODERS: "weakref.WeakKeyDictionary[object, LeanDecoder | None]" = weakref.WeakKeyDictionary()
 
 
-def prepare(model, fast_linear: bool = False) -> None:
+def prepare(model, fast_linear: bool | str = False) -> None:
     """Decide (again) whether ``model`` takes the lean forward: its modules, hooks and
-    weights may have changed since the last generate call (``fast_linear``: see
-    :class:`LeanDecoder`)."""
+    weights may have changed since the last generate call. ``fast_linear``: see
+    :class:`LeanDecoder`; True warns when it cannot apply, "auto" applies it silently
+    where it can (a draft's rounding never reaches the output)."""
+    if fast_linear not in (False, True, "auto"):
+        raise ValueError(f"fast_linear: expected False, True or 'auto', got {fast_linear!r}")
     reason = unsupported_reason(model)
-    decoder = _DECODERS[model] = None if reason else LeanDecoder(model, fast_linear)
-    if fast_linear and (decoder is None or decoder.linear is F.linear):
+    decoder = _DECODERS[model] = None if reason else LeanDecoder(model, bool(fast_linear))
+    if fast_linear is True and (decoder is None or decoder.linear is F.linear):
         why = reason or "skinny_linear runs on CPU float32 models with AVX-512 only"
         warnings.warn(f"fast_linear: no effect on this {type(model).__name__} ({model.dtype}, {model.device}): {why}",
                       stacklevel=3)

@@ -62,7 +62,7 @@ class _Start:
     capacity: int
     lookahead: int
     branches: int         # most lanes (branches) per row; 1 = a chain (PEARL)
-    fast_linear: bool     # the draft's linear layers take ops.skinny_linear
+    fast_linear: bool | str  # the draft's linear layers take ops.skinny_linear (lean.prepare)
 
 
 @dataclass
@@ -366,7 +366,7 @@ class _TargetSide(_Rows):
     def _run(self, link):
         seed = int(torch.randint(0, 2 ** 62, (1,), generator=self.generator))
         link.send(_Start(self.prompts, self.sampler.temperature, self.sampler.top_k, self.sampler.top_p, seed,
-                         self.capacity, self.policy.lookahead, self.policy.branches, self.fast_linear))
+                         self.capacity, self.policy.lookahead, self.policy.branches, self.fast_linear or "auto"))
         while not isinstance(hello := link.get(), _Hello):
             pass  # leftovers of an earlier call that failed on this side
         if hello.vocab_size != self.target.config.vocab_size:

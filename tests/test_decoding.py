@@ -2,6 +2,7 @@
 target's own greedy generate; sampled output follows the target's exact distribution."""
 import copy
 import itertools
+import warnings
 
 import numpy as np
 import pytest
@@ -84,6 +85,35 @@ def test_greedy_with_fast_linear_equals_target(greedy_pair, policy):
                             fast_linear=True)
     for b, prompt in enumerate(prompts):
         assert out.sequences[b, -40:].tolist() == hf_greedy(target, prompt, 40, eos=[]), f"row {b}"
+
+
+def test_the_draft_takes_the_skinny_kernel_and_the_target_stays_exact(greedy_pair):
+    """Without fast_linear the target keeps HF's linear (bit-equal logits) and the draft
+    takes skinny_linear where it applies, silently; fast_linear=True puts both on it."""
+    from spec_ext.lean import lean_decoder
+    target, draft = greedy_pair
+    aten = torch.nn.functional.linear
+    applies = spec_ext.ops.skinny_linear_kernel(draft.device, draft.dtype) is not aten  # AVX-512 here?
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        spec_ext.generate(target, draft, [[5, 17]], max_new_tokens=4, eos_token_id=[], policy="fixed")
+    assert lean_decoder(target).linear is aten
+    assert (lean_decoder(draft).linear is not aten) == applies
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a CPU without AVX-512 says fast_linear cannot apply
+        spec_ext.generate(target, draft, [[5, 17]], max_new_tokens=4, eos_token_id=[], policy="fixed",
+                          fast_linear=True)
+    assert (lean_decoder(target).linear is not aten) == applies == (lean_decoder(draft).linear is not aten)
+    bf16_draft = copy.deepcopy(draft).to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "auto" falls back without a word
+        with spec_ext.hf.attention_implementation(target, bf16_draft, fast_linear=[False, "auto"]):
+            assert lean_decoder(bf16_draft).linear is aten
+    with pytest.raises(ValueError, match="fast_linear: 1 settings for 2 models"):
+        with spec_ext.hf.attention_implementation(target, draft, fast_linear=[True]):
+            pass
+    with pytest.raises(ValueError, match="fast_linear: expected False, True or 'auto'"):
+        spec_ext.generate(target, draft, [[5, 17]], max_new_tokens=4, policy="fixed", fast_linear="yes")
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
