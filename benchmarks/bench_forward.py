@@ -71,7 +71,7 @@ def main():
     parser.add_argument("--prefix", type=int, default=128)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     args = parser.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
     rows = []
     print(f"{'model':7} {'dtype':9} {'B':>2} {'T':>2} {'hf ms':>7} {'hf+spec_ext':>12} {'lean':>7} {'hf/lean':>8}")

@@ -35,7 +35,7 @@ def device_name() -> str:
 
 def commit() -> str:
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+        return subprocess.check_output(["git", "describe", "--always", "--dirty"], text=True,
                                        cwd=Path(__file__).parent).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

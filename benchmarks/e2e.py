@@ -12,6 +12,7 @@ greedy (e2e_accepted.png, e2e_lengths.png). The learned policies and the best fi
 from benchmarks/train_policies.py, which chose them on the validation split.
 
     python benchmarks/e2e.py [--prompts 8] [--repeats 1] [--new-tokens 128] [--configs 1:0 ...] [--name e2e]
+                             [--only TEXT ...]
 """
 from __future__ import annotations
 
@@ -97,8 +98,9 @@ def best_fixed():
     return json.loads(sweep.read_text())["best_fixed_k"] if sweep.exists() else 4
 
 
-def run_config(target, draft, prompts, batch, temperature, n, repeats, pad):
-    """Returns {method: dict(rates, ratios, stats, matches)} for one configuration."""
+def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, wanted=lambda method: True):
+    """Returns {method: dict(rates, ratios, stats, matches)} for one configuration; only the
+    methods ``wanted`` accepts run, besides the target alone."""
     greedy = temperature == 0
     sample = {} if greedy else dict(do_sample=True, temperature=temperature, top_k=None, top_p=None)
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
@@ -123,6 +125,8 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad):
             record("target alone", base, 1.0)
             if batch == 1:
                 for name, schedule in (("HF assisted (defaults)", None), ("HF assisted (heuristic)", "heuristic")):
+                    if not wanted(name):
+                        continue
                     config = draft.generation_config
                     saved = (config.num_assistant_tokens_schedule, config.num_assistant_tokens,
                              config.assistant_confidence_threshold)
@@ -137,6 +141,8 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad):
                     new = out.shape[1] - ids.shape[1]
                     record(name, new / t, new / t / base, match=bool(torch.equal(out, alone)) if greedy else None)
             for name, policy in policies().items():
+                if not wanted(f"spec_ext {name}"):
+                    continue
                 out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n,
                                         temperature=temperature, eos_token_id=[], pad_token_id=pad, policy=policy)
                 rate = out.stats.tokens_per_s
@@ -151,18 +157,22 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad):
                     record(f"spec_ext {SAME_WINDOW}", rate, rate / base, out.stats,
                            bool(torch.equal(out.sequences, alone)) if greedy else None)
             k = best_fixed()
-            out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n, temperature=temperature,
-                                    eos_token_id=[], pad_token_id=pad, policy=spec_ext.policies.Fixed(k),
-                                    fast_linear=True)
-            rate = out.stats.tokens_per_s
-            record(f"spec_ext fixed k={k}*, fast_linear", rate, rate / base, out.stats,
-                   bool(torch.equal(out.sequences, alone)) if greedy else None)
+            if wanted(f"spec_ext fixed k={k}*, fast_linear"):
+                out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n,
+                                        temperature=temperature, eos_token_id=[], pad_token_id=pad,
+                                        policy=spec_ext.policies.Fixed(k), fast_linear=True)
+                rate = out.stats.tokens_per_s
+                record(f"spec_ext fixed k={k}*, fast_linear", rate, rate / base, out.stats,
+                       bool(torch.equal(out.sequences, alone)) if greedy else None)
             for fast in (False, True):
+                if not wanted(f"target alone, lean forward{', fast_linear' if fast else ''}"):
+                    continue
                 out, t = timed(lambda: lean_alone(target, group, n, temperature, fast))
                 rate = len(group) * n / t
                 record(f"target alone, lean forward{', fast_linear' if fast else ''}", rate, rate / base,
                        match=bool(torch.equal(out, alone)) if greedy else None)
-    results["spec_ext pearl"]["gammas"] = gammas
+    if gammas:
+        results["spec_ext pearl"]["gammas"] = gammas
     return results
 
 
@@ -192,6 +202,9 @@ def main():
     parser.add_argument("--configs", nargs="+", default=["1:0", "8:0", "1:0.7", "8:0.7", "1:1.0"],
                         help="batch:temperature pairs")
     parser.add_argument("--name", default="e2e", help="file prefix under benchmarks/results")
+    parser.add_argument("--only", nargs="+", metavar="TEXT",
+                        help="run only the methods whose row name contains one of these (the target alone always "
+                        "runs: it is the baseline), e.g. --only 'fixed' specdecpp adalength")
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                         help="every method runs in it; auto: as stored (the bundled pair: bfloat16). In bfloat16 "
                         "greedy outputs depend on the attention kernel's rounding (HF's own sdpa and eager "
@@ -202,7 +215,7 @@ def main():
     target, draft = load(args.target, args.dtype), load(args.draft, args.dtype)
     prompts = code_prompts(tokenizer, "test", args.prompts, args.prompt_tokens, seed=0)
     pad = tokenizer.pad_token_id
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
     device = f"cpu-{torch.get_num_threads()}threads"
     RESULTS.mkdir(exist_ok=True)
@@ -211,7 +224,8 @@ def main():
         costs = forward_costs(target, draft, prompts[0])
         for config in args.configs:
             batch, temperature = int(config.split(":")[0]), float(config.split(":")[1])
-            results = run_config(target, draft, prompts, batch, temperature, args.new_tokens, args.repeats, pad)
+            results = run_config(target, draft, prompts, batch, temperature, args.new_tokens, args.repeats, pad,
+                                 lambda method: not args.only or any(text in method for text in args.only))
             for method, r in results.items():
                 stats = r["stats"]
                 row = dict(method=method, batch=batch, temperature=temperature,

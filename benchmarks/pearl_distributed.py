@@ -52,7 +52,7 @@ def rank_main(rank: int, rendezvous: str, args) -> None:
     target, draft = load(args.target), load(args.draft)
     prompts = code_prompts(tokenizer, "test", args.prompts, 96, seed=0)
     cores = os.cpu_count()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
     rows = []
     for temperature in (0.0, 0.7):
