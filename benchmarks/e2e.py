@@ -36,8 +36,8 @@ from stdlib_data import code_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-POLICIES = ["fixed", "heuristic", "confidence", "svip", "tree", "specdecpp", "adalength", "pearl", "specbranch",
-            "learnedspecbranch"]
+POLICIES = ["fixed", "auto", "heuristic", "confidence", "svip", "tree", "specdecpp", "adalength", "pearl",
+            "specbranch", "learnedspecbranch"]
 SAME_WINDOW = "serial fixed k=PEARL's gamma"
 
 

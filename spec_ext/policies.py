@@ -20,6 +20,7 @@ bundled pair's predictors) and can be named by its lower-case class name in ``po
 """
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -115,6 +116,94 @@ class SVIP(Policy):
         return (self.c * entropy).sqrt() <= self.h
 
 
+class Auto(Policy):
+    """Chooses k before every round to maximise expected tokens per second, from what it
+    measures as it goes: how long runs of accepted drafts are and what a round costs.
+
+    Runs are counted per depth (the chance that draft j is accepted once drafts 1..j-1
+    were, from the rounds that reached j; ``prior_acceptance`` before any did), so bursty
+    acceptance (long runs on easy text, none on hard) is valued as it is, not as a
+    geometric law with the same mean. A round with k drafts yields 1 + sum_{j<=k} S(j)
+    tokens, S(j) the chance that the first j are all accepted, and costs a + b*k seconds
+    (least squares on its own timed rounds). The estimates forget at rates ``forget_runs``
+    and ``forget_cost`` per round, so k follows easier or harder text and rows finishing
+    (a cheaper verification); every fourth round tries k+1 and every fourth k-1 to keep
+    both measurable. No
+    tuning, no files: a default for a pair nobody has measured. Lengths depend on timing,
+    outputs do not.
+
+    Args:
+        max_draft: largest k; initial: k (give or take the exploration) until three
+            rounds are timed.
+        clock: seconds since some origin (time.perf_counter; tests pass a fake one).
+    """
+
+    def __init__(self, max_draft: int = 12, initial: int = 4, prior_acceptance: float = 0.5,
+                 forget_runs: float = 0.99, forget_cost: float = 0.9, clock=time.perf_counter):
+        if max_draft < 1 or not 1 <= initial <= max_draft:
+            raise ValueError(f"max_draft, initial: need 1 <= initial <= max_draft, got {initial}, {max_draft}")
+        if not 0 < prior_acceptance < 1 or not (0 < forget_runs <= 1 and 0 < forget_cost <= 1):
+            raise ValueError(f"prior_acceptance, forget_runs, forget_cost: need 0 < prior_acceptance < 1 and "
+                             f"forget rates in (0, 1], got {prior_acceptance}, {forget_runs}, {forget_cost}")
+        self.max_draft = max_draft
+        self.initial = initial
+        self.prior_acceptance = prior_acceptance
+        self.forget_runs = forget_runs
+        self.forget_cost = forget_cost
+        self._clock = clock
+
+    def start(self, batch_size: int, greedy: bool = True) -> None:
+        super().start(batch_size, greedy)
+        self._k, self._rounds, self._last = self.initial, 0, None
+        self._reached = [1.0] * (self.max_draft + 1)  # [j]: rounds that drafted j with 1..j-1 accepted
+        self._passed = [self.prior_acceptance] * (self.max_draft + 1)  # [j]: ... and j accepted too
+        self._sums = [0.0] * 5  # weights, k, k^2, seconds, k*seconds
+
+    def survival(self) -> list[float]:
+        """[S(1), ..., S(max_draft)]: the estimated chance that drafts 1..j are all accepted."""
+        chances, alive = [], 1.0
+        for j in range(1, self.max_draft + 1):
+            alive *= self._passed[j] / self._reached[j]
+            chances.append(alive)
+        return chances
+
+    def round_cost(self) -> tuple[float, float] | None:
+        """(a, b) of the fitted round cost a + b*k in seconds, or None before 3 timed rounds."""
+        w, k, kk, t, kt = self._sums
+        if self._rounds < 4 or w * kk - k * k <= 1e-9 * w * w:
+            return None
+        slope = (w * kt - k * t) / (w * kk - k * k)
+        base = (t - slope * k) / w
+        return base, max(slope, 0.02 * base)  # a draft step costs something, whatever the noise says
+
+    def plan(self) -> list[int]:
+        now = self._clock()
+        if self._last is not None:  # the round that just ended ran with self._k drafts
+            seconds = now - self._last
+            self._sums = [self.forget_cost * s for s in self._sums]
+            for i, value in enumerate((1.0, self._k, self._k ** 2, seconds, self._k * seconds)):
+                self._sums[i] += value
+        self._last = now
+        self._rounds += 1
+        best, cost = self.initial, self.round_cost()
+        if cost is not None:
+            base, slope = cost
+            tokens = [1.0]
+            for chance in self.survival():
+                tokens.append(tokens[-1] + chance)
+            best = max(range(1, self.max_draft + 1), key=lambda k: tokens[k] / (base + slope * k))
+        self._k = min(self.max_draft, max(1, best + {1: 1, 3: -1}.get(self._rounds % 4, 0)))
+        return [self._k] * self.batch_size
+
+    def observe(self, num_draft, num_accepted) -> None:
+        self._reached = [self.forget_runs * x for x in self._reached]
+        self._passed = [self.forget_runs * x for x in self._passed]
+        for n, a in zip(num_draft, num_accepted):
+            for j in range(1, min(a + 1, n) + 1):  # drafts 1..a passed, draft a+1 (if drafted) failed
+                self._reached[j] += 1
+                self._passed[j] += j <= a
+
+
 class Tree(Policy):
     """A static draft tree expanded by top-k of the draft: ``branching[d]`` children for
     every node at depth d. Verified in one target pass with tree attention and (when
@@ -140,7 +229,7 @@ class Tree(Policy):
         self.max_draft = len(parents) - 1
 
 
-POLICIES = {cls.__name__.lower(): cls for cls in (Fixed, Heuristic, Confidence, SVIP, Tree)}
+POLICIES = {cls.__name__.lower(): cls for cls in (Fixed, Heuristic, Confidence, SVIP, Auto, Tree)}
 
 
 def register(cls) -> type:

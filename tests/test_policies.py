@@ -1,0 +1,99 @@
+"""The decisions of the rule-based policies that keep state (exactness of every policy is
+in test_decoding, which runs each registered one)."""
+import random
+
+import pytest
+
+from spec_ext.policies import Auto
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def run_rounds(policy, clock, rounds, base, per_draft, accepted_run, seed=0):
+    """Rounds that last base + per_draft * k seconds, whose accepted run is
+    min(k, accepted_run(rng)); returns the k of every round."""
+    rng = random.Random(seed)
+    chosen = []
+    for _ in range(rounds):
+        k = policy.plan()[0]
+        clock.now += base + per_draft * k
+        policy.observe([k], [min(k, accepted_run(rng))])
+        chosen.append(k)
+    return chosen
+
+
+def geometric(alpha):
+    """Runs of drafts each accepted with chance alpha until the first miss."""
+    def run(rng):
+        n = 0
+        while n < 64 and rng.random() < alpha:
+            n += 1
+        return n
+    return run
+
+
+def plain_picks(chosen, last=80):
+    """The k of the late rounds that do not explore (round numbers 0 and 2 mod 4)."""
+    return [k for n, k in list(enumerate(chosen, start=1))[-last:] if n % 4 in (0, 2)]
+
+
+def test_auto_measures_runs_and_round_cost_and_maximises_tokens_per_second():
+    clock = FakeClock()
+    policy = Auto(max_draft=12, initial=2, forget_runs=1.0, forget_cost=1.0, clock=clock)
+    policy.start(1)
+    chosen = run_rounds(policy, clock, 400, 10.0, 0.5, geometric(0.8))
+    assert chosen[:3] == [3, 2, 1], "the initial k, explored around, until three rounds are timed"
+    base, per_draft = policy.round_cost()
+    assert (base, per_draft) == (pytest.approx(10.0), pytest.approx(0.5))
+    survival = policy.survival()
+    assert survival[:4] == pytest.approx([0.8, 0.64, 0.512, 0.41], abs=0.05)
+    true_rate = {k: sum(0.8 ** i for i in range(k + 1)) / (10.0 + 0.5 * k) for k in range(1, 13)}
+    best = max(true_rate.values())
+    plain = plain_picks(chosen)
+    assert min(plain) > 2 and all(true_rate[k] >= 0.98 * best for k in plain), plain
+    late = list(enumerate(chosen, start=1))[-80:]
+    for n, k in late[1:]:
+        if n % 4 in (1, 3):  # every fourth round tries one more, every fourth one less
+            assert k - chosen[n - 2] == (1 if n % 4 == 1 else -1) or k in (1, 12)
+
+
+def test_auto_values_bursty_runs_as_they_are():
+    """Runs of 0 or >= 12 (a draft either gets a passage or not): the mean acceptance of a
+    geometric law would say stop early, the runs say draft to the end."""
+    clock = FakeClock()
+    policy = Auto(max_draft=12, forget_runs=1.0, forget_cost=1.0, clock=clock)
+    policy.start(1)
+    chosen = run_rounds(policy, clock, 600, 10.0, 1.5, lambda rng: 0 if rng.random() < 0.4 else 12)
+    assert min(plain_picks(chosen)) >= 11
+    assert policy.survival()[-1] == pytest.approx(0.6, abs=0.1)
+
+
+def test_auto_drafts_less_when_drafts_cost_more_and_follows_rows_finishing():
+    picks = {}
+    for per_draft in (0.2, 3.0):
+        clock = FakeClock()
+        policy = Auto(forget_runs=1.0, forget_cost=1.0, clock=clock)
+        policy.start(1)
+        picks[per_draft] = sorted(plain_picks(run_rounds(policy, clock, 200, 10.0, per_draft, geometric(0.7))))
+    assert picks[0.2][len(picks[0.2]) // 2] > picks[3.0][len(picks[3.0]) // 2]
+    clock = FakeClock()
+    policy = Auto(clock=clock)  # forgets: the cost measured before the batch shrank fades
+    policy.start(4)
+    run_rounds(policy, clock, 60, 40.0, 3.0, geometric(0.7))
+    policy.keep_rows([0])
+    assert len(policy.plan()) == 1
+    run_rounds(policy, clock, 120, 10.0, 0.2, geometric(0.7))
+    assert policy.round_cost() == (pytest.approx(10.0, rel=0.1), pytest.approx(0.2, abs=0.1))
+
+
+def test_auto_rejects_bad_settings():
+    with pytest.raises(ValueError, match="max_draft, initial"):
+        Auto(max_draft=3, initial=5)
+    with pytest.raises(ValueError, match="prior_acceptance, forget_runs, forget_cost"):
+        Auto(forget_cost=0.0)
