@@ -101,7 +101,7 @@ def cmd_demo(args) -> None:
                                                     str(stats.target_calls))
         print(f"{name:34} {rate:9.1f} {rate / base:8.2f}x {extra[0]:>14} {extra[1]:>12} {extra[2]:>13}")
     print(f"\n(medians of {args.repeats} runs; greedy output identical to the target's own unless marked;"
-          " fast_linear: spec_ext's skinny-GEMM kernel for the linear layers)")
+          " the draft runs on spec_ext's skinny-GEMM kernel; fast_linear: the target too)")
 
 
 def main(argv=None) -> None:
@@ -129,7 +129,7 @@ def main(argv=None) -> None:
     demo.add_argument("--threads", type=int)
     demo.add_argument("--dtype", default="float32", choices=DTYPES,
                       help="auto: as stored (bfloat16; greedy output then depends on the attention kernel's rounding)")
-    demo.add_argument("--policies", nargs="+", default=["fixed", "svip", "confidence", "tree"])
+    demo.add_argument("--policies", nargs="+", default=["fixed", "auto", "svip", "confidence", "tree"])
     sub.add_parser("backends", help="which kernel backends this build can run, and why not")
     args = parser.parse_args(argv)
     if args.command == "generate":
