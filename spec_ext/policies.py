@@ -125,12 +125,12 @@ class Auto(Policy):
     acceptance (long runs on easy text, none on hard) is valued as it is, not as a
     geometric law with the same mean. A round with k drafts yields 1 + sum_{j<=k} S(j)
     tokens, S(j) the chance that the first j are all accepted, and costs a + b*k seconds
-    (least squares on its own timed rounds). The estimates forget at rates ``forget_runs``
-    and ``forget_cost`` per round, so k follows easier or harder text and rows finishing
-    (a cheaper verification); every fourth round tries k+1 and every fourth k-1 to keep
-    both measurable. No
-    tuning, no files: a default for a pair nobody has measured. Lengths depend on timing,
-    outputs do not.
+    (least squares on its own timed rounds, each capped at 3x the fit so far: a stall of
+    the machine is not a cost of k). The estimates forget at rates ``forget_runs`` and
+    ``forget_cost`` per round, so k follows easier or harder text and rows finishing (a
+    cheaper verification); every fourth round tries k+1 and every fourth k-1 to keep both
+    measurable. No tuning, no files: a default for a pair nobody has measured. Lengths
+    depend on timing, outputs do not.
 
     Args:
         max_draft: largest k; initial: k (give or take the exploration) until three
@@ -179,7 +179,9 @@ class Auto(Policy):
     def plan(self) -> list[int]:
         now = self._clock()
         if self._last is not None:  # the round that just ended ran with self._k drafts
-            seconds = now - self._last
+            seconds, fitted = now - self._last, self.round_cost()
+            if fitted is not None:
+                seconds = min(seconds, 3 * (fitted[0] + fitted[1] * self._k))
             self._sums = [self.forget_cost * s for s in self._sums]
             for i, value in enumerate((1.0, self._k, self._k ** 2, seconds, self._k * seconds)):
                 self._sums[i] += value

@@ -92,6 +92,19 @@ def test_auto_drafts_less_when_drafts_cost_more_and_follows_rows_finishing():
     assert policy.round_cost() == (pytest.approx(10.0, rel=0.1), pytest.approx(0.2, abs=0.1))
 
 
+def test_auto_round_cost_shrugs_off_stalls():
+    clock = FakeClock()
+    policy = Auto(forget_runs=1.0, forget_cost=1.0, clock=clock)
+    policy.start(1)
+    rng = random.Random(1)
+    for n in range(300):
+        k = policy.plan()[0]
+        clock.now += (10.0 + 0.5 * k) * (20 if n % 10 == 9 else 1)  # every tenth round stalls
+        policy.observe([k], [min(k, geometric(0.8)(rng))])
+    base, per_draft = policy.round_cost()  # uncapped, this run fits 20.4 + 3.3 k
+    assert 10.0 <= base < 12.0 and 0.3 < per_draft < 1.5
+
+
 def test_auto_rejects_bad_settings():
     with pytest.raises(ValueError, match="max_draft, initial"):
         Auto(max_draft=3, initial=5)
