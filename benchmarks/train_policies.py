@@ -39,8 +39,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spec_ext  # noqa: E402
-from spec_ext.learned import (GREEDY, SAMPLING, ResidualMLP, branch_classes, features_and_labels,  # noqa: E402
-                              simulated_tokens_per_ms, train_predictor)
+from spec_ext.learned import (GREEDY, SAMPLING, ResidualMLP, accepted_runs, branch_classes,  # noqa: E402
+                              features_and_labels, simulated_tokens_per_ms, train_predictor)
 from stdlib_data import code_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,8 +238,8 @@ def main():
         adalength_ms = [c + decisions["adalength_per_round"] for c in costs["round_ms"]]
         rates |= replay(accept, {f"adalength offset={o}": (length + o).ceil().clamp(1, MAX_LENGTH).long()
                                  for o in (-1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0, 4.0)}, adalength_ms)
-        runs = torch.nn.functional.pad(accept.float(), (0, MAX_LENGTH)).unfold(1, MAX_LENGTH, 1)[:, :label.shape[1]]
-        rates |= replay(accept, {"oracle": runs.cumprod(-1).sum(-1).clamp_min(1).long()}, costs["round_ms"])
+        oracle_lengths = accepted_runs(accept.float(), MAX_LENGTH).clamp_min(1).long()
+        rates |= replay(accept, {"oracle": oracle_lengths}, costs["round_ms"])
         best = {family: max((n for n in rates if n.startswith(family)), key=lambda n: rates[n][0])
                 for family in ("fixed", "specdecpp", "adalength")}
         chosen[mode] = {family: float(name.split("=")[1]) for family, name in best.items()}

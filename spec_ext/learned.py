@@ -285,14 +285,21 @@ def features_and_labels(target, draft, sequences: Tensor, start: int, max_length
     accept = dict(greedy=(p.argmax(-1) == q.argmax(-1)).float(), sampling=torch.minimum(p, q).sum(-1))  # [N,L]
     for mode, a in accept.items():
         out[f"specdecpp_y_{mode}"] = a[:, ends].reshape(-1)
-        windows = a.unfold(1, max_length, 1)[:, ends + 1]  # [N,P,max_length]: accept at i+1 .. i+max_length
-        out[f"adalength_y_{mode}"] = windows.cumprod(-1).sum(-1).reshape(-1)
+        out[f"adalength_y_{mode}"] = accepted_runs(a, max_length)[:, ends + 1].reshape(-1)
     hidden = d_out.hidden_states[-1][:, ends]
     out["specdecpp_x"] = draft_features(hidden.reshape(-1, hidden.shape[-1]), q[:, ends].reshape(-1, q.shape[-1]))
     embed = target.get_input_embeddings()(sequences[:, ends + 1]).float()
     out["adalength_x"] = torch.cat([embed, t_out.hidden_states[-1][:, ends].float()], -1).reshape(
         -1, 2 * target.config.hidden_size)
     return out
+
+
+def accepted_runs(accept: Tensor, max_length: int) -> Tensor:
+    """accept [N,L] float (1/0, or acceptance chances) -> [N,L]: at j, the drafts a round
+    of up to ``max_length`` accepts from j on, sum_{m<max_length} prod_{i<=m} accept[:, j+i]
+    (the expected count for chances taken as independent; past the end counts as rejected)."""
+    windows = torch.nn.functional.pad(accept, (0, max_length)).unfold(1, max_length, 1)[:, :accept.shape[1]]
+    return windows.cumprod(-1).sum(-1)
 
 
 def simulated_tokens_per_ms(accept: Tensor, lengths: Tensor, round_ms: Sequence[float],
@@ -308,9 +315,8 @@ def simulated_tokens_per_ms(accept: Tensor, lengths: Tensor, round_ms: Sequence[
     data (j + max_length > P).
     Returns (tokens per ms, mean drafts per round).
     """
-    N, P = accept.shape
-    runs = torch.nn.functional.pad(accept.float(), (0, max_length)).unfold(1, max_length, 1)[:, :P]
-    runs = runs.cumprod(-1).sum(-1).long().tolist()  # [N][P]: accepted run from j, at most max_length
+    P = accept.shape[1]
+    runs = accepted_runs(accept.float(), max_length).long().tolist()
     tokens = cost = rounds = drafted = 0
     for run, length in zip(runs, lengths.tolist()):
         j = 0
