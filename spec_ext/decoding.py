@@ -309,6 +309,11 @@ class _Loop(_Rows):
         return self.stats
 
 
+def _check_fast_linear(fast_linear) -> None:
+    if not isinstance(fast_linear, bool):
+        raise ValueError(f"fast_linear: expected True or False, got {fast_linear!r}")
+
+
 def _check_models(target, draft, policy: Policy) -> None:
     if draft is None:
         if getattr(policy, "mode", None) != "distributed":
@@ -355,6 +360,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     started = time.perf_counter()
     policy = resolve(policy)
     _check_models(target, draft, policy)
+    _check_fast_linear(fast_linear)
     prompts = _prompts(input_ids, attention_mask)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be a positive int, got {max_new_tokens!r}")
@@ -415,6 +421,7 @@ class Accelerated:
         self._target, self._draft, self._policy = target, draft, resolve(policy)
         self._fast_linear = fast_linear
         _check_models(target, draft, self._policy)
+        _check_fast_linear(fast_linear)
         self.last_stats: Stats | None = None
 
     def __getattr__(self, name):

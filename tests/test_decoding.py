@@ -112,8 +112,12 @@ def test_the_draft_takes_the_skinny_kernel_and_the_target_stays_exact(greedy_pai
     with pytest.raises(ValueError, match="fast_linear: 1 settings for 2 models"):
         with spec_ext.hf.attention_implementation(target, draft, fast_linear=[True]):
             pass
-    with pytest.raises(ValueError, match="fast_linear: expected False, True or 'auto'"):
+    with pytest.raises(ValueError, match="fast_linear: expected True or False, got 'yes'"):
         spec_ext.generate(target, draft, [[5, 17]], max_new_tokens=4, policy="fixed", fast_linear="yes")
+    with pytest.raises(ValueError, match="fast_linear: expected True or False, got 'auto'"):
+        spec_ext.accelerate(target, draft, policy="fixed", fast_linear="auto")
+    with pytest.raises(ValueError, match="fast_linear: expected False, True or 'auto', got 2"):
+        spec_ext.lean.prepare(draft, fast_linear=2)
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
