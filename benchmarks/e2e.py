@@ -220,12 +220,22 @@ def main():
     device = f"cpu-{torch.get_num_threads()}threads"
     RESULTS.mkdir(exist_ok=True)
     rows, histograms = [], {}
+    matched = set()
+
+    def wanted(method):
+        hits = {text for text in args.only or () if text in method}
+        matched.update(hits)
+        return not args.only or bool(hits)
+
     with torch.inference_mode():
         costs = forward_costs(target, draft, prompts[0])
         for config in args.configs:
             batch, temperature = int(config.split(":")[0]), float(config.split(":")[1])
             results = run_config(target, draft, prompts, batch, temperature, args.new_tokens, args.repeats, pad,
-                                 lambda method: not args.only or any(text in method for text in args.only))
+                                 wanted)
+            if args.only and not matched:
+                parser.error(f"--only: {args.only} matched no method (names: {sorted(policies())}, "
+                             "'HF assisted', 'fast_linear', 'lean forward')")
             for method, r in results.items():
                 stats = r["stats"]
                 row = dict(method=method, batch=batch, temperature=temperature,
@@ -244,6 +254,8 @@ def main():
                 if stats:
                     histograms[(method, batch, temperature)] = (sum((s.accepted_lengths for s in stats), []),
                                                                 sum((s.draft_lengths for s in stats), []))
+    for text in sorted(set(args.only or ()) - matched):
+        print(f"--only: {text!r} matched no method", file=sys.stderr)
     out = RESULTS / f"{args.name}.csv"
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, list(rows[0]))
