@@ -120,7 +120,8 @@ def main(argv=None) -> None:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--dtype", default="float32", choices=DTYPES, help="auto: as stored")
     gen.add_argument("--fast-linear", action="store_true",
-                     help="linear layers through spec_ext's skinny GEMM (CPU float32; not bit-equal to HF's)")
+                     help="the target's linear layers through spec_ext's skinny GEMM too, as the draft's always "
+                     "are (CPU float32; the target's logits are then not bit-equal to HF's)")
     demo = sub.add_parser("demo", help="the bundled pair: streamed completion and a speed table")
     demo.add_argument("--target", type=Path, default=MODELS / "stdlib-target")
     demo.add_argument("--draft", type=Path, default=MODELS / "stdlib-draft")
