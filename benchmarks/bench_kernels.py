@@ -4,7 +4,7 @@ Appends CSV rows (op, backend, shape, device, median_us, p20_us, p80_us, extra, 
 commit) to benchmarks/results/kernels.csv and draws benchmarks/results/kernels_<device>.png
 (speed-up of each backend over the torch reference).
 
-    python benchmarks/bench_kernels.py [--ops rejection tree attention kv linear] [--quick]
+    python benchmarks/bench_kernels.py [--ops rejection tree attention kv linear policy] [--quick]
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from spec_ext import ops
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KERNEL_OF = {"chain_rejection_sample": "chain_verify", "tree_rejection_sample": "tree_verify",
-             "tree_greedy_verify": "tree_verify", "skinny_linear vs F.linear": "skinny_linear"}  # row -> op
+             "tree_greedy_verify": "tree_verify", "skinny_linear vs F.linear": "skinny_linear",
+             "acceptance_head vs torch ops": "acceptance_head"}  # row -> op
 FIELDS = ["op", "backend", "shape", "device", "median_us", "p20_us", "p80_us", "extra", "version", "commit"]
 
 
@@ -171,15 +172,34 @@ def linear_cases(device, quick):
         yield "skinny_linear vs F.linear", f"M={M},N={N},K={K},float32", run, f"bytes={N * K * 4}"
 
 
+def policy_cases(device, quick):
+    """acceptance_head (SpecDecPP's decision per draft step) against the float32 torch ops
+    it replaces (the "torch" rows: draft_features, the predictor, a sigmoid), with the
+    bundled draft's sizes (H=192, V=4096) and a 64-wide one-block head."""
+    if device != "cpu":
+        return
+    from spec_ext.learned import ResidualMLP, draft_features
+    head = ResidualMLP(192 + 3, hidden=64, depth=1)
+    for B in ((1,) if quick else (1, 8)):
+        hidden, probs = torch.randn(B, 192), torch.softmax(4 * torch.randn(B, 4096), -1)
+        weights = head.weights()
+
+        def run(backend, hidden=hidden, probs=probs, weights=weights):
+            if backend == "torch":
+                return lambda: torch.sigmoid(head(draft_features(hidden, probs))[:, 0])
+            return lambda: torch.ops.spec_ext.acceptance_head(hidden, probs, weights, 0, 1e-5)
+        yield "acceptance_head vs torch ops", f"B={B},H=192,V=4096,D=64,depth=1,float32", run, f"bytes={B * 4096 * 4}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", nargs="+", default=["rejection", "tree", "attention", "kv", "linear"])
+    parser.add_argument("--ops", nargs="+", default=["rejection", "tree", "attention", "kv", "linear", "policy"])
     parser.add_argument("--quick", action="store_true", help="one shape per op")
     parser.add_argument("--budget", type=float, default=2.0, help="seconds of repeats per measurement")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     families = {"rejection": rejection_cases, "tree": tree_cases, "attention": attention_cases, "kv": kv_cases,
-                "linear": linear_cases}
+                "linear": linear_cases, "policy": policy_cases}
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "kernels.csv"
     new = not out.exists()

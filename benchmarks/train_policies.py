@@ -110,7 +110,8 @@ def round_costs(target, draft, prompts, new_tokens, repeats, fast_linear) -> dic
 
 def decision_ms(predictors, target, draft, repeats=300) -> dict:
     """Median ms of the learned policies' own work at batch 1: SpecDecPP's per draft step
-    (features and head), AdaLength's per round (embedding and predictor)."""
+    (features and head), AdaLength's per round (embedding and predictor). Each call follows
+    a draft forward, as in the loop: after one, small ops run 2-3x slower than back to back."""
     from spec_ext.learned import AdaLength, SpecDecPP
     specdecpp, adalength = SpecDecPP(predictors["specdecpp"]), AdaLength(predictors["adalength"])
     for policy in (specdecpp, adalength):
@@ -126,6 +127,7 @@ def decision_ms(predictors, target, draft, repeats=300) -> dict:
         for name, call in calls.items():
             times = []
             for _ in range(repeats):
+                draft(token[:, None])
                 started = time.perf_counter()
                 call()
                 times.append(time.perf_counter() - started)

@@ -22,4 +22,5 @@ TORCH_LIBRARY(spec_ext, m) {
         "float scale) -> Tensor");
   m.def("compact_kv(Tensor(a!)[] caches, Tensor src, Tensor dst_start) -> ()");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("acceptance_head(Tensor hidden, Tensor probs, Tensor[] weights, int column, float eps) -> Tensor");
 }

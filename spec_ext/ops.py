@@ -21,10 +21,12 @@ from torch import Tensor
 from spec_ext import reference
 
 BACKENDS = ("torch", "cpu", "triton", "cuda")
-OPS = ("tree_mask", "chain_verify", "tree_verify", "tree_attention", "compact_kv", "skinny_linear")
+OPS = ("tree_mask", "chain_verify", "tree_verify", "tree_attention", "compact_kv", "skinny_linear",
+       "acceptance_head")
 # dispatch keys each op has compiled kernels for, in a build with CUDA (skinny_linear: CPU
-# only; on a GPU cuBLAS already reads skinny operands at full bandwidth)
-KERNEL_KEYS = {op: ("CPU", "CUDA") for op in OPS} | {"skinny_linear": ("CPU",)}
+# only; on a GPU cuBLAS already reads skinny operands at full bandwidth; acceptance_head:
+# CPU only, it fuses away per-op host overhead that a GPU hides behind its queue)
+KERNEL_KEYS = {op: ("CPU", "CUDA") for op in OPS} | {"skinny_linear": ("CPU",), "acceptance_head": ("CPU",)}
 
 try:
     from spec_ext import _C  # noqa: F401  (registers the spec_ext:: kernels)
@@ -521,6 +523,54 @@ def skinny_linear_kernel(device: torch.device | str, dtype: torch.dtype = torch.
     return linear
 
 
+# ------------------------------------------------------------------------ policies
+def acceptance_head(hidden: Tensor, probs: Tensor, weights: Sequence[Tensor], column: int, eps: float = 1e-5,
+                    backend: str = "auto") -> Tensor:
+    """SpecDecPP's predicted chance that the token drawn from ``probs`` is accepted: a
+    residual MLP (:class:`spec_ext.learned.ResidualMLP`) on [hidden; log max p; entropy of
+    p; max p - second largest p], sigmoid of output ``column``; one call per draft step.
+
+    Args:
+        hidden: [B,H] float32, the draft's last hidden state. probs: [B,V] float32, the
+            distribution the draft gave from it (temperature 1).
+        weights: float32 tensors in ResidualMLP's order (its ``weights()``): inp.weight
+            [D,H+3], inp.bias [D], per block norm.weight [D], norm.bias [D], up.weight [D,D],
+            up.bias [D], down.weight [D,D], down.bias [D]; out.weight [O,D], out.bias [O].
+        column: output of the MLP to read (0 <= column < O). eps: the LayerNorms' epsilon.
+        backend: "auto" (the CPU kernel for CPU tensors, else the float64 reference), "cpu" or
+            "torch". :class:`spec_ext.learned.SpecDecPP` calls the kernel unchecked, and on
+            other devices composes the same arithmetic from float32 torch ops.
+    Returns:
+        [B] float32 in (0, 1).
+
+    Example:
+        >>> from spec_ext.learned import ResidualMLP
+        >>> head = ResidualMLP(64 + 3, hidden=32, depth=1)
+        >>> probs = torch.softmax(torch.randn(2, 100), -1)
+        >>> accept = acceptance_head(torch.randn(2, 64), probs, head.weights(), column=0)  # [2]
+    """
+    _check_tensor("hidden", hidden, 2, (torch.float32,))
+    _check_tensor("probs", probs, 2, (torch.float32,), hidden.device)
+    if probs.shape[0] != hidden.shape[0] or probs.shape[1] < 2:
+        _fail("probs", f"expected [B={hidden.shape[0]}, V>=2], got {tuple(probs.shape)}")
+    weights = list(weights)
+    if len(weights) < 4 or (len(weights) - 4) % 6:
+        _fail("weights", f"expected 4 + 6 * depth tensors (ResidualMLP.weights()), got {len(weights)}")
+    D = weights[0].shape[0]
+    shapes = [(D, hidden.shape[1] + 3), (D,)] + [(D,), (D,), (D, D), (D,), (D, D), (D,)] * ((len(weights) - 4) // 6)
+    shapes += [(weights[-2].shape[0], D), (weights[-2].shape[0],)]
+    for n, (w, shape) in enumerate(zip(weights, shapes)):
+        _check_tensor(f"weights[{n}]", w, len(shape), (torch.float32,), hidden.device)
+        _check_shape(f"weights[{n}]", w, shape)
+    if not 0 <= column < weights[-2].shape[0]:
+        _fail("column", f"expected 0 <= column < {weights[-2].shape[0]} (the MLP's outputs), got {column}")
+    if backend not in ("auto", "cpu", "torch"):
+        raise ValueError(f"backend must be one of ('auto', 'cpu', 'torch') for acceptance_head, got {backend!r}")
+    if _resolve(backend, hidden.device, "acceptance_head") == "torch":
+        return reference.acceptance_head(hidden, probs, weights, column, eps)
+    return torch.ops.spec_ext.acceptance_head(hidden, probs, weights, column, eps)
+
+
 # ------------------------------------------------------------------------ kv cache
 def compact_kv(caches: Sequence[Tensor] | Tensor, src: Tensor, dst_start: Tensor, backend: str = "auto",
                validate: bool | None = None) -> None:
@@ -604,3 +654,7 @@ if _C_ERROR is None:
     @torch.library.register_fake("spec_ext::skinny_linear")
     def _(x, weight, bias):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    @torch.library.register_fake("spec_ext::acceptance_head")
+    def _(hidden, probs, weights, column, eps):
+        return probs.new_empty(probs.shape[0])

@@ -209,3 +209,26 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if bias is not None:
         y = y + bias.double()
     return y.to(x.dtype)
+
+
+# ------------------------------------------------------------------------ policies
+def acceptance_head(hidden: Tensor, probs: Tensor, weights: list[Tensor], column: int, eps: float) -> Tensor:
+    """SpecDecPP's predicted acceptance [B] float32 of the token drawn from ``probs``.
+
+    hidden [B,H], probs [B,V]: the draft's last hidden state and the distribution it gave.
+    Features x = [hidden; log max p; entropy of p; max p - second largest p]; then a
+    residual MLP, weights = [inp.weight [D,H+3], inp.bias [D], per block: norm.weight,
+    norm.bias [D], up.weight [D,D], up.bias [D], down.weight [D,D], down.bias [D],
+    out.weight [O,D], out.bias [O]]: h = inp(x); per block h += down(silu(up(layer_norm(h))));
+    result sigmoid(out(h)[:, column]). Computed in float64."""
+    w = [t.double() for t in weights]
+    p = probs.double()
+    top = p.sort(-1, descending=True).values
+    entropy = -torch.where(p > 0, p * p.log(), torch.zeros_like(p)).sum(-1)
+    x = torch.cat([hidden.double(), top[:, :1].log(), entropy[:, None], top[:, :1] - top[:, 1:2]], -1)
+    h = x @ w[0].T + w[1]
+    for norm_w, norm_b, up_w, up_b, down_w, down_b in zip(*[iter(w[2:-2])] * 6):
+        normed = (h - h.mean(-1, keepdim=True)) / (h.var(-1, unbiased=False, keepdim=True) + eps).sqrt()
+        u = (normed * norm_w + norm_b) @ up_w.T + up_b
+        h = h + (u * torch.sigmoid(u)) @ down_w.T + down_b
+    return torch.sigmoid(h @ w[-2][column] + w[-1][column]).float()

@@ -135,6 +135,16 @@ def test_train_predictor_keeps_the_epoch_best_on_held_out_data():
     assert kept == pytest.approx(history["held_out"][best], rel=1e-5)
 
 
+def test_residual_mlp_forward_is_its_blocks_in_order():
+    torch.manual_seed(0)
+    model = ResidualMLP(11, out_features=3, hidden=16, depth=2)
+    x = torch.randn(7, 11)
+    h = model.inp(x)
+    for block in model.blocks:
+        h = h + block(h)
+    torch.testing.assert_close(model(x), model.out(h), rtol=1e-6, atol=1e-6)
+
+
 def test_predictor_file_round_trip(tmp_path):
     model = ResidualMLP(12, hidden=32, depth=1)
     model.save(tmp_path / "p.safetensors", kind="specdecpp", threshold=0.6, max_draft=7)
