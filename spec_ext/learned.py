@@ -4,7 +4,9 @@
   three numbers of the distribution q it produced: log max q, entropy, top-1 minus top-2,
   see :func:`draft_features`) predicts the probability that the token drafted from q is
   accepted; drafting stops once the predicted probability that some draft of the round is
-  rejected, 1 - prod(accept), exceeds ``threshold``. Deciding costs no extra draft forward.
+  rejected, 1 - prod(accept), exceeds ``threshold``. Deciding costs no extra draft forward;
+  on CPU in float32 each draft step's decision is one call of the fused kernel
+  :func:`spec_ext.ops.acceptance_head`.
 * :class:`AdaLength` (AdaEAGLE's length predictor): a residual MLP on [target input
   embedding of the round's root token; target last hidden state that produced it]
   predicts how many drafts the target will accept; the round drafts that many.
@@ -135,6 +137,12 @@ def _per_mode(value, settings: dict, key: str, default: float) -> tuple[float, f
 class SpecDecPP(Policy):
     """SpecDec++: stop drafting once 1 - prod(predicted acceptance) > ``threshold``.
 
+    A batch drafts as one: the batch goes on while 1 - mean over rows of prod(predicted
+    acceptance) <= ``threshold`` (at batch 1, the rule above). Stopping a row alone would
+    save nothing, as the batch pays each draft forward whether one row goes on or all, and
+    the target verifies every row to the longest draft; going on while any row is confident
+    drafts near ``max_draft`` for all (batch 8: 9 drafts per round instead of 5, 0.8x).
+
     Args:
         predictor: path of a safetensors predictor, a :class:`ResidualMLP` or None for
             the bundled pair's (``models/policies/specdecpp.safetensors``).
@@ -173,7 +181,7 @@ class SpecDecPP(Policy):
         column, threshold = (GREEDY, self.threshold) if self.greedy else (SAMPLING, self.threshold_sampling)
         accept = self._accept(probs, hidden, column)
         self._all_accepted = accept if step == 1 else self._all_accepted * accept
-        return 1 - self._all_accepted <= threshold
+        return (1 - self._all_accepted.mean() <= threshold).expand(len(accept))
 
 
 @register

@@ -177,6 +177,31 @@ def test_specdecpp_stops_when_predicted_rejection_exceeds_threshold(pair):
     assert set(out.stats.draft_lengths) == {1}
 
 
+def test_specdecpp_stops_a_batch_by_its_mean_predicted_acceptance():
+    # a head whose acceptance logit is the hidden state's first entry
+    head = ResidualMLP(8 + 3, out_features=2, hidden=1, depth=0)
+    with torch.no_grad():
+        for t in head.parameters():
+            t.zero_()
+        head.inp.weight[0, 0] = 1.0
+        head.out.weight.fill_(1.0)
+    policy = SpecDecPP(head, threshold=0.5)
+
+    class Draft:
+        device = torch.device("cpu")
+        config = type("Config", (), {"hidden_size": 8})
+
+    policy.bind(None, Draft())
+    policy.start(2, greedy=True)
+    hidden = torch.zeros(2, 8)
+    hidden[:, 0] = torch.logit(torch.tensor([0.9, 0.3]))
+    probs = torch.full((2, 5), 0.2)
+    # step 1: mean(0.9, 0.3) = 0.6 >= 0.5, both go on (alone, the second row would stop)
+    assert policy.keep_drafting(1, probs, probs.argmax(-1), hidden).tolist() == [True, True]
+    # step 2: mean(0.81, 0.09) = 0.45 < 0.5, both stop (alone, the first row would go on)
+    assert policy.keep_drafting(2, probs, probs.argmax(-1), hidden).tolist() == [False, False]
+
+
 def test_adalength_drafts_the_predicted_length(pair):
     target, draft = pair
     policy = AdaLength(constant(128, (2.3, 0.2)), offset=0.0, max_draft=12)
