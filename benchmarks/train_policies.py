@@ -73,9 +73,12 @@ def continuations(target, prompts, new_tokens, greedy, batch, path: Path) -> tor
 
 
 def dataset(target, draft, sequences, start, batch=32) -> dict:
-    parts = [features_and_labels(target, draft, sequences[i:i + batch], start, MAX_LENGTH)
+    generator = torch.Generator().manual_seed(0)
+    parts = [features_and_labels(target, draft, sequences[i:i + batch], start, MAX_LENGTH, generator)
              for i in range(0, len(sequences), batch)]
     data = {k: torch.cat([p[k] for p in parts]) for k in parts[0] if k != "sequence"}
+    for mode in ("greedy", "sampling"):  # AdaLength's input in each mode
+        data[f"adalength_in_{mode}"] = torch.cat([data["adalength_x"], data[f"adalength_history_{mode}"]], -1)
     data["sequence"] = torch.cat([p["sequence"] + i for i, p in zip(range(0, len(sequences), batch), parts)])
     data["positions"] = len(data["sequence"]) // len(sequences)
     return data
@@ -121,7 +124,8 @@ def decision_ms(predictors, target, draft, repeats=300) -> dict:
     token, draft_hidden = probs.argmax(-1), torch.randn(1, draft.config.hidden_size)
     target_hidden = torch.randn(1, target.config.hidden_size)
     calls = dict(specdecpp_per_draft=lambda: specdecpp.keep_drafting(1, probs, token, draft_hidden),
-                 adalength_per_round=lambda: adalength.see_target(target_hidden, token))
+                 adalength_per_round=lambda: (adalength.see_target(target_hidden, token), adalength.observe([3], [1]),
+                                              adalength.plan()))
     costs = {}
     with torch.inference_mode():
         for name, call in calls.items():
@@ -193,19 +197,20 @@ def main():
         for mode in ("greedy", "sampling"):
             data[f"branch_y_{mode}"] = branch_classes(data[f"adalength_y_{mode}"], ACCEPT_ALL_LENGTH)
     both = {k: torch.cat([train["greedy"][k], train["sampling"][k]]) for k in train["greedy"] if k != "positions"}
-    sources = dict(  # kind -> column -> (data, labels); SpecDecPP's labels hold on any text, so it reads both
-        specdecpp={GREEDY: (both, "specdecpp_y_greedy"), SAMPLING: (both, "specdecpp_y_sampling")},
-        adalength={GREEDY: (train["greedy"], "adalength_y_greedy"),
-                   SAMPLING: (train["sampling"], "adalength_y_sampling")},
-        branch={GREEDY: (train["greedy"], "branch_y_greedy"), SAMPLING: (train["sampling"], "branch_y_sampling")})
+    sources = dict(  # kind -> column -> (data, inputs, labels); SpecDecPP's labels hold on any text: it reads both
+        specdecpp={GREEDY: (both, "specdecpp_x", "specdecpp_y_greedy"),
+                   SAMPLING: (both, "specdecpp_x", "specdecpp_y_sampling")},
+        adalength={GREEDY: (train["greedy"], "adalength_in_greedy", "adalength_y_greedy"),
+                   SAMPLING: (train["sampling"], "adalength_in_sampling", "adalength_y_sampling")},
+        branch={GREEDY: (train["greedy"], "adalength_x", "branch_y_greedy"),
+                SAMPLING: (train["sampling"], "adalength_x", "branch_y_sampling")})
     report, predictors = {}, {}
-    for kind, loss, x_name in (("specdecpp", "bce", "specdecpp_x"), ("adalength", "asymmetric_l1", "adalength_x"),
-                               ("branch", "cross_entropy", "adalength_x")):
+    for kind, loss in (("specdecpp", "bce"), ("adalength", "asymmetric_l1"), ("branch", "cross_entropy")):
         torch.manual_seed(0)
-        model = ResidualMLP(both[x_name].shape[1], out_features=6 if kind == "branch" else 2, hidden=args.hidden,
-                            depth=args.depth)
+        width = sources[kind][GREEDY][0][sources[kind][GREEDY][1]].shape[1]
+        model = ResidualMLP(width, out_features=6 if kind == "branch" else 2, hidden=args.hidden, depth=args.depth)
         fit, held_out = {}, {}
-        for column, (data, y_name) in sources[kind].items():
+        for column, (data, x_name, y_name) in sources[kind].items():
             fit[column], held_out[column] = by_sequence(data, x_name, y_name, held)
         t = time.time()
         history = train_predictor(model, fit, loss, epochs=args.epochs, held_out=held_out)
@@ -222,15 +227,11 @@ def main():
     for mode, column in (("greedy", GREEDY), ("sampling", SAMPLING)):
         data = texts["validation", mode]
         shape = (-1, data["positions"])
-        label = data[f"specdecpp_y_{mode}"].view(shape)
-        if mode == "greedy":
-            accept = label > 0.5
-        else:  # one draw of each acceptance
-            accept = torch.rand(label.shape, generator=torch.Generator().manual_seed(1)) < label
+        accept = data[f"accepted_{mode}"].view(shape) > 0.5  # sampling: the draw AdaLength's history saw
         with torch.no_grad():
             accept_probability = torch.sigmoid(predictors["specdecpp"](data["specdecpp_x"])[:, column]).view(shape)
-            length = predictors["adalength"](data["adalength_x"])[:, column].view(shape)
-        rates = replay(accept, {f"fixed k={k}": torch.full(label.shape, k) for k in range(1, MAX_LENGTH + 1)},
+            length = predictors["adalength"](data[f"adalength_in_{mode}"])[:, column].view(shape)
+        rates = replay(accept, {f"fixed k={k}": torch.full(accept.shape, k) for k in range(1, MAX_LENGTH + 1)},
                        costs["round_ms"])
         best_k = int(max(rates, key=lambda n: rates[n][0]).split("=")[1])
         length = torch.cat([torch.full_like(length[:, :1], best_k), length[:, :-1]], 1)  # root j reads entry j-1

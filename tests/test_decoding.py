@@ -12,7 +12,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 import spec_ext
 from spec_ext.decoding import Sampler
-from spec_ext.learned import DRAFT_EXTRA_FEATURES, AdaLength, LearnedSpecBranch, ResidualMLP, SpecDecPP
+from spec_ext.learned import (DRAFT_EXTRA_FEATURES, HISTORY_FEATURES, AdaLength, LearnedSpecBranch, ResidualMLP,
+                              SpecDecPP)
 from spec_ext.policies import POLICIES
 
 POLICY_NAMES = sorted(POLICIES)
@@ -25,7 +26,7 @@ def make_policy(name, target, draft):
     if name == "specdecpp":
         return SpecDecPP(ResidualMLP(draft.config.hidden_size + DRAFT_EXTRA_FEATURES), threshold=0.9, max_draft=6)
     if name == "adalength":
-        return AdaLength(ResidualMLP(2 * target.config.hidden_size), offset=2.0, max_draft=6)
+        return AdaLength(ResidualMLP(2 * target.config.hidden_size + HISTORY_FEATURES), offset=2.0, max_draft=6)
     if name == "learnedspecbranch":
         return LearnedSpecBranch(predictor=ResidualMLP(2 * target.config.hidden_size, out_features=6))
     return name

@@ -57,6 +57,7 @@ def test_acceptance_labels_and_features_against_prefix_forwards(pair):
             p = torch.softmax(target(sequences[row:row + 1]).logits[0], -1)  # causal: row i sees tokens <= i
             q = torch.softmax(draft(sequences[row:row + 1]).logits[0], -1)
             accept = torch.minimum(p, q).sum(-1)
+            agree = (p.argmax(-1) == q.argmax(-1)).tolist()
             for n, i in enumerate(ends):
                 p_i = torch.softmax(target(sequences[row:row + 1, :i + 1]).logits[0, -1], -1)
                 q_i = torch.softmax(draft(sequences[row:row + 1, :i + 1]).logits[0, -1], -1)
@@ -69,7 +70,15 @@ def test_acceptance_labels_and_features_against_prefix_forwards(pair):
                 torch.testing.assert_close(data["specdecpp_x"][k, -3:], expected, atol=1e-4, rtol=1e-4)
                 expected_count = accept[i + 1:i + 5].cumprod(0).sum()
                 torch.testing.assert_close(data["adalength_y_sampling"][k], expected_count, atol=1e-4, rtol=0)
+                before = 0  # argmax agreements in a row up to i, at most max_length
+                while before < 4 and before <= i and agree[i - before]:
+                    before += 1
+                assert data["accepted_greedy"][k].item() == float(agree[i])
+                assert data["adalength_history_greedy"][k].tolist() == [before / 4, float(before > 0)]
     assert data["adalength_x"].shape == (2 * len(ends), 128)
+    assert data["adalength_history_sampling"].shape == (2 * len(ends), 2)
+    drawn = data["accepted_sampling"]
+    assert set(drawn.tolist()) == {0.0, 1.0} and abs(drawn.mean() - data["specdecpp_y_sampling"].mean()) < 0.15
     assert data["specdecpp_x"].shape == (2 * len(ends), 64 + 3)
     with pytest.raises(ValueError, match="sequences: need more than"):
         features_and_labels(target, draft, sequences[:, :12], start=10, max_length=4)
@@ -204,18 +213,38 @@ def test_specdecpp_stops_a_batch_by_its_mean_predicted_acceptance():
 
 def test_adalength_drafts_the_predicted_length(pair):
     target, draft = pair
-    policy = AdaLength(constant(128, (2.3, 0.2)), offset=0.0, max_draft=12)
+    policy = AdaLength(constant(128 + 2, (2.3, 0.2)), offset=0.0, max_draft=12)
     out = spec_ext.generate(target, draft, [[5, 6, 7], [8, 9]], max_new_tokens=20, eos_token_id=[], policy=policy)
     assert set(out.stats.draft_lengths) == {3}
     out = spec_ext.generate(target, draft, [[5, 6, 7]], max_new_tokens=20, eos_token_id=[], policy=policy,
                             temperature=1.0, seed=0)
     assert set(out.stats.draft_lengths) == {1}
-    with pytest.raises(ValueError, match="predictor: the AdaLength predictor takes 128 features but"):
+    with pytest.raises(ValueError, match="predictor: the AdaLength predictor takes 130 features but"):
         small = llama(97, 32, 1, seed=3)
-        spec_ext.generate(small, small, [[5, 6]], policy=AdaLength(constant(128, (1, 1))))
+        spec_ext.generate(small, small, [[5, 6]], policy=AdaLength(constant(130, (1, 1))))
     big = llama(97, 96, 1, seed=4)
     with pytest.raises(ValueError, match="predictor: the SpecDecPP predictor takes 64 features but"):
         spec_ext.generate(target, big, [[5, 6]], policy=SpecDecPP(constant(64, (1, 1))))
+
+
+def test_adalength_reads_the_rows_history_of_accepted_drafts(pair):
+    target, draft = pair
+    head = ResidualMLP(128 + 2, out_features=2, hidden=1, depth=0)
+    with torch.no_grad():  # predicted length = drafts accepted in a row before the root + 0.5
+        for t in head.parameters():
+            t.zero_()
+        head.inp.weight[0, 128] = 4.0  # history_features' first number is the count / 4
+        head.out.weight.fill_(1.0)
+        head.out.bias.fill_(0.5)
+    out = spec_ext.generate(target, draft, [[5, 6, 7]], max_new_tokens=60, eos_token_id=[],
+                            policy=AdaLength(head, offset=0.0, max_draft=6))
+    drafted, accepted = out.stats.draft_lengths, out.stats.accepted_lengths
+    before, expected = 0, []
+    for n, a in zip(drafted, accepted):
+        expected.append(min(6, before + 1))
+        before = min(6, before + a) if a >= n else 0
+    assert drafted[:-1] == expected[:-1]  # the last round may be cut to the tokens left
+    assert max(drafted) > 2 and min(drafted) == 1
 
 
 def test_branch_classes():
