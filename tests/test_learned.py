@@ -245,6 +245,16 @@ def test_adalength_reads_the_rows_history_of_accepted_drafts(pair):
         before = min(6, before + a) if a >= n else 0
     assert drafted[:-1] == expected[:-1]  # the last round may be cut to the tokens left
     assert max(drafted) > 2 and min(drafted) == 1
+    # a batch drafts to the mean of its rows' predictions: after row 0 accepted all 4 drafts
+    # and row 1 none, 4.5 and 0.5 -> 2.5 -> 3 for both
+    policy = AdaLength(head, offset=0.0, max_draft=6)
+    policy.bind(target, draft)
+    policy.start(2, greedy=True)
+    policy.observe([4, 4], [4, 0])
+    policy.see_target(torch.randn(2, 64), torch.tensor([5, 6]))
+    assert policy.plan() == [3, 3]
+    policy.keep_rows([1])
+    assert policy.plan() == [3]
 
 
 def test_branch_classes():
