@@ -19,7 +19,7 @@ Stages (generated text is cached under --work, so a rerun skips it):
   6. models/policies/{specdecpp,adalength,branch}.safetensors (settings in their metadata) and
      models/policies/validation.json (losses, costs, replayed rates, choices).
 
-    python benchmarks/train_policies.py [--sequences 384] [--fast-linear]
+    python benchmarks/train_policies.py [--sequences 2048] [--fast-linear]
 """
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def main():
     parser.add_argument("--draft", type=Path, default=ROOT / "models" / "stdlib-draft")
     parser.add_argument("--out", type=Path, default=ROOT / "models" / "policies")
     parser.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".train_work" / "policies")
-    parser.add_argument("--sequences", type=int, default=384, help="training continuations per decoding mode")
+    parser.add_argument("--sequences", type=int, default=2048, help="training continuations per decoding mode")
     parser.add_argument("--validation-sequences", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
