@@ -41,13 +41,13 @@ POLICIES = ["fixed", "auto", "heuristic", "confidence", "svip", "tree", "specdec
 SAME_WINDOW = "serial fixed k=PEARL's gamma"
 
 
-def policies() -> dict:
-    """Row name -> policy; adds Fixed(k) with the best k on the validation split
-    (benchmarks/train_policies.py) when that sweep exists."""
+def policies(greedy: bool = True) -> dict:
+    """Row name -> policy; adds Fixed(k) with the best k on the validation split for the
+    decoding mode (benchmarks/train_policies.py) when that sweep exists."""
     chosen = {name: name for name in POLICIES}
     chosen["pearl"] = spec_ext.parallel.PEARL()
     if (ROOT / "models" / "policies" / "validation.json").exists():
-        k = best_fixed()
+        k = best_fixed(greedy)
         chosen[f"fixed k={k} (best on validation)"] = spec_ext.policies.Fixed(k)
     return chosen
 
@@ -93,9 +93,13 @@ def lean_alone(target, group, n, temperature, fast_linear):
     return torch.cat([ids, torch.stack(tokens, 1)], 1)
 
 
-def best_fixed():
+def best_fixed(greedy: bool = True) -> int:
+    """The fixed k the validation replay chose for greedy decoding or for sampling."""
     sweep = ROOT / "models" / "policies" / "validation.json"
-    return json.loads(sweep.read_text())["best_fixed_k"] if sweep.exists() else 4
+    if not sweep.exists():
+        return 4
+    report = json.loads(sweep.read_text())
+    return report["best_fixed_k"] if greedy else report.get("best_fixed_k_sampling", report["best_fixed_k"])
 
 
 def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, wanted=lambda method: True):
@@ -140,7 +144,7 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, want
                      config.assistant_confidence_threshold) = saved
                     new = out.shape[1] - ids.shape[1]
                     record(name, new / t, new / t / base, match=bool(torch.equal(out, alone)) if greedy else None)
-            for name, policy in policies().items():
+            for name, policy in policies(greedy).items():
                 if not wanted(f"spec_ext {name}"):
                     continue
                 out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n,
@@ -156,7 +160,7 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, want
                     rate = out.stats.tokens_per_s
                     record(f"spec_ext {SAME_WINDOW}", rate, rate / base, out.stats,
                            bool(torch.equal(out.sequences, alone)) if greedy else None)
-            k = best_fixed()
+            k = best_fixed(greedy)
             if wanted(f"spec_ext fixed k={k}*, fast_linear"):
                 out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n,
                                         temperature=temperature, eos_token_id=[], pad_token_id=pad,

@@ -263,7 +263,8 @@ def main():
     for kind, model in predictors.items():
         model.save(args.out / f"{kind}.safetensors", **settings[kind])
     report.update(round_cost=costs, decision_ms=decisions, fast_linear=args.fast_linear, replayed_on_validation=replayed,
-                  oracle_vs_best_fixed=oracle, best_fixed_k=best_k, settings=settings,
+                  oracle_vs_best_fixed=oracle, best_fixed_k=best_k,
+                  best_fixed_k_sampling=int(chosen["sampling"]["fixed"]), settings=settings,
                   pair=dict(target=args.target.name, draft=args.draft.name), sequences_per_mode=args.sequences,
                   dtype=dtype, total_seconds=round(time.time() - started))
     (args.out / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
