@@ -553,7 +553,7 @@ def acceptance_head(hidden: Tensor, probs: Tensor, weights: Sequence[Tensor], co
     _check_tensor("probs", probs, 2, (torch.float32,), hidden.device)
     if probs.shape[0] != hidden.shape[0] or probs.shape[1] < 2:
         _fail("probs", f"expected [B={hidden.shape[0]}, V>=2], got {tuple(probs.shape)}")
-    weights = list(weights)
+    weights = [w.contiguous() if isinstance(w, Tensor) else w for w in weights]
     if len(weights) < 4 or (len(weights) - 4) % 6:
         _fail("weights", f"expected 4 + 6 * depth tensors (ResidualMLP.weights()), got {len(weights)}")
     D = weights[0].shape[0]

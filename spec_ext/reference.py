@@ -228,7 +228,8 @@ def acceptance_head(hidden: Tensor, probs: Tensor, weights: list[Tensor], column
     x = torch.cat([hidden.double(), top[:, :1].log(), entropy[:, None], top[:, :1] - top[:, 1:2]], -1)
     h = x @ w[0].T + w[1]
     for norm_w, norm_b, up_w, up_b, down_w, down_b in zip(*[iter(w[2:-2])] * 6):
-        normed = (h - h.mean(-1, keepdim=True)) / (h.var(-1, unbiased=False, keepdim=True) + eps).sqrt()
+        centred = h - h.mean(-1, keepdim=True)
+        normed = centred / (centred.square().mean(-1, keepdim=True) + eps).sqrt()
         u = (normed * norm_w + norm_b) @ up_w.T + up_b
         h = h + (u * torch.sigmoid(u)) @ down_w.T + down_b
     return torch.sigmoid(h @ w[-2][column] + w[-1][column]).float()

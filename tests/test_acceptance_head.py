@@ -62,8 +62,17 @@ def test_non_contiguous_inputs():
     head, hidden, probs = make(3, 12, 50, 8, 1, 2)
     wide = torch.stack([probs, probs], -1).flatten(1)[:, ::2]
     assert not wide.is_contiguous() and torch.equal(wide, probs)
-    torch.testing.assert_close(ops.acceptance_head(hidden.T.contiguous().T, wide, head.weights(), 0, backend="cpu"),
+    strided = [w.T.contiguous().T if w.dim() == 2 else w for w in head.weights()]  # transposed storage
+    assert not strided[0].is_contiguous()
+    torch.testing.assert_close(ops.acceptance_head(hidden.T.contiguous().T, wide, strided, 0, backend="cpu"),
                                ops.acceptance_head(hidden, probs, head.weights(), 0, backend="cpu"), rtol=0, atol=0)
+
+
+def test_no_rows():
+    head, hidden, probs = make(2, 12, 50, 8, 1, 2)
+    for backend in ("cpu", "torch"):
+        got = ops.acceptance_head(hidden[:0], probs[:0], head.weights(), 0, backend=backend)
+        assert got.shape == (0,) and got.dtype == torch.float32
 
 
 def test_specdecpp_decides_with_the_kernel_as_with_torch_ops(tmp_path):
