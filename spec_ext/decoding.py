@@ -162,6 +162,10 @@ class _Loop(_Rows):
         self.stats = Stats()
         self.draft_hidden = "draft_hidden" in policy.needs
         self.target_hidden = "target_hidden" in policy.needs
+        self.bonus_agreement = "bonus_agreement" in policy.needs
+        # per row: did the last round accept every draft, and the distribution p its bonus came from
+        self.all_accepted = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
+        self.bonus_p: Tensor | None = None
         # a policy that never stops a row early needs no host sync per draft step
         self.adaptive = type(policy).keep_drafting is not Policy.keep_drafting
         if policy.kind == "tree":
@@ -203,9 +207,28 @@ class _Loop(_Rows):
         last = torch.tensor([len(p) - 1 for p in pending], device=self.device)
         rows = torch.arange(len(pending), device=self.device)
         self.dcache.advance([len(p) for p in pending])
+        if self.bonus_agreement:
+            self.policy.see_bonus_agreement(self._bonus_agreement(out[0] if self.draft_hidden else out, ids, last))
         if self.draft_hidden:
             return out[0][rows, last], out[1][rows, last]
         return out[rows, last], None
+
+    def _bonus_agreement(self, logits: Tensor, ids: Tensor, last: Tensor) -> Tensor:
+        """[B] bool: rows whose last round accepted every draft and whose draft, at the last
+        draft's position (logits [B,T,V] of the catch-up over ids [B,T]), agrees with the
+        bonus token (ids[b, last[b]]); see :mod:`spec_ext.policies`."""
+        rows = torch.arange(len(ids), device=self.device)
+        if not self.all_accepted.any():  # also the first round: no bonus yet
+            return self.all_accepted.clone()
+        before = logits[rows, (last - 1).clamp_min(0)]
+        if self.sampler.greedy:
+            agreed = before.argmax(-1) == ids[rows, last]
+        else:
+            chance = torch.minimum(self.bonus_p, self.sampler.probs(before)).sum(-1)
+            agreed = torch.rand(chance.shape, device=self.device, generator=self.generator) < chance
+        # a row that drafted less than the batch fed its last draft while drafting (the
+        # catch-up has only its bonus): its agreement is not known and counts as broken
+        return agreed & self.all_accepted & (last >= 1)
 
     def _propose(self, logits: Tensor) -> tuple[Tensor, Tensor | None]:
         if self.sampler.greedy:
@@ -248,13 +271,16 @@ class _Loop(_Rows):
         positions = self.tcache.lengths[:, None] + torch.arange(steps + 1, device=self.device)
         target_out = self._target(ids, positions, hidden=self.target_hidden)
         target_logits = target_out[0] if self.target_hidden else target_out
+        rows = torch.arange(B, device=self.device)
         if self.sampler.greedy:
             result = ops.greedy_verify(target_logits, drafts, num_draft)
         else:
-            result = ops.chain_rejection_sample(self.sampler.probs(target_logits), drafts, q_all[:, :steps],
-                                                num_draft, generator=self.generator)
+            p = self.sampler.probs(target_logits)
+            result = ops.chain_rejection_sample(p, drafts, q_all[:, :steps], num_draft, generator=self.generator)
+            if self.bonus_agreement:
+                self.bonus_p = p[rows, result.num_accepted]
+        self.all_accepted = result.num_accepted == num_draft
         if self.target_hidden:
-            rows = torch.arange(B, device=self.device)
             self.policy.see_target(target_out[1][rows, result.num_accepted], result.tokens[rows, result.num_accepted])
         tokens, accepted = result.tokens.tolist(), result.num_accepted.tolist()
         self.tcache.advance([a + 1 for a in accepted])
@@ -304,9 +330,16 @@ class _Loop(_Rows):
                 self.tcache.keep_rows(keep)
                 self.dcache.keep_rows(keep)
                 self.policy.keep_rows(keep)
+                self._keep_round_outcome(keep)
                 self.active = [self.active[i] for i in keep]
         self.stats.new_tokens = sum(map(len, self.new))
         return self.stats
+
+    def _keep_round_outcome(self, keep: list[int]) -> None:
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.all_accepted = self.all_accepted[index]
+        if self.bonus_p is not None:
+            self.bonus_p = self.bonus_p[index]
 
 
 def _check_fast_linear(fast_linear) -> None:

@@ -11,7 +11,12 @@ A chain policy answers three questions for a batch of rows:
 before the first round, ``keep_rows`` when finished rows drop out. Policies whose
 ``needs`` has ``"target_hidden"`` also get ``see_target(hidden [B,H], next_tokens [B])``
 after every verification (and after the prefill): the target's last hidden state at the
-last accepted token and the token it produced, the root of the next round.
+last accepted token and the token it produced, the root of the next round. Policies whose
+``needs`` has ``"bonus_agreement"`` get ``see_bonus_agreement(agreed [B] bool)`` before
+``plan()``: per row, whether the last round accepted every draft and the draft agrees with
+the target's token after them (greedy: proposes it; sampling: a draw that accepts with
+probability sum_x min(p, q) at that position), i.e. whether acceptance ran on unbroken
+through the root.
 
 A tree policy (``Tree``) instead gives a static tree shape; a parallel policy
 (``spec_ext.parallel.PEARL``) brings its own loop (``make_loop``). Every policy works with

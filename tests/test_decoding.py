@@ -273,6 +273,35 @@ def test_sampler_matches_hf_warpers():
     torch.testing.assert_close(ours, torch.softmax(x, -1))
 
 
+def test_bonus_agreement_is_the_drafts_agreement_with_the_bonus_token():
+    """The history AdaLength reads: after a round that accepted every draft, greedy asks
+    whether the draft proposes the bonus token; sampling draws an acceptance with chance
+    sum_x min(p, q) at that position (p: the bonus's distribution, q: the draft's)."""
+    from scipy.stats import binomtest
+    from spec_ext.decoding import _Loop
+    B, V = 4000, 5
+    loop = _Loop.__new__(_Loop)  # only the round outcome the method reads
+    loop.device, loop.generator = torch.device("cpu"), torch.Generator().manual_seed(0)
+    loop.all_accepted = torch.arange(B) % 2 == 0
+    q = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2])
+    logits = torch.stack([q.log().expand(B, V), torch.zeros(B, V)], 1)  # [B,2,V]: q at the last draft
+    ids = torch.stack([torch.zeros(B, dtype=torch.long), torch.arange(B) % V], 1)  # [B,2]: last draft, bonus
+    last = torch.where(torch.arange(B) % 4 == 2, 0, 1)  # rows that fed their last draft while drafting
+    known = loop.all_accepted & (last == 1)
+
+    loop.sampler, loop.bonus_p = Sampler(1.0), torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0]).expand(B, V)
+    agreed = loop._bonus_agreement(logits, ids, last)
+    assert not agreed[~known].any()
+    assert binomtest(int(agreed[known].sum()), int(known.sum()), 0.6).pvalue > 1e-3  # 0.2 + 0.2 + 0.2
+
+    loop.sampler, loop.bonus_p = Sampler(0.0), None
+    logits[:, 0, 3] = 1.0  # the draft's greedy token is 3
+    agreed = loop._bonus_agreement(logits, ids, last)
+    assert agreed.tolist() == (known & (ids[:, 1] == 3)).tolist()
+    loop.all_accepted[:] = False  # the first round: no bonus yet
+    assert not loop._bonus_agreement(logits, ids, last).any()
+
+
 def test_sliding_window_models_run_while_sequences_fit():
     from transformers import MistralConfig, MistralForCausalLM
     torch.manual_seed(0)

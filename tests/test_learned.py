@@ -230,28 +230,41 @@ def test_adalength_drafts_the_predicted_length(pair):
 def test_adalength_reads_the_rows_history_of_accepted_drafts(pair):
     target, draft = pair
     head = ResidualMLP(128 + 2, out_features=2, hidden=1, depth=0)
-    with torch.no_grad():  # predicted length = drafts accepted in a row before the root + 0.5
+    with torch.no_grad():  # predicted length = the history count + 0.5
         for t in head.parameters():
             t.zero_()
         head.inp.weight[0, 128] = 4.0  # history_features' first number is the count / 4
         head.out.weight.fill_(1.0)
         head.out.bias.fill_(0.5)
-    out = spec_ext.generate(target, draft, [[5, 6, 7]], max_new_tokens=60, eos_token_id=[],
+    prompt = [5, 6, 7]
+    out = spec_ext.generate(target, draft, [prompt], max_new_tokens=60, eos_token_id=[],
                             policy=AdaLength(head, offset=0.0, max_draft=6))
     drafted, accepted = out.stats.draft_lengths, out.stats.accepted_lengths
-    before, expected = 0, []
-    for n, a in zip(drafted, accepted):
-        expected.append(min(6, before + 1))
-        before = min(6, before + a) if a >= n else 0
+    # the history as the training data defines it: the run of positions where the draft's
+    # greedy token (teacher-forced on the output) is the text's next one, ending just
+    # before the root, counted from the prompt's last token on, at most 6
+    sequence = out.sequences[0]
+    with torch.inference_mode():
+        agrees = (draft(sequence[None]).logits[0, :-1].argmax(-1) == sequence[1:]).tolist()
+    root, expected = len(prompt) - 1, []
+    for a in accepted:
+        run = 0
+        while run < 6 and root - 1 - run >= len(prompt) - 1 and agrees[root - 1 - run]:
+            run += 1
+        expected.append(min(6, run + 1))
+        root += a + 1
     assert drafted[:-1] == expected[:-1]  # the last round may be cut to the tokens left
     assert max(drafted) > 2 and min(drafted) == 1
-    # a batch drafts to the mean of its rows' predictions: after row 0 accepted all 4 drafts
-    # and row 1 none, 4.5 and 0.5 -> 2.5 -> 3 for both
+    # a round that accepted all its drafts but whose draft disagrees with the bonus resets it
+    assert any(n == a and e == 1 for n, a, e in zip(drafted, accepted, expected[1:]))
+    # a batch drafts to the mean of its rows' predictions: after row 0 accepted all 3 drafts
+    # and agreed with the bonus (history 4) and row 1 none, 4.5 and 0.5 -> 2.5 -> 3 for both
     policy = AdaLength(head, offset=0.0, max_draft=6)
     policy.bind(target, draft)
     policy.start(2, greedy=True)
-    policy.observe([4, 4], [4, 0])
+    policy.observe([3, 4], [3, 0])
     policy.see_target(torch.randn(2, 64), torch.tensor([5, 6]))
+    policy.see_bonus_agreement(torch.tensor([True, False]))
     assert policy.plan() == [3, 3]
     policy.keep_rows([1])
     assert policy.plan() == [3]
