@@ -41,13 +41,13 @@ POLICIES = ["fixed", "auto", "heuristic", "confidence", "svip", "tree", "specdec
 SAME_WINDOW = "serial fixed k=PEARL's gamma"
 
 
-def policies(greedy: bool = True) -> dict:
+def policies(greedy: bool = True, batch: int = 1) -> dict:
     """Row name -> policy; adds Fixed(k) with the best k on the validation split for the
-    decoding mode (benchmarks/train_policies.py) when that sweep exists."""
+    decoding mode and batch size (benchmarks/train_policies.py) when that sweep exists."""
     chosen = {name: name for name in POLICIES}
     chosen["pearl"] = spec_ext.parallel.PEARL()
     if (ROOT / "models" / "policies" / "validation.json").exists():
-        k = best_fixed(greedy)
+        k = best_fixed(greedy, batch)
         chosen[f"fixed k={k} (best on validation)"] = spec_ext.policies.Fixed(k)
     return chosen
 
@@ -93,12 +93,15 @@ def lean_alone(target, group, n, temperature, fast_linear):
     return torch.cat([ids, torch.stack(tokens, 1)], 1)
 
 
-def best_fixed(greedy: bool = True) -> int:
-    """The fixed k the validation replay chose for greedy decoding or for sampling."""
+def best_fixed(greedy: bool = True, batch: int = 1) -> int:
+    """The fixed k the validation replay chose for greedy decoding or for sampling, at batch 1
+    or (batch > 1) for batches."""
     sweep = ROOT / "models" / "policies" / "validation.json"
     if not sweep.exists():
         return 4
     report = json.loads(sweep.read_text())
+    if batch > 1 and "batch" in report:
+        report = report["batch"]
     return report["best_fixed_k"] if greedy else report.get("best_fixed_k_sampling", report["best_fixed_k"])
 
 
@@ -144,7 +147,7 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, want
                      config.assistant_confidence_threshold) = saved
                     new = out.shape[1] - ids.shape[1]
                     record(name, new / t, new / t / base, match=bool(torch.equal(out, alone)) if greedy else None)
-            for name, policy in policies(greedy).items():
+            for name, policy in policies(greedy, batch).items():
                 if not wanted(f"spec_ext {name}"):
                     continue
                 out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n,
@@ -160,7 +163,7 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, want
                     rate = out.stats.tokens_per_s
                     record(f"spec_ext {SAME_WINDOW}", rate, rate / base, out.stats,
                            bool(torch.equal(out.sequences, alone)) if greedy else None)
-            k = best_fixed(greedy)
+            k = best_fixed(greedy, batch)
             if wanted(f"spec_ext fixed k={k}*, fast_linear"):
                 out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n,
                                         temperature=temperature, eos_token_id=[], pad_token_id=pad,

@@ -10,12 +10,14 @@ Stages (generated text is cached under --work, so a rerun skips it):
      (3 classes from the accepted length: none / some / at least ACCEPT_ALL_LENGTH;
      cross-entropy). An eighth of the training sequences is held out; each predictor keeps
      its epoch with the lowest held-out loss;
-  4. the cost of a round with k drafts: measured in the loop at batch 1 for a few k, a line
-     fitted; and the learned policies' own time per decision;
+  4. the cost of a round with k drafts: measured in the loop at batch 1 and at --batch for a
+     few k, lines fitted; and the learned policies' own time per decision at both sizes;
   5. on the validation split (never the test prompts), per decoding mode, the replay of
      spec_ext.learned.simulated_tokens_per_ms under that cost chooses the best fixed k, the
      SpecDecPP threshold and the AdaLength offset; the oracle (drafting exactly the run the
-     target will accept) bounds what any length rule can gain;
+     target will accept) bounds what any length rule can gain. Then the same for batches of
+     --batch rows that draft as one (simulated_batch_tokens_per_ms; a draft step costs more
+     next to a verification there, so shorter drafts pay): the settings used at batch > 1;
   6. models/policies/{specdecpp,adalength,branch}.safetensors (settings in their metadata) and
      models/policies/validation.json (losses, costs, replayed rates, choices).
 
@@ -40,13 +42,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spec_ext  # noqa: E402
 from spec_ext.learned import (GREEDY, SAMPLING, ResidualMLP, accepted_runs, branch_classes,  # noqa: E402
-                              features_and_labels, simulated_tokens_per_ms, train_predictor)
+                              features_and_labels, simulated_batch_tokens_per_ms, simulated_tokens_per_ms,
+                              train_predictor)
 from stdlib_data import code_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LENGTH = 12  # longest chain the labels (and the learned policies) consider
 ACCEPT_ALL_LENGTH = 4  # the branch predictor's "accept all" class: at least this many drafts accepted
 COST_KS = (1, 2, 3, 4, 6, 8, 12)  # draft lengths whose round cost is measured
+THRESHOLDS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.97)  # SpecDecPP's, replayed on validation
+OFFSETS = (-1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0, 4.0)  # AdaLength's
 
 
 def load(path, dtype):
@@ -90,20 +95,21 @@ def by_sequence(data: dict, x: str, y: str, held: Tensor) -> tuple[tuple, tuple]
     return (data[x][~mask], data[y][~mask]), (data[x][mask], data[y][mask])
 
 
-def round_costs(target, draft, prompts, new_tokens, repeats, fast_linear) -> dict:
-    """Batch-1 ms per round of Fixed(k), k in COST_KS, over all prompts and repeats (every k
-    runs on a prompt before the next prompt, so the box's drift hits all alike), and the
-    least-squares line through them for every k in 0..MAX_LENGTH (one noisy point would
-    bend an interpolation and with it the choices)."""
+def round_costs(target, draft, prompts, new_tokens, repeats, fast_linear, batch=1) -> dict:
+    """ms per round of Fixed(k), k in COST_KS, with ``batch`` prompts per generate call, over
+    all prompts and repeats (every k runs on a group before the next group, so the box's
+    drift hits all alike), and the least-squares line through them for every k in
+    0..MAX_LENGTH (one noisy point would bend an interpolation and with it the choices)."""
     from spec_ext.policies import Fixed
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     elapsed, rounds = dict.fromkeys(COST_KS, 0.0), dict.fromkeys(COST_KS, 0)
-    for _ in tqdm(range(repeats), desc="round costs"):
-        for prompt in prompts:
+    for _ in tqdm(range(repeats), desc=f"round costs, batch {batch}"):
+        for group in groups:
             for k in COST_KS:
-                out = spec_ext.generate(target, draft, [prompt], max_new_tokens=new_tokens, eos_token_id=[],
+                out = spec_ext.generate(target, draft, group, max_new_tokens=new_tokens, eos_token_id=[],
                                         policy=Fixed(k), fast_linear=fast_linear)
                 elapsed[k] += out.stats.wall_time
-                rounds[k] += out.stats.rounds
+                rounds[k] += out.stats.target_calls - 1  # the first call is the prefill
     measured = {k: 1e3 * elapsed[k] / rounds[k] for k in COST_KS}
     per_draft, base = np.polyfit(list(measured), list(measured.values()), 1)
     round_ms = base + per_draft * np.arange(MAX_LENGTH + 1)
@@ -111,21 +117,24 @@ def round_costs(target, draft, prompts, new_tokens, repeats, fast_linear) -> dic
                 per_draft_ms=round(float(per_draft), 3), round_ms=round_ms.round(3).tolist())
 
 
-def decision_ms(predictors, target, draft, repeats=300) -> dict:
-    """Median ms of the learned policies' own work at batch 1: SpecDecPP's per draft step
-    (features and head), AdaLength's per round (embedding and predictor). Each call follows
-    a draft forward, as in the loop: after one, small ops run 2-3x slower than back to back."""
+def decision_ms(predictors, target, draft, batch=1, repeats=300) -> dict:
+    """Median ms of the learned policies' own work for ``batch`` rows: SpecDecPP's per draft
+    step (features and head), AdaLength's per round (embedding, history and predictor). Each
+    call follows a draft forward, as in the loop: after one, small ops run 2-3x slower than
+    back to back."""
     from spec_ext.learned import AdaLength, SpecDecPP
     specdecpp, adalength = SpecDecPP(predictors["specdecpp"]), AdaLength(predictors["adalength"])
     for policy in (specdecpp, adalength):
         policy.bind(target, draft)
-        policy.start(1, greedy=True)
-    probs = torch.softmax(torch.randn(1, draft.config.vocab_size) * 4, -1)
-    token, draft_hidden = probs.argmax(-1), torch.randn(1, draft.config.hidden_size)
-    target_hidden = torch.randn(1, target.config.hidden_size)
+        policy.start(batch, greedy=True)
+    probs = torch.softmax(torch.randn(batch, draft.config.vocab_size) * 4, -1)
+    token, draft_hidden = probs.argmax(-1), torch.randn(batch, draft.config.hidden_size)
+    target_hidden = torch.randn(batch, target.config.hidden_size)
+    agreed = torch.ones(batch, dtype=torch.bool)
     calls = dict(specdecpp_per_draft=lambda: specdecpp.keep_drafting(1, probs, token, draft_hidden),
-                 adalength_per_round=lambda: (adalength.see_target(target_hidden, token), adalength.observe([3], [1]),
-                                              adalength.plan()))
+                 adalength_per_round=lambda: (adalength.see_target(target_hidden, token),
+                                              adalength.observe([3] * batch, [3] * batch),
+                                              adalength.see_bonus_agreement(agreed), adalength.plan()))
     costs = {}
     with torch.inference_mode():
         for name, call in calls.items():
@@ -142,6 +151,39 @@ def decision_ms(predictors, target, draft, repeats=300) -> dict:
 def replay(accept: Tensor, candidates: dict, round_ms: list[float]) -> dict:
     """{name: (tokens per ms, mean drafts)} of each candidate's lengths [N,P]."""
     return {name: simulated_tokens_per_ms(accept, lengths, round_ms, MAX_LENGTH) for name, lengths in candidates.items()}
+
+
+def replay_batches(accept: Tensor, candidates: dict, alone_ms: list[float], batch_ms: list[float],
+                   batch: int) -> dict:
+    """{name: (tokens per ms, mean drafts)} of each candidate's batch choice (rows, roots) -> k,
+    in batches of ``batch`` rows; a round with n unfinished rows costs the line between the
+    batch-1 and the batch-``batch`` costs."""
+    def round_ms(k, n):
+        return alone_ms[k] + (batch_ms[k] - alone_ms[k]) * (n - 1) / (batch - 1)
+    return {name: simulated_batch_tokens_per_ms(accept, choose, round_ms, MAX_LENGTH, batch)
+            for name, choose in candidates.items()}
+
+
+def batch_choices(accept_probability: Tensor, length: Tensor) -> tuple[dict, dict, dict]:
+    """The candidates of replay_batches: fixed k, SpecDecPP's batch rule (go on while 1 - the
+    rows' mean predicted survival <= threshold) and AdaLength's (ceil of the rows' mean
+    predicted length + offset)."""
+    P = accept_probability.shape[1]
+    windows = torch.nn.functional.pad(accept_probability, (0, MAX_LENGTH), value=1.0).unfold(1, MAX_LENGTH, 1)
+    survival = windows[:, :P].cumprod(-1)  # [N,P,MAX_LENGTH]
+
+    def specdecpp(threshold):
+        def choose(rows, roots):
+            stop = (1 - survival[rows, roots].mean(0)) > threshold
+            return int(stop.float().argmax()) + 1 if bool(stop.any()) else MAX_LENGTH
+        return choose
+
+    def adalength(offset):
+        return lambda rows, roots: int((length[rows, roots].mean() + offset).ceil().clamp(1, MAX_LENGTH))
+
+    fixed = {f"fixed k={k}": (lambda rows, roots, k=k: k) for k in range(1, MAX_LENGTH + 1)}
+    return (fixed, {f"specdecpp threshold={h}": specdecpp(h) for h in THRESHOLDS},
+            {f"adalength offset={o}": adalength(o) for o in OFFSETS})
 
 
 def specdecpp_lengths(accept_probability: Tensor, threshold: float) -> Tensor:
@@ -168,6 +210,8 @@ def main():
     parser.add_argument("--depth", type=int, default=1, help="residual blocks per predictor")
     parser.add_argument("--cost-prompts", type=int, default=6, help="validation prompts timed for the round cost")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8,
+                        help="the batch size whose settings are tuned, used for every batch > 1")
     parser.add_argument("--fast-linear", action="store_true", help="tune for generate(..., fast_linear=True)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
@@ -218,12 +262,17 @@ def main():
         predictors[kind] = model
         print(kind, json.dumps(report[kind]), flush=True)
 
-    cost_prompts = code_prompts(tokenizer, "validation", args.cost_prompts, 96, seed=1)
-    costs = round_costs(target, draft, cost_prompts, 96, args.repeats, args.fast_linear)
+    cost_prompts = code_prompts(tokenizer, "validation", max(args.cost_prompts, args.batch), 96, seed=1)
+    costs = round_costs(target, draft, cost_prompts[:args.cost_prompts], 96, args.repeats, args.fast_linear)
     decisions = decision_ms(predictors, target, draft)
     print("round cost", json.dumps(costs), "decisions", json.dumps(decisions), flush=True)
+    batch_costs = round_costs(target, draft, cost_prompts[:args.batch], 96, args.repeats, args.fast_linear,
+                              batch=args.batch)
+    batch_decisions = decision_ms(predictors, target, draft, batch=args.batch)
+    print(f"batch {args.batch}: round cost", json.dumps(batch_costs), "decisions", json.dumps(batch_decisions),
+          flush=True)
 
-    chosen, replayed, oracle = {}, {}, {}
+    chosen, replayed, oracle, chosen_batch, replayed_batch = {}, {}, {}, {}, {}
     for mode, column in (("greedy", GREEDY), ("sampling", SAMPLING)):
         data = texts["validation", mode]
         shape = (-1, data["positions"])
@@ -237,10 +286,10 @@ def main():
         length = torch.cat([torch.full_like(length[:, :1], best_k), length[:, :-1]], 1)  # root j reads entry j-1
         specdecpp_ms = [c + k * decisions["specdecpp_per_draft"] for k, c in enumerate(costs["round_ms"])]
         rates |= replay(accept, {f"specdecpp threshold={h}": specdecpp_lengths(accept_probability, h)
-                                 for h in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.97)}, specdecpp_ms)
+                                 for h in THRESHOLDS}, specdecpp_ms)
         adalength_ms = [c + decisions["adalength_per_round"] for c in costs["round_ms"]]
         rates |= replay(accept, {f"adalength offset={o}": (length + o).ceil().clamp(1, MAX_LENGTH).long()
-                                 for o in (-1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0, 4.0)}, adalength_ms)
+                                 for o in OFFSETS}, adalength_ms)
         oracle_lengths = accepted_runs(accept.float(), MAX_LENGTH).clamp_min(1).long()
         rates |= replay(accept, {"oracle": oracle_lengths}, costs["round_ms"])
         best = {family: max((n for n in rates if n.startswith(family)), key=lambda n: rates[n][0])
@@ -253,18 +302,43 @@ def main():
         print(mode, {name: replayed[mode][name]["vs_best_fixed"] for name in best.values()},
               f"oracle {oracle[mode]}x", flush=True)
 
+        fixed, specdecpp, adalength = batch_choices(accept_probability, length)
+        alone, many = costs["round_ms"], batch_costs["round_ms"]
+        per_draft = decisions["specdecpp_per_draft"], batch_decisions["specdecpp_per_draft"]
+        per_round = decisions["adalength_per_round"], batch_decisions["adalength_per_round"]
+        rates = replay_batches(accept, fixed, alone, many, args.batch)
+        rates |= replay_batches(accept, specdecpp, [c + k * per_draft[0] for k, c in enumerate(alone)],
+                                [c + k * per_draft[1] for k, c in enumerate(many)], args.batch)
+        rates |= replay_batches(accept, adalength, [c + per_round[0] for c in alone],
+                                [c + per_round[1] for c in many], args.batch)
+        best = {family: max((n for n in rates if n.startswith(family)), key=lambda n: rates[n][0])
+                for family in ("fixed", "specdecpp", "adalength")}
+        chosen_batch[mode] = {family: float(name.split("=")[1]) for family, name in best.items()}
+        reference = rates[best["fixed"]][0]
+        replayed_batch[mode] = {n: dict(tokens_per_ms=round(r, 4), vs_best_fixed=round(r / reference, 3),
+                                        mean_drafts=round(k, 2)) for n, (r, k) in rates.items()}
+        print(f"{mode}, batch {args.batch}:", {name: replayed_batch[mode][name]["vs_best_fixed"]
+                                               for name in best.values()}, flush=True)
+
     best_k = int(chosen["greedy"]["fixed"])
     settings = dict(
         specdecpp=dict(kind="specdecpp", threshold=chosen["greedy"]["specdecpp"],
-                       threshold_sampling=chosen["sampling"]["specdecpp"], max_draft=MAX_LENGTH),
+                       threshold_sampling=chosen["sampling"]["specdecpp"],
+                       threshold_batch=chosen_batch["greedy"]["specdecpp"],
+                       threshold_batch_sampling=chosen_batch["sampling"]["specdecpp"], max_draft=MAX_LENGTH),
         adalength=dict(kind="adalength", offset=chosen["greedy"]["adalength"],
-                       offset_sampling=chosen["sampling"]["adalength"], max_draft=MAX_LENGTH, first_round=best_k),
+                       offset_sampling=chosen["sampling"]["adalength"], offset_batch=chosen_batch["greedy"]["adalength"],
+                       offset_batch_sampling=chosen_batch["sampling"]["adalength"], max_draft=MAX_LENGTH,
+                       first_round=best_k),
         branch=dict(kind="branch", accept_all_length=ACCEPT_ALL_LENGTH))
     for kind, model in predictors.items():
         model.save(args.out / f"{kind}.safetensors", **settings[kind])
     report.update(round_cost=costs, decision_ms=decisions, fast_linear=args.fast_linear, replayed_on_validation=replayed,
                   oracle_vs_best_fixed=oracle, best_fixed_k=best_k,
-                  best_fixed_k_sampling=int(chosen["sampling"]["fixed"]), settings=settings,
+                  best_fixed_k_sampling=int(chosen["sampling"]["fixed"]), batch=dict(
+                      size=args.batch, round_cost=batch_costs, decision_ms=batch_decisions,
+                      replayed_on_validation=replayed_batch, best_fixed_k=int(chosen_batch["greedy"]["fixed"]),
+                      best_fixed_k_sampling=int(chosen_batch["sampling"]["fixed"])), settings=settings,
                   pair=dict(target=args.target.name, draft=args.draft.name), sequences_per_mode=args.sequences,
                   dtype=dtype, total_seconds=round(time.time() - started))
     (args.out / "validation.json").write_text(json.dumps(report, indent=2) + "\n")

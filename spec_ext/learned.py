@@ -18,7 +18,8 @@
 
 Each predictor has two outputs, one per decoding mode: greedy (exact greedy labels) and
 sampling (soft labels sum_x min(p, q) = E_{x~q} min(1, p(x)/q(x))), each with its own
-threshold or offset. The policies only choose lengths, so outputs stay exact whatever the
+threshold or offset, tuned at batch 1 and for batches (where a draft step costs more next
+to a verification, so shorter drafts pay). The policies only choose lengths, so outputs stay exact whatever the
 predictors say.
 
 Predictors are safetensors files with their config in the metadata;
@@ -141,12 +142,16 @@ def history_features(accepted_before: Tensor) -> Tensor:
 HISTORY_FEATURES = 2  # the numbers history_features gives per row
 
 
-def _per_mode(value, settings: dict, key: str, default: float) -> tuple[float, float]:
-    """(greedy, sampling) setting: ``value`` for both when given, else as tuned."""
+def _per_mode(value, settings: dict, key: str, default: float) -> dict[tuple[bool, bool], float]:
+    """{(greedy, batched): setting}: ``value`` everywhere when given, else as tuned (batched:
+    tuned for batches, used at batch > 1; the batch-1 value where none was tuned)."""
     if value is not None:
-        return float(value), float(value)
+        return {(g, b): float(value) for g in (True, False) for b in (False, True)}
     greedy = settings.get(key, default)
-    return greedy, settings.get(f"{key}_sampling", greedy)
+    sampling = settings.get(f"{key}_sampling", greedy)
+    return {(True, False): greedy, (False, False): sampling,
+            (True, True): settings.get(f"{key}_batch", greedy),
+            (False, True): settings.get(f"{key}_batch_sampling", sampling)}
 
 
 @register
@@ -162,8 +167,8 @@ class SpecDecPP(Policy):
     Args:
         predictor: path of a safetensors predictor, a :class:`ResidualMLP` or None for
             the bundled pair's (``models/policies/specdecpp.safetensors``).
-        threshold: one value for both decoding modes, or None for the values tuned with
-            the predictor (one for greedy, one for sampling).
+        threshold: one value for every case, or None for the values tuned with the
+            predictor (for greedy and for sampling, at batch 1 and for batches).
         max_draft: None takes the value tuned with the predictor.
     """
 
@@ -171,9 +176,9 @@ class SpecDecPP(Policy):
 
     def __init__(self, predictor=None, threshold: float | None = None, max_draft: int | None = None):
         self._predictor, settings = _predictor(predictor, "specdecpp")
-        self.threshold, self.threshold_sampling = _per_mode(threshold, settings, "threshold", 0.5)
+        self.thresholds = _per_mode(threshold, settings, "threshold", 0.5)
         self.max_draft = settings.get("max_draft", 12) if max_draft is None else max_draft
-        for value in (self.threshold, self.threshold_sampling):
+        for value in self.thresholds.values():
             if not 0 < value < 1:
                 raise ValueError(f"threshold: must be in (0, 1), got {value}")
         if self.max_draft < 1:
@@ -194,7 +199,8 @@ class SpecDecPP(Policy):
         return torch.sigmoid(self._predictor(draft_features(hidden, probs))[:, column])
 
     def keep_drafting(self, step, probs, tokens, hidden=None) -> Tensor:
-        column, threshold = (GREEDY, self.threshold) if self.greedy else (SAMPLING, self.threshold_sampling)
+        column = GREEDY if self.greedy else SAMPLING
+        threshold = self.thresholds[self.greedy, self.batch_size > 1]
         accept = self._accept(probs, hidden, column)
         self._all_accepted = accept if step == 1 else self._all_accepted * accept
         return (1 - self._all_accepted.mean() <= threshold).expand(len(accept))
@@ -212,8 +218,8 @@ class AdaLength(Policy):
     Args:
         predictor: path of a safetensors predictor, a :class:`ResidualMLP` or None for
             the bundled pair's (``models/policies/adalength.safetensors``).
-        offset: one value for both decoding modes, or None for the values tuned with the
-            predictor (one for greedy, one for sampling).
+        offset: one value for every case, or None for the values tuned with the predictor
+            (for greedy and for sampling, at batch 1 and for batches).
         max_draft: None takes the value tuned with the predictor.
     """
 
@@ -221,7 +227,7 @@ class AdaLength(Policy):
 
     def __init__(self, predictor=None, offset: float | None = None, max_draft: int | None = None):
         self._predictor, settings = _predictor(predictor, "adalength")
-        self.offset, self.offset_sampling = _per_mode(offset, settings, "offset", 0.0)
+        self.offsets = _per_mode(offset, settings, "offset", 0.0)
         self.max_draft = settings.get("max_draft", 12) if max_draft is None else max_draft
         self._first = settings.get("first_round", 3)
         if self.max_draft < 1:
@@ -255,7 +261,8 @@ class AdaLength(Policy):
     def plan(self) -> list[int]:
         if self._features is not None:
             history = history_features(torch.tensor(self._before, device=self._features.device))
-            column, offset = (GREEDY, self.offset) if self.greedy else (SAMPLING, self.offset_sampling)
+            column = GREEDY if self.greedy else SAMPLING
+            offset = self.offsets[self.greedy, len(self._before) > 1]
             length = self._predictor(torch.cat([self._features, history], -1))[:, column].mean() + offset
             self._k = [int(length.ceil().clamp(1, self.max_draft))] * len(self._before)
             self._features = None
@@ -395,18 +402,37 @@ def simulated_tokens_per_ms(accept: Tensor, lengths: Tensor, round_ms: Sequence[
     data (j + max_length > P).
     Returns (tokens per ms, mean drafts per round).
     """
+    return simulated_batch_tokens_per_ms(accept, lambda rows, roots: int(lengths[rows[0], roots[0]]),
+                                         lambda k, n: round_ms[k], max_length, batch=1)
+
+
+def simulated_batch_tokens_per_ms(accept: Tensor, choose, round_ms, max_length: int,
+                                  batch: int) -> tuple[float, float]:
+    """:func:`simulated_tokens_per_ms` for batches that draft as one: rows
+    ``batch*i .. batch*(i+1)-1`` of accept [N,P] decode together, each round proposing
+    ``choose(rows, roots)`` drafts (rows [n] int64: the batch's unfinished rows, roots [n]
+    int64: where each row's round is rooted) at a cost of ``round_ms(k, n)`` ms for n
+    unfinished rows; each row keeps its own run of accepted drafts.
+    Returns (tokens per ms, mean drafts per round).
+    """
     P = accept.shape[1]
-    runs = accepted_runs(accept.float(), max_length).long().tolist()
+    runs = accepted_runs(accept.float(), max_length).long()
     tokens = cost = rounds = drafted = 0
-    for run, length in zip(runs, lengths.tolist()):
-        j = 0
-        while j + max_length <= P:
-            kept = min(run[j], length[j])
-            tokens += kept + 1
-            cost += round_ms[length[j]]
+    for first in range(0, len(accept), batch):
+        rows = torch.arange(first, min(first + batch, len(accept)))
+        roots = torch.zeros_like(rows)
+        while True:
+            going = roots + max_length <= P
+            rows, roots = rows[going], roots[going]
+            if len(rows) == 0:
+                break
+            k = choose(rows, roots)
+            kept = runs[rows, roots].clamp(max=k)
+            tokens += int(kept.sum()) + len(rows)
+            cost += round_ms(k, len(rows))
             rounds += 1
-            drafted += length[j]
-            j += kept + 1
+            drafted += k
+            roots = roots + kept + 1
     return tokens / cost, drafted / max(1, rounds)
 
 

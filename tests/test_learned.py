@@ -8,7 +8,8 @@ import torch
 
 import spec_ext
 from spec_ext.learned import (AdaLength, BranchPredictor, LearnedSpecBranch, ResidualMLP, SpecDecPP,
-                              asymmetric_l1, branch_classes, features_and_labels, simulated_tokens_per_ms,
+                              asymmetric_l1, branch_classes, features_and_labels, simulated_batch_tokens_per_ms,
+                              simulated_tokens_per_ms,
                               train_predictor)
 from spec_ext.parallel import ACCEPT_ALL, REJECT_ALL, PEARL
 from spec_ext.policies import Fixed
@@ -100,6 +101,34 @@ def test_simulated_tokens_per_ms_replays_rounds_by_hand():
     assert rate == pytest.approx(8 / 100)
 
 
+def test_simulated_batch_tokens_per_ms_replays_a_batch_by_hand():
+    accept = torch.tensor([[True, True, False, True, True, True, False, False, True, True],
+                           [False, False, True, False, False, False, True, True, True, True]])
+    # max_length 3, the batch drafts 2 per round. Row 0 as in the test above: roots 0, 3, 6, 7
+    # (kept 2, 2, 0, 0). Row 1: roots 0, 1 (kept 0, 0), 2 (kept 1), 4, 5 (kept 0, 0), 6 (kept 2),
+    # then root 9 is past the end. Rounds: 4 with both rows, 2 with row 1 alone.
+    costs = []
+
+    def round_ms(k, n):
+        costs.append((k, n))
+        return 10.0 * n + k
+
+    rate, mean = simulated_batch_tokens_per_ms(accept, lambda rows, roots: 2, round_ms, 3, batch=2)
+    assert costs == [(2, 2)] * 4 + [(2, 1)] * 2
+    assert (rate, mean) == (pytest.approx((8 + 9) / (4 * 22 + 2 * 12)), 2.0)
+    # batch 1 is simulated_tokens_per_ms; the batch's choice sees its unfinished rows and their roots
+    torch.manual_seed(0)
+    accept, lengths = torch.rand(5, 40) < 0.6, torch.randint(1, 7, (5, 40))
+    round_cost = [10.0 + 1.5 * k for k in range(7)]
+    assert simulated_batch_tokens_per_ms(accept, lambda rows, roots: int(lengths[rows, roots].max()),
+                                         lambda k, n: round_cost[k], 6, batch=1) == \
+        simulated_tokens_per_ms(accept, lengths, round_cost, 6)
+    seen = []
+    simulated_batch_tokens_per_ms(accept, lambda rows, roots: seen.append(rows.tolist()) or 3,
+                                  lambda k, n: 1.0, 6, batch=2)
+    assert seen[0] == [0, 1] and [4] in seen and all(len(r) <= 2 for r in seen)
+
+
 def test_asymmetric_l1_weights_under_prediction():
     prediction, target = torch.tensor([0.0, 2.0]), torch.tensor([1.0, 1.0])
     assert asymmetric_l1(prediction, target, under_weight=3.0).item() == pytest.approx((3 * 1 + 1) / 2)
@@ -161,11 +190,14 @@ def test_predictor_file_round_trip(tmp_path):
     x = torch.randn(5, 12)
     torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
     assert settings == dict(kind="specdecpp", threshold=0.6, max_draft=7)
-    policy = SpecDecPP(tmp_path / "p.safetensors")
-    assert (policy.threshold, policy.threshold_sampling, policy.max_draft) == (0.6, 0.6, 7)
-    model.save(tmp_path / "q.safetensors", kind="specdecpp", threshold=0.6, threshold_sampling=0.8)
-    assert (SpecDecPP(tmp_path / "q.safetensors").threshold_sampling, SpecDecPP(tmp_path / "q.safetensors",
-                                                                                threshold=0.3).threshold_sampling) == (0.8, 0.3)
+    policy = SpecDecPP(tmp_path / "p.safetensors")  # one tuned value serves every case
+    assert set(policy.thresholds.values()) == {0.6} and policy.max_draft == 7
+    model.save(tmp_path / "q.safetensors", kind="specdecpp", threshold=0.6, threshold_sampling=0.8,
+               threshold_batch=0.4)
+    # {(greedy, batched): threshold}; sampling batches take the batch-1 sampling value when not tuned
+    assert SpecDecPP(tmp_path / "q.safetensors").thresholds == {(True, False): 0.6, (False, False): 0.8,
+                                                                (True, True): 0.4, (False, True): 0.8}
+    assert set(SpecDecPP(tmp_path / "q.safetensors", threshold=0.3).thresholds.values()) == {0.3}
     with pytest.raises(ValueError, match="holds a 'specdecpp' predictor, not 'adalength'"):
         AdaLength(tmp_path / "p.safetensors")
     with pytest.raises(ValueError, match="predictor: .* not found"):
@@ -225,6 +257,24 @@ def test_adalength_drafts_the_predicted_length(pair):
     big = llama(97, 96, 1, seed=4)
     with pytest.raises(ValueError, match="predictor: the SpecDecPP predictor takes 64 features but"):
         spec_ext.generate(target, big, [[5, 6]], policy=SpecDecPP(constant(64, (1, 1))))
+
+
+def test_batches_take_the_settings_tuned_for_batches(pair, tmp_path):
+    target, draft = pair
+    logit = torch.logit(torch.tensor(0.8)).item()
+    # acceptance 0.8: threshold 0.5 drafts 4 (as above); 0.25 drafts 2 (1 - 0.8 <= 0.25 < 1 - 0.8^2)
+    constant(64 + 3, (logit, logit)).save(tmp_path / "s.safetensors", kind="specdecpp", threshold=0.5,
+                                          threshold_batch=0.25, max_draft=12)
+    # predicted length 2.3: offset 0 drafts 3, offset -1 drafts 2
+    constant(128 + 2, (2.3, 2.3)).save(tmp_path / "a.safetensors", kind="adalength", offset=0.0,
+                                       offset_batch=-1.0, max_draft=12, first_round=3)
+    for policy, alone, batched in ((SpecDecPP, 4, 2), (AdaLength, 3, 2)):
+        out = spec_ext.generate(target, draft, [[5, 6, 7]], max_new_tokens=20, eos_token_id=[],
+                                policy=policy(tmp_path / f"{policy.__name__[0].lower()}.safetensors"))
+        assert set(out.stats.draft_lengths[:-1]) == {alone}
+        out = spec_ext.generate(target, draft, [[5, 6, 7], [8, 9]], max_new_tokens=20, eos_token_id=[],
+                                policy=policy(tmp_path / f"{policy.__name__[0].lower()}.safetensors"))
+        assert out.stats.draft_lengths[2:4] == [batched, batched]  # the second round, both rows going
 
 
 def test_adalength_reads_the_rows_history_of_accepted_drafts(pair):
