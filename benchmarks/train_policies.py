@@ -327,7 +327,8 @@ def main():
                        threshold_batch=chosen_batch["greedy"]["specdecpp"],
                        threshold_batch_sampling=chosen_batch["sampling"]["specdecpp"], max_draft=MAX_LENGTH),
         adalength=dict(kind="adalength", offset=chosen["greedy"]["adalength"],
-                       offset_sampling=chosen["sampling"]["adalength"], offset_batch=chosen_batch["greedy"]["adalength"],
+                       offset_sampling=chosen["sampling"]["adalength"],
+                       offset_batch=chosen_batch["greedy"]["adalength"],
                        offset_batch_sampling=chosen_batch["sampling"]["adalength"], max_draft=MAX_LENGTH,
                        first_round=best_k),
         branch=dict(kind="branch", accept_all_length=ACCEPT_ALL_LENGTH))

@@ -19,8 +19,8 @@
 Each predictor has two outputs, one per decoding mode: greedy (exact greedy labels) and
 sampling (soft labels sum_x min(p, q) = E_{x~q} min(1, p(x)/q(x))), each with its own
 threshold or offset, tuned at batch 1 and for batches (where a draft step costs more next
-to a verification, so shorter drafts pay). The policies only choose lengths, so outputs stay exact whatever the
-predictors say.
+to a verification, so shorter drafts pay). The policies only choose lengths, so outputs
+stay exact whatever the predictors say.
 
 Predictors are safetensors files with their config in the metadata;
 ``benchmarks/train_policies.py`` makes ``models/policies/*.safetensors`` for the bundled
@@ -132,10 +132,10 @@ def history_features(accepted_before: Tensor) -> Tensor:
     many positions in a row just before the round's root the draft agreed with the target
     (0 after a rejected draft; over consecutive rounds that accepted every draft and whose
     draft also agreed with the bonus token, each counting its drafts + 1; at most the
-    longest draft), as that count / 4 and whether it is > 0. Acceptance comes in bursts: on the
-    validation split the run after a round that accepted all 12 drafts averages 8.7, after
-    a rejection 1.9; with these two numbers the replayed AdaLength went from 1.01x to 1.03x
-    the best fixed k (greedy)."""
+    longest draft), as that count / 4 and whether it is > 0. Acceptance comes in bursts:
+    on the validation split the run after a round that accepted all 12 drafts averages 8.7,
+    after a rejection 1.9; with these two numbers the replayed AdaLength went from 1.01x to
+    1.03x the best fixed k (greedy)."""
     return torch.stack([accepted_before.float() / 4, (accepted_before > 0).float()], -1)
 
 
