@@ -164,6 +164,18 @@ def replay_batches(accept: Tensor, candidates: dict, alone_ms: list[float], batc
             for name, choose in candidates.items()}
 
 
+def best_of(rates: dict) -> tuple[dict, dict, dict]:
+    """From replayed {name: (tokens per ms, mean drafts)} with names "family setting=value":
+    the best name of each family (fixed, specdecpp, adalength), its value, and the table
+    {name: tokens_per_ms, vs_best_fixed, mean_drafts}."""
+    best = {family: max((n for n in rates if n.startswith(family)), key=lambda n: rates[n][0])
+            for family in ("fixed", "specdecpp", "adalength")}
+    reference = rates[best["fixed"]][0]
+    table = {n: dict(tokens_per_ms=round(r, 4), vs_best_fixed=round(r / reference, 3), mean_drafts=round(k, 2))
+             for n, (r, k) in rates.items()}
+    return best, {family: float(name.split("=")[1]) for family, name in best.items()}, table
+
+
 def batch_choices(accept_probability: Tensor, length: Tensor) -> tuple[dict, dict, dict]:
     """The candidates of replay_batches: fixed k, SpecDecPP's batch rule (go on while 1 - the
     rows' mean predicted survival <= threshold) and AdaLength's (ceil of the rows' mean
@@ -292,12 +304,7 @@ def main():
                                  for o in OFFSETS}, adalength_ms)
         oracle_lengths = accepted_runs(accept.float(), MAX_LENGTH).clamp_min(1).long()
         rates |= replay(accept, {"oracle": oracle_lengths}, costs["round_ms"])
-        best = {family: max((n for n in rates if n.startswith(family)), key=lambda n: rates[n][0])
-                for family in ("fixed", "specdecpp", "adalength")}
-        chosen[mode] = {family: float(name.split("=")[1]) for family, name in best.items()}
-        reference = rates[best["fixed"]][0]
-        replayed[mode] = {n: dict(tokens_per_ms=round(r, 4), vs_best_fixed=round(r / reference, 3),
-                                  mean_drafts=round(k, 2)) for n, (r, k) in rates.items()}
+        best, chosen[mode], replayed[mode] = best_of(rates)
         oracle[mode] = replayed[mode]["oracle"]["vs_best_fixed"]
         print(mode, {name: replayed[mode][name]["vs_best_fixed"] for name in best.values()},
               f"oracle {oracle[mode]}x", flush=True)
@@ -311,12 +318,7 @@ def main():
                                 [c + k * per_draft[1] for k, c in enumerate(many)], args.batch)
         rates |= replay_batches(accept, adalength, [c + per_round[0] for c in alone],
                                 [c + per_round[1] for c in many], args.batch)
-        best = {family: max((n for n in rates if n.startswith(family)), key=lambda n: rates[n][0])
-                for family in ("fixed", "specdecpp", "adalength")}
-        chosen_batch[mode] = {family: float(name.split("=")[1]) for family, name in best.items()}
-        reference = rates[best["fixed"]][0]
-        replayed_batch[mode] = {n: dict(tokens_per_ms=round(r, 4), vs_best_fixed=round(r / reference, 3),
-                                        mean_drafts=round(k, 2)) for n, (r, k) in rates.items()}
+        best, chosen_batch[mode], replayed_batch[mode] = best_of(rates)
         print(f"{mode}, batch {args.batch}:", {name: replayed_batch[mode][name]["vs_best_fixed"]
                                                for name in best.values()}, flush=True)
 

@@ -217,9 +217,9 @@ class _Loop(_Rows):
         """[B] bool: rows whose last round accepted every draft and whose draft, at the last
         draft's position (logits [B,T,V] of the catch-up over ids [B,T]), agrees with the
         bonus token (ids[b, last[b]]); see :mod:`spec_ext.policies`."""
-        rows = torch.arange(len(ids), device=self.device)
         if not self.all_accepted.any():  # also the first round: no bonus yet
             return self.all_accepted.clone()
+        rows = torch.arange(len(ids), device=self.device)
         before = logits[rows, (last - 1).clamp_min(0)]
         if self.sampler.greedy:
             agreed = before.argmax(-1) == ids[rows, last]
@@ -271,15 +271,15 @@ class _Loop(_Rows):
         positions = self.tcache.lengths[:, None] + torch.arange(steps + 1, device=self.device)
         target_out = self._target(ids, positions, hidden=self.target_hidden)
         target_logits = target_out[0] if self.target_hidden else target_out
-        rows = torch.arange(B, device=self.device)
         if self.sampler.greedy:
-            result = ops.greedy_verify(target_logits, drafts, num_draft)
+            p, result = None, ops.greedy_verify(target_logits, drafts, num_draft)
         else:
             p = self.sampler.probs(target_logits)
             result = ops.chain_rejection_sample(p, drafts, q_all[:, :steps], num_draft, generator=self.generator)
-            if self.bonus_agreement:
-                self.bonus_p = p[rows, result.num_accepted]
-        self.all_accepted = result.num_accepted == num_draft
+        rows = torch.arange(B, device=self.device) if self.bonus_agreement or self.target_hidden else None
+        if self.bonus_agreement:
+            self.all_accepted = result.num_accepted == num_draft
+            self.bonus_p = None if p is None else p[rows, result.num_accepted]
         if self.target_hidden:
             self.policy.see_target(target_out[1][rows, result.num_accepted], result.tokens[rows, result.num_accepted])
         tokens, accepted = result.tokens.tolist(), result.num_accepted.tolist()
@@ -330,7 +330,8 @@ class _Loop(_Rows):
                 self.tcache.keep_rows(keep)
                 self.dcache.keep_rows(keep)
                 self.policy.keep_rows(keep)
-                self._keep_round_outcome(keep)
+                if self.bonus_agreement:
+                    self._keep_round_outcome(keep)
                 self.active = [self.active[i] for i in keep]
         self.stats.new_tokens = sum(map(len, self.new))
         return self.stats
