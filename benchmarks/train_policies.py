@@ -229,6 +229,8 @@ def main():
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                         help="use the dtype you will decode in; auto: as stored (the bundled pair: bfloat16)")
     args = parser.parse_args()
+    if args.batch < 2:
+        parser.error(f"--batch: the batch size tuned for batch > 1 must be >= 2, got {args.batch}")
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
     started = time.time()
