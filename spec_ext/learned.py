@@ -198,12 +198,22 @@ class SpecDecPP(Policy):
             return torch.ops.spec_ext.acceptance_head(hidden, probs, self._weights, column, LAYER_NORM_EPS)
         return torch.sigmoid(self._predictor(draft_features(hidden, probs))[:, column])
 
+    def start(self, batch_size, greedy=True) -> None:
+        super().start(batch_size, greedy)
+        self._verdicts = None
+
     def keep_drafting(self, step, probs, tokens, hidden=None) -> Tensor:
         column = GREEDY if self.greedy else SAMPLING
         threshold = self.thresholds[self.greedy, self.batch_size > 1]
-        accept = self._accept(probs, hidden, column)
-        self._all_accepted = accept if step == 1 else self._all_accepted * accept
-        return (1 - self._all_accepted.mean() <= threshold).expand(len(accept))
+        accept = self._accept(probs, hidden, column).tolist()
+        # the survival products and the verdict in Python floats: the loop syncs on the
+        # verdict anyway, and each tensor op here costs ~10 us after a draft forward
+        self._survival = accept if step == 1 else [s * a for s, a in zip(self._survival, accept)]
+        if self._verdicts is None or len(self._verdicts[0]) != len(accept):
+            self._verdicts = [torch.full((len(accept),), go, dtype=torch.bool, device=probs.device)
+                              for go in (False, True)]
+        going_on = 1 - sum(self._survival) / len(self._survival) <= threshold
+        return self._verdicts[int(going_on)]
 
 
 @register
