@@ -14,10 +14,12 @@ Stages (generated text is cached under --work, so a rerun skips it):
      few k, lines fitted; and the learned policies' own time per decision at both sizes;
   5. on the validation split (never the test prompts), per decoding mode, the replay of
      spec_ext.learned.simulated_tokens_per_ms under that cost chooses the best fixed k, the
-     SpecDecPP threshold and the AdaLength offset; the oracle (drafting exactly the run the
-     target will accept) bounds what any length rule can gain. Then the same for batches of
-     --batch rows that draft as one (simulated_batch_tokens_per_ms; a draft step costs more
-     next to a verification there, so shorter drafts pay): the settings used at batch > 1;
+     SpecDecPP threshold and the AdaLength offset; two bounds (see bounds()) say what a length
+     rule could gain at best: the oracle, which knows the run the target will accept, and a
+     rule that knows each position's acceptance chance but not the draws. Then the same for
+     batches of --batch rows that draft as one (simulated_batch_tokens_per_ms; a draft step
+     costs more next to a verification there, so shorter drafts pay): the settings used at
+     batch > 1;
   6. models/policies/{specdecpp,adalength,branch}.safetensors (settings in their metadata) and
      models/policies/validation.json (losses, costs, replayed rates, choices).
 
@@ -153,13 +155,17 @@ def replay(accept: Tensor, candidates: dict, round_ms: list[float]) -> dict:
     return {name: simulated_tokens_per_ms(accept, lengths, round_ms, MAX_LENGTH) for name, lengths in candidates.items()}
 
 
+def batch_round_ms(alone_ms: list[float], batch_ms: list[float], batch: int):
+    """(k, n) -> ms of a round with k drafts for n unfinished rows: the line between the
+    batch-1 and the batch-``batch`` costs."""
+    return lambda k, n: alone_ms[k] + (batch_ms[k] - alone_ms[k]) * (n - 1) / (batch - 1)
+
+
 def replay_batches(accept: Tensor, candidates: dict, alone_ms: list[float], batch_ms: list[float],
                    batch: int) -> dict:
     """{name: (tokens per ms, mean drafts)} of each candidate's batch choice (rows, roots) -> k,
-    in batches of ``batch`` rows; a round with n unfinished rows costs the line between the
-    batch-1 and the batch-``batch`` costs."""
-    def round_ms(k, n):
-        return alone_ms[k] + (batch_ms[k] - alone_ms[k]) * (n - 1) / (batch - 1)
+    in batches of ``batch`` rows (round costs: batch_round_ms)."""
+    round_ms = batch_round_ms(alone_ms, batch_ms, batch)
     return {name: simulated_batch_tokens_per_ms(accept, choose, round_ms, MAX_LENGTH, batch)
             for name, choose in candidates.items()}
 
@@ -176,17 +182,23 @@ def best_of(rates: dict) -> tuple[dict, dict, dict]:
     return best, {family: float(name.split("=")[1]) for family, name in best.items()}, table
 
 
+def survival(chances: Tensor, past_end: float) -> Tensor:
+    """[N,P,MAX_LENGTH]: at [n, j, m], the product of chances[n, j..j+m] (chances [N,P] of
+    acceptance per position; ``past_end`` stands in for positions past P)."""
+    P = chances.shape[1]
+    padded = torch.nn.functional.pad(chances, (0, MAX_LENGTH), value=past_end)
+    return padded.unfold(1, MAX_LENGTH, 1)[:, :P].cumprod(-1)
+
+
 def batch_choices(accept_probability: Tensor, length: Tensor) -> tuple[dict, dict, dict]:
     """The candidates of replay_batches: fixed k, SpecDecPP's batch rule (go on while 1 - the
     rows' mean predicted survival <= threshold) and AdaLength's (ceil of the rows' mean
     predicted length + offset)."""
-    P = accept_probability.shape[1]
-    windows = torch.nn.functional.pad(accept_probability, (0, MAX_LENGTH), value=1.0).unfold(1, MAX_LENGTH, 1)
-    survival = windows[:, :P].cumprod(-1)  # [N,P,MAX_LENGTH]
+    predicted = survival(accept_probability, past_end=1.0)
 
     def specdecpp(threshold):
         def choose(rows, roots):
-            stop = (1 - survival[rows, roots].mean(0)) > threshold
+            stop = (1 - predicted[rows, roots].mean(0)) > threshold
             return int(stop.float().argmax()) + 1 if bool(stop.any()) else MAX_LENGTH
         return choose
 
@@ -198,11 +210,35 @@ def batch_choices(accept_probability: Tensor, length: Tensor) -> tuple[dict, dic
             {f"adalength offset={o}": adalength(o) for o in OFFSETS})
 
 
+def bounds(accept: Tensor, chances: Tensor, round_ms, batch_ms) -> tuple[dict, dict]:
+    """What length rules could reach at best, as replay candidates (lengths [N,P] at batch
+    1, choose(rows, roots) for batches; batch_ms(k, n) the batch round cost):
+      * "oracle": knows the run the target will accept (drafts exactly that many at batch 1;
+        the k with the most tokens per ms for the batch's runs);
+      * "chances known": knows every position's acceptance chance in advance (greedy: the
+        outcome itself; sampling: sum_x min(p, q)) but not the draws, and takes the k with the
+        most expected tokens per ms: at T=1 no rule that cannot see the random draws should
+        beat it, however good its predictor."""
+    runs = accepted_runs(accept.float(), MAX_LENGTH).long()
+    expected = 1 + survival(chances, past_end=0.0).cumsum(-1)  # [N,P,k]: tokens a round yields with k drafts
+    per_k = torch.tensor(round_ms[1:MAX_LENGTH + 1])
+    alone = {"oracle": runs.clamp_min(1), "chances known": (expected / per_k).argmax(-1) + 1}
+    ks = range(1, MAX_LENGTH + 1)
+
+    def oracle(rows, roots):
+        run = runs[rows, roots]
+        return max(ks, key=lambda k: (int(run.clamp(max=k).sum()) + len(rows)) / batch_ms(k, len(rows)))
+
+    def chances_known(rows, roots):
+        tokens = expected[rows, roots].sum(0)
+        return max(ks, key=lambda k: float(tokens[k - 1]) / batch_ms(k, len(rows)))
+    return alone, {"oracle": oracle, "chances known": chances_known}
+
+
 def specdecpp_lengths(accept_probability: Tensor, threshold: float) -> Tensor:
     """SpecDecPP's drafts per root [N,P]: the first m with 1 - prod of the next m predicted
     acceptances > threshold, at most MAX_LENGTH."""
-    windows = torch.nn.functional.pad(accept_probability, (0, MAX_LENGTH), value=1.0).unfold(1, MAX_LENGTH, 1)
-    stop = (1 - windows[:, :accept_probability.shape[1]].cumprod(-1)) > threshold
+    stop = (1 - survival(accept_probability, past_end=1.0)) > threshold
     first = stop.float().argmax(-1) + 1
     return torch.where(stop.any(-1), first, torch.full_like(first, MAX_LENGTH))
 
@@ -286,7 +322,7 @@ def main():
     print(f"batch {args.batch}: round cost", json.dumps(batch_costs), "decisions", json.dumps(batch_decisions),
           flush=True)
 
-    chosen, replayed, oracle, chosen_batch, replayed_batch = {}, {}, {}, {}, {}
+    chosen, replayed, limits, chosen_batch, replayed_batch = {}, {}, {}, {}, {}
     for mode, column in (("greedy", GREEDY), ("sampling", SAMPLING)):
         data = texts["validation", mode]
         shape = (-1, data["positions"])
@@ -304,15 +340,16 @@ def main():
         adalength_ms = [c + decisions["adalength_per_round"] for c in costs["round_ms"]]
         rates |= replay(accept, {f"adalength offset={o}": (length + o).ceil().clamp(1, MAX_LENGTH).long()
                                  for o in OFFSETS}, adalength_ms)
-        oracle_lengths = accepted_runs(accept.float(), MAX_LENGTH).clamp_min(1).long()
-        rates |= replay(accept, {"oracle": oracle_lengths}, costs["round_ms"])
+        alone, many = costs["round_ms"], batch_costs["round_ms"]
+        bound_lengths, bound_choices = bounds(accept, data[f"specdecpp_y_{mode}"].view(shape), alone,
+                                              batch_round_ms(alone, many, args.batch))
+        rates |= replay(accept, bound_lengths, alone)
         best, chosen[mode], replayed[mode] = best_of(rates)
-        oracle[mode] = replayed[mode]["oracle"]["vs_best_fixed"]
-        print(mode, {name: replayed[mode][name]["vs_best_fixed"] for name in best.values()},
-              f"oracle {oracle[mode]}x", flush=True)
+        limits[mode] = {name: replayed[mode][name]["vs_best_fixed"] for name in bound_lengths}
+        print(mode, {name: replayed[mode][name]["vs_best_fixed"] for name in best.values()}, limits[mode],
+              flush=True)
 
         fixed, specdecpp, adalength = batch_choices(accept_probability, length)
-        alone, many = costs["round_ms"], batch_costs["round_ms"]
         per_draft = decisions["specdecpp_per_draft"], batch_decisions["specdecpp_per_draft"]
         per_round = decisions["adalength_per_round"], batch_decisions["adalength_per_round"]
         rates = replay_batches(accept, fixed, alone, many, args.batch)
@@ -320,9 +357,10 @@ def main():
                                 [c + k * per_draft[1] for k, c in enumerate(many)], args.batch)
         rates |= replay_batches(accept, adalength, [c + per_round[0] for c in alone],
                                 [c + per_round[1] for c in many], args.batch)
+        rates |= replay_batches(accept, bound_choices, alone, many, args.batch)
         best, chosen_batch[mode], replayed_batch[mode] = best_of(rates)
         print(f"{mode}, batch {args.batch}:", {name: replayed_batch[mode][name]["vs_best_fixed"]
-                                               for name in best.values()}, flush=True)
+                                               for name in [*best.values(), *bound_choices]}, flush=True)
 
     best_k = int(chosen["greedy"]["fixed"])
     settings = dict(
@@ -339,7 +377,7 @@ def main():
     for kind, model in predictors.items():
         model.save(args.out / f"{kind}.safetensors", **settings[kind])
     report.update(round_cost=costs, decision_ms=decisions, fast_linear=args.fast_linear, replayed_on_validation=replayed,
-                  oracle_vs_best_fixed=oracle, best_fixed_k=best_k,
+                  bounds_vs_best_fixed=limits, best_fixed_k=best_k,
                   best_fixed_k_sampling=int(chosen["sampling"]["fixed"]), batch=dict(
                       size=args.batch, round_cost=batch_costs, decision_ms=batch_decisions,
                       replayed_on_validation=replayed_batch, best_fixed_k=int(chosen_batch["greedy"]["fixed"]),
@@ -347,7 +385,7 @@ def main():
                   pair=dict(target=args.target.name, draft=args.draft.name), sequences_per_mode=args.sequences,
                   dtype=dtype, total_seconds=round(time.time() - started))
     (args.out / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report[k] for k in ("settings", "oracle_vs_best_fixed", "total_seconds")}, indent=2))
+    print(json.dumps({k: report[k] for k in ("settings", "bounds_vs_best_fixed", "total_seconds")}, indent=2))
 
 
 if __name__ == "__main__":
