@@ -445,7 +445,7 @@ class _TargetSide(_Rows):
         logits = logits.gather(1, source.to(self.device)[..., None].expand(-1, -1, logits.shape[-1]))
         tokens_v, parents_v = tokens_v.to(self.device), parents_v.to(self.device)
         if self.sampler.greedy:
-            result = ops.tree_greedy_verify(logits, tokens_v, parents_v)
+            result = ops.tree_greedy_verify(logits, tokens_v, parents_v, validate=False)  # inputs built here
         else:
             q = torch.zeros(len(rows), size, logits.shape[-1], device=self.device)
             for i, (r, (_, checked)) in enumerate(zip(rows, plans)):
@@ -453,7 +453,8 @@ class _TargetSide(_Rows):
                     parent = int(parents_v[i, j + 1])
                     q[i, parent] = self.trees[r][n][2]
             result = ops.tree_rejection_sample(self.sampler.probs(logits), tokens_v, parents_v, q,
-                                               siblings="without_replacement", generator=self.generator)
+                                               siblings="without_replacement", generator=self.generator,
+                                               validate=False)
         self._settle(link, rows, plans, result, hidden)
 
     def _settle(self, link, rows, plans, result, hidden) -> None:
