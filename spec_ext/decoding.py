@@ -122,6 +122,14 @@ def _pad(rows: list[list[int]], value: int, device) -> Tensor:
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
 
 
+def check_finite(logits: Tensor, model: str) -> None:
+    """Raise unless ``logits`` (of ``model``, on the prompt) are all finite. The loops check
+    each model once per call, on the prompt, and verify the rounds unchecked: NaN or inf
+    logits (broken weights, float16 overflow) would otherwise decode into garbage."""
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError(f"{model}: its logits on the prompt contain NaN or inf (check its weights and dtype)")
+
+
 class _Rows:
     """Per-row output bookkeeping shared by the serial and the parallel loops; needs
     ``seqs``, ``new``, ``max_new``, ``eos``, ``stats`` and ``streamer``."""
@@ -190,6 +198,7 @@ class _Loop(_Rows):
         ids = _pad(heads, 0, self.device)
         out = self._target(ids, torch.arange(ids.shape[1], device=self.device).expand_as(ids),
                            hidden=self.target_hidden)
+        check_finite(out[0] if self.target_hidden else out, "target")
         self.tcache.advance([len(h) for h in heads])
         if self.target_hidden and min(map(len, heads)) > 0:  # one-token prompts: the policy's first guess
             last = torch.tensor([len(h) - 1 for h in heads], device=self.device)
@@ -204,6 +213,8 @@ class _Loop(_Rows):
         ids = _pad(pending, 0, self.device)
         positions = self.dcache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
         out = self._draft(ids, positions, hidden=self.draft_hidden)
+        if self.stats.draft_calls == 1:  # the prompt
+            check_finite(out[0] if self.draft_hidden else out, "draft")
         last = torch.tensor([len(p) - 1 for p in pending], device=self.device)
         rows = torch.arange(len(pending), device=self.device)
         self.dcache.advance([len(p) for p in pending])
@@ -272,7 +283,7 @@ class _Loop(_Rows):
         target_out = self._target(ids, positions, hidden=self.target_hidden)
         target_logits = target_out[0] if self.target_hidden else target_out
         # the loop builds the verification's inputs itself: no input checks (they cost 2.7% of
-        # a greedy call at batch 1 on CPU)
+        # a greedy call at batch 1 on CPU); the models' logits were checked on the prompt
         if self.sampler.greedy:
             p, result = None, ops.greedy_verify(target_logits, drafts, num_draft, validate=False)
         else:

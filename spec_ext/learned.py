@@ -207,7 +207,8 @@ class SpecDecPP(Policy):
         threshold = self.thresholds[self.greedy, self.batch_size > 1]
         accept = self._accept(probs, hidden, column).tolist()
         # the survival products and the verdict in Python floats: the loop syncs on the
-        # verdict anyway, and each tensor op here costs ~10 us after a draft forward
+        # verdict anyway, and each tensor op here costs ~10 us after a draft forward; the two
+        # verdict tensors are made once per batch size and shared: callers read them only
         self._survival = accept if step == 1 else [s * a for s, a in zip(self._survival, accept)]
         if self._verdicts is None or len(self._verdicts[0]) != len(accept):
             self._verdicts = [torch.full((len(accept),), go, dtype=torch.bool, device=probs.device)

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from spec_ext import hf, ops
 from spec_ext.cache import SpecCache
-from spec_ext.decoding import Sampler, Stats, _Rows
+from spec_ext.decoding import Sampler, Stats, _Rows, check_finite
 from spec_ext.policies import Policy, register
 
 
@@ -389,7 +389,8 @@ class _TargetSide(_Rows):
             return
         ids = torch.tensor([h + [0] * (max(map(len, heads)) - len(h)) for h in heads], device=self.device)
         self.stats.target_calls += 1
-        hf.forward(self.target, ids, self.cache, torch.arange(ids.shape[1], device=self.device).expand_as(ids))
+        logits = hf.forward(self.target, ids, self.cache, torch.arange(ids.shape[1], device=self.device).expand_as(ids))
+        check_finite(logits, "target")
         self.cache.advance([len(h) for h in heads])
 
     def _plan(self, tree: dict, gamma: int) -> tuple[dict[int, int], list[int]]:
@@ -619,7 +620,8 @@ class _DraftSide:
         width = max(map(len, rows))
         ids = torch.tensor([h + [0] * (width - len(h)) for h in rows], device=self.device)
         self.calls += 1
-        hf.forward(self.draft, ids, self.cache, torch.arange(width, device=self.device).expand_as(ids))
+        logits = hf.forward(self.draft, ids, self.cache, torch.arange(width, device=self.device).expand_as(ids))
+        check_finite(logits, "draft")
         self.cache.advance([len(h) for h in rows])
 
     def _apply(self, verdict: _Verdict) -> None:

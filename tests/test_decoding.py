@@ -263,6 +263,20 @@ def test_bad_input(greedy_pair):
         spec_ext.generate(target, draft, [[1, 2], [3]], streamer=object())
 
 
+@pytest.mark.parametrize("policy", ["fixed", "tree", "pearl"])
+@pytest.mark.parametrize("broken", ["target", "draft"])
+def test_nan_logits_on_the_prompt_are_an_error_naming_the_model(greedy_pair, policy, broken):
+    # the rounds verify unchecked; each model's logits are checked once, on the prompt
+    models = dict(zip(("target", "draft"), greedy_pair))
+    models[broken] = copy.deepcopy(models[broken])
+    with torch.no_grad():
+        models[broken].lm_head.weight[3, 0] = float("nan")
+    # PEARL's draft side runs apart and reports its error through a PeerError
+    with pytest.raises((ValueError, spec_ext.parallel.PeerError), match=f"{broken}: its logits on the prompt contain"):
+        spec_ext.generate(models["target"], models["draft"], [[1, 2, 3], [4, 5]], max_new_tokens=4,
+                          policy=policy)
+
+
 def test_sampler_matches_hf_warpers():
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
     logits = torch.randn(6, 50)
