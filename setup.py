@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 if "CUDA_HOME" not in os.environ and Path("/usr/local/cuda/bin/nvcc").exists():
     # torch would otherwise infer the toolkit from nvcc's path (/usr/local) and miss cudart
@@ -71,9 +71,12 @@ def extension():
 
 
 setup(
-    packages=["spec_ext", "spec_ext.kernels"],
-    package_dir={"spec_ext": "spec_ext", "spec_ext.kernels": "kernels"},
-    package_data={"spec_ext": ["_build_info.json"]},
+    # kernels/ installs as spec_ext.kernels; models/ (the bundled pair and the policies' predictors) as
+    # spec_ext/_models, where spec_ext.bundled finds it in a non-editable install
+    packages=find_packages(include=["spec_ext", "spec_ext.*"]) + ["spec_ext.kernels", "spec_ext._models"],
+    package_dir={"spec_ext": "spec_ext", "spec_ext.kernels": "kernels", "spec_ext._models": "models"},
+    package_data={"spec_ext": ["_build_info.json"],
+                  "spec_ext._models": ["*.json", "*/*.json", "*/*.safetensors"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

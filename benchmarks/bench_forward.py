@@ -3,12 +3,12 @@
 * ``hf``: the model's own forward with its own cache (DynamicCache, its default attention),
   as HF generate runs it;
 * ``hf+spec_ext``: the HF modules over a SpecCache with spec_ext's tree attention
-  (spec_ext.hf.forward(lean=False), the path of models spec_ext.lean does not know);
-* ``lean``: spec_ext.lean, the same arithmetic without the HF module machinery.
+  (spec_ext.models.forward(use_lean=False), the path of models spec_ext.models.lean does not know);
+* ``lean``: spec_ext.models.lean, the same arithmetic without the HF module machinery.
 
 Median milliseconds over --repeats calls after a warm-up, for T new tokens per row over a
 prefix of --prefix tokens; ratios against ``hf`` measured in the same run. Writes
-benchmarks/results/lean_forward.csv.
+benchmarks/results/lean_forward_cpu.csv.
 
     python benchmarks/bench_forward.py [--repeats 100] [--prefix 128] [--dtypes bfloat16 float32]
 """
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from spec_ext import hf
-from spec_ext.cache import SpecCache
+from spec_ext.models import hf
+from spec_ext.models import SpecCache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,7 +88,7 @@ def main():
                                      device=f"cpu-{torch.get_num_threads()}threads", commit=commit))
                     print(f"{name:7} {dtype:9} {batch:2} {width:2} {r['hf']:7.2f} {r['hf+spec_ext']:12.2f} "
                           f"{r['lean']:7.2f} {r['hf'] / r['lean']:7.2f}x")
-    out = ROOT / "benchmarks" / "results" / "lean_forward.csv"
+    out = ROOT / "benchmarks" / "results" / "lean_forward_cpu.csv"
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, list(rows[0]))
         writer.writeheader()

@@ -1,7 +1,8 @@
 """Kernel microbenchmarks: every available backend side by side in one run.
 
 Appends CSV rows (op, backend, shape, device, median_us, p20_us, p80_us, extra, version,
-commit) to benchmarks/results/kernels.csv and draws benchmarks/results/kernels_<device>.png
+commit) to benchmarks/results/kernels_<device>.csv and draws kernels_<device>.png from its latest rows
+(<device>: cpu, or the GPU's name such as NVIDIA-H200)
 (speed-up of each backend over the torch reference).
 
     python benchmarks/bench_kernels.py [--ops rejection tree attention kv linear policy] [--quick]
@@ -32,6 +33,11 @@ def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name().replace(" ", "-")
     return f"cpu-{torch.get_num_threads()}threads"
+
+
+def device_file() -> str:
+    """The device part of the results' file names: cpu, or the GPU's name."""
+    return torch.cuda.get_device_name().replace(" ", "-") if torch.cuda.is_available() else "cpu"
 
 
 def commit() -> str:
@@ -178,7 +184,7 @@ def policy_cases(device, quick):
     bundled draft's sizes (H=192, V=4096) and a 64-wide one-block head."""
     if device != "cpu":
         return
-    from spec_ext.learned import ResidualMLP, draft_features
+    from spec_ext.policies import ResidualMLP, draft_features
     head = ResidualMLP(192 + 3, hidden=64, depth=1)
     for B in ((1,) if quick else (1, 8)):
         hidden, probs = torch.randn(B, 192), torch.softmax(4 * torch.randn(B, 4096), -1)
@@ -187,7 +193,7 @@ def policy_cases(device, quick):
         def run(backend, hidden=hidden, probs=probs, weights=weights):
             if backend == "torch":
                 return lambda: torch.sigmoid(head(draft_features(hidden, probs))[:, 0])
-            return lambda: torch.ops.spec_ext.acceptance_head(hidden, probs, weights, 0, 1e-5)
+            return lambda: ops.acceptance_head(hidden, probs, weights, 0, 1e-5, validate=False)
         yield "acceptance_head vs torch ops", f"B={B},H=192,V=4096,D=64,depth=1,float32", run, f"bytes={B * 4096 * 4}"
 
 
@@ -201,7 +207,7 @@ def main():
     families = {"rejection": rejection_cases, "tree": tree_cases, "attention": attention_cases, "kv": kv_cases,
                 "linear": linear_cases, "policy": policy_cases}
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "kernels.csv"
+    out = RESULTS / f"kernels_{device_file()}.csv"
     new = not out.exists()
     rows = []
     with out.open("a", newline="") as f:
@@ -220,7 +226,7 @@ def main():
                     f.flush()
                     rows.append(row)
     report(rows)
-    plot(latest_rows(out, device_name()), RESULTS / f"kernels_{device_name()}.png")
+    plot(latest_rows(out, device_name()), RESULTS / f"kernels_{device_file()}.png")
 
 
 def latest_rows(path: Path, device: str) -> list[dict]:

@@ -8,12 +8,12 @@ on the same prompts; tokens/s are medians over prompts and repeats and speed-ups
 medians of per-prompt ratios against the target alone measured in the same pass;
 vs_best_fixed is the median of per-pass ratios against the fixed k chosen on validation
 (the target alone's timing noise drops out of it). Greedy
-outputs are compared with the target's own. Writes benchmarks/results/e2e.csv, speed-up
-bars (e2e_speedup.png), accepted-length and chosen-draft-length histograms at batch 1
-greedy (e2e_accepted.png, e2e_lengths.png). The learned policies and the best fixed k come
+outputs are compared with the target's own. Writes benchmarks/results/e2e_cpu.csv, speed-up
+bars (e2e_cpu_speedup.png), accepted-length and chosen-draft-length histograms at batch 1
+greedy (e2e_cpu_accepted.png, e2e_cpu_lengths.png). The learned policies and the best fixed k come
 from benchmarks/train_policies.py, which chose them on the validation split.
 
-    python benchmarks/e2e.py [--prompts 8] [--repeats 1] [--new-tokens 128] [--configs 1:0 ...] [--name e2e]
+    python benchmarks/e2e.py [--prompts 8] [--repeats 1] [--new-tokens 128] [--configs 1:0 ...] [--name e2e_cpu]
                              [--only TEXT ...]
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ def policies(greedy: bool = True, batch: int = 1) -> dict:
     """Row name -> policy; adds Fixed(k) with the best k on the validation split for the
     decoding mode and batch size (benchmarks/train_policies.py) when that sweep exists."""
     chosen = {name: name for name in POLICIES}
-    chosen["pearl"] = spec_ext.parallel.PEARL()
+    chosen["pearl"] = spec_ext.policies.PEARL()
     if (ROOT / "models" / "policies" / "validation.json").exists():
         k = best_fixed(greedy, batch)
         chosen[f"fixed k={k} {BEST_FIXED}"] = spec_ext.policies.Fixed(k)
@@ -79,19 +79,19 @@ def lean_alone(target, group, n, temperature, fast_linear):
     """The target alone, no draft, on spec_ext's lean forward and SpecCache: separates what
     the forward (and fast_linear's kernel) gains from what speculation gains."""
     assert len(set(map(len, group))) == 1, "equal-length prompts only"
-    sampler = spec_ext.decoding.Sampler(temperature)
+    sampler = spec_ext.engine.Sampler(temperature)
     ids = torch.tensor(group)
     B, L = ids.shape
     tokens = []
-    with torch.inference_mode(), spec_ext.hf.attention_implementation(target, fast_linear=fast_linear):
+    with torch.inference_mode(), spec_ext.models.attention_implementation(target, fast_linear=fast_linear):
         cache = spec_ext.SpecCache.for_model(target, B, L + n)
-        logits = spec_ext.hf.forward(target, ids, cache, torch.arange(L).expand(B, L))[:, -1]
+        logits = spec_ext.models.forward(target, ids, cache, torch.arange(L).expand(B, L))[:, -1]
         cache.advance([L] * B)
         for step in range(n):
             token = logits.argmax(-1) if sampler.greedy else torch.multinomial(sampler.probs(logits), 1)[:, 0]
             tokens.append(token)
             if step + 1 < n:
-                logits = spec_ext.hf.forward(target, token[:, None], cache, cache.lengths[:, None])[:, 0]
+                logits = spec_ext.models.forward(target, token[:, None], cache, cache.lengths[:, None])[:, 0]
                 cache.advance([1] * B)
     return torch.cat([ids, torch.stack(tokens, 1)], 1)
 
@@ -220,7 +220,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--configs", nargs="+", default=["1:0", "8:0", "1:0.7", "8:0.7", "1:1.0"],
                         help="batch:temperature pairs")
-    parser.add_argument("--name", default="e2e", help="file prefix under benchmarks/results")
+    parser.add_argument("--name", default="e2e_cpu", help="file prefix under benchmarks/results")
     parser.add_argument("--only", nargs="+", metavar="TEXT",
                         help="run only the methods whose row name contains one of these (the target alone always "
                         "runs: it is the baseline), e.g. --only 'fixed' specdecpp adalength")
@@ -284,7 +284,7 @@ def main():
         writer.writerows(rows)
     print(f"\nHF forward costs (ms; spec_ext runs the lean forward, see bench_forward.py): {costs}  "
           f"draft/target cost ratio (T=1): {costs['draft_T1_ms'] / costs['target_T1_ms']:.3f}")
-    target_threads, draft_threads = spec_ext.parallel.split_threads()
+    target_threads, draft_threads = spec_ext.engine.split_threads()
     print(f"serial methods: {torch.get_num_threads()} intra-op threads; PEARL (threads mode): {target_threads} for "
           f"the target, {draft_threads} for the draft; its gamma (median per config): "
           f"{ {(r['batch'], r['temperature']): r['pearl_gamma'] for r in rows if r['pearl_gamma'] != ''} }")

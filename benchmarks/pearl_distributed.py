@@ -1,11 +1,11 @@
 """PEARL across two processes (torch.distributed, gloo) on the bundled pair, side by side
 with the target alone and serial speculative decoding with the same window.
 
-Rank 1 holds the draft and runs spec_ext.parallel.serve_draft with 1 intra-op thread;
+Rank 1 holds the draft and runs spec_ext.serve_draft with 1 intra-op thread;
 rank 0 holds the target (1 thread during PEARL). The target alone and serial SD run on
 rank 0 with every core (rank 1 idles, blocked in a receive, meanwhile). Same held-out
 prompts as benchmarks/e2e.py; batch 1, greedy and T=0.7. Appends rows to
-benchmarks/results/pearl_distributed.csv.
+benchmarks/results/pearl_distributed_cpu.csv.
 
     python benchmarks/pearl_distributed.py [--prompts 8] [--new-tokens 128]
 """
@@ -39,7 +39,8 @@ def load(path):
 
 def rank_main(rank: int, rendezvous: str, args) -> None:
     import spec_ext
-    from spec_ext.parallel import PEARL, serve_draft, shutdown
+    from spec_ext import serve_draft, shutdown
+    from spec_ext.policies import PEARL
     from spec_ext.policies import Fixed
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
@@ -98,7 +99,7 @@ def rank_main(rank: int, rendezvous: str, args) -> None:
                              prompts=len(prompts), new_tokens=args.new_tokens, device=f"cpu-{cores}cores",
                              commit=commit))
     shutdown()
-    path = RESULTS / "pearl_distributed.csv"
+    path = RESULTS / "pearl_distributed_cpu.csv"
     new = not path.exists()
     with path.open("a", newline="") as f:
         writer = csv.DictWriter(f, list(rows[0]))

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spec_ext  # noqa: E402
-from spec_ext import hf  # noqa: E402
+from spec_ext.models import hf  # noqa: E402
 from stdlib_data import code_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

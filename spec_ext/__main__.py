@@ -1,6 +1,6 @@
 """Command line: ``python -m spec_ext {generate,demo,backends}``.
 
-  python -m spec_ext generate --target DIR --draft DIR --prompt "def f(" --policy svip
+  python -m spec_ext generate --target DIR --draft DIR --prompt "def f(" --policy auto
   python -m spec_ext demo          # the bundled pair: streamed completion + speed table
   python -m spec_ext backends      # which kernel backends this build can run
 """
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-MODELS = Path(__file__).resolve().parents[1] / "models"
+from spec_ext.bundled import ENV, bundled_path
+from spec_ext.policies import POLICIES
 DEMO_PROMPT = '''def median(data):
     """Return the median (middle value) of numeric data.
 
@@ -74,7 +75,7 @@ def cmd_demo(args) -> None:
     n = args.max_new_tokens
     print(f"spec_ext demo: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params, "
           f"draft {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M params, {n} new tokens, greedy\n")
-    spec_ext.generate(target, draft, ids, max_new_tokens=n, policy="svip", streamer=_streamer(tokenizer))
+    spec_ext.generate(target, draft, ids, max_new_tokens=n, policy="auto", streamer=_streamer(tokenizer))
     print("\n")
 
     def alone():
@@ -112,7 +113,7 @@ def main(argv=None) -> None:
     gen.add_argument("--target", type=Path, required=True)
     gen.add_argument("--draft", type=Path, required=True)
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--policy", default="svip")
+    gen.add_argument("--policy", default="auto", choices=sorted(POLICIES), help="default: %(default)s")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int)
@@ -123,19 +124,25 @@ def main(argv=None) -> None:
                      help="the target's linear layers through spec_ext's skinny GEMM too, as the draft's always "
                      "are (CPU float32; the target's logits are then not bit-equal to HF's)")
     demo = sub.add_parser("demo", help="the bundled pair: streamed completion and a speed table")
-    demo.add_argument("--target", type=Path, default=MODELS / "stdlib-target")
-    demo.add_argument("--draft", type=Path, default=MODELS / "stdlib-draft")
+    demo.add_argument("--target", type=Path, help=f"default: the bundled stdlib-target (${ENV} to look elsewhere)")
+    demo.add_argument("--draft", type=Path, help="default: the bundled stdlib-draft")
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--repeats", type=int, default=3)
     demo.add_argument("--threads", type=int)
     demo.add_argument("--dtype", default="float32", choices=DTYPES,
                       help="auto: as stored (bfloat16; greedy output then depends on the attention kernel's rounding)")
-    demo.add_argument("--policies", nargs="+", default=["fixed", "auto", "svip", "confidence", "tree"])
+    demo.add_argument("--policies", nargs="+", default=["auto", "fixed", "svip", "confidence", "tree"],
+                      choices=sorted(POLICIES), metavar="POLICY", help="default: %(default)s")
     sub.add_parser("backends", help="which kernel backends this build can run, and why not")
     args = parser.parse_args(argv)
     if args.command == "generate":
         cmd_generate(args)
     elif args.command == "demo":
+        try:
+            args.target = args.target or bundled_path("stdlib-target")
+            args.draft = args.draft or bundled_path("stdlib-draft")
+        except FileNotFoundError as error:
+            parser.error(str(error))
         cmd_demo(args)
     else:
         import spec_ext

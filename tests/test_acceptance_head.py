@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from spec_ext import ops, reference
-from spec_ext.learned import LAYER_NORM_EPS, ResidualMLP, SpecDecPP, draft_features
+from spec_ext.policies import ResidualMLP, SpecDecPP, draft_features
+from spec_ext.policies.learned import LAYER_NORM_EPS
 
 pytestmark = pytest.mark.skipif(not ops.registered("acceptance_head", "CPU"), reason="C++ kernels not built")
 

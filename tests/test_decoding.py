@@ -1,20 +1,17 @@
 """The loop end to end on tiny random-weight models (fp32, CPU): greedy output equals the
 target's own greedy generate; sampled output follows the target's exact distribution."""
 import copy
-import itertools
 import warnings
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import spec_ext
-from spec_ext.decoding import Sampler
-from spec_ext.learned import (DRAFT_EXTRA_FEATURES, HISTORY_FEATURES, AdaLength, LearnedSpecBranch, ResidualMLP,
-                              SpecDecPP)
-from spec_ext.policies import POLICIES
+from spec_ext.engine import Sampler
+from spec_ext.policies import POLICIES, AdaLength, LearnedSpecBranch, ResidualMLP, SpecDecPP
+from spec_ext.policies.learned import DRAFT_EXTRA_FEATURES, HISTORY_FEATURES
+from helpers import PROMPT, VOCAB, assert_follows, exact_joint, hf_greedy, llama, perturbed
 
 POLICY_NAMES = sorted(POLICIES)
 
@@ -32,36 +29,10 @@ def make_policy(name, target, draft):
     return name
 
 
-def llama(vocab, hidden, layers, seed, sharpen=1.0, max_positions=256):
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(sharpen)
-    return model
-
-
-def perturbed(model, scale, seed):
-    torch.manual_seed(seed)
-    copy_ = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in copy_.parameters():
-            p.add_(torch.randn_like(p) * scale)
-    return copy_
-
-
 @pytest.fixture(scope="module")
 def greedy_pair():
     target = llama(97, 64, 2, seed=0, sharpen=4.0)
     return target, perturbed(target, 0.003, seed=1)
-
-
-def hf_greedy(model, prompt, max_new, eos):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
-                         pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
@@ -91,15 +62,15 @@ def test_greedy_with_fast_linear_equals_target(greedy_pair, policy):
 def test_the_draft_takes_the_skinny_kernel_and_the_target_stays_exact(greedy_pair):
     """Without fast_linear the target keeps HF's linear (bit-equal logits) and the draft
     takes skinny_linear where it applies, silently; fast_linear=True puts both on it."""
-    from spec_ext.lean import lean_decoder
+    from spec_ext.models.lean import lean_decoder
     target, draft = greedy_pair
     aten = torch.nn.functional.linear
-    applies = spec_ext.ops.skinny_linear_kernel(draft.device, draft.dtype) is not aten  # AVX-512 here?
+    applies = spec_ext.ops.linear.kernel_applies(draft.device, draft.dtype)  # AVX-512 here?
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         spec_ext.generate(target, draft, [[5, 17]], max_new_tokens=4, eos_token_id=[], policy="fixed")
     assert lean_decoder(target).linear is aten
-    assert (lean_decoder(draft).linear is not aten) == applies
+    assert lean_decoder(draft).fast_linear == applies
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a CPU without AVX-512 says fast_linear cannot apply
         spec_ext.generate(target, draft, [[5, 17]], max_new_tokens=4, eos_token_id=[], policy="fixed",
@@ -108,17 +79,17 @@ def test_the_draft_takes_the_skinny_kernel_and_the_target_stays_exact(greedy_pai
     bf16_draft = copy.deepcopy(draft).to(torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "auto" falls back without a word
-        with spec_ext.hf.attention_implementation(target, bf16_draft, fast_linear=[False, "auto"]):
+        with spec_ext.models.attention_implementation(target, bf16_draft, fast_linear=[False, "auto"]):
             assert lean_decoder(bf16_draft).linear is aten
     with pytest.raises(ValueError, match="fast_linear: 1 settings for 2 models"):
-        with spec_ext.hf.attention_implementation(target, draft, fast_linear=[True]):
+        with spec_ext.models.attention_implementation(target, draft, fast_linear=[True]):
             pass
     with pytest.raises(ValueError, match="fast_linear: expected True or False, got 'yes'"):
         spec_ext.generate(target, draft, [[5, 17]], max_new_tokens=4, policy="fixed", fast_linear="yes")
     with pytest.raises(ValueError, match="fast_linear: expected True or False, got 'auto'"):
         spec_ext.accelerate(target, draft, policy="fixed", fast_linear="auto")
     with pytest.raises(ValueError, match="fast_linear: expected False, True or 'auto', got 2"):
-        spec_ext.lean.prepare(draft, fast_linear=2)
+        spec_ext.models.lean.prepare(draft, fast_linear=2)
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
@@ -184,42 +155,12 @@ def test_streamer_receives_every_token(greedy_pair):
 
 
 # ------------------------------------------------------------------- exact distribution
-VOCAB = 8
-PROMPT = [1, 3, 5]
 
 
 @pytest.fixture(scope="module")
 def sampling_models():
     target = llama(VOCAB, 32, 2, seed=10, sharpen=3.0)
     return target, {"near": perturbed(target, 0.01, seed=11), "far": llama(VOCAB, 32, 1, seed=12, sharpen=3.0)}
-
-
-@torch.no_grad()
-def exact_joint(target, sampler, steps=3):
-    """P(x1..x3 | PROMPT) under the processed target distribution, by enumeration."""
-    joint = {(): 1.0}
-    for _ in range(steps):
-        prefixes = list(joint)
-        ids = torch.tensor([PROMPT + list(p) for p in prefixes])
-        probs = sampler.probs(target(ids).logits[:, -1]).double()
-        joint = {p + (x,): joint[p] * float(probs[i, x]) for i, p in enumerate(prefixes) for x in range(VOCAB)}
-    return joint
-
-
-def assert_follows(samples: np.ndarray, joint: dict):
-    outcomes = list(joint)
-    index = {o: i for i, o in enumerate(outcomes)}
-    expected = np.array([joint[o] for o in outcomes])
-    codes = [index.get(tuple(row), -1) for row in samples.tolist()]
-    assert -1 not in codes and all(expected[c] > 0 for c in codes), "an impossible sequence was sampled"
-    counts = np.bincount(codes, minlength=len(outcomes)).astype(float)
-    expected = expected / expected.sum() * len(samples)
-    big = expected >= 5  # pool rare outcomes so the chi-square approximation holds
-    observed_bins = np.append(counts[big], counts[~big].sum())
-    expected_bins = np.append(expected[big], expected[~big].sum())
-    keep = expected_bins > 0
-    p_value = chisquare(observed_bins[keep], expected_bins[keep]).pvalue
-    assert p_value > 1e-4, p_value
 
 
 SAMPLING_CASES = [(policy, 1.0, None, "near") for policy in POLICY_NAMES]
@@ -272,7 +213,7 @@ def test_nan_logits_on_the_prompt_are_an_error_naming_the_model(greedy_pair, pol
     with torch.no_grad():
         models[broken].lm_head.weight[3, 0] = float("nan")
     # PEARL's draft side runs apart and reports its error through a PeerError
-    with pytest.raises((ValueError, spec_ext.parallel.PeerError), match=f"{broken}: its logits on the prompt contain"):
+    with pytest.raises((ValueError, spec_ext.PeerError), match=f"{broken}: its logits on the prompt contain"):
         spec_ext.generate(models["target"], models["draft"], [[1, 2, 3], [4, 5]], max_new_tokens=4,
                           policy=policy)
 
@@ -292,9 +233,9 @@ def test_bonus_agreement_is_the_drafts_agreement_with_the_bonus_token():
     whether the draft proposes the bonus token; sampling draws an acceptance with chance
     sum_x min(p, q) at that position (p: the bonus's distribution, q: the draft's)."""
     from scipy.stats import binomtest
-    from spec_ext.decoding import _Loop
+    from spec_ext.engine.serial import SerialEngine
     B, V = 4000, 5
-    loop = _Loop.__new__(_Loop)  # only the round outcome the method reads
+    loop = SerialEngine.__new__(SerialEngine)  # only the round outcome the method reads
     loop.device, loop.generator = torch.device("cpu"), torch.Generator().manual_seed(0)
     loop.all_accepted = torch.arange(B) % 2 == 0
     q = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2])

@@ -1,12 +1,11 @@
 """compact_kv against the reference, and SpecCache against fresh forwards of an HF model."""
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import spec_ext
-from spec_ext import hf, reference
-from spec_ext.cache import SpecCache
-from conftest import backend_params, device_for
+from spec_ext import reference
+from spec_ext.models import SpecCache, hf
+from helpers import backend_params, device_for, tiny
 
 BACKENDS = backend_params("compact_kv")
 
@@ -82,15 +81,6 @@ def test_bad_input():
 
 
 # ------------------------------------------------------------------- SpecCache on models
-def tiny(kind):
-    common = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2)
-    torch.manual_seed(0)
-    if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(**common)).eval()
-    if kind == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
-    return MistralForCausalLM(MistralConfig(sliding_window=None, **common)).eval()
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])

@@ -1,14 +1,13 @@
-"""The lean forward (spec_ext.lean) against the HF modules it replaces: same numbers, bit for bit."""
+"""The lean forward (spec_ext.models.lean) against the HF modules it replaces: same numbers, bit for bit."""
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 import spec_ext
-from spec_ext import hf
-from spec_ext.cache import SpecCache
-from spec_ext.lean import lean_decoder, prepare, unsupported_reason
-from test_kv_cache import tiny
+from spec_ext.models import SpecCache, hf
+from spec_ext.models.lean import lean_decoder, prepare, unsupported_reason
+from helpers import tiny
 
 
 def run_both(model, steps, fast_linear=False):
@@ -57,8 +56,7 @@ def test_fast_linear_forward_is_close_to_hf_forward(kind):
              (torch.randint(0, 61, (2, 1), generator=g), (lengths + torch.tensor([1, 2]))[:, None], None, [1, 1])]
     reference, fast = run_both(model, steps, fast_linear=True)
     with hf.attention_implementation(model, fast_linear=True):
-        kernel_applies = spec_ext.ops.skinny_linear_kernel("cpu") is not torch.nn.functional.linear
-        assert (lean_decoder(model).linear is not torch.nn.functional.linear) == kernel_applies
+        assert lean_decoder(model).fast_linear == spec_ext.ops.linear.kernel_applies("cpu")
     for (logits, hidden), (fast_logits, fast_hidden) in zip(reference, fast):
         torch.testing.assert_close(fast_logits, logits, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(fast_hidden, hidden, rtol=1e-4, atol=1e-4)

@@ -7,13 +7,11 @@ import pytest
 import torch
 
 import spec_ext
-from spec_ext.learned import (AdaLength, BranchPredictor, LearnedSpecBranch, ResidualMLP, SpecDecPP,
-                              asymmetric_l1, branch_classes, features_and_labels, simulated_batch_tokens_per_ms,
-                              simulated_tokens_per_ms,
-                              train_predictor)
-from spec_ext.parallel import ACCEPT_ALL, REJECT_ALL, PEARL
-from spec_ext.policies import Fixed
-from test_decoding import hf_greedy, llama, perturbed
+from spec_ext.policies import (PEARL, AdaLength, BranchHint, BranchPredictor, Fixed, LearnedSpecBranch, ResidualMLP,
+                               SpecDecPP)
+from spec_ext.training import (asymmetric_l1, branch_classes, features_and_labels, simulated_batch_tokens_per_ms,
+                               simulated_tokens_per_ms, train_predictor)
+from helpers import hf_greedy, llama, perturbed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -328,7 +326,7 @@ def test_branch_classes():
 def test_branch_predictor_steers_the_branches(pair):
     target, draft = pair
     drafted = {}
-    for hint in (ACCEPT_ALL, REJECT_ALL):
+    for hint in (BranchHint.ACCEPT_ALL, BranchHint.REJECT_ALL):
         outputs = [0.0] * 6
         outputs[hint] = outputs[3 + hint] = 10.0
         policy = LearnedSpecBranch(branches=4, gamma=3, predictor=constant(128, tuple(outputs)))
@@ -336,8 +334,8 @@ def test_branch_predictor_steers_the_branches(pair):
         assert out.sequences[0, 3:].tolist() == hf_greedy(target, [5, 6, 7], 30, eos=[])
         drafted[hint] = out.stats.drafted / out.stats.rounds
     chain = spec_ext.generate(target, draft, [[5, 6, 7]], max_new_tokens=30, eos_token_id=[], policy=PEARL(gamma=3))
-    # REJECT_ALL forks every fresh root 4 ways; ACCEPT_ALL stops forking after the first verdict
-    assert drafted[REJECT_ALL] > drafted[ACCEPT_ALL] and drafted[REJECT_ALL] > chain.stats.drafted / chain.stats.rounds
+    # BranchHint.REJECT_ALL forks every fresh root 4 ways; BranchHint.ACCEPT_ALL stops forking after the first verdict
+    assert drafted[BranchHint.REJECT_ALL] > drafted[BranchHint.ACCEPT_ALL] and drafted[BranchHint.REJECT_ALL] > chain.stats.drafted / chain.stats.rounds
     with pytest.raises(ValueError, match="predictor: a branch predictor has 6 outputs"):
         BranchPredictor(ResidualMLP(128))
 

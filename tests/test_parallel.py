@@ -12,9 +12,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import spec_ext
-from spec_ext.decoding import Sampler
-from spec_ext.parallel import PEARL, PeerError, SpecBranch, serve_draft, shutdown
-from test_decoding import PROMPT, VOCAB, assert_follows, exact_joint, hf_greedy, llama, perturbed
+from spec_ext import PeerError, serve_draft, shutdown
+from spec_ext.engine import Sampler
+from spec_ext.policies import PEARL, SpecBranch
+from helpers import PROMPT, VOCAB, assert_follows, exact_joint, hf_greedy, llama, perturbed
 
 RAGGED = [[5, 17, 33, 8], [40], [9, 9, 9, 9, 9, 9, 9, 12], [70, 71]]
 

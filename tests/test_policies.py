@@ -1,8 +1,10 @@
 """The decisions of the rule-based policies that keep state (exactness of every policy is
 in test_decoding, which runs each registered one)."""
 import random
+import time
 
 import pytest
+import torch
 
 from spec_ext.policies import Auto
 
@@ -110,3 +112,32 @@ def test_auto_rejects_bad_settings():
         Auto(max_draft=3, initial=5)
     with pytest.raises(ValueError, match="prior_acceptance, forget_runs, forget_cost"):
         Auto(forget_cost=0.0)
+
+
+def test_sampling_takes_the_cost_from_the_model_sizes_not_the_clock():
+    """Sampling, the lengths decide how the random stream is split into rounds: the choices
+    must not depend on timing, so that a seed reproduces the output."""
+    target, draft = torch.nn.Linear(100, 100), torch.nn.Linear(30, 30)
+    ratio = 930 / 10100
+
+    def lengths(clock):
+        policy = Auto(clock=clock)
+        policy.bind(target, draft)
+        policy.start(1, greedy=False)
+        chosen = []
+        for accepted in [3, 0, 5, 2, 7, 1, 4, 4]:
+            k = policy.plan()[0]
+            chosen.append(k)
+            policy.observe([k], [min(accepted, k)])
+        assert policy.round_cost() == (1.0, ratio)
+        return chosen, policy
+
+    ticks = iter(range(1000))
+    steady, policy = lengths(lambda: next(ticks) * 0.01)
+    erratic = lengths(lambda: time.perf_counter() * 1e3)[0]
+    assert steady == erratic
+    tokens = [1.0]
+    for chance in policy.survival():
+        tokens.append(tokens[-1] + chance)
+    best = max(range(1, policy.max_draft + 1), key=lambda k: tokens[k] / (1 + ratio * k))
+    assert policy.plan()[0] == min(policy.max_draft, max(1, best + {1: 1, 3: -1}.get(9 % 4, 0)))

@@ -7,19 +7,20 @@ import torch
 
 import spec_ext
 from spec_ext import ops
+from spec_ext.ops import registry
 
 BUILD_INFO = Path(spec_ext.__file__).with_name("_build_info.json")
 
 
 def test_extension_loaded():
-    assert ops._C_ERROR is None, ops._C_ERROR
+    assert registry._C_ERROR is None, registry._C_ERROR
 
 
 @pytest.mark.parametrize("op", ops.OPS)
 def test_dispatch_keys(op):
     info = json.loads(BUILD_INFO.read_text())
     keys = {key for key in ("CPU", "CUDA") if ops.registered(op, key)}
-    expected = set(ops.KERNEL_KEYS[op]) if info["cuda"] else {"CPU"}
+    expected = set(registry.KERNEL_KEYS[op]) if info["cuda"] else {"CPU"}
     assert keys == expected, f"spec_ext::{op} registered {keys}, the build promised {expected}"
 
 

@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 import spec_ext
 from spec_ext import reference
-from conftest import backend_params, device_for
+from helpers import backend_params, device_for
 
 CHAIN = backend_params("chain_verify")
 TREE = backend_params("tree_verify")

@@ -1,12 +1,8 @@
-"""benchmarks/train_policies.py's replay helpers, against rounds worked out by hand: the
+"""spec_ext.training's replay helpers, against rounds worked out by hand: the
 bounds it reports (what any draft-length rule could reach) must be right to be cited."""
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from train_policies import MAX_LENGTH, bounds, specdecpp_lengths, survival  # noqa: E402
+from spec_ext.training import MAX_LENGTH, bounds, specdecpp_lengths, survival
 
 
 def test_survival_multiplies_the_chances_ahead_of_each_position():

@@ -3,14 +3,7 @@ import torch
 
 import spec_ext
 from spec_ext import reference
-from conftest import backend_params, device_for
-
-
-def random_parents(B, T, generator):
-    parents = torch.full((B, T), -1, dtype=torch.int64)
-    for i in range(1, T):
-        parents[:, i] = torch.randint(0, i, (B,), generator=generator)
-    return parents
+from helpers import backend_params, device_for, random_parents
 
 
 def chain(T):

@@ -5,8 +5,7 @@ import torch
 
 import spec_ext
 from spec_ext import reference
-from conftest import backend_params, device_for
-from test_tree import random_parents
+from helpers import backend_params, device_for, random_parents
 
 BACKENDS = backend_params("tree_attention")
 
@@ -138,8 +137,15 @@ def test_bad_input():
         spec_ext.tree_attention(q, k, v, prefix[:1])
 
 
-def test_unchecked_kernel_is_what_the_checked_op_dispatches_to():
+def test_an_unchecked_call_computes_what_the_checked_call_does():
     q, k, v, prefix, _ = make(2, 4, 2, 3, 10, 8, torch.float32, seed=3)
     mask = spec_ext.ops.tree_mask(torch.tensor([-1, 0, 0]))[1]
-    attend = spec_ext.ops.tree_attention_kernel("cpu")
-    assert torch.equal(attend(q, k, v, prefix, mask, 0.3), spec_ext.tree_attention(q, k, v, prefix, mask, scale=0.3))
+    unchecked = spec_ext.tree_attention(q, k, v, prefix, mask, 0.3, validate=False)
+    assert torch.equal(unchecked, spec_ext.tree_attention(q, k, v, prefix, mask, scale=0.3))
+    spec_ext.set_validation(False)
+    try:  # the global switch: no check runs, not even the one that reads prefix_lens on the host
+        assert torch.equal(spec_ext.tree_attention(q, k, v, prefix, mask, 0.3), unchecked)
+    finally:
+        spec_ext.set_validation(True)
+    with pytest.raises(ValueError, match="prefix_lens"):
+        spec_ext.tree_attention(q, k, v, prefix + 100, mask, 0.3)

@@ -1,0 +1,169 @@
+"""What both engines share: the stats and output of a call, the sampler (temperature,
+top-k, top-p), per-row bookkeeping, padding and the prefill."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from spec_ext.models import forward
+
+
+@dataclass
+class Stats:
+    """Counters of one generate call. ``rounds`` counts (row, verification) pairs."""
+    target_calls: int = 0
+    draft_calls: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    new_tokens: int = 0
+    discarded: int = 0  # drafts thrown away unverified (parallel methods draft ahead)
+    wall_time: float = 0.0
+    accepted_lengths: list[int] = field(default_factory=list, repr=False)
+    draft_lengths: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def rollback(self) -> int:
+        """Drafts thrown away: verified and rejected, plus (parallel methods) unverified ones."""
+        return self.drafted - self.accepted + self.discarded
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted drafts per row per target call."""
+        return self.accepted / max(1, self.rounds)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / max(1, self.drafted)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / max(1e-9, self.wall_time)
+
+    def as_dict(self) -> dict:
+        return dict(target_calls=self.target_calls, draft_calls=self.draft_calls, rounds=self.rounds,
+                    drafted=self.drafted, accepted=self.accepted, rollback=self.rollback,
+                    mean_accepted=round(self.mean_accepted, 4), acceptance_rate=round(self.acceptance_rate, 4),
+                    discarded=self.discarded, new_tokens=self.new_tokens, wall_time=round(self.wall_time, 4),
+                    tokens_per_s=round(self.tokens_per_s, 2))
+
+
+@dataclass
+class Output:
+    sequences: Tensor  # [B, prompt + new], like HF generate
+    stats: Stats
+
+
+class Sampler:
+    """Temperature, top-k and top-p (HF semantics), applied identically to p and q."""
+
+    def __init__(self, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None):
+        if temperature is None or temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k: must be >= 1, got {top_k}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+        self.greedy = temperature == 0
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+
+    def probs(self, logits: Tensor) -> Tensor:
+        x = logits.float() / self.temperature
+        if self.top_k is not None and self.top_k < x.shape[-1]:
+            kth = torch.topk(x, self.top_k, dim=-1).values[..., -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1:
+            ordered, index = torch.sort(x, dim=-1)
+            tail = torch.softmax(ordered, -1).cumsum(-1) <= 1 - self.top_p
+            tail[..., -1] = False
+            x = x.masked_fill(tail.scatter(-1, index, tail), float("-inf"))
+        return torch.softmax(x, -1)
+
+
+def prompt_rows(input_ids, attention_mask) -> list[list[int]]:
+    """The prompts as token-id lists (left padding removed with ``attention_mask``)."""
+    if isinstance(input_ids, Tensor):
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids: expected [B, L], got shape {tuple(input_ids.shape)}")
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask: expected shape {tuple(input_ids.shape)}, "
+                                 f"got {tuple(attention_mask.shape)}")
+            rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
+        else:
+            rows = input_ids.tolist()
+    else:
+        rows = [list(map(int, r)) for r in input_ids]
+    if not rows:
+        raise ValueError("input_ids: the batch is empty")
+    for b, r in enumerate(rows):
+        if not r:
+            raise ValueError(f"input_ids: prompt {b} is empty")
+    return rows
+
+
+def pad_rows(rows: list[list[int]], value: int, device, left: bool = False) -> Tensor:
+    """[B, longest] int64: ragged rows padded with ``value`` on the right (or the left)."""
+    width = max(len(r) for r in rows)
+    padded = [[value] * (width - len(r)) + r if left else r + [value] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64, device=device)
+
+
+def check_finite(logits: Tensor, model: str) -> None:
+    """Raise unless ``logits`` (of ``model``, on the prompt) are all finite. The loops check
+    each model once per call, on the prompt, and verify the rounds unchecked: NaN or inf
+    logits (broken weights, float16 overflow) would otherwise decode into garbage."""
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError(f"{model}: its logits on the prompt contain NaN or inf (check its weights and dtype)")
+
+
+class Rows:
+    """Per-row output bookkeeping shared by the serial and the parallel engines: every
+    row's tokens so far (``seqs``), its new tokens, the rows still going (``active``) and
+    the stats."""
+
+    def __init__(self, prompts: list[list[int]], max_new_tokens: int, eos: set[int], streamer=None):
+        self.seqs = [list(p) for p in prompts]
+        self.new: list[list[int]] = [[] for _ in prompts]
+        self.active = list(range(len(prompts)))
+        self.max_new, self.eos, self.streamer = max_new_tokens, eos, streamer
+        self.stats = Stats()
+
+    def emit(self, r: int, tokens: list[int], num_drafted: int, num_accepted: int) -> bool:
+        """Append row ``r``'s tokens of one verification, cut at max_new_tokens and at EOS,
+        and count the round; True while the row goes on."""
+        emitted = tokens[:self.max_new - len(self.new[r])]
+        for n, tok in enumerate(emitted):
+            if tok in self.eos:
+                emitted = emitted[:n + 1]
+                break
+        self.seqs[r] += emitted
+        self.new[r] += emitted
+        self.stats.rounds += 1
+        self.stats.drafted += num_drafted
+        self.stats.accepted += num_accepted
+        self.stats.accepted_lengths.append(num_accepted)
+        self.stats.draft_lengths.append(num_drafted)
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor(emitted))
+        return len(self.new[r]) < self.max_new and not (emitted and emitted[-1] in self.eos)
+
+    def finish(self) -> Stats:
+        self.stats.new_tokens = sum(map(len, self.new))
+        return self.stats
+
+
+def prefill(model, cache, rows: list[list[int]], role: str, hidden: bool = False):
+    """Feed each row's tokens (ragged) to ``model`` over ``cache`` from position 0, check the
+    logits once (:func:`check_finite`, naming ``role``) and keep them in the cache. Returns
+    the forward's output (logits [B,L,V], with ``hidden`` also the hidden states), or None
+    when every row is empty."""
+    if max(map(len, rows)) == 0:
+        return None
+    ids = pad_rows(rows, 0, cache.buffer.device)
+    out = forward(model, ids, cache, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), hidden=hidden)
+    check_finite(out[0] if hidden else out, role)
+    cache.advance([len(r) for r in rows])
+    return out

@@ -1,0 +1,168 @@
+"""``generate`` and ``accelerate``: check the arguments, pick the engine the policy needs,
+run it with the models' attention routed through spec_ext, and return what HF returns."""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from spec_ext.engine.common import Output, Sampler, Stats, pad_rows, prompt_rows
+from spec_ext.engine.parallel import ParallelEngine
+from spec_ext.engine.serial import SerialEngine
+from spec_ext.models import attention_implementation, check_model, check_pair, check_window
+from spec_ext.policies import PEARL, Policy, resolve
+
+
+def _check_fast_linear(fast_linear) -> None:
+    if not isinstance(fast_linear, bool):
+        raise ValueError(f"fast_linear: expected True or False, got {fast_linear!r}")
+
+
+def _check_models(target, draft, policy: Policy) -> None:
+    if draft is None:
+        if not (isinstance(policy, PEARL) and policy.mode == "distributed"):
+            raise ValueError("draft: required (None only with a policy whose draft runs on another rank, "
+                             "e.g. PEARL(mode='distributed'))")
+        check_model(target, "target")
+    else:
+        check_pair(target, draft)
+
+
+@torch.inference_mode()
+def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max_new_tokens: int = 32,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+             policy: str | Policy = "auto", seed: int | None = None, streamer=None,
+             fast_linear: bool = False) -> Output:
+    """Speculative decoding of ``target`` with ``draft``: greedy output equals the
+    target's own greedy output; sampled output follows the target's distribution.
+
+    Args:
+        target, draft: transformers Llama/Qwen2/Mistral causal LMs with the same vocabulary
+            (draft None when the policy's draft runs on another rank).
+        input_ids: [B, L] LongTensor (left-padded, with ``attention_mask``) or a list of
+            token-id lists (ragged).
+        temperature: 0 for greedy; top_k / top_p as in HF, applied to target and draft alike.
+        policy: a :class:`spec_ext.policies.Policy` or its lower-case name (default ``Auto``:
+            no tuning, see the table in :mod:`spec_ext.policies`).
+        seed: seeds a private generator; None uses torch's global generator.
+        streamer: an HF streamer (batch size 1).
+        fast_linear: run the target's linear layers through :func:`spec_ext.ops.skinny_linear`
+            too (CPU float32 Llama-family models; faster matmuls at decode and
+            verification sizes). Output is then exact with respect to that forward, whose
+            logits differ from HF's by float32 rounding: greedy text can differ from
+            ``target.generate`` where two tokens tie to within that rounding. The draft
+            takes skinny_linear wherever it applies, whatever this says: its rounding
+            changes only which tokens are proposed, never the output.
+    Returns:
+        Output(sequences [B, L + new] as HF generate returns them, padded with
+        ``pad_token_id`` after EOS; stats).
+
+    Example:
+        >>> out = generate(target, draft, tokenizer("def f(", return_tensors="pt").input_ids,
+        ...                max_new_tokens=32, policy="fixed")           # doctest: +SKIP
+    """
+    started = time.perf_counter()
+    policy = resolve(policy)
+    _check_models(target, draft, policy)
+    _check_fast_linear(fast_linear)
+    prompts = prompt_rows(input_ids, attention_mask)
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: must be a positive int, got {max_new_tokens!r}")
+    limit = getattr(target.config, "max_position_embeddings", None)
+    longest = max(map(len, prompts))
+    if limit is not None and longest + max_new_tokens > limit:
+        raise ValueError(f"input_ids: a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds "
+                         f"the target's max_position_embeddings ({limit})")
+    if streamer is not None and len(prompts) != 1:
+        raise ValueError(f"streamer: supported for batch size 1 only (like HF streamers), got {len(prompts)} rows")
+    eos = eos_token_id if eos_token_id is not None else target.generation_config.eos_token_id
+    eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    if pad_token_id is None:
+        pad_token_id = target.generation_config.pad_token_id
+        if pad_token_id is None:
+            pad_token_id = min(eos) if eos else 0
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=target.device).manual_seed(seed)
+    policy.bind(target, draft)
+    models = [m for m in (target, draft) if m is not None]
+    for model, role in zip(models, ("target", "draft")):
+        check_window(model, role, longest + max_new_tokens + policy.lookahead + 1)
+    sampler = Sampler(temperature, top_k, top_p)
+    if isinstance(policy, PEARL):
+        loop = ParallelEngine(policy, target, draft, prompts, max_new_tokens, sampler, eos, generator, streamer,
+                              fast_linear)
+    else:
+        loop = SerialEngine(target, draft, prompts, max_new_tokens, sampler, eos, policy, generator, streamer)
+    if streamer is not None:
+        streamer.put(torch.tensor([prompts[0]]))
+    # the draft's rounding changes only which tokens are proposed, never the output
+    with attention_implementation(*models, fast_linear=[fast_linear, fast_linear or "auto"][:len(models)]):
+        stats = loop.run()
+    if streamer is not None:
+        streamer.end()
+    head = input_ids.to(target.device) if isinstance(input_ids, Tensor) else \
+        pad_rows(prompts, pad_token_id, target.device, left=True)
+    tail = pad_rows(loop.new, pad_token_id, target.device)
+    stats.wall_time = time.perf_counter() - started
+    return Output(torch.cat([head, tail], 1), stats)
+
+
+_HF_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",
+            "eos_token_id", "pad_token_id", "streamer", "seed"}
+
+
+class Accelerated:
+    """The target model with a speculative ``generate``; every other attribute is the
+    target's. ``last_stats`` holds the stats of the latest call."""
+
+    def __init__(self, target, draft, policy: str | Policy = "auto", fast_linear: bool = False):
+        self._target, self._draft, self._policy = target, draft, resolve(policy)
+        self._fast_linear = fast_linear
+        _check_models(target, draft, self._policy)
+        _check_fast_linear(fast_linear)
+        self.last_stats: Stats | None = None
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._target(*args, **kwargs)
+
+    def generate(self, input_ids=None, attention_mask=None, max_new_tokens: int | None = None, do_sample=None,
+                 temperature=None, top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, streamer=None,
+                 seed=None, **unsupported) -> Tensor:
+        """HF-style generate (see :func:`generate`); returns the sequences tensor.
+        Unknown arguments raise ``ValueError`` rather than being ignored."""
+        if unsupported:
+            raise ValueError(f"{', '.join(sorted(unsupported))}: not supported by spec_ext's generate "
+                             f"(supported: {', '.join(sorted(_HF_ARGS))})")
+        if input_ids is None:
+            raise ValueError("input_ids: required")
+        config = self._target.generation_config
+        do_sample = config.do_sample if do_sample is None else do_sample
+        temperature = (config.temperature or 1.0) if temperature is None else temperature
+        if max_new_tokens is None:
+            max_new_tokens = config.max_new_tokens or 20
+        if not do_sample:
+            temperature, top_k, top_p = 0.0, None, None
+        else:
+            top_k = config.top_k if top_k is None else top_k
+            top_p = config.top_p if top_p is None else top_p
+        out = generate(self._target, self._draft, input_ids, attention_mask, max_new_tokens, temperature, top_k,
+                       top_p, eos_token_id, pad_token_id, self._policy, seed, streamer, self._fast_linear)
+        self.last_stats = out.stats
+        return out.sequences
+
+
+def accelerate(target, draft, policy: str | Policy = "auto", fast_linear: bool = False) -> Accelerated:
+    """Wrap ``target`` so that ``.generate(...)`` runs speculative decoding with ``draft``
+    (``fast_linear``: see :func:`generate`).
+
+    Example:
+        >>> fast = accelerate(target, draft, policy="fixed")            # doctest: +SKIP
+        >>> fast.generate(input_ids, max_new_tokens=64)                 # doctest: +SKIP
+    """
+    return Accelerated(target, draft, policy, fast_linear)

@@ -1,0 +1,220 @@
+"""The serial engine: the drafter-verifier loop on Hugging Face models, for ragged batches.
+
+Each round, for every unfinished row at once: the draft proposes a chain (or a tree),
+the target verifies it in one forward through :class:`SpecCache` and tree attention, a
+rejection sampler keeps what the target's distribution allows, and both caches roll back
+to what was kept. One host sync per round (the accepted counts), plus one per draft step
+for adaptive policies that decide on the host when to stop drafting.
+
+Cache convention: the target cache holds every committed token but the last, which is
+the root of the next verification; the draft cache holds a prefix of the committed
+tokens and catches up (``pending``) at the start of its next round.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from spec_ext import ops
+from spec_ext.engine.common import Rows, Stats, check_finite, pad_rows, prefill
+from spec_ext.models import SpecCache, forward
+from spec_ext.ops import build_tree
+from spec_ext.policies import Policy, Tree
+
+
+class SerialEngine(Rows):
+    """Runs one generate call's rounds with a chain rule or a :class:`Tree` policy."""
+
+    def __init__(self, target, draft, prompts, max_new_tokens, sampler, eos, policy: Policy, generator, streamer):
+        super().__init__(prompts, max_new_tokens, eos, streamer)
+        self.target, self.draft = target, draft
+        self.sampler, self.policy, self.generator = sampler, policy, generator
+        self.device = target.device
+        capacity = max(len(p) for p in prompts) + max_new_tokens + policy.max_draft + 2
+        self.tcache = SpecCache.for_model(target, len(prompts), capacity)
+        self.dcache = SpecCache.for_model(draft, len(prompts), capacity)
+        self.draft_hidden = policy.uses_draft_hidden
+        self.target_hidden = policy.uses_target_hidden
+        self.bonus_agreement = policy.uses_bonus_agreement
+        # per row: did the last round accept every draft, and the distribution p its bonus came from
+        self.all_accepted = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
+        self.bonus_p: Tensor | None = None
+        # a policy that never stops a row early needs no host sync per draft step
+        self.adaptive = policy.adaptive
+        if isinstance(policy, Tree):
+            self.tree = build_tree(policy.parents)
+            self.parents = self.tree.parents.to(self.device)
+            self.tree_mask = self.tree.mask.to(self.device)
+            self.depth = self.tree.depth[0].to(self.device)
+
+    # ------------------------------------------------------------------ forwards
+    def _target(self, ids: Tensor, positions: Tensor, mask=None, hidden=False):
+        self.stats.target_calls += 1
+        return forward(self.target, ids, self.tcache, positions, mask, hidden)
+
+    def _draft(self, ids: Tensor, positions: Tensor, mask=None, hidden=False):
+        self.stats.draft_calls += 1
+        return forward(self.draft, ids, self.dcache, positions, mask, hidden)
+
+    def prefill(self) -> None:
+        heads = [s[:-1] for s in self.seqs]
+        out = prefill(self.target, self.tcache, heads, "target", hidden=self.target_hidden)
+        if out is None:
+            return
+        self.stats.target_calls += 1
+        if self.target_hidden and min(map(len, heads)) > 0:  # one-token prompts: the policy's first guess
+            last = torch.tensor([len(h) - 1 for h in heads], device=self.device)
+            rows = torch.arange(len(heads), device=self.device)
+            roots = torch.tensor([s[-1] for s in self.seqs], device=self.device)
+            self.policy.see_target(out[1][rows, last], roots)
+
+    def _catch_up_draft(self) -> tuple[Tensor, Tensor | None]:
+        """Feed the draft the committed tokens it has not seen; logits [B,V] after the last
+        (and the hidden state [B,H] that produced them, for policies that need it)."""
+        pending = [self.seqs[r][n:] for r, n in zip(self.active, self.dcache.host_lengths)]
+        ids = pad_rows(pending, 0, self.device)
+        positions = self.dcache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
+        out = self._draft(ids, positions, hidden=self.draft_hidden)
+        if self.stats.draft_calls == 1:  # the prompt
+            check_finite(out[0] if self.draft_hidden else out, "draft")
+        last = torch.tensor([len(p) - 1 for p in pending], device=self.device)
+        rows = torch.arange(len(pending), device=self.device)
+        self.dcache.advance([len(p) for p in pending])
+        if self.bonus_agreement:
+            self.policy.see_bonus_agreement(self._bonus_agreement(out[0] if self.draft_hidden else out, ids, last))
+        if self.draft_hidden:
+            return out[0][rows, last], out[1][rows, last]
+        return out[rows, last], None
+
+    def _bonus_agreement(self, logits: Tensor, ids: Tensor, last: Tensor) -> Tensor:
+        """[B] bool: rows whose last round accepted every draft and whose draft, at the last
+        draft's position (logits [B,T,V] of the catch-up over ids [B,T]), agrees with the
+        bonus token (ids[b, last[b]]); see :meth:`Policy.see_bonus_agreement`."""
+        if not self.all_accepted.any():  # also the first round: no bonus yet
+            return self.all_accepted.clone()
+        rows = torch.arange(len(ids), device=self.device)
+        before = logits[rows, (last - 1).clamp_min(0)]
+        if self.sampler.greedy:
+            agreed = before.argmax(-1) == ids[rows, last]
+        else:
+            chance = torch.minimum(self.bonus_p, self.sampler.probs(before)).sum(-1)
+            agreed = torch.rand(chance.shape, device=self.device, generator=self.generator) < chance
+        # a row that drafted less than the batch fed its last draft while drafting (the
+        # catch-up has only its bonus): its agreement is not known and counts as broken
+        return agreed & self.all_accepted & (last >= 1)
+
+    def _propose(self, logits: Tensor) -> tuple[Tensor, Tensor | None]:
+        if self.sampler.greedy:
+            return logits.argmax(-1), None
+        q = self.sampler.probs(logits)
+        return torch.multinomial(q, 1, generator=self.generator).squeeze(1), q
+
+    # ------------------------------------------------------------------ rounds
+    def chain_round(self) -> tuple[list[list[int]], list[int], list[int]]:
+        B = len(self.active)
+        logits, hidden = self._catch_up_draft()
+        start = list(self.dcache.host_lengths)
+        budget = self.policy.plan()
+        kmax = max(budget)
+        budget_t = torch.tensor(budget, device=self.device)
+        drafts = torch.full((B, kmax), -1, dtype=torch.int64, device=self.device)
+        q_all = None if self.sampler.greedy else torch.zeros(B, kmax, logits.shape[-1], device=self.device)
+        num_draft = torch.zeros(B, dtype=torch.int64, device=self.device)
+        going = torch.ones(B, dtype=torch.bool, device=self.device)
+        extra_forwards, steps = 0, 0
+        for step in range(1, kmax + 1):
+            token, q = self._propose(logits)
+            drafts[:, step - 1] = torch.where(going, token, -1)
+            if q is not None:
+                q_all[:, step - 1] = q
+            num_draft += going
+            steps = step
+            going = going & (step < budget_t)
+            if self.adaptive:
+                going &= self.policy.keep_drafting(step, torch.softmax(logits, -1), token, hidden)
+            if step == kmax or (self.adaptive and not bool(going.any())):
+                break
+            out = self._draft(token[:, None], self.dcache.lengths[:, None], hidden=self.draft_hidden)
+            logits, hidden = (out[0][:, 0], out[1][:, 0]) if self.draft_hidden else (out[:, 0], None)
+            self.dcache.advance([1] * B)
+            extra_forwards += 1
+        drafts = drafts[:, :steps]
+        roots = torch.tensor([self.seqs[r][-1] for r in self.active], device=self.device)
+        ids = torch.cat([roots[:, None], drafts.clamp_min(0)], 1)
+        positions = self.tcache.lengths[:, None] + torch.arange(steps + 1, device=self.device)
+        target_out = self._target(ids, positions, hidden=self.target_hidden)
+        target_logits = target_out[0] if self.target_hidden else target_out
+        # the loop builds the verification's inputs itself: no input checks (they cost 2.7% of
+        # a greedy call at batch 1 on CPU); the models' logits were checked on the prompt
+        if self.sampler.greedy:
+            p, result = None, ops.greedy_verify(target_logits, drafts, num_draft, validate=False)
+        else:
+            p = self.sampler.probs(target_logits)
+            result = ops.chain_rejection_sample(p, drafts, q_all[:, :steps], num_draft, generator=self.generator,
+                                                validate=False)
+        rows = torch.arange(B, device=self.device) if self.bonus_agreement or self.target_hidden else None
+        if self.bonus_agreement:
+            self.all_accepted = result.num_accepted == num_draft
+            self.bonus_p = None if p is None else p[rows, result.num_accepted]
+        if self.target_hidden:
+            self.policy.see_target(target_out[1][rows, result.num_accepted], result.tokens[rows, result.num_accepted])
+        tokens, accepted = result.tokens.tolist(), result.num_accepted.tolist()
+        self.tcache.advance([a + 1 for a in accepted])
+        self.dcache.rollback([s + min(a, extra_forwards) for s, a in zip(start, accepted)])
+        return tokens, accepted, num_draft.tolist()
+
+    def tree_round(self) -> tuple[list[list[int]], list[int], list[int]]:
+        B = len(self.active)
+        logits, _ = self._catch_up_draft()
+        levels, branching = self.policy.levels, self.policy.branching
+        T = len(self.policy.parents)
+        nodes = torch.zeros(B, T, dtype=torch.int64, device=self.device)
+        nodes[:, 0] = torch.tensor([self.seqs[r][-1] for r in self.active], device=self.device)
+        nodes[:, levels[0]] = torch.topk(logits, branching[0], dim=-1).indices
+        for d in range(1, len(levels)):
+            n = levels[d - 1][-1] + 1  # the tree so far: nodes 0..n-1, root re-fed at its own position
+            self.dcache.rollback([x - 1 for x in self.dcache.host_lengths])
+            tree_logits = self._draft(nodes[:, :n], self.dcache.lengths[:, None] + self.depth[:n],
+                                      self.tree_mask[:, :n])
+            self.dcache.advance([1] * B)
+            children = torch.topk(tree_logits[:, levels[d - 1]], branching[d], dim=-1).indices
+            nodes[:, levels[d]] = children.reshape(B, -1)
+        target_logits = self._target(nodes, self.tcache.lengths[:, None] + self.depth, self.tree_mask)
+        drafts = nodes
+        if self.sampler.greedy:
+            result = ops.tree_greedy_verify(target_logits, drafts, self.parents, max_depth=self.tree.max_depth,
+                                            validate=False)
+        else:
+            result = ops.tree_rejection_sample(self.sampler.probs(target_logits), drafts, self.parents,
+                                               generator=self.generator, max_depth=self.tree.max_depth,
+                                               validate=False)
+        accepted = result.num_accepted.tolist()
+        self.tcache.commit(result.path, accepted)
+        return result.tokens.tolist(), accepted, [T - 1] * B
+
+    # ------------------------------------------------------------------ bookkeeping
+    def run(self) -> Stats:
+        self.policy.start(len(self.active), self.sampler.greedy)
+        self.prefill()
+        while self.active:
+            round_fn = self.tree_round if isinstance(self.policy, Tree) else self.chain_round
+            tokens, accepted, drafted = round_fn()
+            self.policy.observe(drafted, accepted)
+            keep = []
+            for i, r in enumerate(self.active):
+                if self.emit(r, tokens[i][:accepted[i] + 1], drafted[i], accepted[i]):
+                    keep.append(i)
+            if len(keep) < len(self.active):
+                self.tcache.keep_rows(keep)
+                self.dcache.keep_rows(keep)
+                self.policy.keep_rows(keep)
+                if self.bonus_agreement:
+                    self._keep_round_outcome(keep)
+                self.active = [self.active[i] for i in keep]
+        return self.finish()
+
+    def _keep_round_outcome(self, keep: list[int]) -> None:
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.all_accepted = self.all_accepted[index]
+        if self.bonus_p is not None:
+            self.bonus_p = self.bonus_p[index]

@@ -1,0 +1,162 @@
+"""SpecCache: a preallocated KV cache with per-row lengths, for ragged speculative batches.
+
+All layers' keys and values live in one buffer [2L, B, H, S, D] (layer l's K at 2l, V at
+2l+1), so a tree commit moves every layer's accepted path in one ``compact_kv`` launch.
+``update()`` writes the new tokens of a forward at each row's own offset
+(``lengths[b] + j``) without changing the lengths: the decoding loop decides what to keep
+with :meth:`advance` (chains), :meth:`commit` (trees), :meth:`rollback` and
+:meth:`keep_rows`.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from transformers.cache_utils import Cache
+
+from spec_ext import ops
+
+
+class SpecCache(Cache):
+    """KV cache of one model for B rows of up to ``capacity`` tokens each.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: the model's attention shape.
+        batch_size: B. capacity: S, tokens per row. dtype, device: of the buffers.
+
+    Example:
+        >>> cache = SpecCache(num_layers=2, num_kv_heads=4, head_dim=16, batch_size=3, capacity=64)
+        >>> k = torch.randn(3, 4, 5, 16)
+        >>> _ = cache.update(k, k, 0); _ = cache.update(k, k, 1)
+        >>> cache.advance([5, 2, 0]); cache.lengths.tolist()
+        [5, 2, 0]
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, batch_size: int, capacity: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__(layers=[])
+        self.num_layers = num_layers
+        self.capacity = capacity
+        self._set_buffer(torch.zeros(2 * num_layers, batch_size, num_kv_heads, capacity, head_dim, dtype=dtype,
+                                     device=device))
+        self._set([0] * batch_size)
+
+    @classmethod
+    def for_model(cls, model, batch_size: int, capacity: int) -> "SpecCache":
+        config = model.config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim,
+                   batch_size, capacity, dtype=model.dtype, device=model.device)
+
+    # ------------------------------------------------------------- transformers API
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        """Write [B,H,T,D] new keys/values at positions lengths[b] + j; return the whole
+        [B,H,S,D] buffers of the layer (attention reads only what prefix_lens allows)."""
+        T = key_states.shape[2]
+        if self._longest + T > self.capacity:
+            raise ValueError(f"SpecCache: a row would exceed the capacity of {self.capacity} tokens "
+                             f"(lengths {self.host_lengths} + {T} new); allocate a larger cache")
+        keys, values = self._layers[layer_idx]
+        if self._common_length is not None:
+            start = self._common_length
+            keys[:, :, start:start + T] = key_states
+            values[:, :, start:start + T] = value_states
+        else:
+            if self._scatter is None or self._scatter[1].shape[1] != T:  # the same for every layer of a forward
+                rows = torch.arange(keys.shape[0], device=keys.device).unsqueeze(1)
+                self._scatter = rows, self.lengths.unsqueeze(1) + torch.arange(T, device=keys.device)
+            rows, positions = self._scatter
+            keys[rows, :, positions] = key_states.transpose(1, 2)
+            values[rows, :, positions] = value_states.transpose(1, 2)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._longest
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.capacity
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * self.num_layers
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------- speculative API
+    @property
+    def batch_size(self) -> int:
+        return self.buffer.shape[1]
+
+    def _set_buffer(self, buffer: Tensor) -> None:
+        self.buffer = buffer
+        self._layers = list(zip(buffer[0::2].unbind(0), buffer[1::2].unbind(0)))  # (K, V) views per layer
+
+    def _set(self, lengths: Sequence[int]) -> None:
+        lengths = [int(n) for n in lengths]
+        if len(lengths) != self.batch_size:
+            raise ValueError(f"lengths: expected {self.batch_size} entries, got {len(lengths)}")
+        if any(n < 0 or n > self.capacity for n in lengths):
+            raise ValueError(f"lengths: every entry must be in [0, {self.capacity}], got {lengths}")
+        self.host_lengths = lengths
+        self.lengths = torch.tensor(lengths, dtype=torch.int64, device=self.buffer.device)
+        # update() runs once per layer per forward: decide its write path once here
+        self._longest = max(lengths, default=0)
+        self._common_length = lengths[0] if lengths and lengths.count(lengths[0]) == len(lengths) else None
+        self._scatter = None  # update()'s write positions of ragged rows, made by its first layer
+
+    def advance(self, counts: Sequence[int] | Tensor) -> None:
+        """Keep ``counts[b]`` more tokens of row b (written by the last update, in order)."""
+        counts = counts.tolist() if isinstance(counts, Tensor) else counts
+        self._set([n + c for n, c in zip(self.host_lengths, counts)])
+
+    def rollback(self, lengths: Sequence[int] | Tensor) -> None:
+        """Shrink rows to ``lengths`` (each at most its current length)."""
+        lengths = lengths.tolist() if isinstance(lengths, Tensor) else list(lengths)
+        if len(lengths) != self.batch_size or any(new > old for new, old in zip(lengths, self.host_lengths)):
+            raise ValueError(f"lengths: rollback needs {self.batch_size} entries each <= the current "
+                             f"{self.host_lengths}, got {lengths}")
+        self._set(lengths)
+
+    def commit(self, path: Tensor, num_accepted: Tensor | Sequence[int]) -> None:
+        """Keep a verified tree's accepted path. The last forward wrote node i of row b at
+        ``lengths[b] + i``; ``path[b, :num_accepted[b] + 1]`` (root first) is compacted to
+        ``lengths[b] + 0..num_accepted[b]`` for every layer in one launch, and the rows grow
+        by ``num_accepted + 1``. A chain is the path 0, 1, 2, ... and moves nothing."""
+        accepted = num_accepted.tolist() if isinstance(num_accepted, Tensor) else list(num_accepted)
+        path = path.to(self.buffer.device)
+        keep = torch.arange(path.shape[1], device=path.device) <= torch.tensor(accepted, device=path.device)[:, None]
+        src = torch.where(keep & (path >= 0), self.lengths[:, None] + path, -1)
+        ops.compact_kv(list(self.buffer.unbind(0)), src, self.lengths, validate=False)
+        self.advance([a + 1 for a in accepted])
+
+    def copy_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Row ``dst[i]`` becomes a copy of row ``src[i]`` (contents and length): a branch
+        that shares its parent's prefix."""
+        lengths = list(self.host_lengths)
+        width = max(lengths[s] for s in src)
+        self.buffer[:, list(dst), :, :width] = self.buffer[:, list(src), :, :width]
+        for s, d in zip(src, dst):
+            lengths[d] = lengths[s]
+        self._set(lengths)
+
+    def keep_rows(self, rows: Sequence[int] | Tensor) -> None:
+        """Keep only ``rows`` (e.g. drop finished sequences); copies the buffer once."""
+        index = torch.as_tensor(rows, dtype=torch.int64, device=self.buffer.device)
+        self._set_buffer(self.buffer.index_select(1, index))
+        self._set([self.host_lengths[i] for i in index.tolist()])

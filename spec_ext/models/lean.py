@@ -1,0 +1,177 @@
+"""A lean forward for Llama-family decoders (Llama, Mistral, Qwen2) over a SpecCache.
+
+It does the transformers modules' arithmetic op for op (the logits equal the HF forward's
+bit for bit; tests/test_lean.py checks it), without their per-call machinery: no mask
+building, no output capture, no keyword plumbing, no module calls, and the rotary cos/sin
+read from a table. At draft-model sizes that machinery costs as much as the matmuls (see
+``benchmarks/results/lean_forward_cpu.csv``). A model whose modules this file does not know
+(other classes, a dynamic RoPE, forward hooks or a patched forward, as offloading and
+quantization libraries install) is left to the HF forward. The choice is made once per
+generate call, by :func:`prepare` (``spec_ext.models.hf.attention_implementation`` calls it).
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.nn.modules import module as nn_module
+from torch import Tensor
+
+from spec_ext import ops
+from spec_ext.ops.linear import kernel_applies
+
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+def _known_layer_classes() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    from transformers.models.llama import modeling_llama as llama
+    from transformers.models.mistral import modeling_mistral as mistral
+    from transformers.models.qwen2 import modeling_qwen2 as qwen2
+
+    families = (llama, mistral, qwen2)
+    prefix = {llama: "Llama", mistral: "Mistral", qwen2: "Qwen2"}
+    return tuple(tuple(getattr(m, prefix[m] + name) for m in families)
+                 for name in ("DecoderLayer", "Attention", "MLP", "RMSNorm"))
+
+
+def _hooked(module) -> bool:
+    """A forward hook or a patched forward, other than the output-capturing hooks that
+    transformers itself leaves on its layers (inactive outside its own forward)."""
+    hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
+    foreign = [h for h in hooks if getattr(h, "__module__", None) != "transformers.utils.output_capturing"]
+    return bool(foreign) or "forward" in module.__dict__
+
+
+def unsupported_reason(model) -> str | None:
+    """Why ``model`` must take the HF forward, or None when the lean forward reproduces it."""
+    layers, attentions, mlps, norms = _known_layer_classes()
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "layers") or not hasattr(model, "lm_head"):
+        return "not a *ForCausalLM with .model.layers and .lm_head"
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") not in _STATIC_ROPE:
+        return f"rope_type {rope.get('rope_type')!r} changes with the sequence length"
+    hooked = [name or "the model" for name, m in model.named_modules() if _hooked(m)]
+    if hooked:
+        return f"forward hooks or a patched forward on {hooked[0]}"
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return "global module forward hooks"
+    for layer in base.layers:
+        if (type(layer) not in layers or type(layer.self_attn) not in attentions or type(layer.mlp) not in mlps
+                or type(layer.input_layernorm) not in norms or type(layer.post_attention_layernorm) not in norms):
+            return f"unknown layer modules in {type(layer).__name__}"
+    if type(base.norm) not in norms:
+        return "unknown final norm"
+    return None
+
+
+def _linear(module) -> tuple[Tensor, Tensor | None]:
+    return module.weight, module.bias
+
+
+def _norm(module) -> tuple[Tensor, float]:
+    return module.weight, module.variance_epsilon
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    dtype = x.dtype
+    if dtype != torch.float32:  # the casts are no-ops in float32 but still cost a call each
+        x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x if dtype == torch.float32 else x.to(dtype))
+
+
+def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` in 4 ops instead of 7, with the same
+    roundings: rotate_half(x) = cat(-x2, x1) and -x2 * s == x2 * -s exactly, so the sign
+    moves into the table and the halves swap with one roll."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+class LeanDecoder:
+    """The forward of one Llama-family model, reading its parameters in place (so later
+    in-place weight updates are seen; replacing modules needs a new LeanDecoder).
+    ``fast_linear``: the linear layers take :func:`spec_ext.ops.skinny_linear` (CPU,
+    float32, up to 48 token rows per forward: 1.1-4x faster there, equal to F.linear up to
+    float32 rounding, so no longer bit-equal to the HF forward)."""
+
+    def __init__(self, model, fast_linear: bool = False):
+        base = model.model
+        self.model = weakref.ref(model)
+        self.embed = base.embed_tokens.weight
+        self.layers = []
+        for layer in base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(dict(
+                input_norm=_norm(layer.input_layernorm), post_norm=_norm(layer.post_attention_layernorm),
+                q=_linear(attn.q_proj), k=_linear(attn.k_proj), v=_linear(attn.v_proj), o=_linear(attn.o_proj),
+                gate=_linear(mlp.gate_proj), up=_linear(mlp.up_proj), down=_linear(mlp.down_proj),
+                act=mlp.act_fn, head_dim=attn.head_dim, scaling=attn.scaling))
+        self.norm = _norm(base.norm)
+        self.lm_head = _linear(model.lm_head)
+        self.fast_linear = fast_linear and kernel_applies(model.device, model.dtype)
+        self.linear = functools.partial(ops.skinny_linear, validate=False) if self.fast_linear else F.linear
+        self.attention = functools.partial(ops.tree_attention, validate=False)
+        self._rope: tuple[Tensor, Tensor] | None = None
+
+    def _rotary(self, positions: Tensor, dtype: torch.dtype, capacity: int) -> tuple[Tensor, Tensor]:
+        """cos, signed sin [B,1,T,D] for ``positions`` [B,T] (each below the cache's
+        ``capacity``), from a table of what the model's own rotary module returns, made once
+        per capacity (no read of the positions on the host); the sin's first half is negated
+        (see :func:`_rotate`)."""
+        table = self._rope
+        if table is None or table[0].shape[0] < capacity or table[0].dtype != dtype or \
+                table[0].device != positions.device:
+            probe = torch.empty(0, dtype=dtype, device=positions.device)
+            cos, sin = self.model().model.rotary_emb(probe, torch.arange(capacity, device=positions.device)[None])
+            half = sin.shape[-1] // 2
+            table = self._rope = (cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1))
+        return table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1)
+
+    def __call__(self, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tensor | None = None,
+                 hidden: bool = False):
+        B, T = input_ids.shape
+        linear = self.linear
+        x = F.embedding(input_ids, self.embed)
+        cos, signed_sin = self._rotary(positions, x.dtype, cache.capacity)
+        for index, layer in enumerate(self.layers):
+            h = _rms_norm(x, *layer["input_norm"])
+            shape = (B, T, -1, layer["head_dim"])
+            q = linear(h, *layer["q"]).view(shape).transpose(1, 2)
+            k = linear(h, *layer["k"]).view(shape).transpose(1, 2)
+            v = linear(h, *layer["v"]).view(shape).transpose(1, 2)
+            q, k = _rotate(q, cos, signed_sin), _rotate(k, cos, signed_sin)
+            keys, values = cache.update(k, v, index)
+            a = self.attention(q, keys, values, cache.lengths, tree_mask, layer["scaling"])
+            x = x + linear(a.transpose(1, 2).reshape(B, T, -1), *layer["o"])
+            h = _rms_norm(x, *layer["post_norm"])
+            x = x + linear(layer["act"](linear(h, *layer["gate"])) * linear(h, *layer["up"]), *layer["down"])
+        x = _rms_norm(x, *self.norm)
+        logits = linear(x, *self.lm_head).float()
+        return (logits, x) if hidden else logits
+
+
+_DECODERS: "weakref.WeakKeyDictionary[object, LeanDecoder | None]" = weakref.WeakKeyDictionary()
+
+
+def prepare(model, fast_linear: bool | str = False) -> None:
+    """Decide (again) whether ``model`` takes the lean forward: its modules, hooks and
+    weights may have changed since the last generate call. ``fast_linear``: see
+    :class:`LeanDecoder`; True warns when it cannot apply, "auto" applies it silently
+    where it can (a draft's rounding never reaches the output)."""
+    if fast_linear not in (False, True, "auto"):
+        raise ValueError(f"fast_linear: expected False, True or 'auto', got {fast_linear!r}")
+    reason = unsupported_reason(model)
+    decoder = _DECODERS[model] = None if reason else LeanDecoder(model, bool(fast_linear))
+    if fast_linear is True and (decoder is None or not decoder.fast_linear):
+        why = reason or "skinny_linear runs on CPU float32 models with AVX-512 only"
+        warnings.warn(f"fast_linear: no effect on this {type(model).__name__} ({model.dtype}, {model.device}): {why}",
+                      stacklevel=3)
+
+
+def lean_decoder(model) -> LeanDecoder | None:
+    """The decoder :func:`prepare` made for ``model``, or None: the HF forward."""
+    return None if model.training else _DECODERS.get(model)  # dropout: the HF forward applies it

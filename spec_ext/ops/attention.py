@@ -1,0 +1,57 @@
+"""Tree / branch attention: T new tokens (a chain or a tree) over a per-row cached prefix."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from spec_ext.ops import registry
+from spec_ext.ops.checks import FLOAT_TYPES, check_shape, check_tensor, fail
+
+
+def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_mask: Tensor | None = None,
+                   scale: float | None = None, backend: str = "auto", validate: bool | None = None) -> Tensor:
+    """Attention of T new tokens (a chain or a tree) over a per-row cached prefix.
+
+    Key position s is visible to query i of row b iff ``s < prefix_lens[b]``, or
+    ``s = prefix_lens[b] + j`` and bit j of ``tree_mask[b, i]`` is set (None: causal over
+    the T new tokens). Keys from ``prefix_lens[b] + T`` on are never read.
+
+    Args:
+        q: [B,Hq,T,D] float32/float16/bfloat16.
+        k, v: [B,Hkv,S,D], same dtype and device; ``Hq % Hkv == 0`` (GQA).
+        prefix_lens: [B] int32 or int64, ``prefix_lens + T <= S``.
+        tree_mask: [B,T,W] or [1,T,W] int32 packed bits (see :func:`tree_mask`), W >= ceil(T/32).
+        scale: softmax scale, default ``D ** -0.5``.
+        validate: False skips every check (a model forward calls this once per layer).
+    Returns:
+        [B,Hq,T,D] in q's dtype.
+
+    Example:
+        >>> q = torch.randn(2, 4, 3, 64); k = v = torch.randn(2, 2, 16, 64)
+        >>> out = tree_attention(q, k, v, torch.tensor([5, 13]), tree_mask(torch.tensor([-1, 0, 0]))[1])
+    """
+    if registry.checking(validate):
+        _check(q, k, v, prefix_lens, tree_mask)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return registry.kernel("tree_attention", backend, q.device)(q, k, v, prefix_lens, tree_mask, scale)
+
+
+def _check(q, k, v, prefix_lens, tree_mask) -> None:
+    check_tensor("q", q, 4, FLOAT_TYPES)
+    check_tensor("k", k, 4, (q.dtype,), q.device)
+    check_tensor("v", v, 4, (q.dtype,), q.device)
+    B, Hq, T, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        fail("k", f"expected [B={B}, Hkv, S, D={D}], got {tuple(k.shape)}")
+    check_shape("v", v, tuple(k.shape))
+    if k.shape[1] == 0 or Hq % k.shape[1]:
+        fail("k", f"query heads ({Hq}) must be a multiple of key/value heads ({k.shape[1]})")
+    check_tensor("prefix_lens", prefix_lens, 1, (torch.int32, torch.int64), q.device)
+    check_shape("prefix_lens", prefix_lens, (B,))
+    if tree_mask is not None:
+        check_tensor("tree_mask", tree_mask, 3, (torch.int32,), q.device)
+        if tree_mask.shape[0] not in (1, B) or tree_mask.shape[1] != T or tree_mask.shape[2] * 32 < T:
+            fail("tree_mask", f"expected [B={B} or 1, T={T}, W>={(T + 31) // 32}], got {tuple(tree_mask.shape)}")
+    if B and (bool((prefix_lens < 0).any()) or bool((prefix_lens + T > k.shape[2]).any())):
+        fail("prefix_lens", f"need 0 <= prefix_lens and prefix_lens + T ({T}) <= S ({k.shape[2]}); "
+                            f"got {prefix_lens.tolist()}")

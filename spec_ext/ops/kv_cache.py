@@ -1,0 +1,65 @@
+"""KV-cache rollback: move accepted positions of every layer's cache in one launch."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from spec_ext.ops import registry
+from spec_ext.ops.checks import FLOAT_TYPES, check_shape, check_tensor, fail
+
+
+def compact_kv(caches: Sequence[Tensor] | Tensor, src: Tensor, dst_start: Tensor, backend: str = "auto",
+               validate: bool | None = None) -> None:
+    """Move cache positions in place: for every tensor, row b's ``src[b, j]`` goes to
+    ``dst_start[b] + j`` (j before the row's first -1). Overlapping ranges are fine.
+
+    Args:
+        caches: list of [B,H,S,D] tensors (e.g. every layer's K and V) or one stacked
+            [N,B,H,S,D] tensor; contiguous, same shape, dtype and device.
+        src: [B,M] int64 source positions, -1 padded at the end.
+        dst_start: [B] int64 first destination position.
+
+    Example:
+        >>> kv = torch.randn(4, 2, 8, 32, 64)      # 2 layers x (K, V), B=2, S=32
+        >>> compact_kv(kv, torch.tensor([[10, 12], [7, -1]]), torch.tensor([10, 7]))
+    """
+    check = registry.checking(validate)
+    if isinstance(caches, Tensor):
+        if check:
+            check_tensor("caches", caches, 5)
+        tensors = list(caches.unbind(0))
+    else:
+        tensors = list(caches)
+    if not tensors:
+        return
+    if check:
+        _check(tensors, src, dst_start)
+    registry.kernel("compact_kv", backend, tensors[0].device)(tensors, src, dst_start)
+
+
+def _check(tensors: list[Tensor], src: Tensor, dst_start: Tensor) -> None:
+    first = tensors[0]
+    for n, t in enumerate(tensors):
+        check_tensor(f"caches[{n}]", t, 4, FLOAT_TYPES, first.device)
+        if t.shape != first.shape or t.dtype != first.dtype:
+            fail(f"caches[{n}]", f"expected shape {tuple(first.shape)} and dtype {first.dtype} like caches[0], "
+                                 f"got {tuple(t.shape)} {t.dtype}")
+        if not t.is_contiguous():
+            fail(f"caches[{n}]", "must be contiguous")
+    B, _, S, _ = first.shape
+    check_tensor("src", src, 2, (torch.int64,), first.device)
+    if src.shape[0] != B:
+        fail("src", f"expected [B={B}, M], got {tuple(src.shape)}")
+    check_tensor("dst_start", dst_start, 1, (torch.int64,), first.device)
+    check_shape("dst_start", dst_start, (B,))
+    if src.numel():
+        valid = src >= 0
+        if bool((valid[:, 1:] & ~valid[:, :-1]).any()):
+            fail("src", "-1 padding must come after every valid position of its row")
+        if bool((src >= S).any()) or bool((src < -1).any()):
+            fail("src", f"positions must be in [0, S={S}) or -1")
+        count = valid.sum(1)
+        if bool((dst_start < 0).any()) or bool(((dst_start + count > S) & (count > 0)).any()):
+            fail("dst_start", f"need 0 <= dst_start and dst_start + moved <= S ({S})")

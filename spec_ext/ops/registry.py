@@ -1,0 +1,134 @@
+"""Which backend serves an op, and the switch for input checks.
+
+Backends: ``torch`` (spec_ext.reference), ``cpu`` (C++, spec_ext._C), ``cuda`` (CUDA,
+spec_ext._C), ``triton`` (spec_ext.kernels). Every op resolves its backend through
+:func:`kernel`: ``backend="auto"`` picks cuda > triton > torch for CUDA tensors and
+cpu > torch for CPU tensors, among the backends the op has.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import warnings
+from typing import Callable
+
+import torch
+
+from spec_ext import reference
+
+BACKENDS = ("torch", "cpu", "triton", "cuda")
+# dispatch keys each op has compiled kernels for, in a build with CUDA (skinny_linear: CPU
+# only; on a GPU cuBLAS already reads skinny operands at full bandwidth; acceptance_head:
+# CPU only, it fuses away per-op host overhead that a GPU hides behind its queue)
+KERNEL_KEYS = {"tree_mask": ("CPU", "CUDA"), "chain_verify": ("CPU", "CUDA"), "tree_verify": ("CPU", "CUDA"),
+               "tree_attention": ("CPU", "CUDA"), "compact_kv": ("CPU", "CUDA"), "skinny_linear": ("CPU",),
+               "acceptance_head": ("CPU",)}
+OPS = tuple(KERNEL_KEYS)
+# op -> (module of spec_ext.kernels, function) of its Triton kernel
+TRITON_KERNELS = {"tree_mask": ("tree", "tree_mask"), "chain_verify": ("rejection_sampling", "chain_verify"),
+                  "tree_verify": ("rejection_sampling", "tree_verify"),
+                  "tree_attention": ("tree_attention", "tree_attention"), "compact_kv": ("kv_cache", "compact_kv")}
+
+try:
+    from spec_ext import _C  # noqa: F401  (registers the spec_ext:: kernels)
+    _C_ERROR = None
+except ImportError as error:  # pragma: no cover - depends on the build
+    _C_ERROR = f"spec_ext._C is not built or failed to load ({error})"
+    warnings.warn(f"spec_ext: {_C_ERROR}. Only the torch and triton backends are available; "
+                  "build the C++/CUDA kernels with `pip install --no-build-isolation -e .`",
+                  RuntimeWarning, stacklevel=2)
+
+_validate_default = True
+
+
+def set_validation(enabled: bool) -> None:
+    """Switch every op's input checks on or off (default on); ``validate=`` of a call wins."""
+    global _validate_default
+    _validate_default = bool(enabled)
+
+
+def checking(validate: bool | None) -> bool:
+    """Whether a call with this ``validate`` argument checks its inputs."""
+    return _validate_default if validate is None else validate
+
+
+def registered(op: str, key: str) -> bool:
+    """Whether the compiled extension registered a kernel of ``spec_ext::op`` for ``key``."""
+    if _C_ERROR is not None:
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"spec_ext::{op}", key)
+
+
+@functools.lru_cache(None)
+def _triton_status() -> str | None:
+    """None when the Triton kernels can run on this machine, else why not."""
+    try:
+        importlib.import_module("spec_ext.kernels.tree")
+    except ImportError as error:
+        return f"Triton kernels cannot be imported ({error})"
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return "no CUDA device (set TRITON_INTERPRET=1 before importing triton to run them on CPU)"
+    return None
+
+
+def backends() -> dict[str, str]:
+    """Each backend's status: ``"available"`` or ``"unavailable: <reason>"``."""
+    def status(reason):
+        return "available" if reason is None else f"unavailable: {reason}"
+    cpu_missing = [op for op in OPS if not registered(op, "CPU")]
+    cuda_missing = [op for op in OPS if "CUDA" in KERNEL_KEYS[op] and not registered(op, "CUDA")]
+    cuda_reason = _C_ERROR or (f"CUDA kernels not built ({', '.join(cuda_missing)} missing)" if cuda_missing
+                               else None if torch.cuda.is_available() else "built, but no CUDA device")
+    return {
+        "torch": status(None),
+        "cpu": status(_C_ERROR or (f"missing CPU kernels: {cpu_missing}" if cpu_missing else None)),
+        "triton": status(_triton_status()),
+        "cuda": status(cuda_reason),
+    }
+
+
+def _has(op: str, backend: str) -> bool:
+    if backend == "torch":
+        return True
+    if backend == "triton":
+        return op in TRITON_KERNELS
+    return backend.upper() in KERNEL_KEYS[op]
+
+
+@functools.lru_cache(None)
+def resolve(op: str, backend: str, device: torch.device) -> str:
+    """The backend that serves ``op`` for tensors on ``device``; ValueError naming
+    ``backend`` when the one asked for cannot (cached: registrations are fixed once the
+    extension is loaded)."""
+    choices = ("auto",) + tuple(b for b in BACKENDS if _has(op, b))
+    if backend not in choices:
+        raise ValueError(f"backend must be one of {choices} for {op}, got {backend!r}")
+    if backend == "auto":
+        if device.type == "cuda":
+            if registered(op, "CUDA"):
+                return "cuda"
+            return "triton" if _has(op, "triton") and _triton_status() is None else "torch"
+        return "cpu" if device.type == "cpu" and registered(op, "CPU") else "torch"
+    if backend == "cpu" and (device.type != "cpu" or not registered(op, "CPU")):
+        raise ValueError(f"backend='cpu' needs CPU tensors and the built extension "
+                         f"(tensors on {device}; {backends()['cpu']})")
+    if backend == "cuda" and (device.type != "cuda" or not registered(op, "CUDA")):
+        raise ValueError(f"backend='cuda' needs CUDA tensors and the built CUDA kernels "
+                         f"(tensors on {device}; {backends()['cuda']})")
+    if backend == "triton" and _triton_status() is not None:
+        raise ValueError(f"backend='triton' is unavailable: {_triton_status()}")
+    return backend
+
+
+@functools.lru_cache(None)
+def kernel(op: str, backend: str, device: torch.device) -> Callable:
+    """The function that runs ``op`` on ``device`` with ``backend`` ("auto" or a name),
+    unchecked, with the schema's arguments (csrc/ops.cpp)."""
+    impl = resolve(op, backend, device)
+    if impl == "torch":
+        return getattr(reference, op)
+    if impl == "triton":
+        module, name = TRITON_KERNELS[op]
+        return getattr(importlib.import_module(f"spec_ext.kernels.{module}"), name)
+    return getattr(torch.ops.spec_ext, op)

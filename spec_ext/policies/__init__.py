@@ -1,0 +1,25 @@
+"""Policies: how the draft proposes each round, behind one protocol (:class:`Policy`).
+
+| policy | what it does |
+|---|---|
+| ``Auto()`` (default) | picks k before each round from the acceptance and round costs it measures |
+| ``Fixed(k=5)`` | always k drafts (vanilla speculative decoding) |
+| ``Heuristic()`` | HF assisted generation's schedule: +2 after a round that accepted all, else -1 |
+| ``Confidence()`` | HF assisted generation's default: stop below draft probability 0.4 |
+| ``SVIP()`` | stop when sqrt(c * H(q)) > h (c=0.15, h=0.3) |
+| ``SpecDecPP()`` | learned acceptance head on the draft's hidden state |
+| ``AdaLength()`` | learned length predictor on the target's hidden state (AdaEAGLE) |
+| ``Tree()`` | a static top-k draft tree verified with tree attention |
+| ``PEARL()`` | draft and target at the same time (parallel engine) |
+| ``SpecBranch()``, ``LearnedSpecBranch()`` | PEARL plus branches at uncertain points |
+"""
+from spec_ext.policies.base import POLICIES, Policy, register, resolve
+from spec_ext.policies.rules import SVIP, Auto, Confidence, Fixed, Heuristic
+from spec_ext.policies.tree import Tree
+from spec_ext.policies.parallel import PEARL, BranchHint, SpecBranch
+from spec_ext.policies.learned import (AdaLength, BranchPredictor, LearnedSpecBranch, ResidualMLP, SpecDecPP,
+                                       draft_features, history_features)
+
+__all__ = ["POLICIES", "SVIP", "AdaLength", "Auto", "BranchHint", "BranchPredictor", "Confidence", "Fixed",
+           "Heuristic", "LearnedSpecBranch", "PEARL", "Policy", "ResidualMLP", "SpecBranch", "SpecDecPP", "Tree",
+           "draft_features", "history_features", "register", "resolve"]

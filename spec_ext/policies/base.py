@@ -1,0 +1,110 @@
+"""The policy protocol: what the decoding engines ask of a policy, and the registry of
+policies by name.
+
+A policy decides how the draft proposes each round. Which engine runs it follows from its
+class: a :class:`Policy` that is neither of the two below is a *chain rule* (the serial
+engine drafts a chain and asks the rule how long); :class:`spec_ext.policies.Tree` is a
+static tree shape (the serial engine drafts and verifies that tree);
+:class:`spec_ext.policies.PEARL` (and its subclasses) runs the parallel engine.
+
+Every policy works with no arguments (published defaults; the learned ones load the
+bundled pair's predictors) and can be named by its lower-case class name in ``policy=``.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Sequence
+
+import torch
+from torch import Tensor
+
+
+class Policy:
+    """Base class and default behaviour of every policy (a fixed number of drafts).
+
+    Calls, per generate call: ``bind(target, draft)`` once; ``start(batch_size, greedy)``
+    before the first round; then per round ``plan()``, ``keep_drafting(...)`` after each
+    draft step, ``observe(...)`` after the verification, and ``keep_rows(rows)`` when
+    finished rows drop out.
+
+    Capabilities (class attributes; the engine computes and passes these extras only to
+    policies that ask):
+      * ``uses_draft_hidden``: ``keep_drafting`` gets the draft's last hidden state;
+      * ``uses_target_hidden``: :meth:`see_target` is called after every verification;
+      * ``uses_bonus_agreement``: :meth:`see_bonus_agreement` is called before ``plan()``.
+    """
+
+    max_draft: int = 5
+    uses_draft_hidden: ClassVar[bool] = False
+    uses_target_hidden: ClassVar[bool] = False
+    uses_bonus_agreement: ClassVar[bool] = False
+
+    def bind(self, target, draft) -> None:
+        """Called once per generate call with the models (draft None when it runs on another rank)."""
+
+    def start(self, batch_size: int, greedy: bool = True) -> None:
+        """Before the first round: the number of rows and the decoding mode."""
+        self.batch_size = batch_size
+        self.greedy = greedy
+
+    def plan(self) -> list[int]:
+        """The most drafts each row may propose this round."""
+        return [self.max_draft] * self.batch_size
+
+    def keep_drafting(self, step: int, probs: Tensor, tokens: Tensor, hidden: Tensor | None = None) -> Tensor:
+        """[B] bool: after draft ``step`` (1-based) was sampled, which rows go on. ``probs``
+        [B,V] is the draft's temperature-1 distribution the tokens [B] came from; ``hidden``
+        [B,H] the draft's last hidden state that produced it (None unless
+        ``uses_draft_hidden``). A policy that does not override this never stops a row
+        early, and the engine then needs no host sync per draft step."""
+        return torch.ones(probs.shape[0], dtype=torch.bool, device=probs.device)
+
+    def observe(self, num_draft: Sequence[int], num_accepted: Sequence[int]) -> None:
+        """What the target accepted of each row's drafts this round."""
+
+    def see_target(self, hidden: Tensor, next_tokens: Tensor) -> None:
+        """(``uses_target_hidden``) After every verification and after the prefill: the
+        target's last hidden state [B,H] at the last accepted token and the token [B] it
+        produced, the root of the next round."""
+
+    def see_bonus_agreement(self, agreed: Tensor) -> None:
+        """(``uses_bonus_agreement``) Before ``plan()``: [B] bool per row, whether the last
+        round accepted every draft and the draft agrees with the target's token after them
+        (greedy: proposes it; sampling: a draw that accepts with probability sum_x min(p, q)
+        at that position), i.e. whether acceptance ran on unbroken through the root."""
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Only ``rows`` (indices into the current batch) go on."""
+        self.batch_size = len(rows)
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the policy may stop a row before its planned length (see keep_drafting)."""
+        return type(self).keep_drafting is not Policy.keep_drafting
+
+    @property
+    def lookahead(self) -> int:
+        """How many tokens past the committed ones a round may write to the caches."""
+        return self.max_draft
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items()
+                           if not k.startswith("_") and k not in ("batch_size", "greedy"))
+        return f"{type(self).__name__}({fields})"
+
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    """Make a policy class available by its lower-case name in ``policy=``."""
+    POLICIES[cls.__name__.lower()] = cls
+    return cls
+
+
+def resolve(policy: str | Policy) -> Policy:
+    """A Policy as given, or a new one (default arguments) of the class named ``policy``."""
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str) and policy.lower() in POLICIES:
+        return POLICIES[policy.lower()]()
+    raise ValueError(f"policy: expected a Policy or one of {sorted(POLICIES)}, got {policy!r}")

@@ -1,0 +1,67 @@
+"""Measured costs that the replay weighs lengths by: a round with k drafts, and the learned
+policies' own decisions."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from spec_ext.engine import generate
+from spec_ext.policies import AdaLength, Fixed, SpecDecPP
+from spec_ext.training.replay import MAX_LENGTH
+
+COST_KS = (1, 2, 3, 4, 6, 8, 12)  # draft lengths whose round cost is measured
+
+
+def round_costs(target, draft, prompts, new_tokens, repeats, fast_linear, batch=1) -> dict:
+    """ms per round of Fixed(k), k in COST_KS, with ``batch`` prompts per generate call, over
+    all prompts and repeats (every k runs on a group before the next group, so the box's
+    drift hits all alike), and the least-squares line through them for every k in
+    0..MAX_LENGTH (one noisy point would bend an interpolation and with it the choices)."""
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    elapsed, rounds = dict.fromkeys(COST_KS, 0.0), dict.fromkeys(COST_KS, 0)
+    for _ in tqdm(range(repeats), desc=f"round costs, batch {batch}"):
+        for group in groups:
+            for k in COST_KS:
+                out = generate(target, draft, group, max_new_tokens=new_tokens, eos_token_id=[],
+                                        policy=Fixed(k), fast_linear=fast_linear)
+                elapsed[k] += out.stats.wall_time
+                rounds[k] += out.stats.target_calls - 1  # the first call is the prefill
+    measured = {k: 1e3 * elapsed[k] / rounds[k] for k in COST_KS}
+    per_draft, base = np.polyfit(list(measured), list(measured.values()), 1)
+    round_ms = base + per_draft * np.arange(MAX_LENGTH + 1)
+    return dict(measured_ms={k: round(v, 3) for k, v in measured.items()}, base_ms=round(float(base), 3),
+                per_draft_ms=round(float(per_draft), 3), round_ms=round_ms.round(3).tolist())
+
+
+def decision_ms(predictors, target, draft, batch=1, repeats=300) -> dict:
+    """Median ms of the learned policies' own work for ``batch`` rows: SpecDecPP's per draft
+    step (features and head), AdaLength's per round (embedding, history and predictor). Each
+    call follows a draft forward, as in the loop: after one, small ops run 2-3x slower than
+    back to back."""
+    specdecpp, adalength = SpecDecPP(predictors["specdecpp"]), AdaLength(predictors["adalength"])
+    for policy in (specdecpp, adalength):
+        policy.bind(target, draft)
+        policy.start(batch, greedy=True)
+    probs = torch.softmax(torch.randn(batch, draft.config.vocab_size) * 4, -1)
+    token, draft_hidden = probs.argmax(-1), torch.randn(batch, draft.config.hidden_size)
+    target_hidden = torch.randn(batch, target.config.hidden_size)
+    agreed = torch.ones(batch, dtype=torch.bool)
+    calls = dict(specdecpp_per_draft=lambda: specdecpp.keep_drafting(1, probs, token, draft_hidden),
+                 adalength_per_round=lambda: (adalength.see_target(target_hidden, token),
+                                              adalength.observe([3] * batch, [3] * batch),
+                                              adalength.see_bonus_agreement(agreed), adalength.plan()))
+    costs = {}
+    with torch.inference_mode():
+        for name, call in calls.items():
+            times = []
+            for _ in range(repeats):
+                draft(token[:, None])
+                started = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - started)
+            costs[name] = round(1e3 * statistics.median(times[repeats // 10:]), 4)
+    return costs

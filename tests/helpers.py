@@ -1,0 +1,111 @@
+"""Helpers shared by the tests: backend parameters, tiny models, exact distributions."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from spec_ext import ops
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend_params(op: str):
+    """One pytest param per backend; those that cannot run here are skipped with the reason."""
+    params = []
+    status = ops.backends()
+    for name in ops.BACKENDS:
+        reason = None
+        if name == "cpu" and not ops.registered(op, "CPU"):
+            reason = status["cpu"]
+        elif name == "cuda" and (DEVICE != "cuda" or not ops.registered(op, "CUDA")):
+            reason = status["cuda"]
+        elif name == "triton" and status["triton"] != "available":
+            reason = status["triton"]
+        marks = [pytest.mark.skip(reason=f"{name} backend {reason}")] if reason else []
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+def device_for(backend: str) -> str:
+    """Tensors for a backend: CPU for torch/cpu, the GPU (or the Triton interpreter's CPU) otherwise."""
+    return "cpu" if backend in ("torch", "cpu") else DEVICE
+
+
+def random_parents(B, T, generator):
+    parents = torch.full((B, T), -1, dtype=torch.int64)
+    for i in range(1, T):
+        parents[:, i] = torch.randint(0, i, (B,), generator=generator)
+    return parents
+
+
+def tiny(kind):
+    common = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common)).eval()
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+    return MistralForCausalLM(MistralConfig(sliding_window=None, **common)).eval()
+
+
+def llama(vocab, hidden, layers, seed, sharpen=1.0, max_positions=256):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpen)
+    return model
+
+
+def perturbed(model, scale, seed):
+    torch.manual_seed(seed)
+    copy_ = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in copy_.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return copy_
+
+
+def hf_greedy(model, prompt, max_new, eos):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
+                         pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+# ------------------------------------------------------------------- exact distribution
+VOCAB = 8
+PROMPT = [1, 3, 5]
+
+
+@torch.no_grad()
+def exact_joint(target, sampler, steps=3):
+    """P(x1..x3 | PROMPT) under the processed target distribution, by enumeration."""
+    joint = {(): 1.0}
+    for _ in range(steps):
+        prefixes = list(joint)
+        ids = torch.tensor([PROMPT + list(p) for p in prefixes])
+        probs = sampler.probs(target(ids).logits[:, -1]).double()
+        joint = {p + (x,): joint[p] * float(probs[i, x]) for i, p in enumerate(prefixes) for x in range(VOCAB)}
+    return joint
+
+
+def assert_follows(samples: np.ndarray, joint: dict):
+    outcomes = list(joint)
+    index = {o: i for i, o in enumerate(outcomes)}
+    expected = np.array([joint[o] for o in outcomes])
+    codes = [index.get(tuple(row), -1) for row in samples.tolist()]
+    assert -1 not in codes and all(expected[c] > 0 for c in codes), "an impossible sequence was sampled"
+    counts = np.bincount(codes, minlength=len(outcomes)).astype(float)
+    expected = expected / expected.sum() * len(samples)
+    big = expected >= 5  # pool rare outcomes so the chi-square approximation holds
+    observed_bins = np.append(counts[big], counts[~big].sum())
+    expected_bins = np.append(expected[big], expected[~big].sum())
+    keep = expected_bins > 0
+    p_value = chisquare(observed_bins[keep], expected_bins[keep]).pvalue
+    assert p_value > 1e-4, p_value
