@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -21,10 +22,13 @@ from tqdm import tqdm
 
 import spec_ext
 from spec_ext import ops
+from spec_ext.ops import registry
+from spec_ext.ops.linear import ISA_VARIABLE
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KERNEL_OF = {"chain_rejection_sample": "chain_verify", "tree_rejection_sample": "tree_verify",
-             "tree_greedy_verify": "tree_verify", "skinny_linear vs F.linear": "skinny_linear",
+             "tree_greedy_verify": "tree_verify", "skinny_linear[avx512] vs F.linear": "skinny_linear",
+             "skinny_linear[avx2] vs F.linear": "skinny_linear", "skinny_linear[portable] vs F.linear": "skinny_linear",
              "acceptance_head vs torch ops": "acceptance_head"}  # row -> op
 FIELDS = ["op", "backend", "shape", "device", "median_us", "p20_us", "p80_us", "extra", "version", "commit"]
 
@@ -70,7 +74,7 @@ def backends_for(op: str, device: str) -> list[str]:
         if ops.registered(op, "CUDA"):
             names.append("cuda")
         if spec_ext.backends()["triton"] == "available":
-            names.append("triton")
+            names += [b for b in registry.backends_of(op) if b.startswith("triton")]
     return names
 
 
@@ -166,16 +170,23 @@ def linear_cases(device, quick):
     grid = [(864, 320, M) for M in (1, 5, 8, 40)] + [(4096, 4096, M) for M in (1, 5, 16)]
     if quick:
         grid = [(864, 320, 5)]
-    for N, K, M in grid:
-        ring = [torch.randn(N, K) for _ in range(max(2, (96 << 20) // (N * K * 4)))]
-        x = torch.randn(M, K)
-        turn = iter(range(1 << 62))
+    best = ops.linear.cpu_isa()
+    isas = ["avx512", "avx2", "portable"][["avx512", "avx2", "portable"].index(best):] if best else []
+    try:
+        for N, K, M in grid:
+            ring = [torch.randn(N, K) for _ in range(max(2, (96 << 20) // (N * K * 4)))]
+            x = torch.randn(M, K)
+            turn = iter(range(1 << 62))
+            for isa in isas:  # each instruction-set path the CPU has, forced, beside F.linear
 
-        def run(backend, ring=ring, x=x, turn=turn):
-            if backend == "torch":
-                return lambda: torch.nn.functional.linear(x, ring[next(turn) % len(ring)])
-            return lambda: spec_ext.ops.skinny_linear(x, ring[next(turn) % len(ring)], backend=backend)
-        yield "skinny_linear vs F.linear", f"M={M},N={N},K={K},float32", run, f"bytes={N * K * 4}"
+                def run(backend, ring=ring, x=x, turn=turn, isa=isa):
+                    if backend == "torch":
+                        return lambda: torch.nn.functional.linear(x, ring[next(turn) % len(ring)])
+                    os.environ[ISA_VARIABLE] = isa  # stays set while this row is measured
+                    return lambda: spec_ext.ops.skinny_linear(x, ring[next(turn) % len(ring)], backend=backend)
+                yield f"skinny_linear[{isa}] vs F.linear", f"M={M},N={N},K={K},float32", run, f"bytes={N * K * 4}"
+    finally:
+        os.environ.pop(ISA_VARIABLE, None)
 
 
 def policy_cases(device, quick):

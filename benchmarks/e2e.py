@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spec_ext  # noqa: E402
+from spec_ext.ops.linear import ISA_VARIABLE  # noqa: E402
 from stdlib_data import code_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,9 +119,11 @@ def best_fixed(greedy: bool = True, batch: int = 1) -> int:
     return report["best_fixed_k"] if greedy else report.get("best_fixed_k_sampling", report["best_fixed_k"])
 
 
-def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, wanted=lambda method: True):
+def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, wanted=lambda method: True,
+               isas=(None,)):
     """Returns {method: dict(rates, ratios, stats, matches)} for one configuration; only the
-    methods ``wanted`` accepts run, besides the target alone."""
+    methods ``wanted`` accepts run, besides the target alone; with ``isas``, spec_ext's
+    methods run once per forced skinny_linear path (names tagged " [avx2]" ...)."""
     greedy = temperature == 0
     sample = {} if greedy else dict(do_sample=True, temperature=temperature, top_k=None, top_p=None)
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
@@ -159,39 +163,45 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, want
                      config.assistant_confidence_threshold) = saved
                     new = out.shape[1] - ids.shape[1]
                     record(name, new / t, new / t / base, match=bool(torch.equal(out, alone)) if greedy else None)
-            for name, policy in policies(greedy, batch).items():
-                if not wanted(f"spec_ext {name}"):
-                    continue
-                out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n,
-                                        temperature=temperature, eos_token_id=[], pad_token_id=pad, policy=policy)
-                rate = out.stats.tokens_per_s
-                match = bool(torch.equal(out.sequences, alone)) if greedy else None
-                record(f"spec_ext {name}", rate, rate / base, out.stats, match)
-                if name == "pearl":  # serial SD with the window PEARL chose, on the same prompts
-                    gammas.append(policy.chosen_gamma)
+            for isa in isas:  # each forced path of skinny_linear, on the same prompts in the same pass
+                if isa is not None:
+                    os.environ[ISA_VARIABLE] = isa
+                tag = "" if isa is None else f" [{isa}]"
+                for name, policy in policies(greedy, batch).items():
+                    if not wanted(f"spec_ext {name}"):
+                        continue
+                    out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n,
+                                            temperature=temperature, eos_token_id=[], pad_token_id=pad, policy=policy)
+                    rate = out.stats.tokens_per_s
+                    match = bool(torch.equal(out.sequences, alone)) if greedy else None
+                    record(f"spec_ext {name}{tag}", rate, rate / base, out.stats, match)
+                    if name == "pearl":  # serial SD with the window PEARL chose, on the same prompts
+                        gammas.append(policy.chosen_gamma)
+                        out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n,
+                                                temperature=temperature, eos_token_id=[], pad_token_id=pad,
+                                                policy=spec_ext.policies.Fixed(policy.chosen_gamma))
+                        rate = out.stats.tokens_per_s
+                        record(f"spec_ext {SAME_WINDOW}{tag}", rate, rate / base, out.stats,
+                               bool(torch.equal(out.sequences, alone)) if greedy else None)
+                k = best_fixed(greedy, batch)
+                if wanted(f"spec_ext fixed k={k}*, fast_linear"):
                     out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n,
                                             temperature=temperature, eos_token_id=[], pad_token_id=pad,
-                                            policy=spec_ext.policies.Fixed(policy.chosen_gamma))
+                                            policy=spec_ext.policies.Fixed(k), fast_linear=True)
                     rate = out.stats.tokens_per_s
-                    record(f"spec_ext {SAME_WINDOW}", rate, rate / base, out.stats,
+                    record(f"spec_ext fixed k={k}*, fast_linear{tag}", rate, rate / base, out.stats,
                            bool(torch.equal(out.sequences, alone)) if greedy else None)
-            k = best_fixed(greedy, batch)
-            if wanted(f"spec_ext fixed k={k}*, fast_linear"):
-                out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n,
-                                        temperature=temperature, eos_token_id=[], pad_token_id=pad,
-                                        policy=spec_ext.policies.Fixed(k), fast_linear=True)
-                rate = out.stats.tokens_per_s
-                record(f"spec_ext fixed k={k}*, fast_linear", rate, rate / base, out.stats,
-                       bool(torch.equal(out.sequences, alone)) if greedy else None)
-            for fast in (False, True):
-                if not wanted(f"target alone, lean forward{', fast_linear' if fast else ''}"):
-                    continue
-                out, t = timed(lambda: lean_alone(target, group, n, temperature, fast))
-                rate = len(group) * n / t
-                record(f"target alone, lean forward{', fast_linear' if fast else ''}", rate, rate / base,
-                       match=bool(torch.equal(out, alone)) if greedy else None)
-    if gammas:
-        results["spec_ext pearl"]["gammas"] = gammas
+                for fast in (False, True):
+                    if not wanted(f"target alone, lean forward{', fast_linear' if fast else ''}"):
+                        continue
+                    out, t = timed(lambda: lean_alone(target, group, n, temperature, fast))
+                    rate = len(group) * n / t
+                    record(f"target alone, lean forward{', fast_linear' if fast else ''}{tag}", rate, rate / base,
+                           match=bool(torch.equal(out, alone)) if greedy else None)
+            os.environ.pop(ISA_VARIABLE, None)
+    for method in results:
+        if gammas and method.startswith("spec_ext pearl"):
+            results[method]["gammas"] = gammas
     return results
 
 
@@ -221,6 +231,8 @@ def main():
     parser.add_argument("--configs", nargs="+", default=["1:0", "8:0", "1:0.7", "8:0.7", "1:1.0"],
                         help="batch:temperature pairs")
     parser.add_argument("--name", default="e2e_cpu", help="file prefix under benchmarks/results")
+    parser.add_argument("--isas", nargs="+", choices=["avx512", "avx2", "portable"],
+                        help="run spec_ext's methods once per forced skinny_linear path, side by side")
     parser.add_argument("--only", nargs="+", metavar="TEXT",
                         help="run only the methods whose row name contains one of these (the target alone always "
                         "runs: it is the baseline), e.g. --only 'fixed' specdecpp adalength")
@@ -251,7 +263,7 @@ def main():
         for config in args.configs:
             batch, temperature = int(config.split(":")[0]), float(config.split(":")[1])
             results = run_config(target, draft, prompts, batch, temperature, args.new_tokens, args.repeats, pad,
-                                 wanted)
+                                 wanted, args.isas or (None,))
             if args.only and not matched:
                 parser.error(f"--only: {args.only} matched no method (names: {sorted(policies())}, "
                              "'HF assisted', 'fast_linear', 'lean forward')")

@@ -3,10 +3,23 @@
 #include <Python.h>
 #include <torch/library.h>
 
+namespace spec_ext {
+const char* skinny_linear_isa();  // csrc/cpu/skinny_linear.cpp
+}
+
+namespace {
+PyObject* skinny_linear_isa(PyObject*, PyObject*) { return PyUnicode_FromString(spec_ext::skinny_linear_isa()); }
+
+PyMethodDef methods[] = {
+    {"skinny_linear_isa", skinny_linear_isa, METH_NOARGS,
+     "The instruction set skinny_linear's CPU kernel uses now: avx512, avx2 or portable."},
+    {nullptr, nullptr, 0, nullptr}};
+}  // namespace
+
 extern "C" {
-// `import spec_ext._C` runs the static registrations below; the module itself is empty.
+// `import spec_ext._C` runs the static registrations below; the module holds one query.
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module);
 }
 }

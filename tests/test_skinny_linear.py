@@ -60,8 +60,7 @@ def test_auto_takes_the_kernel_for_few_rows_and_f_linear_beyond():
     w = torch.randn(64, 96, generator=g)
     few, many = torch.randn(2, 8, 96, generator=g), torch.randn(ops.SKINNY_ROWS + 1, 96, generator=g)
     assert torch.equal(spec_ext.ops.skinny_linear(many, w), F.linear(many, w))
-    expected = torch.ops.spec_ext.skinny_linear(few, w, None) if torch.backends.cpu.get_cpu_capability() == "AVX512" \
-        else F.linear(few, w)
+    expected = torch.ops.spec_ext.skinny_linear(few, w, None) if ops.linear.kernel_applies("cpu") else F.linear(few, w)
     assert torch.equal(spec_ext.ops.skinny_linear(few, w), expected)
     half = few.to(torch.bfloat16)
     assert torch.equal(spec_ext.ops.skinny_linear(half, w.to(torch.bfloat16)), F.linear(half, w.to(torch.bfloat16)))
@@ -81,3 +80,61 @@ def test_bad_input():
         spec_ext.ops.skinny_linear(x, w, backend="triton")
     with pytest.raises(RuntimeError, match="expected x \\[..., K\\] and weight \\[N, K\\]"):
         torch.ops.spec_ext.skinny_linear(torch.randn(2, 8), torch.randn(3, 4), None)  # unchecked entry point
+
+
+ISAS = ("portable", "avx2", "avx512")
+
+
+def isas_here() -> list[str]:
+    """The paths this CPU can run (each one below its best); a path it lacks is reported
+    by the skip of the test that needs it."""
+    import os
+    saved = os.environ.pop("SPEC_EXT_CPU_ISA", None)
+    try:
+        best = ops.linear.cpu_isa()
+    finally:
+        if saved is not None:
+            os.environ["SPEC_EXT_CPU_ISA"] = saved
+    return list(ISAS[:ISAS.index(best) + 1])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_isa_path_gives_the_same_bits(seed, monkeypatch):
+    """AVX-512, AVX2 and the portable loop sum in one order: a row's result is the same bits
+    on every machine (random M in 1..48, odd K and N, with and without bias)."""
+    here = isas_here()
+    if len(here) < 2:
+        pytest.skip(f"this CPU runs only the {here[0]} path: nothing to compare it with")
+    g = torch.Generator().manual_seed(seed)
+    M = int(torch.randint(1, 49, (1,), generator=g))
+    K, N = (int(v) * 2 + 1 for v in torch.randint(1, 200, (2,), generator=g))
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g) if seed % 2 else None
+    results = {}
+    for isa in here:
+        monkeypatch.setenv("SPEC_EXT_CPU_ISA", isa)
+        assert ops.linear.cpu_isa() == isa
+        results[isa] = spec_ext.ops.skinny_linear(x, w, b, backend="cpu")
+    for isa in here[1:]:
+        assert torch.equal(results[isa], results["portable"]), (isa, M, K, N)
+    exact = reference.skinny_linear(x.double(), w.double(), None if b is None else b.double())
+    assert (results["portable"].double() - exact).abs().max() <= 4 * (F.linear(x, w, b).double() - exact).abs().max()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_each_isa_can_be_forced(isa, monkeypatch):
+    if isa not in isas_here():
+        pytest.skip(f"this CPU has no {isa} path")
+    monkeypatch.setenv("SPEC_EXT_CPU_ISA", isa)
+    assert ops.linear.cpu_isa() == isa
+    # auto takes the kernel on the vector paths only: the portable loop is slower than MKL
+    assert ops.linear.kernel_applies("cpu") == (isa != "portable")
+    x, w = torch.randn(3, 40), torch.randn(24, 40)
+    expected = torch.ops.spec_ext.skinny_linear(x, w, None) if isa != "portable" else F.linear(x, w)
+    assert torch.equal(spec_ext.ops.skinny_linear(x, w), expected)
+
+
+def test_an_unknown_isa_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("SPEC_EXT_CPU_ISA", "sse9")
+    with pytest.raises(RuntimeError, match="SPEC_EXT_CPU_ISA must be portable, avx2 or avx512, got 'sse9'"):
+        spec_ext.ops.skinny_linear(torch.randn(2, 8), torch.randn(3, 8), backend="cpu")

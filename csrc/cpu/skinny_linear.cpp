@@ -1,5 +1,5 @@
 // y = x @ weight.T (+ bias) for a few rows of x (decode steps, verification blocks),
-// float32. MKL's GEMM reads cold weights at 4-7 GB/s on this machine for up to ~64 rows;
+// float32, on AVX-512, AVX2 + FMA or portable C++, bit-equal on all three. MKL's GEMM reads cold weights at 4-7 GB/s on this machine for up to ~64 rows;
 // here each weight row is streamed from memory once and dotted with every row of x (which
 // stays in cache): 19-32 GB/s for 1-2 rows, 15-19 for 5-8, 8 at 16 and 1.1-1.3x MKL at
 // 24-64 (single runs; this box's speed varies by 2x between runs). Up to 24 rows of x one
@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -103,18 +105,95 @@ __attribute__((target("avx512f,fma"))) void rows_avx512(const float* x, const fl
     for (; n + 4 <= n1; n += 4) columns_avx512<4>(x, w, y, M, N, K, n);
   for (; n < n1; ++n) columns_avx512<1>(x, w, y, M, N, K, n);
 }
+
+// The AVX2 path keeps the same 16 lanes in two 8-wide registers (lanes 0-7 and 8-15):
+// every lane sees the same fused multiply-adds and lo + hi is the tree's first step, so
+// each result is bit-equal to the AVX-512 path's.
+__attribute__((target("avx2,fma"))) inline float sum_lanes(__m256 lo, __m256 hi) {
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+// NR weight rows x MR rows of x per block, in the 16 ymm registers: 2 * NR * MR
+// accumulators, 2 * NR weight vectors and 2 for a row of x (1 x 4: 12, 2 x 2: 14).
+template <int NR, int MR>
+__attribute__((target("avx2,fma"))) void block_avx2(const float* x, const float* w, float* y, int64_t N, int64_t K,
+                                                    int64_t n, int64_t m0) {
+  __m256 lo[NR][MR], hi[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MR; ++i) lo[r][i] = hi[r][i] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m256 wlo[NR], whi[NR];
+    for (int r = 0; r < NR; ++r) {
+      wlo[r] = _mm256_loadu_ps(w + (n + r) * K + k);
+      whi[r] = _mm256_loadu_ps(w + (n + r) * K + k + 8);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xlo = _mm256_loadu_ps(x + (m0 + i) * K + k), xhi = _mm256_loadu_ps(x + (m0 + i) * K + k + 8);
+      for (int r = 0; r < NR; ++r) {
+        lo[r][i] = _mm256_fmadd_ps(wlo[r], xlo, lo[r][i]);
+        hi[r][i] = _mm256_fmadd_ps(whi[r], xhi, hi[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MR; ++i)
+      y[(m0 + i) * N + n + r] = tail_dot(sum_lanes(lo[r][i], hi[r][i]), w + (n + r) * K, x + (m0 + i) * K, k, K);
+}
+
+template <int NR, int MR>
+__attribute__((target("avx2,fma"))) void columns_avx2(const float* x, const float* w, float* y, int64_t M, int64_t N,
+                                                      int64_t K, int64_t n) {
+  int64_t m0 = 0;
+  for (; m0 + MR <= M; m0 += MR) block_avx2<NR, MR>(x, w, y, N, K, n, m0);
+  for (; m0 < M; ++m0) block_avx2<NR, 1>(x, w, y, N, K, n, m0);
+}
+
+__attribute__((target("avx2,fma"))) void rows_avx2(const float* x, const float* w, float* y, int64_t M, int64_t N,
+                                                   int64_t K, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (M > 24)
+    for (; n + 2 <= n1; n += 2) columns_avx2<2, 2>(x, w, y, M, N, K, n);
+  for (; n < n1; ++n) columns_avx2<1, 4>(x, w, y, M, N, K, n);
+}
 #endif
 
-bool has_avx512() {
+enum class Isa { portable = 0, avx2 = 1, avx512 = 2 };
+
+Isa supported_isa() {
 #if defined(__x86_64__)
-  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
-  return supported;
+  static const Isa best = !__builtin_cpu_supports("fma")       ? Isa::portable
+                          : __builtin_cpu_supports("avx512f") ? Isa::avx512
+                          : __builtin_cpu_supports("avx2")    ? Isa::avx2
+                                                              : Isa::portable;
+  return best;
 #else
-  return false;
+  return Isa::portable;
 #endif
 }
 
+// The best path this CPU has, or a lower one that SPEC_EXT_CPU_ISA asks for (read at every
+// call, so that tests and benchmarks can force each path in one process).
+Isa chosen_isa() {
+  const char* forced = std::getenv("SPEC_EXT_CPU_ISA");
+  if (forced == nullptr || *forced == '\0') return supported_isa();
+  const std::string name(forced);
+  TORCH_CHECK(name == "portable" || name == "avx2" || name == "avx512",
+              "SPEC_EXT_CPU_ISA must be portable, avx2 or avx512, got '", name, "'");
+  const Isa wanted = name == "portable" ? Isa::portable : name == "avx2" ? Isa::avx2 : Isa::avx512;
+  return std::min(wanted, supported_isa());
+}
+
 }  // namespace
+
+// "avx512", "avx2" or "portable": the path skinny_linear takes now (spec_ext._C.skinny_linear_isa)
+const char* skinny_linear_isa() {
+  static const char* names[] = {"portable", "avx2", "avx512"};
+  return names[static_cast<int>(chosen_isa())];
+}
 
 at::Tensor skinny_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
                              const std::optional<at::Tensor>& bias) {
@@ -134,12 +213,13 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const bool vector = has_avx512();
+  const Isa isa = chosen_isa();
   // a chunk of weight rows per task: at least 64 KB of weights, so a thread's wake-up pays
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, K));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
 #if defined(__x86_64__)
-    if (vector) return rows_avx512(xp, wp, yp, M, N, K, n0, n1);
+    if (isa == Isa::avx512) return rows_avx512(xp, wp, yp, M, N, K, n0, n1);
+    if (isa == Isa::avx2) return rows_avx2(xp, wp, yp, M, N, K, n0, n1);
 #endif
     rows_portable(xp, wp, yp, M, N, K, n0, n1);
   });

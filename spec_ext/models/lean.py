@@ -95,8 +95,8 @@ class LeanDecoder:
     """The forward of one Llama-family model, reading its parameters in place (so later
     in-place weight updates are seen; replacing modules needs a new LeanDecoder).
     ``fast_linear``: the linear layers take :func:`spec_ext.ops.skinny_linear` (CPU,
-    float32, up to 48 token rows per forward: 1.1-4x faster there, equal to F.linear up to
-    float32 rounding, so no longer bit-equal to the HF forward)."""
+    float32, AVX2 + FMA or AVX-512, up to 48 token rows per forward: faster there, equal
+    to F.linear up to float32 rounding, so no longer bit-equal to the HF forward)."""
 
     def __init__(self, model, fast_linear: bool = False):
         base = model.model
@@ -167,7 +167,7 @@ def prepare(model, fast_linear: bool | str = False) -> None:
     reason = unsupported_reason(model)
     decoder = _DECODERS[model] = None if reason else LeanDecoder(model, bool(fast_linear))
     if fast_linear is True and (decoder is None or not decoder.fast_linear):
-        why = reason or "skinny_linear runs on CPU float32 models with AVX-512 only"
+        why = reason or "skinny_linear's kernel runs on CPU float32 models, on x86-64 with AVX2 and FMA or AVX-512"
         warnings.warn(f"fast_linear: no effect on this {type(model).__name__} ({model.dtype}, {model.device}): {why}",
                       stacklevel=3)
 

@@ -3,12 +3,14 @@ verification block, on CPU."""
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from spec_ext.ops import registry
+from spec_ext.ops.registry import _C
 from spec_ext.ops.checks import FLOAT_TYPES, check_shape, check_tensor, fail
 
 SKINNY_ROWS = 48  # up to this many rows the CPU kernel beats MKL (benchmarks/results/kernels_cpu.csv)
@@ -26,7 +28,7 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend
     Args:
         x: [..., K] float32 (float16 and bfloat16 go to F.linear).
         weight: [N, K], same dtype and device. bias: [N] or None.
-        backend: "auto" (the kernel where it applies: CPU, float32, AVX-512, at most
+        backend: "auto" (the kernel where it applies: CPU, float32, AVX2 or AVX-512, at most
             ``SKINNY_ROWS`` rows; F.linear otherwise), "cpu" (the kernel, any row count)
             or "torch" (the float64 reference).
         validate: False skips every check (a model forward calls this per layer).
@@ -40,20 +42,32 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend
     if registry.checking(validate):
         _check(x, weight, bias, backend)
     if backend == "auto":
-        return _auto(x.device, x.dtype)(x, weight, bias)
+        return _auto(x.device, x.dtype, os.environ.get(ISA_VARIABLE))(x, weight, bias)
     return registry.kernel("skinny_linear", backend, x.device)(x, weight, bias)
+
+
+def cpu_isa() -> str | None:
+    """The instruction set of the CPU kernel: "avx512", "avx2" (with FMA) or "portable"
+    (the best this CPU has, or a lower one named by the environment variable
+    ``SPEC_EXT_CPU_ISA``, read at every call); None without the built extension. The
+    three paths give the same bits."""
+    return _C.skinny_linear_isa() if registry.registered("skinny_linear", "CPU") else None
 
 
 def kernel_applies(device: torch.device | str, dtype: torch.dtype = torch.float32) -> bool:
     """Whether ``backend="auto"`` runs the kernel (up to ``SKINNY_ROWS`` rows) for x on
-    ``device`` in ``dtype``, rather than F.linear."""
-    return _auto(torch.device(device), dtype) is not F.linear
+    ``device`` in ``dtype``, rather than F.linear: CPU float32 with AVX2 + FMA or AVX-512
+    (the portable path is correct but slower than MKL)."""
+    return _auto(torch.device(device), dtype, os.environ.get(ISA_VARIABLE)) is not F.linear
+
+
+ISA_VARIABLE = "SPEC_EXT_CPU_ISA"
 
 
 @functools.lru_cache(None)
-def _auto(device: torch.device, dtype: torch.dtype):
+def _auto(device: torch.device, dtype: torch.dtype, forced_isa: str | None):
     if (dtype != torch.float32 or registry.resolve("skinny_linear", "auto", device) != "cpu"
-            or torch.backends.cpu.get_cpu_capability() != "AVX512"):
+            or cpu_isa() not in ("avx512", "avx2")):
         return F.linear
     kernel = registry.kernel("skinny_linear", "cpu", device)
 

@@ -25,15 +25,20 @@ KERNEL_KEYS = {"tree_mask": ("CPU", "CUDA"), "chain_verify": ("CPU", "CUDA"), "t
                "tree_attention": ("CPU", "CUDA"), "compact_kv": ("CPU", "CUDA"), "skinny_linear": ("CPU",),
                "acceptance_head": ("CPU",)}
 OPS = tuple(KERNEL_KEYS)
-# op -> (module of spec_ext.kernels, function) of its Triton kernel
-TRITON_KERNELS = {"tree_mask": ("tree", "tree_mask"), "chain_verify": ("rejection_sampling", "chain_verify"),
-                  "tree_verify": ("rejection_sampling", "tree_verify"),
-                  "tree_attention": ("tree_attention", "tree_attention"), "compact_kv": ("kv_cache", "compact_kv")}
+# (op, backend) -> (module of spec_ext.kernels, function) of its Triton kernels. "triton_split"
+# (tree_attention split over the keys) has not run on a GPU yet: opt-in, never chosen by "auto".
+TRITON_KERNELS = {("tree_mask", "triton"): ("tree", "tree_mask"),
+                  ("chain_verify", "triton"): ("rejection_sampling", "chain_verify"),
+                  ("tree_verify", "triton"): ("rejection_sampling", "tree_verify"),
+                  ("tree_attention", "triton"): ("tree_attention", "tree_attention"),
+                  ("tree_attention", "triton_split"): ("tree_attention_split", "tree_attention_split"),
+                  ("compact_kv", "triton"): ("kv_cache", "compact_kv")}
 
 try:
-    from spec_ext import _C  # noqa: F401  (registers the spec_ext:: kernels)
+    from spec_ext import _C  # registers the spec_ext:: kernels
     _C_ERROR = None
 except ImportError as error:  # pragma: no cover - depends on the build
+    _C = None
     _C_ERROR = f"spec_ext._C is not built or failed to load ({error})"
     warnings.warn(f"spec_ext: {_C_ERROR}. Only the torch and triton backends are available; "
                   "build the C++/CUDA kernels with `pip install --no-build-isolation -e .`",
@@ -88,12 +93,10 @@ def backends() -> dict[str, str]:
     }
 
 
-def _has(op: str, backend: str) -> bool:
-    if backend == "torch":
-        return True
-    if backend == "triton":
-        return op in TRITON_KERNELS
-    return backend.upper() in KERNEL_KEYS[op]
+def backends_of(op: str) -> tuple[str, ...]:
+    """The backends ``op`` has (whether or not they can run here)."""
+    triton = tuple(backend for (name, backend) in TRITON_KERNELS if name == op)
+    return ("torch",) + tuple(key.lower() for key in KERNEL_KEYS[op]) + triton
 
 
 @functools.lru_cache(None)
@@ -101,14 +104,14 @@ def resolve(op: str, backend: str, device: torch.device) -> str:
     """The backend that serves ``op`` for tensors on ``device``; ValueError naming
     ``backend`` when the one asked for cannot (cached: registrations are fixed once the
     extension is loaded)."""
-    choices = ("auto",) + tuple(b for b in BACKENDS if _has(op, b))
+    choices = ("auto",) + backends_of(op)
     if backend not in choices:
         raise ValueError(f"backend must be one of {choices} for {op}, got {backend!r}")
     if backend == "auto":
         if device.type == "cuda":
             if registered(op, "CUDA"):
                 return "cuda"
-            return "triton" if _has(op, "triton") and _triton_status() is None else "torch"
+            return "triton" if (op, "triton") in TRITON_KERNELS and _triton_status() is None else "torch"
         return "cpu" if device.type == "cpu" and registered(op, "CPU") else "torch"
     if backend == "cpu" and (device.type != "cpu" or not registered(op, "CPU")):
         raise ValueError(f"backend='cpu' needs CPU tensors and the built extension "
@@ -116,8 +119,8 @@ def resolve(op: str, backend: str, device: torch.device) -> str:
     if backend == "cuda" and (device.type != "cuda" or not registered(op, "CUDA")):
         raise ValueError(f"backend='cuda' needs CUDA tensors and the built CUDA kernels "
                          f"(tensors on {device}; {backends()['cuda']})")
-    if backend == "triton" and _triton_status() is not None:
-        raise ValueError(f"backend='triton' is unavailable: {_triton_status()}")
+    if backend.startswith("triton") and _triton_status() is not None:
+        raise ValueError(f"backend={backend!r} is unavailable: {_triton_status()}")
     return backend
 
 
@@ -128,7 +131,7 @@ def kernel(op: str, backend: str, device: torch.device) -> Callable:
     impl = resolve(op, backend, device)
     if impl == "torch":
         return getattr(reference, op)
-    if impl == "triton":
-        module, name = TRITON_KERNELS[op]
+    if impl.startswith("triton"):
+        module, name = TRITON_KERNELS[op, impl]
         return getattr(importlib.import_module(f"spec_ext.kernels.{module}"), name)
     return getattr(torch.ops.spec_ext, op)
