@@ -104,7 +104,8 @@ class ParallelEngine(Rows):
         return link, None
 
     def _run(self, link):
-        seed = int(torch.randint(0, 2 ** 62, (1,), generator=self.generator))
+        device = "cpu" if self.generator is None else self.generator.device  # a CUDA generator draws on CUDA
+        seed = int(torch.randint(0, 2 ** 62, (1,), generator=self.generator, device=device))
         link.send(Start(self.prompts, self.sampler.temperature, self.sampler.top_k, self.sampler.top_p, seed,
                          self.capacity, self.policy.lookahead, self.policy.branches, self.fast_linear or "auto"))
         while not isinstance(hello := link.get(), Hello):
