@@ -49,7 +49,10 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, mask_ptr, out_ptr, s
         p = tl.exp(scores - m_safe[:, None])
         correction = tl.exp(m - m_safe)
         l = l * correction + tl.sum(p, 1)
-        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+        if IEEE:  # fp32: tl.dot would round both operands to TF32 on the GPU
+            acc = acc * correction[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
         m = m_new
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + ((b * Hq + h) * T).to(tl.int64) * D + t[:, None] * D + d[None, :],

@@ -8,6 +8,7 @@ from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from spec_ext import ops
+from spec_ext.ops import registry
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -16,13 +17,13 @@ def backend_params(op: str):
     """One pytest param per backend; those that cannot run here are skipped with the reason."""
     params = []
     status = ops.backends()
-    for name in ops.BACKENDS:
+    for name in registry.backends_of(op):
         reason = None
         if name == "cpu" and not ops.registered(op, "CPU"):
             reason = status["cpu"]
         elif name == "cuda" and (DEVICE != "cuda" or not ops.registered(op, "CUDA")):
             reason = status["cuda"]
-        elif name == "triton" and status["triton"] != "available":
+        elif name.startswith("triton") and status["triton"] != "available":
             reason = status["triton"]
         marks = [pytest.mark.skip(reason=f"{name} backend {reason}")] if reason else []
         params.append(pytest.param(name, marks=marks, id=name))

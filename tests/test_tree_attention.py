@@ -45,7 +45,7 @@ CASES = [  # B, Hq, Hkv, T, S, D
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_matches_reference(backend, case, tree, dtype):
     B, Hq, Hkv, T, S, D = case
-    if backend == "triton" and device_for(backend) == "cpu" and dtype == torch.bfloat16:
+    if backend.startswith("triton") and device_for(backend) == "cpu" and dtype == torch.bfloat16:
         pytest.skip("the Triton interpreter has no bf16 math")
     q, k, v, prefix, g = make(B, Hq, Hkv, T, S, D, dtype, seed=T * S)
     mask = None
@@ -149,3 +149,49 @@ def test_an_unchecked_call_computes_what_the_checked_call_does():
         spec_ext.set_validation(True)
     with pytest.raises(ValueError, match="prefix_lens"):
         spec_ext.tree_attention(q, k, v, prefix + 100, mask, 0.3)
+
+
+SPLIT_CASES = [  # B, Hq, Hkv, T, S, D, prefix, splits: what each split boundary case covers
+    (1, 4, 4, 3, 150, 64, [147], 3),           # GQA group 1; S not a multiple of the 64-key chunk
+    (2, 8, 2, 5, 100, 64, [95, 40], 7),        # group 4; more splits than chunks (the last ones see nothing)
+    (1, 8, 1, 6, 256, 128, [192], 4),          # group 8; the last split holds only the tree's keys
+    (2, 4, 2, 1, 70, 256, [0, 69], 2),         # T=1; a row with no prefix; D=256
+    (1, 2, 1, 128, 300, 64, [172], 3),         # T=128: two blocks of packed rows, a mask of 4 words
+]
+
+
+@pytest.mark.skipif(spec_ext.backends()["triton"] != "available", reason="Triton cannot run here")
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: "x".join(map(str, c[:6])) + f"-{c[7]}splits")
+@pytest.mark.parametrize("tree", ["causal", "random"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_split_kv_kernel_at_split_boundaries(case, tree, dtype):
+    from spec_ext.kernels.tree_attention_split import split_kv_attention
+    B, Hq, Hkv, T, S, D, prefix, splits = case
+    q, k, v, prefix, g = make(B, Hq, Hkv, T, S, D, dtype, seed=S + T, prefix=torch.tensor(prefix))
+    mask = reference.tree_mask(random_parents(B, T, g))[1] if tree == "random" else None
+    dev = device_for("triton")
+    args = [t.to(dev) for t in (q, k, v, prefix)]
+    expected = reference.tree_attention(q.double(), k.double(), v.double(), prefix, mask, D ** -0.5)
+    for n in (splits, 1):  # forced splits, and one split: the same result up to rounding
+        out = split_kv_attention(*args, None if mask is None else mask.to(dev), D ** -0.5, num_splits=n).cpu()
+        assert out.dtype == dtype and not out.isnan().any()
+        err = (out.double() - expected).abs().max().item()
+        assert err <= (1e-5 if dtype == torch.float32 else budget(dtype, q, k, v, prefix, mask)), (n, err)
+
+
+@pytest.mark.skipif(spec_ext.backends()["triton"] != "available", reason="Triton cannot run here")
+def test_split_count_fills_the_gpu_and_never_exceeds_the_key_blocks():
+    from spec_ext.kernels.tree_attention_split import BLOCK_S, split_count
+
+    class H200:
+        type = "cuda"
+    import spec_ext.kernels.tree_attention_split as split
+    sms = split._sm_count
+    split._sm_count = lambda device: 132
+    try:
+        assert split_count(1, 8, 1, 32768, H200) == 33      # B=1: about two waves of 132 SMs
+        assert split_count(32, 8, 1, 2048, H200) == 2
+        assert split_count(64, 8, 4, 4096, H200) == 1       # enough programs already
+        assert split_count(1, 1, 1, 100, H200) == -(-100 // BLOCK_S)  # at most one per key block
+    finally:
+        split._sm_count = sms

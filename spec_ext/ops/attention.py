@@ -22,6 +22,9 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
         prefix_lens: [B] int32 or int64, ``prefix_lens + T <= S``.
         tree_mask: [B,T,W] or [1,T,W] int32 packed bits (see :func:`tree_mask`), W >= ceil(T/32).
         scale: softmax scale, default ``D ** -0.5``.
+        backend: "auto", "torch", "cpu", "cuda", "triton", or "triton_split" (split over the
+            keys, flash-decoding style, for few rows on a GPU; not yet run on a GPU, so never
+            chosen by "auto").
         validate: False skips every check (a model forward calls this once per layer).
     Returns:
         [B,Hq,T,D] in q's dtype.

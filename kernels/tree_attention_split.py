@@ -1,0 +1,147 @@
+"""Tree attention in Triton, split over the keys (flash-decoding), for GPUs with few rows.
+
+Programs run over (row, KV head, key split, block of packed query rows). Each takes every
+query row of its KV head's group (GQA packing: the Hq/Hkv heads x T nodes as one
+[Hq/Hkv * T, D] tile, so K and V are read once per group) against one chunk of keys, with
+``tl.dot`` for QK^T and PV (tensor cores in bf16/fp16, ``input_precision="ieee"`` in fp32)
+and an online softmax; the tree bits are read only for key blocks that reach the T new
+tokens (the prefix needs no mask). Each split writes its normalised output and
+log-sum-exp; a second kernel merges the splits. The number of splits comes from
+B x Hkv against the SM count, so one row fills the GPU.
+
+Not yet run on a GPU: this is the opt-in backend ``"triton_split"`` of
+:func:`spec_ext.tree_attention`, tested in the Triton interpreter only.
+"""
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+BLOCK_S = 64  # keys per inner step
+
+
+@triton.jit
+def _split_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, mask_ptr, part_ptr, lse_ptr, scale,
+                  Hq, Hkv, T, S, D, W, mask_rows, chunk, num_splits, R,
+                  CAUSAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                  IEEE: tl.constexpr):
+    bh = tl.program_id(0)  # b * Hkv + kv head
+    split = tl.program_id(1)
+    b = bh // Hkv
+    hkv = bh % Hkv
+    group = Hq // Hkv
+    r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)  # packed query rows: head-in-group * T + node
+    t = r % T
+    h = hkv * group + r // T
+    row_ok = r < R
+    d = tl.arange(0, BLOCK_D)
+    prefix = tl.load(prefix_ptr + b)
+    limit = tl.minimum(S, prefix + T)
+    start = split * chunk
+    stop = tl.minimum(start + chunk, limit)
+    q = tl.load(q_ptr + ((b * Hq + h) * T + t).to(tl.int64)[:, None] * D + d[None, :],
+                mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+    kv_base = ((b * Hkv + hkv) * S).to(tl.int64) * D
+    mask_row = tl.where(mask_rows == 1, 0, b)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for block in range(start, stop, BLOCK_S):
+        s = block + tl.arange(0, BLOCK_S)
+        kv_mask = (s[:, None] < stop) & (d[None, :] < D)
+        k = tl.load(k_ptr + kv_base + s[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_base + s[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
+        visible = (s[None, :] < stop) & row_ok[:, None]
+        if block + BLOCK_S > prefix:  # the block reaches the new tokens: their tree bits decide
+            j = s[None, :] - prefix
+            in_tree = (j >= 0) & (j < T) & row_ok[:, None]
+            if CAUSAL:
+                tree_bit = j <= t[:, None]
+            else:
+                safe_j = tl.where(in_tree, j, 0)
+                word = tl.load(mask_ptr + (mask_row * T + t[:, None]) * W + safe_j // 32, mask=in_tree, other=0)
+                tree_bit = ((word >> (safe_j % 32)) & 1) != 0
+            visible = visible & ((j < 0) | (in_tree & tree_bit))
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        correction = tl.exp(m - m_safe)
+        l = l * correction + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * correction[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+        m = m_new
+    seen = l > 0
+    out = acc / tl.where(seen, l, 1.0)[:, None]
+    lse = tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf"))
+    # workspace [B, Hq, T, splits, D] and [B, Hq, T, splits]: the merge reads one row's splits together
+    row = ((b * Hq + h) * T + t).to(tl.int64) * num_splits + split
+    tl.store(part_ptr + row[:, None] * D + d[None, :], out, mask=row_ok[:, None] & (d[None, :] < D))
+    tl.store(lse_ptr + row, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, num_splits, D, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # (b * Hq + h) * T + t
+    sp = tl.arange(0, BLOCK_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    lse = tl.load(lse_ptr + row * num_splits + sp, mask=sp < num_splits, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp(lse - top_safe)  # 0 for splits that saw no key
+    part = tl.load(part_ptr + (row * num_splits + sp)[:, None] * D + d[None, :],
+                   mask=(sp[:, None] < num_splits) & (d[None, :] < D), other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(part * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def split_count(B: int, Hkv: int, R_blocks: int, S: int, device: torch.device) -> int:
+    """Key splits per (row, KV head): about two waves of programs over the SMs, at most one
+    per key block."""
+    programs = B * Hkv * R_blocks
+    return max(1, min(triton.cdiv(S, BLOCK_S), triton.cdiv(2 * _sm_count(device), programs)))
+
+
+def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_lens: torch.Tensor,
+                       tree_mask: torch.Tensor | None, scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """The launcher; ``num_splits`` overrides :func:`split_count` (tests force boundaries)."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    out = torch.empty_like(q)
+    if q.numel() == 0:
+        return out
+    R = (Hq // Hkv) * T
+    BLOCK_R = max(16, min(64, triton.next_power_of_2(R)))
+    R_blocks = triton.cdiv(R, BLOCK_R)
+    splits = num_splits or split_count(B, Hkv, R_blocks, S, q.device)
+    chunk = triton.cdiv(triton.cdiv(S, splits), BLOCK_S) * BLOCK_S  # whole key blocks per split
+    part = torch.empty(B, Hq, T, splits, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
+    causal = tree_mask is None
+    mask = q if causal else tree_mask.contiguous()  # an unused pointer when causal
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    wrap_triton(_split_kernel)[(B * Hkv, splits, R_blocks)](
+        q.contiguous(), k.contiguous(), v.contiguous(), prefix_lens.to(torch.int32).contiguous(), mask, part, lse,
+        scale, Hq, Hkv, T, S, D, 0 if causal else tree_mask.shape[2], 0 if causal else tree_mask.shape[0],
+        chunk, splits, R, CAUSAL=causal, BLOCK_R=BLOCK_R, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D,
+        IEEE=q.dtype == torch.float32)
+    wrap_triton(_merge_kernel)[(B * Hq * T,)](part, lse, out, splits, D,
+                                              BLOCK_SPLITS=max(2, triton.next_power_of_2(splits)), BLOCK_D=BLOCK_D)
+    return out
+
+
+@triton_op("spec_ext_triton::tree_attention_split", mutates_args=())
+def tree_attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_lens: torch.Tensor,
+                         tree_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    return split_kv_attention(q, k, v, prefix_lens, tree_mask, scale)
