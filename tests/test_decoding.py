@@ -269,3 +269,24 @@ def test_sliding_window_models_run_while_sequences_fit():
     assert out.sequences[0, 3:].tolist() == expected
     with pytest.raises(ValueError, match=r"target: sequences of up to \d+ tokens exceed its sliding window \(64\)"):
         spec_ext.generate(target, draft, [[5, 6, 7]], max_new_tokens=60, eos_token_id=[], policy="fixed")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (counts the loop's host syncs)")
+@pytest.mark.parametrize("policy", ["fixed", "tree"])
+def test_a_round_syncs_with_the_host_about_once(greedy_pair, policy):
+    """Fixed and Tree keep a round on the device: the host learns what was emitted once per
+    round (plus the prefill's few), so the GPU is not idled by every length update."""
+    target, draft = (copy.deepcopy(m).cuda() for m in greedy_pair)
+    ids = [[5, 17, 33, 8], [9, 4]]
+    spec_ext.generate(target, draft, ids, max_new_tokens=8, eos_token_id=[], policy=policy)  # warm-up
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = spec_ext.generate(target, draft, ids, max_new_tokens=32, eos_token_id=[], policy=policy)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    rounds = out.stats.target_calls - 1
+    assert syncs <= rounds + 12, (syncs, rounds)

@@ -41,6 +41,7 @@ class SerialEngine(Rows):
         self.bonus_p: Tensor | None = None
         # a policy that never stops a row early needs no host sync per draft step
         self.adaptive = policy.adaptive
+        self._carry: dict | None = None  # what the next round needs from the last one, on the device
         if isinstance(policy, Tree):
             self.tree = build_tree(policy.parents)
             self.parents = self.tree.parents.to(self.device)
@@ -68,23 +69,37 @@ class SerialEngine(Rows):
             roots = torch.tensor([s[-1] for s in self.seqs], device=self.device)
             self.policy.see_target(out[1][rows, last], roots)
 
-    def _catch_up_draft(self) -> tuple[Tensor, Tensor | None]:
-        """Feed the draft the committed tokens it has not seen; logits [B,V] after the last
-        (and the hidden state [B,H] that produced them, for policies that need it)."""
-        pending = [self.seqs[r][n:] for r, n in zip(self.active, self.dcache.host_lengths)]
-        ids = pad_rows(pending, 0, self.device)
+    def _catch_up_draft(self, carry: dict | None) -> tuple[Tensor, Tensor | None]:
+        """Feed the draft the committed tokens it has not seen (``carry``: those of the last
+        round, on the device; None: from the host lists); logits [B,V] after the last (and
+        the hidden state [B,H] that produced them, for policies that need it)."""
+        if carry is None:
+            pending = [self.seqs[r][n:] for r, n in zip(self.active, self.dcache.host_lengths)]
+            ids, lengths = pad_rows(pending, 0, self.device), [len(p) for p in pending]
+            last = torch.tensor([n - 1 for n in lengths], device=self.device)
+        else:
+            ids, lengths, last = carry["ids"], carry["lengths"], carry["last"]
         positions = self.dcache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
         out = self._draft(ids, positions, hidden=self.draft_hidden)
         if self.stats.draft_calls == 1:  # the prompt
             check_finite(out[0] if self.draft_hidden else out, "draft")
-        last = torch.tensor([len(p) - 1 for p in pending], device=self.device)
-        rows = torch.arange(len(pending), device=self.device)
-        self.dcache.advance([len(p) for p in pending])
+        rows = torch.arange(len(lengths), device=self.device)
+        self.dcache.advance(lengths, last + 1)
         if self.bonus_agreement:
             self.policy.see_bonus_agreement(self._bonus_agreement(out[0] if self.draft_hidden else out, ids, last))
         if self.draft_hidden:
             return out[0][rows, last], out[1][rows, last]
         return out[rows, last], None
+
+    def _carry_over(self, tokens: Tensor, first: Tensor, num_accepted: Tensor, first_host: list[int],
+                    accepted: list[int]) -> None:
+        """Keep on the device what the next round needs from this one: the tokens the draft
+        has not seen, ``tokens[b, first[b] .. num_accepted[b]]`` (tokens [B,K+1], -1 padded),
+        and the next root ``tokens[b, num_accepted[b]]``; the host knows the lengths already."""
+        lengths = [a - f + 1 for f, a in zip(first_host, accepted)]
+        index = (first[:, None] + torch.arange(max(lengths), device=self.device)).clamp_max(tokens.shape[1] - 1)
+        self._carry = dict(ids=tokens.gather(1, index).clamp_min(0), lengths=lengths, last=num_accepted - first,
+                           roots=tokens.gather(1, num_accepted[:, None]).squeeze(1))
 
     def _bonus_agreement(self, logits: Tensor, ids: Tensor, last: Tensor) -> Tensor:
         """[B] bool: rows whose last round accepted every draft and whose draft, at the last
@@ -112,11 +127,12 @@ class SerialEngine(Rows):
     # ------------------------------------------------------------------ rounds
     def chain_round(self) -> tuple[list[list[int]], list[int], list[int]]:
         B = len(self.active)
-        logits, hidden = self._catch_up_draft()
-        start = list(self.dcache.host_lengths)
+        carry, self._carry = self._carry, None
+        logits, hidden = self._catch_up_draft(carry)
+        start, start_t = list(self.dcache.host_lengths), self.dcache.lengths
         budget = self.policy.plan()
         kmax = max(budget)
-        budget_t = torch.tensor(budget, device=self.device)
+        budget_t = None if min(budget) == kmax else torch.tensor(budget, device=self.device)
         drafts = torch.full((B, kmax), -1, dtype=torch.int64, device=self.device)
         q_all = None if self.sampler.greedy else torch.zeros(B, kmax, logits.shape[-1], device=self.device)
         num_draft = torch.zeros(B, dtype=torch.int64, device=self.device)
@@ -129,7 +145,8 @@ class SerialEngine(Rows):
                 q_all[:, step - 1] = q
             num_draft += going
             steps = step
-            going = going & (step < budget_t)
+            if budget_t is not None:
+                going = going & (step < budget_t)
             if self.adaptive:
                 going &= self.policy.keep_drafting(step, torch.softmax(logits, -1), token, hidden)
             if step == kmax or (self.adaptive and not bool(going.any())):
@@ -139,7 +156,7 @@ class SerialEngine(Rows):
             self.dcache.advance([1] * B)
             extra_forwards += 1
         drafts = drafts[:, :steps]
-        roots = torch.tensor([self.seqs[r][-1] for r in self.active], device=self.device)
+        roots = carry["roots"] if carry else torch.tensor([self.seqs[r][-1] for r in self.active], device=self.device)
         ids = torch.cat([roots[:, None], drafts.clamp_min(0)], 1)
         positions = self.tcache.lengths[:, None] + torch.arange(steps + 1, device=self.device)
         target_out = self._target(ids, positions, hidden=self.target_hidden)
@@ -158,18 +175,25 @@ class SerialEngine(Rows):
             self.bonus_p = None if p is None else p[rows, result.num_accepted]
         if self.target_hidden:
             self.policy.see_target(target_out[1][rows, result.num_accepted], result.tokens[rows, result.num_accepted])
-        tokens, accepted = result.tokens.tolist(), result.num_accepted.tolist()
-        self.tcache.advance([a + 1 for a in accepted])
-        self.dcache.rollback([s + min(a, extra_forwards) for s, a in zip(start, accepted)])
-        return tokens, accepted, num_draft.tolist()
+        # the round's one host sync: what was emitted (EOS, streaming, max_new_tokens)
+        outcome = torch.cat([result.tokens, result.num_accepted[:, None], num_draft[:, None]], 1).tolist()
+        tokens, accepted, drafted = [o[:-2] for o in outcome], [o[-2] for o in outcome], [o[-1] for o in outcome]
+        fed = [min(a, extra_forwards) for a in accepted]  # accepted drafts the draft has seen already
+        fed_t = result.num_accepted.clamp_max(extra_forwards)
+        self.tcache.advance([a + 1 for a in accepted], result.num_accepted + 1)
+        self.dcache.rollback([s + f for s, f in zip(start, fed)], start_t + fed_t)
+        self._carry_over(result.tokens, fed_t, result.num_accepted, fed, accepted)
+        return tokens, accepted, drafted
 
     def tree_round(self) -> tuple[list[list[int]], list[int], list[int]]:
         B = len(self.active)
-        logits, _ = self._catch_up_draft()
+        carry, self._carry = self._carry, None
+        logits, _ = self._catch_up_draft(carry)
         levels, branching = self.policy.levels, self.policy.branching
         T = len(self.policy.parents)
         nodes = torch.zeros(B, T, dtype=torch.int64, device=self.device)
-        nodes[:, 0] = torch.tensor([self.seqs[r][-1] for r in self.active], device=self.device)
+        nodes[:, 0] = carry["roots"] if carry else torch.tensor([self.seqs[r][-1] for r in self.active],
+                                                                device=self.device)
         nodes[:, levels[0]] = torch.topk(logits, branching[0], dim=-1).indices
         for d in range(1, len(levels)):
             n = levels[d - 1][-1] + 1  # the tree so far: nodes 0..n-1, root re-fed at its own position
@@ -188,9 +212,13 @@ class SerialEngine(Rows):
             result = ops.tree_rejection_sample(self.sampler.probs(target_logits), drafts, self.parents,
                                                generator=self.generator, max_depth=self.tree.max_depth,
                                                validate=False)
-        accepted = result.num_accepted.tolist()
-        self.tcache.commit(result.path, accepted)
-        return result.tokens.tolist(), accepted, [T - 1] * B
+        outcome = torch.cat([result.tokens, result.num_accepted[:, None]], 1).tolist()  # the round's host sync
+        tokens, accepted = [o[:-1] for o in outcome], [o[-1] for o in outcome]
+        self.tcache.commit(result.path, accepted, result.num_accepted)
+        # the draft's cache holds the committed tokens up to the root: it has seen none of the path
+        self._carry_over(result.tokens, torch.zeros_like(result.num_accepted), result.num_accepted, [0] * B,
+                         accepted)
+        return tokens, accepted, [T - 1] * B
 
     # ------------------------------------------------------------------ bookkeeping
     def run(self) -> Stats:
@@ -208,13 +236,14 @@ class SerialEngine(Rows):
                 self.tcache.keep_rows(keep)
                 self.dcache.keep_rows(keep)
                 self.policy.keep_rows(keep)
+                index = torch.tensor(keep, dtype=torch.long, device=self.device)
+                self._carry = {k: [v[i] for i in keep] if k == "lengths" else v[index] for k, v in self._carry.items()}
                 if self.bonus_agreement:
-                    self._keep_round_outcome(keep)
+                    self._keep_round_outcome(index)
                 self.active = [self.active[i] for i in keep]
         return self.finish()
 
-    def _keep_round_outcome(self, keep: list[int]) -> None:
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+    def _keep_round_outcome(self, index: Tensor) -> None:
         self.all_accepted = self.all_accepted[index]
         if self.bonus_p is not None:
             self.bonus_p = self.bonus_p[index]

@@ -107,43 +107,61 @@ class SpecCache(Cache):
         self.buffer = buffer
         self._layers = list(zip(buffer[0::2].unbind(0), buffer[1::2].unbind(0)))  # (K, V) views per layer
 
-    def _set(self, lengths: Sequence[int]) -> None:
+    def _set(self, lengths: Sequence[int], device_lengths: Tensor | None = None) -> None:
+        """New lengths: ``lengths`` on the host and, when the caller has them, the same on the
+        device (``device_lengths``). Without them a change by the same amount for every row
+        is made on the device; anything else is copied from the host. On a GPU a copy from
+        the host waits for the queue, so the loops pass device lengths to keep one host sync
+        per round."""
         lengths = [int(n) for n in lengths]
         if len(lengths) != self.batch_size:
             raise ValueError(f"lengths: expected {self.batch_size} entries, got {len(lengths)}")
         if any(n < 0 or n > self.capacity for n in lengths):
             raise ValueError(f"lengths: every entry must be in [0, {self.capacity}], got {lengths}")
+        old = getattr(self, "host_lengths", None)
+        if device_lengths is None and old is not None and len(old) == len(lengths) and lengths:
+            deltas = {new - before for new, before in zip(lengths, old)}
+            if len(deltas) == 1:
+                device_lengths = self.lengths + deltas.pop()
         self.host_lengths = lengths
-        self.lengths = torch.tensor(lengths, dtype=torch.int64, device=self.buffer.device)
+        self.lengths = (torch.tensor(lengths, dtype=torch.int64, device=self.buffer.device) if device_lengths is None
+                        else device_lengths.to(torch.int64))
         # update() runs once per layer per forward: decide its write path once here
         self._longest = max(lengths, default=0)
         self._common_length = lengths[0] if lengths and lengths.count(lengths[0]) == len(lengths) else None
         self._scatter = None  # update()'s write positions of ragged rows, made by its first layer
 
-    def advance(self, counts: Sequence[int] | Tensor) -> None:
-        """Keep ``counts[b]`` more tokens of row b (written by the last update, in order)."""
+    def advance(self, counts: Sequence[int] | Tensor, device_counts: Tensor | None = None) -> None:
+        """Keep ``counts[b]`` more tokens of row b (written by the last update, in order);
+        ``device_counts``: the same counts on the cache's device, when the caller has them."""
         counts = counts.tolist() if isinstance(counts, Tensor) else counts
-        self._set([n + c for n, c in zip(self.host_lengths, counts)])
+        self._set([n + c for n, c in zip(self.host_lengths, counts)],
+                  None if device_counts is None else self.lengths + device_counts)
 
-    def rollback(self, lengths: Sequence[int] | Tensor) -> None:
-        """Shrink rows to ``lengths`` (each at most its current length)."""
+    def rollback(self, lengths: Sequence[int] | Tensor, device_lengths: Tensor | None = None) -> None:
+        """Shrink rows to ``lengths`` (each at most its current length; ``device_lengths``: the
+        same on the cache's device, when the caller has them)."""
         lengths = lengths.tolist() if isinstance(lengths, Tensor) else list(lengths)
         if len(lengths) != self.batch_size or any(new > old for new, old in zip(lengths, self.host_lengths)):
             raise ValueError(f"lengths: rollback needs {self.batch_size} entries each <= the current "
                              f"{self.host_lengths}, got {lengths}")
-        self._set(lengths)
+        self._set(lengths, device_lengths)
 
-    def commit(self, path: Tensor, num_accepted: Tensor | Sequence[int]) -> None:
+    def commit(self, path: Tensor, num_accepted: Tensor | Sequence[int],
+               device_accepted: Tensor | None = None) -> None:
         """Keep a verified tree's accepted path. The last forward wrote node i of row b at
         ``lengths[b] + i``; ``path[b, :num_accepted[b] + 1]`` (root first) is compacted to
         ``lengths[b] + 0..num_accepted[b]`` for every layer in one launch, and the rows grow
-        by ``num_accepted + 1``. A chain is the path 0, 1, 2, ... and moves nothing."""
+        by ``num_accepted + 1`` (``device_accepted``: num_accepted on the cache's device,
+        when the caller has it). A chain is the path 0, 1, 2, ... and moves nothing."""
         accepted = num_accepted.tolist() if isinstance(num_accepted, Tensor) else list(num_accepted)
         path = path.to(self.buffer.device)
-        keep = torch.arange(path.shape[1], device=path.device) <= torch.tensor(accepted, device=path.device)[:, None]
+        if device_accepted is None:
+            device_accepted = torch.tensor(accepted, device=path.device)
+        keep = torch.arange(path.shape[1], device=path.device) <= device_accepted[:, None]
         src = torch.where(keep & (path >= 0), self.lengths[:, None] + path, -1)
-        ops.compact_kv(list(self.buffer.unbind(0)), src, self.lengths, validate=False)
-        self.advance([a + 1 for a in accepted])
+        ops.compact_kv(self.buffer, src, self.lengths, validate=False)
+        self.advance([a + 1 for a in accepted], device_accepted + 1)
 
     def copy_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Row ``dst[i]`` becomes a copy of row ``src[i]`` (contents and length): a branch
@@ -157,6 +175,8 @@ class SpecCache(Cache):
 
     def keep_rows(self, rows: Sequence[int] | Tensor) -> None:
         """Keep only ``rows`` (e.g. drop finished sequences); copies the buffer once."""
-        index = torch.as_tensor(rows, dtype=torch.int64, device=self.buffer.device)
+        rows = rows.tolist() if isinstance(rows, Tensor) else list(rows)
+        index = torch.tensor(rows, dtype=torch.int64, device=self.buffer.device)
+        lengths = self.lengths[index]
         self._set_buffer(self.buffer.index_select(1, index))
-        self._set([self.host_lengths[i] for i in index.tolist()])
+        self._set([self.host_lengths[i] for i in rows], lengths)
