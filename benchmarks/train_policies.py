@@ -191,7 +191,8 @@ def main():
         branch=dict(kind="branch", accept_all_length=ACCEPT_ALL_LENGTH))
     for kind, model in predictors.items():
         model.save(args.out / f"{kind}.safetensors", **settings[kind])
-    report.update(round_cost=costs, decision_ms=decisions, fast_linear=args.fast_linear, replayed_on_validation=replayed,
+    report.update(round_cost=costs, decision_ms=decisions, fast_linear=args.fast_linear,
+                  replayed_on_validation=replayed,
                   bounds_vs_best_fixed=limits, best_fixed_k=best_k,
                   best_fixed_k_sampling=int(chosen["sampling"]["fixed"]), batch=dict(
                       size=args.batch, round_cost=batch_costs, decision_ms=batch_decisions,

@@ -1,25 +1,25 @@
 """spec_ext: fast, exact speculative decoding for PyTorch and Hugging Face models.
 
-``import spec_ext`` loads the kernel layer only (no transformers); the loop
-(``generate``, ``accelerate``, ``SpecCache``, the policies) is imported on first use.
+``import spec_ext`` loads nothing heavy: the kernel API (``spec_ext.tree_attention`` ...)
+loads torch and the compiled kernels on first use, the loop (``generate``, ``accelerate``,
+``SpecCache``, the policies) also transformers.
 """
 import importlib
 
-from spec_ext.ops import (Tree, acceptance_head, backends, build_tree, chain_rejection_sample, compact_kv,
-                          greedy_verify, set_validation, skinny_linear, tree_attention, tree_greedy_verify,
-                          tree_mask, tree_rejection_sample)
-
 __version__ = "0.1.0"
 
-# name -> module that defines it, imported when first asked for (these need transformers)
-_LAZY = {"generate": "spec_ext.engine", "accelerate": "spec_ext.engine", "Output": "spec_ext.engine",
-         "Stats": "spec_ext.engine", "PeerError": "spec_ext.engine", "serve_draft": "spec_ext.engine",
-         "shutdown": "spec_ext.engine", "SpecCache": "spec_ext.models"}
-_SUBPACKAGES = ("engine", "models", "policies", "training")
+_KERNELS = ("Tree", "acceptance_head", "backends", "build_tree", "chain_rejection_sample", "compact_kv",
+            "greedy_verify", "set_validation", "skinny_linear", "tree_attention", "tree_greedy_verify", "tree_mask",
+            "tree_rejection_sample")
+# name -> module that defines it, imported when first asked for (the kernel API loads torch
+# and the extension; the rest also transformers)
+_LAZY = {name: "spec_ext.ops" for name in _KERNELS}
+_LAZY |= {name: "spec_ext.engine" for name in ("generate", "accelerate", "Output", "Stats", "PeerError", "serve_draft",
+                                               "shutdown")}
+_LAZY["SpecCache"] = "spec_ext.models"
+_SUBPACKAGES = ("engine", "models", "ops", "policies", "training")
 
-__all__ = ["Tree", "acceptance_head", "backends", "build_tree", "chain_rejection_sample", "compact_kv",
-           "greedy_verify", "set_validation", "skinny_linear", "tree_attention", "tree_greedy_verify", "tree_mask",
-           "tree_rejection_sample", *_LAZY, *_SUBPACKAGES]
+__all__ = [*_LAZY, *_SUBPACKAGES]
 
 
 def __getattr__(name: str):

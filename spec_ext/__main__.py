@@ -13,10 +13,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from spec_ext.bundled import ENV, bundled_path
-from spec_ext.policies import POLICIES
+
+# the registry's names (spec_ext.policies.POLICIES; a test keeps the two equal), here so that
+# --help and argument errors come before torch and transformers load
+POLICY_NAMES = ("adalength", "auto", "confidence", "fixed", "heuristic", "learnedspecbranch", "pearl", "specbranch",
+                "specdecpp", "svip", "tree")
 DEMO_PROMPT = '''def median(data):
     """Return the median (middle value) of numeric data.
 
@@ -32,10 +34,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 def load_pair(target_dir: Path, draft_dir: Path, dtype: str = "float32"):
     """dtype: a torch dtype name, or "auto": as stored (the bundled pair: bfloat16)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    for path, role in ((target_dir, "--target"), (draft_dir, "--draft")):
-        if not (Path(path) / "config.json").exists():
-            raise SystemExit(f"{role}: no Hugging Face model folder at {path}")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
@@ -68,6 +68,8 @@ def _tokens_per_s(fn, repeats: int) -> tuple[float, object]:
 
 
 def cmd_demo(args) -> None:
+    import torch
+
     import spec_ext
     torch.set_num_threads(args.threads or torch.get_num_threads())
     tokenizer, target, draft = load_pair(args.target, args.draft, args.dtype)
@@ -101,53 +103,77 @@ def cmd_demo(args) -> None:
         extra = ("", "", "") if stats is None else (f"{stats.mean_accepted:.2f}", f"{stats.acceptance_rate:.2f}",
                                                     str(stats.target_calls))
         print(f"{name:34} {rate:9.1f} {rate / base:8.2f}x {extra[0]:>14} {extra[1]:>12} {extra[2]:>13}")
+    kernel = "skinny-GEMM kernel" if spec_ext.ops.linear.kernel_applies(draft.device, draft.dtype) else "F.linear"
     print(f"\n(medians of {args.repeats} runs; greedy output identical to the target's own unless marked;"
-          " the draft runs on spec_ext's skinny-GEMM kernel; fast_linear: the target too)")
+          f" the draft's linear layers run on {kernel}; fast_linear: the target's too)")
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m spec_ext", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="complete a prompt with speculative decoding, streamed")
-    gen.add_argument("--target", type=Path, required=True)
-    gen.add_argument("--draft", type=Path, required=True)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--policy", default="auto", choices=sorted(POLICIES), help="default: %(default)s")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int)
-    gen.add_argument("--top-p", type=float)
-    gen.add_argument("--seed", type=int)
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _model_folder(text: str) -> Path:
+    path = Path(text)
+    if not (path / "config.json").exists():
+        raise argparse.ArgumentTypeError(f"no Hugging Face model folder (config.json) at {path}")
+    return path
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="python -m spec_ext", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = top.add_subparsers(dest="command", required=True)
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    gen = sub.add_parser("generate", help="complete a prompt with speculative decoding, streamed",
+                         formatter_class=defaults)
+    gen.add_argument("--target", type=_model_folder, required=True, help="the target model's folder")
+    gen.add_argument("--draft", type=_model_folder, required=True, help="the draft model's folder (same vocabulary)")
+    gen.add_argument("--prompt", required=True, help="the text to complete")
+    gen.add_argument("--policy", default="auto", choices=POLICY_NAMES, help="how the draft proposes each round")
+    gen.add_argument("--max-new-tokens", type=_positive, default=128, help="tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-k", type=_positive, help="sample from the k most likely tokens")
+    gen.add_argument("--top-p", type=float, help="sample from the smallest set holding this much probability")
+    gen.add_argument("--seed", type=int, help="makes a sampled run reproducible")
     gen.add_argument("--dtype", default="float32", choices=DTYPES, help="auto: as stored")
     gen.add_argument("--fast-linear", action="store_true",
                      help="the target's linear layers through spec_ext's skinny GEMM too, as the draft's always "
                      "are (CPU float32; the target's logits are then not bit-equal to HF's)")
-    demo = sub.add_parser("demo", help="the bundled pair: streamed completion and a speed table")
-    demo.add_argument("--target", type=Path, help=f"default: the bundled stdlib-target (${ENV} to look elsewhere)")
-    demo.add_argument("--draft", type=Path, help="default: the bundled stdlib-draft")
-    demo.add_argument("--max-new-tokens", type=int, default=128)
-    demo.add_argument("--repeats", type=int, default=3)
-    demo.add_argument("--threads", type=int)
+    demo = sub.add_parser("demo", help="the bundled pair: streamed completion and a speed table",
+                          formatter_class=defaults)
+    demo.add_argument("--target", type=_model_folder, help=f"default: the bundled stdlib-target (${ENV} to look "
+                      "elsewhere)")
+    demo.add_argument("--draft", type=_model_folder, help="default: the bundled stdlib-draft")
+    demo.add_argument("--max-new-tokens", type=_positive, default=128, help="tokens to generate")
+    demo.add_argument("--repeats", type=_positive, default=3, help="timed runs per method (the median is shown)")
+    demo.add_argument("--threads", type=_positive, help="torch intra-op threads (default: torch's)")
     demo.add_argument("--dtype", default="float32", choices=DTYPES,
                       help="auto: as stored (bfloat16; greedy output then depends on the attention kernel's rounding)")
     demo.add_argument("--policies", nargs="+", default=["auto", "fixed", "svip", "confidence", "tree"],
-                      choices=sorted(POLICIES), metavar="POLICY", help="default: %(default)s")
+                      choices=POLICY_NAMES, metavar="POLICY", help=f"any of {', '.join(POLICY_NAMES)}")
     sub.add_parser("backends", help="which kernel backends this build can run, and why not")
-    args = parser.parse_args(argv)
-    if args.command == "generate":
-        cmd_generate(args)
-    elif args.command == "demo":
-        try:
+    return top
+
+
+def main(argv=None) -> None:
+    cli = parser()
+    args = cli.parse_args(argv)
+    try:
+        if args.command == "generate":
+            cmd_generate(args)
+        elif args.command == "demo":
             args.target = args.target or bundled_path("stdlib-target")
             args.draft = args.draft or bundled_path("stdlib-draft")
-        except FileNotFoundError as error:
-            parser.error(str(error))
-        cmd_demo(args)
-    else:
-        import spec_ext
-        json.dump(spec_ext.backends(), sys.stdout, indent=2)
-        print()
+            cmd_demo(args)
+        else:
+            import spec_ext
+            json.dump(spec_ext.backends(), sys.stdout, indent=2)
+            print()
+    except (ValueError, FileNotFoundError) as error:  # bad input: one line, not a traceback
+        cli.exit(2, f"{cli.prog} {args.command}: error: {error}\n")
 
 
 if __name__ == "__main__":

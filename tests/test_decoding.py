@@ -257,18 +257,96 @@ def test_bonus_agreement_is_the_drafts_agreement_with_the_bonus_token():
     assert not loop._bonus_agreement(logits, ids, last).any()
 
 
-def test_sliding_window_models_run_while_sequences_fit():
+def test_sliding_window_models_run_up_to_the_last_position_the_window_covers():
+    """A window of 16: every logit used is exact up to prompt + new tokens = 17 (the last
+    token comes from position 15), checked at that boundary against HF, and 18 is refused."""
     from transformers import MistralConfig, MistralForCausalLM
     torch.manual_seed(0)
     config = MistralConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=64, pad_token_id=0)
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16, pad_token_id=0)
     target = MistralForCausalLM(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4)
     draft = perturbed(target, 0.003, seed=1)
-    expected = hf_greedy(target, [5, 6, 7], 12, eos=[])
-    out = spec_ext.generate(target, draft, [[5, 6, 7]], max_new_tokens=12, eos_token_id=[], policy="fixed")
-    assert out.sequences[0, 3:].tolist() == expected
-    with pytest.raises(ValueError, match=r"target: sequences of up to \d+ tokens exceed its sliding window \(64\)"):
-        spec_ext.generate(target, draft, [[5, 6, 7]], max_new_tokens=60, eos_token_id=[], policy="fixed")
+    prompt = [5, 6, 7, 9]
+    for new in (8, 13):
+        expected = hf_greedy(target, prompt, new, eos=[])
+        out = spec_ext.generate(target, draft, [prompt], max_new_tokens=new, eos_token_id=[], policy="fixed")
+        assert out.sequences[0, 4:].tolist() == expected
+    with pytest.raises(ValueError, match=r"target: the logits at position 16 are needed, past its sliding window"):
+        spec_ext.generate(target, draft, [prompt], max_new_tokens=14, eos_token_id=[], policy="fixed")
+
+
+# ------------------------------------------------------------------- a drop-in for HF generate
+def test_eos_token_id_as_tensors_and_numpy_integers_stops_like_hf(greedy_pair):
+    import numpy as np
+    target, draft = greedy_pair
+    prompts = torch.tensor([[5, 17, 33, 8], [9, 4, 4, 4]])
+    free = target.generate(prompts, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    stops = [int(free[0, 10]), int(free[1, 7])]  # tokens each row emits early on: rows end there
+    fast = spec_ext.accelerate(target, draft, policy="fixed")
+    for eos in (torch.tensor(stops), stops, torch.tensor(stops[0]), np.int64(stops[0]), np.array(stops)):
+        expected = target.generate(prompts, max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        got = fast.generate(prompts, max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        assert torch.equal(got, expected), eos
+    with pytest.raises(ValueError, match="eos_token_id: expected a token id or a list of ids"):
+        fast.generate(prompts, max_new_tokens=4, eos_token_id="2")
+
+
+def test_finished_rows_are_padded_with_the_first_eos_like_hf(greedy_pair):
+    target, draft = (copy.deepcopy(m) for m in greedy_pair)
+    prompts = torch.tensor([[5, 17, 33, 8], [9, 4, 4, 4]])
+    free = target.generate(prompts, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    first, other = int(free[0, 6]), int(free[0, 7])
+    assert first != other
+    for model in (target, draft):
+        model.generation_config.pad_token_id = None
+    eos = [other, first]  # HF pads with eos[0]: not the smallest
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = target.generate(prompts, max_new_tokens=30, do_sample=False, eos_token_id=eos)
+    got = spec_ext.accelerate(target, draft, policy="fixed").generate(prompts, max_new_tokens=30, do_sample=False,
+                                                                      eos_token_id=eos)
+    assert torch.equal(got, expected)
+
+
+def test_generation_config_max_length_counts_the_prompt_like_hf(greedy_pair):
+    target, draft = (copy.deepcopy(m) for m in greedy_pair)
+    prompts = torch.tensor([[5, 17, 33], [9, 4, 4]])
+    fast = spec_ext.accelerate(target, draft, policy="fixed")
+    for max_length, max_new in ((9, None), (None, None), (None, 4)):
+        target.generation_config.max_length, target.generation_config.max_new_tokens = max_length, max_new
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # HF's advice to set max_new_tokens: the defaults are the point here
+            expected = target.generate(prompts, do_sample=False, pad_token_id=0)
+        assert torch.equal(fast.generate(prompts, do_sample=False, pad_token_id=0), expected), (max_length, max_new)
+    target.generation_config.max_length, target.generation_config.max_new_tokens = 3, None
+    with pytest.raises(ValueError, match="generation_config.max_length=3: leaves no new token"):
+        fast.generate(prompts, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("name,value", [("repetition_penalty", 3.0), ("no_repeat_ngram_size", 2), ("num_beams", 4),
+                                        ("bad_words_ids", [[7]]), ("min_new_tokens", 5)])
+def test_generation_config_settings_that_hf_would_apply_are_refused_by_name(greedy_pair, name, value):
+    target, draft = (copy.deepcopy(m) for m in greedy_pair)
+    setattr(target.generation_config, name, value)
+    for call in (lambda: spec_ext.accelerate(target, draft).generate(torch.tensor([[5, 6]]), max_new_tokens=4),
+                 lambda: spec_ext.generate(target, draft, [[5, 6]], max_new_tokens=4)):
+        with pytest.raises(ValueError, match=rf"generation_config.{name}=.*not supported by spec_ext"):
+            call()
+    setattr(target.generation_config, name, None)  # unset: decodes
+    spec_ext.generate(target, draft, [[5, 6]], max_new_tokens=4)
+
+
+def test_a_target_in_train_mode_with_dropout_is_refused():
+    torch.manual_seed(0)
+    target = llama(97, 64, 2, seed=0)
+    target.config.attention_dropout = 0.5
+    target.train()
+    with pytest.raises(ValueError, match=r"target: in train mode with attention_dropout=0.5.*target.eval\(\)"):
+        spec_ext.generate(target, perturbed(target, 0.003, seed=1).eval(), [[5, 6]], max_new_tokens=4)
+    target.config.attention_dropout = 0.0  # train mode without dropout computes what eval mode does
+    spec_ext.generate(target, perturbed(target, 0.003, seed=1), [[5, 6]], max_new_tokens=4)
 
 
 @pytest.mark.gpu

@@ -77,7 +77,7 @@ def test_import_without_extension_warns_and_keeps_torch_backend():
     code = ("import sys, warnings; sys.modules['spec_ext._C'] = None\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"
-            "    import spec_ext, torch\n"
+            "    import spec_ext, spec_ext.ops, torch\n"
             "assert any('spec_ext._C is not built' in str(x.message) for x in w), [str(x.message) for x in w]\n"
             "assert spec_ext.backends()['cpu'].startswith('unavailable')\n"
             "d, m = spec_ext.tree_mask(torch.tensor([-1, 0]))\n"

@@ -32,6 +32,7 @@ def chain_case(B, K, V, seed, ragged=True, holes=True, q_zero=True, one_hot=Fals
     drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, K)
     if q_zero:  # a draft the draft distribution gives no mass: must be rejected
         q[0, 0, drafts[0, 0]] = 0
+        q[0, 0] /= q[0, 0].sum()
     if holes and K > 1:
         drafts[B // 2, K // 2] = -1
     num_draft = torch.randint(0, K + 1, (B,), generator=g) if ragged else torch.full((B,), K)
@@ -69,8 +70,8 @@ def test_chain_edge_cases(backend):
     out = spec_ext.chain_rejection_sample(p.to(dev), drafts.to(dev), backend=backend)
     assert out.tokens.tolist() == [[2, 3, -1]] and out.num_accepted.tolist() == [1]
     # q == 0 at the draft token: always rejected, and the replacement is drawn from p
-    q = torch.full((1, 2, 5), 0.25)
-    q[0, 0, 2] = 0
+    q = torch.full((1, 2, 5), 0.2)
+    q[0, 0] = torch.tensor([0.25, 0.25, 0.0, 0.25, 0.25])
     out = spec_ext.chain_rejection_sample(p.to(dev), drafts.to(dev), q.to(dev), backend=backend)
     assert out.num_accepted.tolist() == [0] and out.tokens.tolist() == [[2, -1, -1]]
     # p == q: the residual is all zero, the sample falls back to p
@@ -245,8 +246,16 @@ def test_chain_bad_input():
     p, drafts, q, num_draft, uniforms = chain_case(2, 3, 10, 0)
     with pytest.raises(ValueError, match="draft_tokens: expected shape"):
         spec_ext.chain_rejection_sample(p, drafts[:, :2], q)
-    with pytest.raises(ValueError, match="target: expected dtype torch.float32"):
+    with pytest.raises(ValueError, match="target_probs: expected dtype torch.float32"):
         spec_ext.chain_rejection_sample(p.double(), drafts, q)
+    with pytest.raises(ValueError, match="target_logits: expected dtype torch.float32"):
+        spec_ext.greedy_verify(p.double(), drafts)
+    with pytest.raises(ValueError, match="target_probs: rows must sum to 1.*summing to 3"):
+        spec_ext.chain_rejection_sample(p * 3, drafts, q)
+    with pytest.raises(ValueError, match="draft_probs: rows must sum to 1.*summing to 5"):
+        spec_ext.chain_rejection_sample(p, drafts, q * 5)
+    with pytest.raises(ValueError, match="target_probs: rows must sum to 1"):
+        spec_ext.tree_rejection_sample(p * 3, torch.tensor([[0, 1, 2, 3]] * 2), torch.tensor([-1, 0, 1, 2]))
     with pytest.raises(ValueError, match="num_draft: every entry"):
         spec_ext.chain_rejection_sample(p, drafts, q, torch.tensor([4, 1]))
     with pytest.raises(ValueError, match="draft_tokens: ids must be"):

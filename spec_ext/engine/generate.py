@@ -19,6 +19,43 @@ def _check_fast_linear(fast_linear) -> None:
         raise ValueError(f"fast_linear: expected True or False, got {fast_linear!r}")
 
 
+# generation_config fields that change what HF's generate computes and that spec_ext does
+# not implement, with the values that change nothing: any other value is refused by name
+NEUTRAL = {"repetition_penalty": (1.0,), "encoder_repetition_penalty": (1.0,), "no_repeat_ngram_size": (0,),
+           "encoder_no_repeat_ngram_size": (0,), "num_beams": (1,), "num_beam_groups": (1,),
+           "diversity_penalty": (0.0,), "bad_words_ids": (), "force_words_ids": (), "constraints": (),
+           "sequence_bias": (), "suppress_tokens": ((), []), "begin_suppress_tokens": ((), []),
+           "forced_bos_token_id": (), "forced_eos_token_id": (), "min_length": (0,), "min_new_tokens": (0,),
+           "typical_p": (1.0,), "epsilon_cutoff": (0.0,), "eta_cutoff": (0.0,), "min_p": (0.0,), "top_h": (),
+           "penalty_alpha": (), "guidance_scale": (1.0,), "renormalize_logits": (False,),
+           "exponential_decay_length_penalty": (), "num_return_sequences": (1,), "stop_strings": (),
+           "max_time": (), "watermarking_config": (), "prompt_lookup_num_tokens": (), "dola_layers": (),
+           "return_dict_in_generate": (False,), "output_scores": (False,), "output_logits": (False,)}
+
+
+def check_generation_config(model) -> None:
+    """Refuse, by name, a ``generation_config`` setting that HF's generate would apply and
+    spec_ext does not (it would otherwise be dropped silently)."""
+    config = getattr(model, "generation_config", None)
+    for name, neutral in NEUTRAL.items():
+        value = getattr(config, name, None)
+        if value is not None and value not in neutral:
+            raise ValueError(f"generation_config.{name}={value!r}: not supported by spec_ext (HF's generate would "
+                             f"apply it); set target.generation_config.{name} = None to decode without it")
+
+
+def token_ids(value, name: str) -> list[int]:
+    """``value`` (an id, a list of ids, a 0-d or 1-d tensor, numpy integers) as a list of ints."""
+    if value is None:
+        return []
+    if hasattr(value, "tolist"):  # tensors and numpy values
+        value = value.tolist()
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{name}: expected a token id or a list of ids, got {value!r}")
+    return list(values)
+
+
 def _check_models(target, draft, policy: Policy) -> None:
     if draft is None:
         if not (isinstance(policy, PEARL) and policy.mode == "distributed"):
@@ -32,7 +69,7 @@ def _check_models(target, draft, policy: Policy) -> None:
 @torch.inference_mode()
 def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max_new_tokens: int = 32,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+             eos_token_id: int | list[int] | Tensor | None = None, pad_token_id: int | None = None,
              policy: str | Policy = "auto", seed: int | None = None, streamer=None,
              fast_linear: bool = False) -> Output:
     """Speculative decoding of ``target`` with ``draft``: greedy output equals the
@@ -77,19 +114,26 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
                          f"the target's max_position_embeddings ({limit})")
     if streamer is not None and len(prompts) != 1:
         raise ValueError(f"streamer: supported for batch size 1 only (like HF streamers), got {len(prompts)} rows")
-    eos = eos_token_id if eos_token_id is not None else target.generation_config.eos_token_id
-    eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    check_generation_config(target)
+    if target.training and getattr(target.config, "attention_dropout", 0.0):
+        raise ValueError(f"target: in train mode with attention_dropout={target.config.attention_dropout}; "
+                         "spec_ext decodes without dropout (HF's generate would apply it): call target.eval()")
+    eos_ids = token_ids(eos_token_id if eos_token_id is not None else target.generation_config.eos_token_id,
+                        "eos_token_id")
+    eos = set(eos_ids)
     if pad_token_id is None:
         pad_token_id = target.generation_config.pad_token_id
-        if pad_token_id is None:
-            pad_token_id = min(eos) if eos else 0
+        if pad_token_id is None:  # as HF: the first EOS id
+            pad_token_id = eos_ids[0] if eos_ids else 0
+    pad_token_id = token_ids(pad_token_id, "pad_token_id")[0]
     generator = None
     if seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(seed)
     policy.bind(target, draft)
     models = [m for m in (target, draft) if m is not None]
-    for model, role in zip(models, ("target", "draft")):
-        check_window(model, role, longest + max_new_tokens + policy.lookahead + 1)
+    # the last token comes from the logits at position longest + max_new_tokens - 2 (the
+    # draft's window only changes what it proposes, never the output)
+    check_window(target, "target", longest + max_new_tokens - 2)
     sampler = Sampler(temperature, top_k, top_p)
     if isinstance(policy, PEARL):
         loop = ParallelEngine(policy, target, draft, prompts, max_new_tokens, sampler, eos, generator, streamer,
@@ -142,10 +186,17 @@ class Accelerated:
         if input_ids is None:
             raise ValueError("input_ids: required")
         config = self._target.generation_config
-        do_sample = config.do_sample if do_sample is None else do_sample
+        do_sample = bool(config.do_sample) if do_sample is None else do_sample
         temperature = (config.temperature or 1.0) if temperature is None else temperature
-        if max_new_tokens is None:
-            max_new_tokens = config.max_new_tokens or 20
+        if max_new_tokens is None:  # as HF: max_new_tokens, else max_length counts the prompt, else 20 new
+            max_new_tokens = config.max_new_tokens
+            if max_new_tokens is None and config.max_length is not None:
+                width = input_ids.shape[1] if isinstance(input_ids, Tensor) else max(map(len, input_ids))
+                max_new_tokens = config.max_length - width
+                if max_new_tokens < 1:
+                    raise ValueError(f"generation_config.max_length={config.max_length}: leaves no new token after "
+                                     f"a prompt of {width}; set max_new_tokens")
+            max_new_tokens = 20 if max_new_tokens is None else max_new_tokens
         if not do_sample:
             temperature, top_k, top_p = 0.0, None, None
         else:

@@ -51,16 +51,18 @@ def check_model(model, role: str) -> None:
                          f"transformers models {SUPPORTED}")
 
 
-def check_window(model, role: str, length: int) -> None:
-    """Sliding-window attention is exact here only while every sequence fits in the window."""
+def check_window(model, role: str, last_position: int) -> None:
+    """Sliding-window attention is exact here while every query whose logits are used, at
+    positions up to ``last_position``, still sees its whole prefix (position < window)."""
     config = model.config
     window = getattr(config, "sliding_window", None)
     if window is None or not getattr(config, "use_sliding_window", True):
         return
-    if length > window:
-        raise ValueError(f"{role}: sequences of up to {length} tokens exceed its sliding window ({window}); "
-                         "spec_ext attends over the whole prefix, so use shorter prompts/max_new_tokens "
-                         "or a model without a sliding window")
+    if last_position >= window:
+        raise ValueError(f"{role}: the logits at position {last_position} are needed, past its sliding window "
+                         f"({window}): spec_ext attends over the whole prefix, so a prompt plus max_new_tokens "
+                         f"may hold at most {window + 1} tokens here; use shorter ones or a model without a "
+                         "sliding window")
 
 
 def check_pair(target, draft) -> None:

@@ -33,8 +33,12 @@ def check_ids(name: str, ids: Tensor, upper: int) -> None:
         fail(name, f"ids must be -1 (padding) or in [0, {upper}); found {ids[(ids < -1) | (ids >= upper)][0].item()}")
 
 
+SUM_TOLERANCE = 1e-3  # a float32 softmax over 128k entries sums to 1 within ~1e-5
+
+
 def check_distributions(name: str, probs: Tensor, rows: Tensor | None = None) -> None:
-    """probs [..., V]: finite, non-negative, positive sum (on the rows selected by ``rows``)."""
+    """probs [..., V]: finite, non-negative, each row summing to 1 (on the rows selected by
+    ``rows``): unnormalised rows would change the acceptance ratios silently."""
     data = probs if rows is None else probs[rows]
     if data.numel() == 0:
         return
@@ -42,8 +46,13 @@ def check_distributions(name: str, probs: Tensor, rows: Tensor | None = None) ->
         fail(name, "contains NaN or inf")
     if bool((data < 0).any()):
         fail(name, "contains negative probabilities")
-    if bool((data.sum(-1) <= 0).any()):
+    sums = data.sum(-1, dtype=torch.float64)
+    if bool((sums <= 0).any()):
         fail(name, "contains an all-zero probability row")
+    if bool(((sums - 1).abs() > SUM_TOLERANCE).any()):
+        bad = sums[(sums - 1).abs() > SUM_TOLERANCE][0].item()
+        fail(name, f"rows must sum to 1 (probabilities, not logits or scaled weights); "
+                   f"found a row summing to {bad:.6g}")
 
 
 def check_parents(parents: Tensor) -> None:

@@ -23,9 +23,9 @@ class TreeResult(NamedTuple):
     num_accepted: Tensor  # [B]
 
 
-def _chain_args(target: Tensor, draft_tokens: Tensor, num_draft: Tensor | None, check: bool) -> Tensor:
+def _chain_args(name: str, target: Tensor, draft_tokens: Tensor, num_draft: Tensor | None, check: bool) -> Tensor:
     if check:
-        check_tensor("target", target, 3, (torch.float32,))
+        check_tensor(name, target, 3, (torch.float32,))
     B, K1, V = target.shape
     if num_draft is None:
         num_draft = torch.full((B,), K1 - 1, dtype=torch.int64, device=target.device)
@@ -75,7 +75,7 @@ def chain_rejection_sample(target_probs: Tensor, draft_tokens: Tensor, draft_pro
         >>> tokens, num_accepted = chain_rejection_sample(p, drafts, q)
     """
     check = registry.checking(validate)
-    num_draft = _chain_args(target_probs, draft_tokens, num_draft, check)
+    num_draft = _chain_args("target_probs", target_probs, draft_tokens, num_draft, check)
     B, K1, V = target_probs.shape
     if check and draft_probs is not None:
         check_tensor("draft_probs", draft_probs, 3, (torch.float32,), target_probs.device)
@@ -104,16 +104,16 @@ def greedy_verify(target_logits: Tensor, draft_tokens: Tensor, num_draft: Tensor
     if isinstance(target_logits, Tensor) and target_logits.dtype in (torch.float16, torch.bfloat16):
         target_logits = target_logits.float()
     check = registry.checking(validate)
-    num_draft = _chain_args(target_logits, draft_tokens, num_draft, check)
+    num_draft = _chain_args("target_logits", target_logits, draft_tokens, num_draft, check)
     if check and not bool(torch.isfinite(target_logits).all()):
         fail("target_logits", "contains NaN or inf")
     verify = registry.kernel("chain_verify", backend, target_logits.device)
     return ChainResult(*verify(target_logits, draft_tokens, None, num_draft, None, True))
 
 
-def _tree_args(target: Tensor, tree_tokens: Tensor, parents: Tensor, check: bool) -> Tensor:
+def _tree_args(name: str, target: Tensor, tree_tokens: Tensor, parents: Tensor, check: bool) -> Tensor:
     if check:
-        check_tensor("target", target, 3, (torch.float32,))
+        check_tensor(name, target, 3, (torch.float32,))
     B, T = target.shape[:2]
     if check:
         check_tensor("tree_tokens", tree_tokens, 2, (torch.int64,), target.device)
@@ -158,7 +158,7 @@ def tree_rejection_sample(target_probs: Tensor, tree_tokens: Tensor, parents: Te
     if siblings not in ("without_replacement", "iid"):
         raise ValueError(f"siblings: expected 'without_replacement' or 'iid', got {siblings!r}")
     check = registry.checking(validate)
-    parents = _tree_args(target_probs, tree_tokens, parents, check)
+    parents = _tree_args("target_probs", target_probs, tree_tokens, parents, check)
     B, T, V = target_probs.shape
     if check and draft_probs is not None:
         check_tensor("draft_probs", draft_probs, 3, (torch.float32,), target_probs.device)
@@ -181,7 +181,7 @@ def tree_greedy_verify(target_logits: Tensor, tree_tokens: Tensor, parents: Tens
     if isinstance(target_logits, Tensor) and target_logits.dtype in (torch.float16, torch.bfloat16):
         target_logits = target_logits.float()
     check = registry.checking(validate)
-    parents = _tree_args(target_logits, tree_tokens, parents, check)
+    parents = _tree_args("target_logits", target_logits, tree_tokens, parents, check)
     if check and not bool(torch.isfinite(target_logits).all()):
         fail("target_logits", "contains NaN or inf")
     return _call_tree(backend, target_logits, tree_tokens, parents, None, None, True, True, max_depth, check)

@@ -64,7 +64,8 @@ def simulated_batch_tokens_per_ms(accept: Tensor, choose, round_ms, max_length: 
 
 def replay(accept: Tensor, candidates: dict, round_ms: list[float]) -> dict:
     """{name: (tokens per ms, mean drafts)} of each candidate's lengths [N,P]."""
-    return {name: simulated_tokens_per_ms(accept, lengths, round_ms, MAX_LENGTH) for name, lengths in candidates.items()}
+    return {name: simulated_tokens_per_ms(accept, lengths, round_ms, MAX_LENGTH)
+            for name, lengths in candidates.items()}
 
 
 def batch_round_ms(alone_ms: list[float], batch_ms: list[float], batch: int):

@@ -1,0 +1,35 @@
+"""The command line: help and argument errors before any heavy import, one-line errors."""
+import subprocess
+import sys
+
+from spec_ext.__main__ import POLICY_NAMES
+from spec_ext.policies import POLICIES
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "spec_ext", *args], capture_output=True, text=True)
+
+
+def test_policy_choices_are_the_registry():
+    assert list(POLICY_NAMES) == sorted(POLICIES)
+
+
+def test_help_loads_neither_torch_nor_transformers_and_shows_choices_and_defaults():
+    check = ("import sys, contextlib, io\nimport spec_ext.__main__ as cli\n"
+             "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+             "    try:\n        cli.main(['generate', '--help'])\n    except SystemExit:\n        pass\n"
+             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)\n"
+             "print(out.getvalue())")
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "{adalength,auto," in out.stdout and "(default: auto)" in out.stdout and "(default: 128)" in out.stdout
+
+
+def test_bad_arguments_are_one_line_errors_before_any_model_loads(tmp_path):
+    out = run("generate", "--target", str(tmp_path), "--draft", str(tmp_path), "--prompt", "x")
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].endswith(
+        f"argument --target: no Hugging Face model folder (config.json) at {tmp_path}")
+    out = run("demo", "--policies", "fixd")
+    assert out.returncode == 2 and "invalid choice: 'fixd'" in out.stderr and "Traceback" not in out.stderr
+    out = run("demo", "--max-new-tokens", "0")
+    assert out.returncode == 2 and "must be at least 1, got 0" in out.stderr
