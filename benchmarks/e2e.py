@@ -231,6 +231,8 @@ def main():
     parser.add_argument("--configs", nargs="+", default=["1:0", "8:0", "1:0.7", "8:0.7", "1:1.0"],
                         help="batch:temperature pairs")
     parser.add_argument("--name", default="e2e_cpu", help="file prefix under benchmarks/results")
+    parser.add_argument("--busy-core", action="store_true",
+                        help="run a competing CPU-bound process (one busy core) for the whole benchmark")
     parser.add_argument("--isas", nargs="+", choices=["avx512", "avx2", "portable"],
                         help="run spec_ext's methods once per forced skinny_linear path, side by side")
     parser.add_argument("--only", nargs="+", metavar="TEXT",
@@ -248,9 +250,8 @@ def main():
     pad = tokenizer.pad_token_id
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
-    device = f"cpu-{torch.get_num_threads()}threads"
+    device = f"cpu-{torch.get_num_threads()}threads{'-one-core-busy' if args.busy_core else ''}"
     RESULTS.mkdir(exist_ok=True)
-    rows, histograms = [], {}
     matched = set()
 
     def wanted(method):
@@ -258,6 +259,18 @@ def main():
         matched.update(hits)
         return not args.only or bool(hits)
 
+    competitor = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_core else None
+    try:
+        rows, histograms, costs = measure_configs(args, parser, target, draft, prompts, pad, commit, device, wanted,
+                                                  matched)
+    finally:
+        if competitor is not None:
+            competitor.kill()
+    write_results(args, rows, histograms, costs, matched)
+
+
+def measure_configs(args, parser, target, draft, prompts, pad, commit, device, wanted, matched):
+    rows, histograms = [], {}
     with torch.inference_mode():
         costs = forward_costs(target, draft, prompts[0])
         for config in args.configs:
@@ -287,6 +300,10 @@ def main():
                 if stats:
                     histograms[(method, batch, temperature)] = (sum((s.accepted_lengths for s in stats), []),
                                                                 sum((s.draft_lengths for s in stats), []))
+    return rows, histograms, costs
+
+
+def write_results(args, rows, histograms, costs, matched):
     for text in sorted(set(args.only or ()) - matched):
         print(f"--only: {text!r} matched no method", file=sys.stderr)
     out = RESULTS / f"{args.name}.csv"
