@@ -23,6 +23,18 @@ class TreeResult(NamedTuple):
     num_accepted: Tensor  # [B]
 
 
+def _upcast(logits):
+    """Half-precision logits as float32 (the kernels read float32; argmax is unchanged)."""
+    if isinstance(logits, Tensor) and logits.dtype in (torch.float16, torch.bfloat16):
+        return logits.float()
+    return logits
+
+
+def _check_finite(name: str, logits: Tensor) -> None:
+    if not bool(torch.isfinite(logits).all()):
+        fail(name, "contains NaN or inf")
+
+
 def _chain_args(name: str, target: Tensor, draft_tokens: Tensor, num_draft: Tensor | None, check: bool) -> Tensor:
     if check:
         check_tensor(name, target, 3, (torch.float32,))
@@ -101,12 +113,10 @@ def greedy_verify(target_logits: Tensor, draft_tokens: Tensor, num_draft: Tensor
         >>> greedy_verify(logits, logits[:, :2].argmax(-1)).num_accepted.tolist()
         [2]
     """
-    if isinstance(target_logits, Tensor) and target_logits.dtype in (torch.float16, torch.bfloat16):
-        target_logits = target_logits.float()
-    check = registry.checking(validate)
+    target_logits, check = _upcast(target_logits), registry.checking(validate)
     num_draft = _chain_args("target_logits", target_logits, draft_tokens, num_draft, check)
-    if check and not bool(torch.isfinite(target_logits).all()):
-        fail("target_logits", "contains NaN or inf")
+    if check:
+        _check_finite("target_logits", target_logits)
     verify = registry.kernel("chain_verify", backend, target_logits.device)
     return ChainResult(*verify(target_logits, draft_tokens, None, num_draft, None, True))
 
@@ -178,12 +188,10 @@ def tree_greedy_verify(target_logits: Tensor, tree_tokens: Tensor, parents: Tens
                        backend: str = "auto", validate: bool | None = None) -> TreeResult:
     """Greedy tree verification: from the root, follow the first child whose token is the
     target's argmax; emit the argmax where none is. Shapes as :func:`tree_rejection_sample`."""
-    if isinstance(target_logits, Tensor) and target_logits.dtype in (torch.float16, torch.bfloat16):
-        target_logits = target_logits.float()
-    check = registry.checking(validate)
+    target_logits, check = _upcast(target_logits), registry.checking(validate)
     parents = _tree_args("target_logits", target_logits, tree_tokens, parents, check)
-    if check and not bool(torch.isfinite(target_logits).all()):
-        fail("target_logits", "contains NaN or inf")
+    if check:
+        _check_finite("target_logits", target_logits)
     return _call_tree(backend, target_logits, tree_tokens, parents, None, None, True, True, max_depth, check)
 
 
