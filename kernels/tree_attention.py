@@ -7,6 +7,35 @@ from torch.library import triton_op, wrap_triton
 
 
 @triton.jit
+def tree_bits(mask_ptr, mask_row, t, j, in_tree, T, W, CAUSAL: tl.constexpr):
+    """[rows, keys] bool: key j (offset from the prefix) is on query t's root path; None
+    mask (CAUSAL): j <= t."""
+    if CAUSAL:
+        bit = j <= t[:, None]
+    else:
+        safe_j = tl.where(in_tree, j, 0)
+        word = tl.load(mask_ptr + (mask_row * T + t[:, None]) * W + safe_j // 32, mask=in_tree, other=0)
+        bit = ((word >> (safe_j % 32)) & 1) != 0
+    return bit
+
+
+@triton.jit
+def online_softmax_step(scores, visible, v, m, l, acc, IEEE: tl.constexpr):
+    """One key block of an online softmax: running max m, sum l and output acc [rows, D]."""
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - m_safe[:, None])
+    correction = tl.exp(m - m_safe)
+    l = l * correction + tl.sum(p, 1)
+    if IEEE:  # fp32: tl.dot would round both operands to TF32 on the GPU
+        acc = acc * correction[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+    return m_new, l, acc
+
+
+@triton.jit
 def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, mask_ptr, out_ptr, scale,
                            Hq, Hkv, T, S, D, W, mask_rows,
                            CAUSAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -36,24 +65,9 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, mask_ptr, out_ptr, s
             scores = tl.dot(q, tl.trans(k)) * scale
         j = s[None, :] - prefix
         in_tree = (j >= 0) & (j < T) & (t[:, None] < T)
-        if CAUSAL:
-            tree_bit = j <= t[:, None]
-        else:
-            safe_j = tl.where(in_tree, j, 0)
-            word = tl.load(mask_ptr + (mask_row * T + t[:, None]) * W + safe_j // 32, mask=in_tree, other=0)
-            tree_bit = ((word >> (safe_j % 32)) & 1) != 0
+        tree_bit = tree_bits(mask_ptr, mask_row, t, j, in_tree, T, W, CAUSAL)
         visible = (s[None, :] < limit) & ((j < 0) | (in_tree & tree_bit))
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        correction = tl.exp(m - m_safe)
-        l = l * correction + tl.sum(p, 1)
-        if IEEE:  # fp32: tl.dot would round both operands to TF32 on the GPU
-            acc = acc * correction[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
-        m = m_new
+        m, l, acc = online_softmax_step(scores, visible, v, m, l, acc, IEEE)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + ((b * Hq + h) * T).to(tl.int64) * D + t[:, None] * D + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(t[:, None] < T) & (d[None, :] < D))

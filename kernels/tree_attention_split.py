@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from spec_ext.kernels.tree_attention import online_softmax_step, tree_bits
+
 BLOCK_S = 64  # keys per inner step
 
 
@@ -59,24 +61,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, mask_ptr, part_ptr, lse_ptr, 
         if block + BLOCK_S > prefix:  # the block reaches the new tokens: their tree bits decide
             j = s[None, :] - prefix
             in_tree = (j >= 0) & (j < T) & row_ok[:, None]
-            if CAUSAL:
-                tree_bit = j <= t[:, None]
-            else:
-                safe_j = tl.where(in_tree, j, 0)
-                word = tl.load(mask_ptr + (mask_row * T + t[:, None]) * W + safe_j // 32, mask=in_tree, other=0)
-                tree_bit = ((word >> (safe_j % 32)) & 1) != 0
-            visible = visible & ((j < 0) | (in_tree & tree_bit))
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        correction = tl.exp(m - m_safe)
-        l = l * correction + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * correction[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
-        m = m_new
+            visible = visible & ((j < 0) | (in_tree & tree_bits(mask_ptr, mask_row, t, j, in_tree, T, W, CAUSAL)))
+        m, l, acc = online_softmax_step(scores, visible, v, m, l, acc, IEEE)
     seen = l > 0
     out = acc / tl.where(seen, l, 1.0)[:, None]
     lse = tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf"))
