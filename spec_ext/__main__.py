@@ -103,7 +103,7 @@ def cmd_demo(args) -> None:
         extra = ("", "", "") if stats is None else (f"{stats.mean_accepted:.2f}", f"{stats.acceptance_rate:.2f}",
                                                     str(stats.target_calls))
         print(f"{name:34} {rate:9.1f} {rate / base:8.2f}x {extra[0]:>14} {extra[1]:>12} {extra[2]:>13}")
-    kernel = "skinny-GEMM kernel" if spec_ext.ops.linear.kernel_applies(draft.device, draft.dtype) else "F.linear"
+    kernel = "the skinny-GEMM kernel" if spec_ext.ops.linear.kernel_applies(draft.device, draft.dtype) else "F.linear"
     print(f"\n(medians of {args.repeats} runs; greedy output identical to the target's own unless marked;"
           f" the draft's linear layers run on {kernel}; fast_linear: the target's too)")
 
