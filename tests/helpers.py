@@ -9,6 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from spec_ext import ops
 from spec_ext.ops import registry
+from spec_ext.policies import AdaLength, LearnedSpecBranch, ResidualMLP, SpecDecPP
+from spec_ext.policies.learned import DRAFT_EXTRA_FEATURES, HISTORY_FEATURES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -71,6 +73,19 @@ def perturbed(model, scale, seed):
         for p in copy_.parameters():
             p.add_(torch.randn_like(p) * scale)
     return copy_
+
+
+def make_policy(name, target, draft):
+    """The policy called ``name``; the learned ones get untrained predictors sized for these
+    tiny models (the bundled predictors fit the bundled pair only), set to draft varied lengths."""
+    torch.manual_seed(0)
+    if name == "specdecpp":
+        return SpecDecPP(ResidualMLP(draft.config.hidden_size + DRAFT_EXTRA_FEATURES), threshold=0.9, max_draft=6)
+    if name == "adalength":
+        return AdaLength(ResidualMLP(2 * target.config.hidden_size + HISTORY_FEATURES), offset=2.0, max_draft=6)
+    if name == "learnedspecbranch":
+        return LearnedSpecBranch(predictor=ResidualMLP(2 * target.config.hidden_size, out_features=6))
+    return name
 
 
 def hf_greedy(model, prompt, max_new, eos):

@@ -9,24 +9,10 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import spec_ext
 from spec_ext.engine import Sampler
-from spec_ext.policies import POLICIES, AdaLength, LearnedSpecBranch, ResidualMLP, SpecDecPP
-from spec_ext.policies.learned import DRAFT_EXTRA_FEATURES, HISTORY_FEATURES
-from helpers import PROMPT, VOCAB, assert_follows, exact_joint, hf_greedy, llama, perturbed
+from spec_ext.policies import POLICIES
+from helpers import PROMPT, VOCAB, assert_follows, exact_joint, hf_greedy, llama, make_policy, perturbed
 
 POLICY_NAMES = sorted(POLICIES)
-
-
-def make_policy(name, target, draft):
-    """The policy called ``name``; the learned ones get untrained predictors sized for these
-    tiny models (the bundled predictors fit the bundled pair only), set to draft varied lengths."""
-    torch.manual_seed(0)
-    if name == "specdecpp":
-        return SpecDecPP(ResidualMLP(draft.config.hidden_size + DRAFT_EXTRA_FEATURES), threshold=0.9, max_draft=6)
-    if name == "adalength":
-        return AdaLength(ResidualMLP(2 * target.config.hidden_size + HISTORY_FEATURES), offset=2.0, max_draft=6)
-    if name == "learnedspecbranch":
-        return LearnedSpecBranch(predictor=ResidualMLP(2 * target.config.hidden_size, out_features=6))
-    return name
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 run it with the models' attention routed through spec_ext, and return what HF returns."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -10,7 +11,8 @@ from torch import Tensor
 from spec_ext.engine.common import Output, Sampler, Stats, pad_rows, prompt_rows
 from spec_ext.engine.parallel import ParallelEngine
 from spec_ext.engine.serial import SerialEngine
-from spec_ext.models import attention_implementation, check_model, check_pair, check_window
+from spec_ext.engine.tensor_parallel import channel
+from spec_ext.models import attention_implementation, check_model, check_pair, check_window, split_size
 from spec_ext.policies import PEARL, Policy, resolve
 
 
@@ -64,6 +66,10 @@ def _check_models(target, draft, policy: Policy) -> None:
         check_model(target, "target")
     else:
         check_pair(target, draft)
+    if isinstance(policy, PEARL) and policy.mode == "distributed" and split_size(target) > 1:
+        raise ValueError("policy: PEARL(mode='distributed') with a tensor-parallel target: transformers' tensor "
+                         "parallelism takes the whole default process group (WORLD_SIZE == tp_size), so no rank "
+                         "is left for the draft; use PEARL(mode='threads'), whose draft runs on the leading rank")
 
 
 @torch.inference_mode()
@@ -135,23 +141,30 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     # draft's window only changes what it proposes, never the output)
     check_window(target, "target", longest + max_new_tokens - 2)
     sampler = Sampler(temperature, top_k, top_p)
-    if isinstance(policy, PEARL):
-        loop = ParallelEngine(policy, target, draft, prompts, max_new_tokens, sampler, eos, generator, streamer,
-                              fast_linear)
-    else:
-        loop = SerialEngine(target, draft, prompts, max_new_tokens, sampler, eos, policy, generator, streamer)
-    if streamer is not None:
-        streamer.put(torch.tensor([prompts[0]]))
-    # the draft's rounding changes only which tokens are proposed, never the output
-    with attention_implementation(*models, fast_linear=[fast_linear, fast_linear or "auto"][:len(models)]):
-        stats = loop.run()
+    split = channel(target)  # a tensor-parallel target: the leading rank runs the loop, the others follow
+    if split is not None and not split.leading:
+        return split.follow(target)
+    with split.leading_run(target) if split is not None else contextlib.nullcontext():
+        if isinstance(policy, PEARL):
+            loop = ParallelEngine(policy, target, draft, prompts, max_new_tokens, sampler, eos, generator, streamer,
+                                  fast_linear)
+        else:
+            loop = SerialEngine(target, draft, prompts, max_new_tokens, sampler, eos, policy, generator, streamer)
+        if streamer is not None:
+            streamer.put(torch.tensor([prompts[0]]))
+        # the draft's rounding changes only which tokens are proposed, never the output
+        with attention_implementation(*models, fast_linear=[fast_linear, fast_linear or "auto"][:len(models)]):
+            stats = loop.run()
     if streamer is not None:
         streamer.end()
     head = input_ids.to(target.device) if isinstance(input_ids, Tensor) else \
         pad_rows(prompts, pad_token_id, target.device, left=True)
     tail = pad_rows(loop.new, pad_token_id, target.device)
     stats.wall_time = time.perf_counter() - started
-    return Output(torch.cat([head, tail], 1), stats)
+    output = Output(torch.cat([head, tail], 1), stats)
+    if split is not None:
+        split.finish(output)
+    return output
 
 
 _HF_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",

@@ -1,13 +1,15 @@
 """The model layer: everything that touches transformers.
 
 * :mod:`spec_ext.models.cache`: :class:`SpecCache`, a transformers ``Cache`` with per-row
-  lengths (rollback by lengths, tree commits by ``compact_kv``);
+  lengths (rollback by lengths, tree commits by ``compact_kv``), and :class:`MirroredCache`,
+  the leading rank's cache of a tensor-parallel target;
 * :mod:`spec_ext.models.hf`: the ``"spec_ext"`` attention function, model checks, and
   :func:`forward` (T new tokens per row over a SpecCache, chain or tree);
 * :mod:`spec_ext.models.lean`: the same arithmetic as the Llama/Mistral/Qwen2 modules
   without their per-call machinery.
 """
-from spec_ext.models.cache import SpecCache
+from spec_ext.models.cache import MirroredCache, SpecCache, mirrored, split_size
 from spec_ext.models.hf import attention_implementation, check_model, check_pair, check_window, forward
 
-__all__ = ["SpecCache", "attention_implementation", "check_model", "check_pair", "check_window", "forward"]
+__all__ = ["MirroredCache", "SpecCache", "attention_implementation", "check_model", "check_pair", "check_window",
+           "forward", "mirrored", "split_size"]

@@ -6,10 +6,17 @@ All layers' keys and values live in one buffer [2L, B, H, S, D] (layer l's K at 
 (``lengths[b] + j``) without changing the lengths: the decoding loop decides what to keep
 with :meth:`advance` (chains), :meth:`commit` (trees), :meth:`rollback` and
 :meth:`keep_rows`.
+
+A target split across ranks by transformers' tensor parallelism keeps only its local KV
+heads here; on the rank that leads the loop its cache is a :class:`MirroredCache`, which
+sends each change, and each forward over it, to the other ranks before making it.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+import functools
+import weakref
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -45,11 +52,20 @@ class SpecCache(Cache):
 
     @classmethod
     def for_model(cls, model, batch_size: int, capacity: int) -> "SpecCache":
+        """A cache for ``model``'s attention shape (a tensor-parallel model's local KV heads);
+        a :class:`MirroredCache` while :func:`mirrored` says this rank leads ``model``."""
         config = model.config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim,
-                   batch_size, capacity, dtype=model.dtype, device=model.device)
+        kv_heads, split = getattr(config, "num_key_value_heads", None) or heads, split_size(model)
+        if kv_heads % split:
+            raise ValueError(f"{type(model).__name__}: {kv_heads} key-value heads do not split evenly across "
+                             f"tp_size={split} ranks")
+        shape = (config.num_hidden_layers, kv_heads // split, head_dim, batch_size, capacity)
+        send = _SENDERS.get(model)
+        if send is not None:
+            return MirroredCache(send, *shape, dtype=model.dtype, device=model.device)
+        return cls(*shape, dtype=model.dtype, device=model.device)
 
     # ------------------------------------------------------------- transformers API
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
@@ -97,6 +113,10 @@ class SpecCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return False
+
+    def before_forward(self, input_ids: Tensor, positions: Tensor, tree_mask: Tensor | None) -> None:
+        """Called by :func:`spec_ext.models.forward` before a model runs over this cache
+        (a :class:`MirroredCache` announces the forward to the other ranks)."""
 
     # ------------------------------------------------------------- speculative API
     @property
@@ -180,3 +200,82 @@ class SpecCache(Cache):
         lengths = self.lengths[index]
         self._set_buffer(self.buffer.index_select(1, index))
         self._set([self.host_lengths[i] for i in rows], lengths)
+
+
+def split_size(model) -> int:
+    """How many ranks ``model`` is split across by transformers' tensor parallelism (1: none)."""
+    return int(getattr(model, "_tp_size", None) or 1)
+
+
+_SENDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def mirrored(model, send: Callable[[tuple], None]):
+    """While inside, :meth:`SpecCache.for_model` gives ``model`` a :class:`MirroredCache`
+    that hands its messages to ``send``."""
+    _SENDERS[model] = send
+    try:
+        yield
+    finally:
+        _SENDERS.pop(model, None)
+
+
+def _announced(host_args: int):
+    """Queue the call for the other ranks with its first ``host_args`` arguments (the rest
+    are device copies of them, which the others make themselves), unless it is made by
+    another announced call; then make it."""
+    def wrap(method):
+        @functools.wraps(method)
+        def announced(self, *args, **kwargs):
+            if not self._replaying:
+                sent = tuple(a.cpu() if isinstance(a, Tensor) else list(a) for a in args[:host_args])
+                self._pending.append((method.__name__, sent))
+            self._replaying += 1
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._replaying -= 1
+        return announced
+    return wrap
+
+
+class MirroredCache(SpecCache):
+    """The leading rank's cache of a tensor-parallel target. Changes are queued and sent
+    with the next forward, as one message ``("step", changes, input_ids, positions,
+    tree_mask)``, so that every rank's cache holds the same rows and lengths and every rank
+    runs the same forwards (and so the same collectives) in the same order. Messages:
+    ``("cache", *shape)`` on creation, then the steps; see
+    ``spec_ext.engine.tensor_parallel`` for the other end. Only the host-side arguments
+    travel (device copies of them are rebuilt there)."""
+
+    def __init__(self, send: Callable[[tuple], None], num_layers: int, num_kv_heads: int, head_dim: int,
+                 batch_size: int, capacity: int, **kwargs):
+        self._send, self._pending, self._replaying = send, [], 0
+        super().__init__(num_layers, num_kv_heads, head_dim, batch_size, capacity, **kwargs)
+        send(("cache", num_layers, num_kv_heads, head_dim, batch_size, capacity))
+
+    def before_forward(self, input_ids: Tensor, positions: Tensor, tree_mask: Tensor | None) -> None:
+        pending, self._pending = self._pending, []
+        self._send(("step", pending, input_ids.cpu(), positions.cpu(),
+                    None if tree_mask is None else tree_mask.cpu()))
+
+    @_announced(1)
+    def advance(self, counts, device_counts=None):
+        super().advance(counts, device_counts)
+
+    @_announced(1)
+    def rollback(self, lengths, device_lengths=None):
+        super().rollback(lengths, device_lengths)
+
+    @_announced(2)
+    def commit(self, path, num_accepted, device_accepted=None):
+        super().commit(path, num_accepted, device_accepted)
+
+    @_announced(2)
+    def copy_rows(self, src, dst):
+        super().copy_rows(src, dst)
+
+    @_announced(1)
+    def keep_rows(self, rows):
+        super().keep_rows(rows)

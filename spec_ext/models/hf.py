@@ -113,6 +113,7 @@ def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tenso
     Llama-family models take the lean forward of :mod:`spec_ext.models.lean` (same numbers, less
     overhead) unless ``use_lean`` is False; others go through the HF modules.
     """
+    cache.before_forward(input_ids, positions, tree_mask)
     decoder = lean.lean_decoder(model) if use_lean else None
     if decoder is not None:
         return decoder(input_ids, cache, positions, tree_mask, hidden)

@@ -21,6 +21,7 @@ from torch.nn.modules import module as nn_module
 from torch import Tensor
 
 from spec_ext import ops
+from spec_ext.models.cache import split_size
 from spec_ext.ops.linear import kernel_applies
 
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -48,6 +49,8 @@ def _hooked(module) -> bool:
 def unsupported_reason(model) -> str | None:
     """Why ``model`` must take the HF forward, or None when the lean forward reproduces it."""
     layers, attentions, mlps, norms = _known_layer_classes()
+    if split_size(model) > 1:
+        return f"split across {split_size(model)} ranks by tensor parallelism (the transformers modules run the shards)"
     base = getattr(model, "model", None)
     if base is None or not hasattr(base, "layers") or not hasattr(model, "lm_head"):
         return "not a *ForCausalLM with .model.layers and .lm_head"

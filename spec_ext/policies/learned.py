@@ -29,6 +29,7 @@ Predictors are safetensors files with their config in the metadata;
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -91,6 +92,15 @@ class ResidualMLP(nn.Module):
         model = cls(**json.loads(meta["config"]))
         model.load_state_dict(load_file(str(path)))
         return model.eval(), json.loads(meta.get("settings", "{}"))
+
+
+def input_embedding(target):
+    """``target``'s input embedding as a function of token ids that runs on this rank alone
+    (a tensor-parallel target's table is gathered once: its own module would need every rank)."""
+    weight = target.get_input_embeddings().weight
+    if hasattr(weight, "full_tensor"):  # a DTensor shard
+        weight = weight.full_tensor()
+    return functools.partial(F.embedding, weight=weight)
 
 
 def _predictor(source, name: str) -> tuple[ResidualMLP, dict]:
@@ -254,7 +264,7 @@ class AdaLength(Policy):
     def bind(self, target, draft) -> None:
         _check_width(self._predictor, 2 * target.config.hidden_size + HISTORY_FEATURES,
                      "[target input embedding; target hidden state; history_features]", "AdaLength")
-        self._embed = target.get_input_embeddings()
+        self._embed = input_embedding(target)
         self._predictor.to(target.device)
 
     def start(self, batch_size, greedy=True) -> None:
@@ -314,7 +324,7 @@ class BranchPredictor:
     def bind(self, target) -> None:
         _check_width(self._model, 2 * target.config.hidden_size,
                      "[target input embedding; target hidden state]", "branch")
-        self._embed = target.get_input_embeddings()
+        self._embed = input_embedding(target)
         self._model.to(target.device)
 
     def classify(self, hidden: Tensor, roots: Tensor, greedy: bool) -> list[BranchHint]:
