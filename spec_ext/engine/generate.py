@@ -100,7 +100,9 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
             changes only which tokens are proposed, never the output.
     Returns:
         Output(sequences [B, L + new] as HF generate returns them, padded with
-        ``pad_token_id`` after EOS; stats).
+        ``pad_token_id`` after EOS; stats). A target split by transformers' tensor
+        parallelism: call it on every rank with the same arguments; rank 0 runs the loop
+        and every rank returns the same Output (see ``docs/distributed.md``).
 
     Example:
         >>> out = generate(target, draft, tokenizer("def f(", return_tensors="pt").input_ids,
