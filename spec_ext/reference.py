@@ -188,9 +188,10 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor,
 
 
 # ------------------------------------------------------------------------ kv cache
-def compact_kv(caches: list[Tensor], src: Tensor, dst_start: Tensor) -> None:
-    """In place, for every [B,H,S,D] tensor: row b's positions src[b,j] (j before the first
-    -1) move to dst_start[b] + j, gathered before stored so overlapping ranges are fine."""
+def compact_kv(caches: Tensor | list[Tensor], src: Tensor, dst_start: Tensor) -> None:
+    """In place, for every [B,H,S,D] tensor of caches (a list, or [N,B,H,S,D]): row b's
+    positions src[b,j] (j before the first -1) move to dst_start[b] + j, gathered before
+    stored so overlapping ranges are fine."""
     for cache in caches:
         for b in range(src.shape[0]):
             n = int((src[b] >= 0).sum())

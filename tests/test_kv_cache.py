@@ -34,17 +34,33 @@ def scatter_case(B, M, S, generator, overlap=True):
                                                (3, 4, 8, 64, 128, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("overlap", [True, False])
-@pytest.mark.parametrize("stacked", [True, False])
-def test_compact_kv_matches_reference(backend, layers, B, H, S, D, M, dtype, overlap, stacked):
+@pytest.mark.parametrize("layout", ["stacked", "spaced stack", "views of one buffer", "separate tensors"])
+def test_compact_kv_matches_reference(backend, layers, B, H, S, D, M, dtype, overlap, layout):
     g = torch.Generator().manual_seed(layers * 1000 + S)
-    caches = torch.randn(layers, B, H, S, D, generator=g).to(dtype)
+    caches = torch.randn(2 * layers, B, H, S, D, generator=g).to(dtype)
     src, dst = scatter_case(B, M, S, g, overlap)
     expected = caches.clone()
-    reference.compact_kv(list(expected.unbind(0)), src, dst)
+    moved = slice(0, None, 2) if layout == "spaced stack" else slice(0, layers)  # the rest must stay
+    reference.compact_kv(list(expected[moved].unbind(0)), src, dst)
     dev = device_for(backend)
     mine = caches.to(dev)
-    spec_ext.compact_kv(mine if stacked else list(mine.unbind(0)), src.to(dev), dst.to(dev), backend=backend)
+    argument = {"stacked": mine[:layers], "spaced stack": mine[::2], "views of one buffer": list(mine[:layers]),
+                "separate tensors": [t.clone() for t in mine[:layers]]}[layout]
+    spec_ext.compact_kv(argument, src.to(dev), dst.to(dev), backend=backend)
+    if layout == "separate tensors":
+        mine[:layers] = torch.stack(argument)
     assert torch.equal(mine.cpu(), expected)
+
+
+def test_a_list_of_one_buffers_layers_is_one_stacked_view_and_separate_tensors_are_one_each():
+    from spec_ext.ops.kv_cache import _stacked
+    buffer = torch.randn(6, 2, 3, 8, 4)
+    (view,) = _stacked(list(buffer.unbind(0)))
+    assert view.data_ptr() == buffer.data_ptr() and torch.equal(view, buffer)
+    (view,) = _stacked(list(buffer[1::2].unbind(0)))  # every other one: spaced twice as far
+    assert view.stride(0) == 2 * buffer.stride(0) and torch.equal(view, buffer[1::2])
+    assert len(_stacked([t.clone() for t in buffer])) == 6
+    assert len(_stacked([buffer[0], buffer[2], buffer[1]])) == 3  # out of order
 
 
 def test_reference_is_gather_then_store():
@@ -78,6 +94,10 @@ def test_bad_input():
         spec_ext.compact_kv([caches[0], torch.zeros(2, 1, 8, 5)], torch.tensor([[1], [1]]), torch.tensor([0, 0]))
     with pytest.raises(ValueError, match=r"caches\[1\]: expected shape .* and dtype torch.float32"):
         spec_ext.compact_kv([caches[0], caches[1].half()], torch.tensor([[1], [1]]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match=r"caches: each \[B,H,S,D\] tensor of the stack must be contiguous"):
+        spec_ext.compact_kv(caches.transpose(3, 4), torch.tensor([[1], [1]]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="caches: expected 5-D"):
+        spec_ext.compact_kv(caches[0], torch.tensor([[1], [1]]), torch.tensor([0, 0]))
 
 
 # ------------------------------------------------------------------- SpecCache on models

@@ -16,8 +16,10 @@ def compact_kv(caches: Sequence[Tensor] | Tensor, src: Tensor, dst_start: Tensor
     ``dst_start[b] + j`` (j before the row's first -1). Overlapping ranges are fine.
 
     Args:
-        caches: list of [B,H,S,D] tensors (e.g. every layer's K and V) or one stacked
-            [N,B,H,S,D] tensor; contiguous, same shape, dtype and device.
+        caches: one stacked [N,B,H,S,D] tensor (each [B,H,S,D] contiguous; one launch) or a
+            list of [B,H,S,D] tensors (e.g. every layer's K and V; contiguous, same shape,
+            dtype and device; one launch when they lie evenly spaced in one storage, as
+            the layers of one buffer do, else one per tensor).
         src: [B,M] int64 source positions, -1 padded at the end.
         dst_start: [B] int64 first destination position.
 
@@ -28,15 +30,36 @@ def compact_kv(caches: Sequence[Tensor] | Tensor, src: Tensor, dst_start: Tensor
     check = registry.checking(validate)
     if isinstance(caches, Tensor):
         if check:
-            check_tensor("caches", caches, 5)
-        tensors = list(caches.unbind(0))
+            check_tensor("caches", caches, 5, FLOAT_TYPES)
+            if caches.shape[0] and not caches[0].is_contiguous():
+                fail("caches", "each [B,H,S,D] tensor of the stack must be contiguous (the N tensors may be spaced "
+                               "apart)")
+            _check_moves(caches.shape[1], caches.shape[3], caches.device, src, dst_start)
+        stacks = [caches]
     else:
         tensors = list(caches)
-    if not tensors:
-        return
-    if check:
-        _check(tensors, src, dst_start)
-    registry.kernel("compact_kv", backend, tensors[0].device)(tensors, src, dst_start)
+        if not tensors:
+            return
+        if check:
+            _check(tensors, src, dst_start)
+        stacks = _stacked(tensors)
+    kernel = registry.kernel("compact_kv", backend, stacks[0].device)
+    for stack in stacks:
+        kernel(stack, src, dst_start)
+
+
+def _stacked(tensors: list[Tensor]) -> list[Tensor]:
+    """The kernels take [N,B,H,S,D]: one strided view when the tensors lie evenly spaced in
+    one storage (every layer's K and V of one buffer: one launch), else one view each."""
+    first, size = tensors[0], tensors[0].element_size()
+    step = tensors[1].data_ptr() - first.data_ptr() if len(tensors) > 1 else 0
+    storage = first.untyped_storage().data_ptr()
+    if (step >= first.numel() * size and step % size == 0 and first.is_contiguous()
+            and all(t.data_ptr() == first.data_ptr() + i * step and t.shape == first.shape
+                    and t.dtype == first.dtype and t.is_contiguous() and t.untyped_storage().data_ptr() == storage
+                    for i, t in enumerate(tensors))):
+        return [first.as_strided((len(tensors), *first.shape), (step // size, *first.stride()))]
+    return [t.unsqueeze(0) for t in tensors]
 
 
 def _check(tensors: list[Tensor], src: Tensor, dst_start: Tensor) -> None:
@@ -48,11 +71,14 @@ def _check(tensors: list[Tensor], src: Tensor, dst_start: Tensor) -> None:
                                  f"got {tuple(t.shape)} {t.dtype}")
         if not t.is_contiguous():
             fail(f"caches[{n}]", "must be contiguous")
-    B, _, S, _ = first.shape
-    check_tensor("src", src, 2, (torch.int64,), first.device)
+    _check_moves(first.shape[0], first.shape[2], first.device, src, dst_start)
+
+
+def _check_moves(B: int, S: int, device, src: Tensor, dst_start: Tensor) -> None:
+    check_tensor("src", src, 2, (torch.int64,), device)
     if src.shape[0] != B:
         fail("src", f"expected [B={B}, M], got {tuple(src.shape)}")
-    check_tensor("dst_start", dst_start, 1, (torch.int64,), first.device)
+    check_tensor("dst_start", dst_start, 1, (torch.int64,), device)
     check_shape("dst_start", dst_start, (B,))
     if src.numel():
         valid = src >= 0
