@@ -31,7 +31,8 @@ KERNEL_OF = {"chain_rejection_sample": "chain_verify", "tree_rejection_sample": 
              "tree_greedy_verify": "tree_verify", "skinny_linear[avx512] vs F.linear": "skinny_linear",
              "skinny_linear[avx2] vs F.linear": "skinny_linear", "skinny_linear[portable] vs F.linear": "skinny_linear",
              "acceptance_head vs torch ops": "acceptance_head", "anchor: SDPA, dense tree mask": "anchor",
-             "anchor: SDPA flash, causal lower-right": "anchor"}  # row -> op
+             "anchor: SDPA flash, causal lower-right": "anchor",
+             "anchor: plain copy of the same bytes": "anchor"}  # row -> op
 FIELDS = ["op", "backend", "shape", "device", "median_us", "p20_us", "p80_us", "extra", "version", "commit"]
 
 
@@ -182,19 +183,28 @@ def attention_cases(device, quick):
 
 
 def kv_cases(device, quick):
-    grid = [(B, M) for B in (1, 16) for M in (4, 16)]
+    grid = [(B, M, 4096) for B in (1, 16) for M in (4, 16)]
+    if device == "cuda":
+        grid.append((64, 8, 1024))
     if quick:
-        grid = [(1, 4)]
-    L, H, D, S = 32, 8, 128, 4096
-    for B, M in grid:
+        grid = [(1, 4, 4096)]
+    L, H, D = 32, 8, 128
+    for B, M, S in grid:
         caches = torch.empty(2 * L, B, H, S, D, dtype=torch.float16, device=device)
         src = (torch.arange(M, device=device) * 2 + 100).expand(B, M).contiguous()
         dst = torch.full((B,), 100, device=device)
         moved = 2 * (2 * L) * B * H * M * D * 2  # read + write, fp16
+        shape = f"L={L},B={B},H={H},S={S},D={D},M={M},fp16"
 
         def run(backend, caches=caches, src=src, dst=dst):
             return lambda: spec_ext.compact_kv(caches, src, dst, backend=backend, validate=False)
-        yield "compact_kv", f"L={L},B={B},H={H},S={S},D={D},M={M},fp16", run, f"bytes={moved}"
+        yield "compact_kv", shape, run, f"bytes={moved}"
+        plain = torch.empty(moved // 4, dtype=torch.float16, device=device), \
+            torch.empty(moved // 4, dtype=torch.float16, device=device)
+
+        def copy(backend, plain=plain):  # the same bytes read and written by one contiguous copy
+            return lambda: plain[0].copy_(plain[1])
+        yield "anchor: plain copy of the same bytes", shape, copy, f"bytes={moved}"
 
 
 def linear_cases(device, quick):
