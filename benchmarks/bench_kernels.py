@@ -27,7 +27,7 @@ from spec_ext.ops import registry
 from spec_ext.ops.linear import ISA_VARIABLE
 
 RESULTS = Path(__file__).resolve().parent / "results"
-KERNEL_OF = {"chain_rejection_sample": "chain_verify", "tree_rejection_sample": "tree_verify",
+KERNEL_OF = {"chain_rejection_sample": "chain_verify", "greedy_verify": "chain_verify", "tree_rejection_sample": "tree_verify",
              "tree_greedy_verify": "tree_verify", "skinny_linear[avx512] vs F.linear": "skinny_linear",
              "skinny_linear[avx2] vs F.linear": "skinny_linear", "skinny_linear[portable] vs F.linear": "skinny_linear",
              "acceptance_head vs torch ops": "acceptance_head", "anchor: SDPA, dense tree mask": "anchor",
@@ -109,6 +109,10 @@ def rejection_cases(device, quick):
         def run(backend, p=p, q=q, drafts=drafts, u=u, nd=nd):
             return lambda: spec_ext.chain_rejection_sample(p, drafts, q, nd, u, backend=backend, validate=False)
         yield "chain_rejection_sample", f"B={B},K={K},V={V}", run, f"bytes_if_read_once={moved}"
+        if (B, K, V) in ((16, 5, 32000), (64, 8, 128256)):  # logits read once: the greedy limit
+            def greedy(backend, p=p, drafts=drafts, nd=nd):
+                return lambda: spec_ext.greedy_verify(p, drafts, nd, backend=backend, validate=False)
+            yield "greedy_verify", f"B={B},K={K},V={V}", greedy, f"bytes_if_read_once={p.numel() * 4}"
 
 
 def tree_cases(device, quick):
@@ -314,8 +318,9 @@ def report(rows):
         for backend, r in group.items():
             fields = dict(part.split("=", 1) for part in r["extra"].split(";") if "=" in part)
             us = float(fields["graph_us"]) if fields.get("graph_us", "failed")[0].isdigit() else r["median_us"]
-            achieved = (f"{float(fields['bytes']) / (us * 1e-6) / 1e9:.1f} GB/s" if "bytes" in fields else
-                        f"{float(fields['flops']) / (us * 1e-6) / 1e12:.2f} TFLOP/s")
+            moved = fields.get("bytes", fields.get("bytes_if_read_once"))
+            achieved = (f"{float(moved) / (us * 1e-6) / 1e9:.1f} GB/s" if moved else
+                        f"{float(fields['flops']) / (us * 1e-6) / 1e12:.2f} TFLOP/s" if "flops" in fields else "")
             graph = f" (GPU alone {fields['graph_us']} us)" if "graph_us" in fields else ""
             print(f"{op:24} {shape:44} {backend:8} {r['median_us']:12.1f} {ref / r['median_us']:8.1f}x "
                   f"{achieved:>14}{graph}")

@@ -48,7 +48,7 @@ def mismatches(a, b):
 @pytest.mark.parametrize("B,K,V", [(1, 1, 7), (4, 5, 64), (3, 8, 8193), (16, 5, 100)])
 @pytest.mark.parametrize("with_q", [True, False])
 def test_chain_replays_reference(backend, B, K, V, with_q):
-    if backend == "triton" and V > 1000 and device_for(backend) == "cpu":
+    if backend.startswith("triton") and V > 1000 and device_for(backend) == "cpu":
         V = 1000  # the interpreter is slow; odd V still
     p, drafts, q, num_draft, uniforms = chain_case(B, K, V, seed=B * 100 + K * 10 + V)
     q = q if with_q else None
@@ -95,6 +95,34 @@ def test_greedy_verify_matches_reference(backend):
     ref = reference.chain_verify(logits, drafts, None, num_draft, None, greedy=True)
     assert torch.equal(out.tokens.cpu(), ref[0]) and torch.equal(out.num_accepted.cpu(), ref[1])
     assert out.num_accepted.tolist() == [4, 2, 0, 2, 0, 3]
+
+
+@pytest.mark.skipif(spec_ext.backends()["triton"] != "available", reason="Triton cannot run here")
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 40])
+@pytest.mark.parametrize("mode", ["q", "one-hot q", "greedy", "greedy ties"])
+def test_vocabulary_split_verification_replays_reference_at_every_split(splits, mode):
+    """triton_split cuts each row's vocabulary into chunks: chunk boundaries (odd V, more
+    chunks than BLOCK_V tiles, a chunk per 2 entries) never change a token; ties in
+    greedy go to the first index across chunks."""
+    from spec_ext.kernels.rejection_sampling_split import split_chain_verify
+    B, K, V = 6, 4, 83
+    p, drafts, q, num_draft, uniforms = chain_case(B, K, V, seed=splits)
+    dev = device_for("triton")
+    move = lambda t: None if t is None else t.to(dev)
+    if mode.startswith("greedy"):
+        target = torch.randn(B, K + 1, V, generator=torch.Generator().manual_seed(splits))
+        if mode == "greedy ties":  # the max at indices 5 and 80: different chunks unless one chunk
+            target[:, :, 5] = target[:, :, 80] = target.max() + 1
+        drafts = target[:, :K].argmax(-1)
+        drafts[0, 1] = (drafts[0, 1] + 1) % V
+        out = split_chain_verify(move(target), move(drafts), None, move(num_draft), None, True, num_splits=splits)
+        ref = reference.chain_verify(target, drafts, None, num_draft, None, greedy=True)
+    else:
+        q = q if mode == "q" else None
+        out = split_chain_verify(move(p), move(drafts), move(q), move(num_draft), move(uniforms), False,
+                                 num_splits=splits)
+        ref = reference.chain_verify(p, drafts, q, num_draft, uniforms, greedy=False)
+    assert torch.equal(out[0].cpu(), ref[0]) and torch.equal(out[1].cpu(), ref[1])
 
 
 # ----------------------------------------------------------------------------- trees

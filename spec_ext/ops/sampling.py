@@ -76,6 +76,9 @@ def chain_rejection_sample(target_probs: Tensor, draft_tokens: Tensor, draft_pro
         num_draft: [B] int64 drafts per row (default K).
         uniforms: [B,K+1] float64 coins: column j for draft j, the last for the final
             (residual or bonus) draw by inverse CDF. Drawn with ``generator`` when None.
+        backend: "auto", "torch", "cpu", "cuda", "triton", or "triton_split" (each row's
+            vocabulary split across programs, for small batches on a GPU; not yet run on
+            a GPU, so "auto" never picks it). The same for :func:`greedy_verify`.
     Returns:
         ChainResult(tokens [B,K+1] -1 padded, num_accepted [B]); row b emits
         ``tokens[b, :num_accepted[b] + 1]``.

@@ -1,0 +1,221 @@
+"""Chain and greedy verification split over the vocabulary, in two launches and no host sync.
+
+The one-program-per-row kernel of ``rejection_sampling.py`` keeps a few SMs busy at small
+batch. Here each row's vocabulary is cut into ``splits`` chunks:
+
+1. ``_argmax_partials`` (greedy; one program per (row, position) x chunk) writes each
+   chunk's max and its first index; ``_mass_partials`` (sampling; one program per row x
+   chunk) finds the row's first rejected position from scalar loads (every program of the
+   row finds the same one) and writes each chunk's float64 sum and last positive index of
+   the residual there, and of p (the fallback when the residual is all zero).
+2. ``_finish`` (one program per row) combines the chunks: the argmax at each position in
+   order (ties: the first index) until a draft differs; or the chunk where the cumulative
+   mass passes ``u * total`` and then the token inside it, as the reference's inverse CDF
+   does over the whole row (same tokens for the same uniforms, up to float64 rounding of
+   the sums' order).
+
+Backend ``"triton_split"`` of ``chain_rejection_sample`` and ``greedy_verify``; it has not
+run on a GPU yet, so ``auto`` never picks it.
+"""
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from spec_ext.kernels.tree_attention_split import _sm_count
+
+MIN_CHUNK = 1024  # no split reads less than this many entries of a row
+
+
+@triton.jit
+def _argmax_partials(P, PVAL, PIDX, V, chunk, splits, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # b * (K + 1) + position
+    s = tl.program_id(1)
+    start = s * chunk
+    end = tl.minimum(start + chunk, V)
+    best_val = float("-inf")
+    best_idx = start.to(tl.int64)
+    for off in range(start, end, BLOCK_V):
+        offs = off + tl.arange(0, BLOCK_V)
+        x = tl.load(P + row * V + offs, mask=offs < end, other=float("-inf"))
+        block_max = tl.max(x, 0)
+        take = block_max > best_val
+        best_idx = tl.where(take, off + tl.argmax(x, 0), best_idx)
+        best_val = tl.where(take, block_max, best_val)
+    tl.store(PVAL + row * splits + s, best_val)
+    tl.store(PIDX + row * splits + s, best_idx)
+
+
+@triton.jit
+def _first_rejection(P, X, Q, N, U, b, K, V, HAS_Q: tl.constexpr):
+    """(position, kind, token) of row b's first rejected position: kind 0 samples from p
+    (no draft there), 1 from p without the draft's token (one-hot q), 2 from relu(p - q)."""
+    K1 = K + 1
+    n = tl.load(N + b)
+    position = tl.zeros([], tl.int64) + K
+    kind = tl.zeros([], tl.int32)
+    token = tl.zeros([], tl.int64)
+    done = 0
+    for i in range(0, K1):
+        if done == 0:
+            has_draft = (i < K) & (i < n)
+            x = tl.load(X + b * K + i, mask=has_draft, other=-1)
+            valid = (x >= 0) & (x < V)
+            safe_x = tl.where(valid, x, 0)
+            px = tl.load(P + (b * K1 + i) * V + safe_x).to(tl.float64)
+            qx = 1.0
+            kind_here = tl.where(valid, 1, 0)
+            if HAS_Q:
+                qx = tl.load(Q + (b * K + i) * V + safe_x, mask=valid, other=0.0).to(tl.float64)
+                kind_here = tl.where(valid, 2, 0)
+            u = tl.load(U + b * K1 + i)
+            if not (valid & (qx > 0) & (u * qx < px)):
+                position = tl.zeros([], tl.int64) + i
+                kind = kind_here
+                token = safe_x
+                done = 1
+    return position, kind, token
+
+
+@triton.jit
+def _mass(p_row, q_row, x, offs, end, kind, HAS_Q: tl.constexpr):
+    """The mass to sample from at offs (kind as in _first_rejection), float64, 0 outside."""
+    inside = offs < end
+    p = tl.load(p_row + offs, mask=inside, other=0.0).to(tl.float64)
+    m = p
+    if HAS_Q:
+        q = tl.load(q_row + offs, mask=inside & (kind == 2), other=0.0).to(tl.float64)
+        m = tl.where(kind == 2, tl.maximum(p - q, 0.0), m)
+    return tl.where((kind == 1) & (offs == x), 0.0, m)
+
+
+@triton.jit
+def _mass_partials(P, X, Q, N, U, PART, LAST, K, V, chunk, splits, HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    position, kind, x = _first_rejection(P, X, Q, N, U, b, K, V, HAS_Q)
+    p_row = P + (b * (K + 1) + position) * V
+    q_row = Q + (b * K + position) * V  # read only when kind == 2, i.e. position < K
+    start = s * chunk
+    end = tl.minimum(start + chunk, V)
+    residual_sum = tl.zeros([], tl.float64)
+    p_sum = tl.zeros([], tl.float64)
+    residual_last = tl.full([], -1, tl.int64)
+    p_last = tl.full([], -1, tl.int64)
+    for off in range(start, end, BLOCK_V):
+        offs = off + tl.arange(0, BLOCK_V)
+        m = _mass(p_row, q_row, x, offs, end, kind, HAS_Q)
+        p = tl.load(p_row + offs, mask=offs < end, other=0.0).to(tl.float64)
+        residual_sum += tl.sum(m, 0)
+        p_sum += tl.sum(p, 0)
+        residual_last = tl.maximum(residual_last, tl.max(tl.where(m > 0, offs, -1), 0).to(tl.int64))
+        p_last = tl.maximum(p_last, tl.max(tl.where(p > 0, offs, -1), 0).to(tl.int64))
+    tl.store(PART + (2 * b) * splits + s, residual_sum)
+    tl.store(PART + (2 * b + 1) * splits + s, p_sum)
+    tl.store(LAST + (2 * b) * splits + s, residual_last)
+    tl.store(LAST + (2 * b + 1) * splits + s, p_last)
+
+
+@triton.jit
+def _finish(P, X, Q, N, U, PART, LAST, PVAL, PIDX, OUT, ACC, K, V, chunk, splits, GREEDY: tl.constexpr,
+            HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    K1 = K + 1
+    ss = tl.arange(0, BLOCK_S)
+    in_split = ss < splits
+    if GREEDY:
+        n = tl.load(N + b)
+        position = tl.zeros([], tl.int64) + K
+        token = tl.zeros([], tl.int64)
+        done = 0
+        for i in range(0, K1):
+            if done == 0:
+                row = b * K1 + i
+                values = tl.load(PVAL + row * splits + ss, mask=in_split, other=float("-inf"))
+                best = tl.max(values, 0)
+                first = tl.min(tl.where(in_split & (values == best),
+                                        tl.load(PIDX + row * splits + ss, mask=in_split, other=0), V), 0)
+                argmax = tl.where(first == V, 0, first).to(tl.int64)  # an all-NaN row: index 0
+                x = tl.load(X + b * K + i, mask=(i < K) & (i < n), other=-1)
+                if x != argmax:
+                    position = tl.zeros([], tl.int64) + i
+                    token = argmax
+                    done = 1
+    else:
+        position, kind, x = _first_rejection(P, X, Q, N, U, b, K, V, HAS_Q)
+        residual = tl.load(PART + (2 * b) * splits + ss, mask=in_split, other=0.0)
+        use_residual = tl.sum(residual, 0) > 0
+        which = tl.where(use_residual, 0, 1)
+        part = tl.load(PART + (2 * b + which) * splits + ss, mask=in_split, other=0.0)
+        total = tl.sum(part, 0)
+        threshold = tl.load(U + b * K1 + K) * total
+        c = tl.min(tl.where(in_split & (tl.cumsum(part, 0) > threshold), ss, BLOCK_S), 0)
+        token = tl.max(tl.load(LAST + (2 * b + which) * splits + ss, mask=in_split, other=-1), 0).to(tl.int64)
+        if c < splits:
+            kind = tl.where(use_residual, kind, 0)
+            p_row = P + (b * K1 + position) * V
+            q_row = Q + (b * K + position) * V
+            acc = tl.sum(tl.where(ss < c, part, 0.0), 0)
+            start = c * chunk
+            end = tl.minimum(start + chunk, V)
+            found = tl.zeros([], tl.int64) + V
+            for off in range(start, end, BLOCK_V):
+                offs = off + tl.arange(0, BLOCK_V)
+                m = _mass(p_row, q_row, x, offs, end, kind, HAS_Q)
+                hit = (m > 0) & (acc + tl.cumsum(m, 0) > threshold)
+                found = tl.minimum(found, tl.min(tl.where(hit, offs, V), 0).to(tl.int64))
+                acc += tl.sum(m, 0)
+            # rounding between the chunk sums and this scan: the chunk's last positive entry
+            token = tl.where(found == V, tl.load(LAST + (2 * b + which) * splits + c), found)
+        token = tl.where(total > 0, token, 0)
+    ks = tl.arange(0, BLOCK_K)
+    drafts = tl.load(X + b * K + ks, mask=ks < position, other=-1)
+    tl.store(OUT + b * K1 + ks, tl.where(ks < position, drafts, tl.where(ks == position, token, -1)), mask=ks < K1)
+    tl.store(ACC + b, position)
+
+
+def split_count(rows: int, V: int, device: torch.device) -> int:
+    """Chunks per row: about two waves of programs over the SMs, none under MIN_CHUNK."""
+    return max(1, min(triton.cdiv(V, MIN_CHUNK), triton.cdiv(2 * _sm_count(device), rows)))
+
+
+def split_chain_verify(target: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                       num_draft: torch.Tensor, uniforms: torch.Tensor | None, greedy: bool,
+                       num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launcher; ``num_splits`` overrides :func:`split_count` (tests force chunk boundaries)."""
+    B, K1, V = target.shape
+    device = target.device
+    tokens = torch.empty(B, K1, dtype=torch.int64, device=device)
+    num_accepted = torch.empty(B, dtype=torch.int64, device=device)
+    if B == 0:
+        return tokens, num_accepted
+    rows = B * K1 if greedy else B
+    splits = min(num_splits or split_count(rows, V, device), V)
+    chunk = triton.cdiv(V, splits)
+    splits = triton.cdiv(V, chunk)
+    BLOCK_V = min(1024, triton.next_power_of_2(chunk))
+    target, draft_tokens, num_draft = target.contiguous(), draft_tokens.contiguous(), num_draft.contiguous()
+    q = target if draft_probs is None else draft_probs.contiguous()
+    u = target if uniforms is None else uniforms.contiguous()
+    part = last = pval = pidx = target  # unused pointers
+    if greedy:
+        pval = torch.empty(rows, splits, dtype=torch.float32, device=device)
+        pidx = torch.empty(rows, splits, dtype=torch.int64, device=device)
+        wrap_triton(_argmax_partials)[(rows, splits)](target, pval, pidx, V, chunk, splits, BLOCK_V=BLOCK_V)
+    else:
+        part = torch.empty(B, 2, splits, dtype=torch.float64, device=device)
+        last = torch.empty(B, 2, splits, dtype=torch.int64, device=device)
+        wrap_triton(_mass_partials)[(B, splits)](target, draft_tokens, q, num_draft, u, part, last, K1 - 1, V, chunk,
+                                                 splits, HAS_Q=draft_probs is not None, BLOCK_V=BLOCK_V)
+    wrap_triton(_finish)[(B,)](target, draft_tokens, q, num_draft, u, part, last, pval, pidx, tokens, num_accepted,
+                               K1 - 1, V, chunk, splits, GREEDY=greedy, HAS_Q=draft_probs is not None,
+                               BLOCK_V=BLOCK_V, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+                               BLOCK_K=triton.next_power_of_2(K1))
+    return tokens, num_accepted
+
+
+@triton_op("spec_ext_triton::chain_verify_split", mutates_args=())
+def chain_verify_split(target: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                       num_draft: torch.Tensor, uniforms: torch.Tensor | None, greedy: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    return split_chain_verify(target, draft_tokens, draft_probs, num_draft, uniforms, greedy)
