@@ -6,6 +6,7 @@ import os
 import socket
 import time
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -97,6 +98,12 @@ def _greedy_worker(rank, folder):
         spec_ext.generate(target, draft, PROMPTS, max_new_tokens=4, policy=PEARL(mode="distributed"))
     except ValueError as error:
         out["pearl distributed"] = str(error)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = spec_ext.generate(target, draft, PROMPTS, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0,
+                                   policy="fixed", fast_linear=True)
+    out["fast_linear"] = result.sequences
+    out["fast_linear warnings"] = [str(w.message) for w in caught]
     return out
 
 
@@ -116,6 +123,9 @@ def test_greedy_with_a_split_target_equals_the_whole_targets_generate(saved_pair
                 assert rows[b][:len(expected)] == expected, f"rank {rank}, {name}, row {b}"
                 assert all(t == 0 for t in rows[b][len(expected):]), f"rank {rank}, {name}, row {b}"
         assert "no rank is left for the draft" in result["pearl distributed"]
+        assert torch.equal(result["fast_linear"], result["fixed"])  # the split target keeps HF's modules
+        if rank == 0:  # the leader prepares the target's forward: it says why the lean forward steps aside
+            assert any("split across 2 ranks by tensor parallelism" in w for w in result["fast_linear warnings"])
     assert len(hf_greedy(target, PROMPTS[0], NEW, eos=[eos])) < NEW  # EOS was reached
 
 
