@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import spec_ext
@@ -333,6 +334,43 @@ def test_a_target_in_train_mode_with_dropout_is_refused():
         spec_ext.generate(target, perturbed(target, 0.003, seed=1).eval(), [[5, 6]], max_new_tokens=4)
     target.config.attention_dropout = 0.0  # train mode without dropout computes what eval mode does
     spec_ext.generate(target, perturbed(target, 0.003, seed=1), [[5, 6]], max_new_tokens=4)
+
+
+HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+              torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu,
+              torch.Tensor.nonzero, torch.nonzero}
+
+
+class CountHostReads(TorchFunctionMode):
+    """Counts the Python-level reads of a tensor's values on the host (on a GPU, each waits
+    for the queue), wherever they are: the loop, the cache, the ops, the lean forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("policy", ["fixed", "tree"])
+def test_a_round_reads_the_host_once_on_any_device(greedy_pair, policy):
+    """The CPU-side guard of the GPU test below: Fixed and Tree read tensor values on the
+    host once per round (what was emitted), plus a few on the prompt."""
+    target, draft = greedy_pair
+    ids = [[5, 17, 33, 8], [9, 4]]
+    reads, rounds = [], []
+    for new in (8, 40):
+        with CountHostReads() as counter:
+            out = spec_ext.generate(target, draft, ids, max_new_tokens=new, eos_token_id=[], policy=policy)
+        reads.append(counter.reads)
+        rounds.append(out.stats.target_calls - 1)
+    extra_rounds = rounds[1] - rounds[0]
+    assert extra_rounds >= 5 and len(reads[1]) - len(reads[0]) <= extra_rounds, (rounds, reads[1])
+    assert len(reads[0]) <= rounds[0] + 8, reads[0]  # the prompt's checks and the tree's set-up
+
 
 
 @pytest.mark.gpu

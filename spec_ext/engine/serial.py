@@ -47,6 +47,7 @@ class SerialEngine(Rows):
             self.parents = self.tree.parents.to(self.device)
             self.tree_mask = self.tree.mask.to(self.device)
             self.depth = self.tree.depth[0].to(self.device)
+            self.max_depth = self.tree.max_depth
 
     # ------------------------------------------------------------------ forwards
     def _target(self, ids: Tensor, positions: Tensor, mask=None, hidden=False):
@@ -206,11 +207,11 @@ class SerialEngine(Rows):
         target_logits = self._target(nodes, self.tcache.lengths[:, None] + self.depth, self.tree_mask)
         drafts = nodes
         if self.sampler.greedy:
-            result = ops.tree_greedy_verify(target_logits, drafts, self.parents, max_depth=self.tree.max_depth,
+            result = ops.tree_greedy_verify(target_logits, drafts, self.parents, max_depth=self.max_depth,
                                             validate=False)
         else:
             result = ops.tree_rejection_sample(self.sampler.probs(target_logits), drafts, self.parents,
-                                               generator=self.generator, max_depth=self.tree.max_depth,
+                                               generator=self.generator, max_depth=self.max_depth,
                                                validate=False)
         outcome = torch.cat([result.tokens, result.num_accepted[:, None]], 1).tolist()  # the round's host sync
         tokens, accepted = [o[:-1] for o in outcome], [o[-1] for o in outcome]
