@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from spec_ext.kernels.rejection_sampling import _mass  # (p_row, q_row, x, offs, end, kind): 0 outside
 from spec_ext.kernels.tree_attention_split import _sm_count
 
 MIN_CHUNK = 1024  # no split reads less than this many entries of a row
@@ -75,18 +76,6 @@ def _first_rejection(P, X, Q, N, U, b, K, V, HAS_Q: tl.constexpr):
                 token = safe_x
                 done = 1
     return position, kind, token
-
-
-@triton.jit
-def _mass(p_row, q_row, x, offs, end, kind, HAS_Q: tl.constexpr):
-    """The mass to sample from at offs (kind as in _first_rejection), float64, 0 outside."""
-    inside = offs < end
-    p = tl.load(p_row + offs, mask=inside, other=0.0).to(tl.float64)
-    m = p
-    if HAS_Q:
-        q = tl.load(q_row + offs, mask=inside & (kind == 2), other=0.0).to(tl.float64)
-        m = tl.where(kind == 2, tl.maximum(p - q, 0.0), m)
-    return tl.where((kind == 1) & (offs == x), 0.0, m)
 
 
 @triton.jit

@@ -20,6 +20,19 @@ def tree_bits(mask_ptr, mask_row, t, j, in_tree, T, W, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def key_block(q, k_ptr, v_ptr, kv_base, s, stop, d, D, scale, IEEE: tl.constexpr):
+    """The keys s (those < stop) of one block: scores q k^T * scale [rows, keys] and values."""
+    kv_mask = (s[:, None] < stop) & (d[None, :] < D)
+    k = tl.load(k_ptr + kv_base + s[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + kv_base + s[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+    if IEEE:  # fp32: tl.dot would round both operands to TF32 on the GPU
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    else:
+        scores = tl.dot(q, tl.trans(k)) * scale
+    return scores, v
+
+
+@triton.jit
 def online_softmax_step(scores, visible, v, m, l, acc, IEEE: tl.constexpr):
     """One key block of an online softmax: running max m, sum l and output acc [rows, D]."""
     scores = tl.where(visible, scores, float("-inf"))
@@ -56,13 +69,7 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, mask_ptr, out_ptr, s
     acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     for start in range(0, limit, BLOCK_S):
         s = start + tl.arange(0, BLOCK_S)
-        kv_mask = (s[:, None] < limit) & (d[None, :] < D)
-        k = tl.load(k_ptr + kv_base + s[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_base + s[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale
+        scores, v = key_block(q, k_ptr, v_ptr, kv_base, s, limit, d, D, scale, IEEE)
         j = s[None, :] - prefix
         in_tree = (j >= 0) & (j < T) & (t[:, None] < T)
         tree_bit = tree_bits(mask_ptr, mask_row, t, j, in_tree, T, W, CAUSAL)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from spec_ext.kernels.tree_attention import online_softmax_step, tree_bits
+from spec_ext.kernels.tree_attention import key_block, online_softmax_step, tree_bits
 
 BLOCK_S = 64  # keys per inner step
 
@@ -50,13 +50,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, mask_ptr, part_ptr, lse_ptr, 
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for block in range(start, stop, BLOCK_S):
         s = block + tl.arange(0, BLOCK_S)
-        kv_mask = (s[:, None] < stop) & (d[None, :] < D)
-        k = tl.load(k_ptr + kv_base + s[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_base + s[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale
+        scores, v = key_block(q, k_ptr, v_ptr, kv_base, s, stop, d, D, scale, IEEE)
         visible = (s[None, :] < stop) & row_ok[:, None]
         if block + BLOCK_S > prefix:  # the block reaches the new tokens: their tree bits decide
             j = s[None, :] - prefix
