@@ -14,8 +14,10 @@ batch. Here each row's vocabulary is cut into ``splits`` chunks:
    does over the whole row (same tokens for the same uniforms, up to float64 rounding of
    the sums' order).
 
-Backend ``"triton_split"`` of ``chain_rejection_sample`` and ``greedy_verify``; it has not
-run on a GPU yet, so ``auto`` never picks it.
+Greedy tree verification takes the same argmax partials for every node at once, then one
+program per row walks the tree. Backend ``"triton_split"`` of ``chain_rejection_sample``,
+``greedy_verify`` and ``tree_greedy_verify`` (``tree_rejection_sample`` there runs the
+one-program-per-row kernel); it has not run on a GPU yet, so ``auto`` never picks it.
 """
 import torch
 import triton
@@ -163,6 +165,43 @@ def _finish(P, X, Q, N, U, PART, LAST, PVAL, PIDX, OUT, ACC, K, V, chunk, splits
     tl.store(ACC + b, position)
 
 
+@triton.jit
+def _tree_greedy_finish(X, PAR, PVAL, PIDX, PATH, TOK, ACC, T, V, splits, BLOCK_S: tl.constexpr,
+                        BLOCK_T: tl.constexpr):
+    """From the root, follow the first child (in id order) whose token is its node's argmax."""
+    b = tl.program_id(0).to(tl.int64)
+    ts = tl.arange(0, BLOCK_T)
+    tl.store(PATH + b * T + ts, tl.where(ts == 0, 0, -1).to(tl.int64), mask=ts < T)
+    tl.store(TOK + b * T + ts, tl.full([BLOCK_T], -1, tl.int64), mask=ts < T)
+    tl.debug_barrier()
+    parents = tl.load(PAR + b * T + ts, mask=ts < T, other=-2)
+    tokens = tl.load(X + b * T + ts, mask=ts < T, other=-1)
+    ss = tl.arange(0, BLOCK_S)
+    in_split = ss < splits
+    node = tl.zeros([], tl.int64)
+    depth = tl.zeros([], tl.int64)
+    done = 0
+    for _level in range(0, T):
+        if done == 0:
+            row = b * T + node
+            values = tl.load(PVAL + row * splits + ss, mask=in_split, other=float("-inf"))
+            best = tl.max(values, 0)
+            first = tl.min(tl.where(in_split & (values == best),
+                                    tl.load(PIDX + row * splits + ss, mask=in_split, other=0), V), 0)
+            argmax = tl.where(first == V, 0, first).to(tl.int64)
+            match = (ts > node) & (parents == node) & (tokens == argmax)
+            child = tl.min(tl.where(match, ts, BLOCK_T), 0).to(tl.int64)
+            if child < T:
+                depth += 1
+                tl.store(PATH + b * T + depth, child)
+                tl.store(TOK + b * T + depth - 1, argmax)
+                node = child
+            else:
+                tl.store(TOK + b * T + depth, argmax)
+                tl.store(ACC + b, depth)
+                done = 1
+
+
 def split_count(rows: int, V: int, device: torch.device) -> int:
     """Chunks per row: about two waves of programs over the SMs, none under MIN_CHUNK."""
     return max(1, min(triton.cdiv(V, MIN_CHUNK), triton.cdiv(2 * _sm_count(device), rows)))
@@ -208,3 +247,40 @@ def chain_verify_split(target: torch.Tensor, draft_tokens: torch.Tensor, draft_p
                        num_draft: torch.Tensor, uniforms: torch.Tensor | None, greedy: bool
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     return split_chain_verify(target, draft_tokens, draft_probs, num_draft, uniforms, greedy)
+
+
+def split_tree_verify(target: torch.Tensor, tree_tokens: torch.Tensor, parents: torch.Tensor,
+                      draft_probs: torch.Tensor | None, uniforms: torch.Tensor | None, greedy: bool,
+                      without_replacement: bool, num_splits: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy: every node's argmax split over the vocabulary at once, then one program per
+    row walks the tree. Sampling: the one-program-per-row kernel (its siblings' residuals
+    chain through whole-vocabulary sums)."""
+    if not greedy:
+        return torch.ops.spec_ext_triton.tree_verify(target, tree_tokens, parents, draft_probs, uniforms, greedy,
+                                                     without_replacement)
+    B, T, V = target.shape
+    device = target.device
+    path = torch.empty(B, T, dtype=torch.int64, device=device)
+    tokens = torch.empty(B, T, dtype=torch.int64, device=device)
+    num_accepted = torch.empty(B, dtype=torch.int64, device=device)
+    if B == 0:
+        return path, tokens, num_accepted
+    splits = min(num_splits or split_count(B * T, V, device), V)
+    chunk = triton.cdiv(V, splits)
+    splits = triton.cdiv(V, chunk)
+    pval = torch.empty(B * T, splits, dtype=torch.float32, device=device)
+    pidx = torch.empty(B * T, splits, dtype=torch.int64, device=device)
+    wrap_triton(_argmax_partials)[(B * T, splits)](target.contiguous(), pval, pidx, V, chunk, splits,
+                                                   BLOCK_V=min(1024, triton.next_power_of_2(chunk)))
+    wrap_triton(_tree_greedy_finish)[(B,)](tree_tokens.contiguous(), parents.contiguous(), pval, pidx, path, tokens,
+                                           num_accepted, T, V, splits, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+                                           BLOCK_T=triton.next_power_of_2(T))
+    return path, tokens, num_accepted
+
+
+@triton_op("spec_ext_triton::tree_verify_split", mutates_args=())
+def tree_verify_split(target: torch.Tensor, tree_tokens: torch.Tensor, parents: torch.Tensor,
+                      draft_probs: torch.Tensor | None, uniforms: torch.Tensor | None, greedy: bool,
+                      without_replacement: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return split_tree_verify(target, tree_tokens, parents, draft_probs, uniforms, greedy, without_replacement)

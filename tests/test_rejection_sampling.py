@@ -153,7 +153,7 @@ def sample_tree_tokens(parents, q, without_replacement, generator):
 def test_tree_replays_reference(backend, shape, mode):
     parents = torch.tensor(TREES[shape])
     T = len(parents)
-    B, V = (3, 33) if backend == "triton" else (8, 257)
+    B, V = (3, 33) if backend.startswith("triton") else (8, 257)
     g = torch.Generator().manual_seed(T)
     p = probs(B, T, V, generator=g, sharp=2.0, zero_frac=0.2)
     q = probs(B, T, V, generator=g, sharp=2.0)
@@ -177,6 +177,31 @@ def test_tree_replays_reference(backend, shape, mode):
     assert torch.equal(out.path.cpu(), ref[0][:, :width])
     assert mismatches(out.tokens.cpu(), ref[1][:, :width]) <= 1
     assert torch.equal(out.num_accepted.cpu(), ref[2])
+
+
+@pytest.mark.skipif(spec_ext.backends()["triton"] != "available", reason="Triton cannot run here")
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 40])
+@pytest.mark.parametrize("shape", list(TREES))
+def test_vocabulary_split_greedy_tree_verification_replays_reference(splits, shape):
+    from spec_ext.kernels.rejection_sampling_split import split_tree_verify
+    parents = torch.tensor(TREES[shape])
+    B, T, V = 5, len(parents), 83
+    g = torch.Generator().manual_seed(splits * 10 + T)
+    logits = torch.randn(B, T, V, generator=g)
+    logits[:, :, 5] = logits[:, :, 80] = logits.max() + 1  # ties across chunks: the first index wins
+    logits[1:, :, 5] -= 2  # other rows: a unique argmax at 80
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    for b in range(B):  # accept along a few branches, including a later sibling
+        for child in range(1, T):
+            if torch.rand(1, generator=g) < 0.6:
+                tokens[b, child] = logits[b, parents[child]].argmax()
+    tokens[0, -1] = -1
+    dev = device_for("triton")
+    out = split_tree_verify(logits.to(dev), tokens.to(dev), parents.expand(B, T).contiguous().to(dev), None, None,
+                            True, True, num_splits=splits)
+    ref = reference.tree_verify(logits, tokens, parents.expand(B, T), None, None, True, True)
+    assert all(torch.equal(o.cpu(), r) for o, r in zip(out, ref)), (out, ref)
+    assert int(ref[2].max()) >= 1
 
 
 # ----------------------------------------------------------------------- statistics

@@ -190,7 +190,9 @@ def tree_rejection_sample(target_probs: Tensor, tree_tokens: Tensor, parents: Te
 def tree_greedy_verify(target_logits: Tensor, tree_tokens: Tensor, parents: Tensor, max_depth: int | None = None,
                        backend: str = "auto", validate: bool | None = None) -> TreeResult:
     """Greedy tree verification: from the root, follow the first child whose token is the
-    target's argmax; emit the argmax where none is. Shapes as :func:`tree_rejection_sample`."""
+    target's argmax; emit the argmax where none is. Shapes as :func:`tree_rejection_sample`;
+    ``backend="triton_split"`` finds every node's argmax split over the vocabulary (opt-in,
+    not yet run on a GPU)."""
     target_logits, check = _upcast(target_logits), registry.checking(validate)
     parents = _tree_args("target_logits", target_logits, tree_tokens, parents, check)
     if check:
