@@ -15,9 +15,13 @@ batch. Here each row's vocabulary is cut into ``splits`` chunks:
    the sums' order).
 
 Greedy tree verification takes the same argmax partials for every node at once, then one
-program per row walks the tree. Backend ``"triton_split"`` of ``chain_rejection_sample``,
-``greedy_verify`` and ``tree_greedy_verify`` (``tree_rejection_sample`` there runs the
-one-program-per-row kernel); it has not run on a GPU yet, so ``auto`` never picks it.
+program per row walks the tree. Tree rejection sampling stays one program per row (each
+rejected sibling's residual needs the sum over the whole vocabulary of the last one) but
+keeps no float64 [B,V] workspace: a rejection reads p and q once for its sums, and the
+residual is recomputed from the rejections' scalars where needed. Backend
+``"triton_split"`` of ``chain_rejection_sample``, ``greedy_verify``,
+``tree_rejection_sample`` and ``tree_greedy_verify``; it has not run on a GPU yet, so
+``auto`` never picks it.
 """
 import torch
 import triton
@@ -202,6 +206,114 @@ def _tree_greedy_finish(X, PAR, PVAL, PIDX, PATH, TOK, ACC, T, V, splits, BLOCK_
                 done = 1
 
 
+@triton.jit
+def _residual(p_row, q_row, offs, inside, k, xs, zs, ss, HAS_Q: tl.constexpr, WITHOUT_REPLACEMENT: tl.constexpr):
+    """A node's residual and sibling q at offs after its first k rejected siblings, from p
+    and q and each rejection's (token xs[j], residual sum zs[j], q sum ss[j]), in the
+    reference's order: rest = relu(r - q) (or r without the token), r = rest / its sum,
+    then q loses the token and is renormalised (without replacement)."""
+    r = tl.load(p_row + offs, mask=inside, other=0.0).to(tl.float64)
+    qv = tl.zeros_like(r)
+    if HAS_Q:
+        qv = tl.load(q_row + offs, mask=inside, other=0.0).to(tl.float64)
+    for j in range(0, k):
+        x = tl.load(xs + j)
+        z = tl.load(zs + j)
+        if HAS_Q:
+            rest = tl.maximum(r - qv, 0.0)
+        else:
+            rest = tl.where(offs == x, 0.0, r)
+        r = tl.where(z > 0, rest / z, r)
+        if HAS_Q and WITHOUT_REPLACEMENT:
+            total = tl.load(ss + j)
+            qv = tl.where(offs == x, 0.0, qv)
+            qv = tl.where(total > 0, qv / total, qv)
+    return r, qv
+
+
+@triton.jit
+def _tree_sample_kernel(P, X, PAR, Q, U, XS, ZS, SS, PATH, TOK, ACC, T, V, HAS_Q: tl.constexpr,
+                        WITHOUT_REPLACEMENT: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Multi-draft recursive rejection sampling down one row's tree with no workspace: a
+    rejected sibling costs one read of p and q (its residual's sums); the residual itself
+    is recomputed from the rejections' scalars wherever it is needed."""
+    b = tl.program_id(0).to(tl.int64)
+    ts = tl.arange(0, BLOCK_T)
+    tl.store(PATH + b * T + ts, tl.where(ts == 0, 0, -1).to(tl.int64), mask=ts < T)
+    tl.store(TOK + b * T + ts, tl.full([BLOCK_T], -1, tl.int64), mask=ts < T)
+    tl.debug_barrier()
+    xs, zs, ss = XS + b * T, ZS + b * T, SS + b * T
+    u_final = tl.load(U + b * (T + 1) + T)
+    node = tl.zeros([], tl.int64)
+    depth = tl.zeros([], tl.int64)
+    done = 0
+    for _level in range(0, T):
+        if done == 0:
+            p_row = P + (b * T + node) * V
+            q_row = Q + (b * T + node) * V
+            k = tl.zeros([], tl.int32)  # rejected siblings so far at this node
+            accepted = tl.full([], -1, tl.int64)
+            for child in range(1, T):
+                if accepted < 0:
+                    parent = tl.load(PAR + b * T + child)
+                    x = tl.load(X + b * T + child)
+                    if (parent == node) & (x >= 0) & (x < V):
+                        at = x + tl.arange(0, 2)  # the token (and a masked neighbour)
+                        r, qv = _residual(p_row, q_row, at, at == x, k, xs, zs, ss, HAS_Q, WITHOUT_REPLACEMENT)
+                        rx = tl.sum(tl.where(at == x, r, 0.0), 0)
+                        qx = 1.0
+                        if HAS_Q:
+                            qx = tl.sum(tl.where(at == x, qv, 0.0), 0)
+                        u = tl.load(U + b * (T + 1) + child)
+                        if (qx > 0) & (u * qx < rx):
+                            accepted = tl.zeros([], tl.int64) + child
+                        else:
+                            rest_sum = tl.zeros([], tl.float64)
+                            q_sum = tl.zeros([], tl.float64)
+                            for start in range(0, V, BLOCK_V):
+                                offs = start + tl.arange(0, BLOCK_V)
+                                r, qv = _residual(p_row, q_row, offs, offs < V, k, xs, zs, ss, HAS_Q,
+                                                  WITHOUT_REPLACEMENT)
+                                if HAS_Q:
+                                    rest_sum += tl.sum(tl.maximum(r - qv, 0.0), 0)
+                                else:
+                                    rest_sum += tl.sum(tl.where(offs == x, 0.0, r), 0)
+                                q_sum += tl.sum(tl.where(offs == x, 0.0, qv), 0)
+                            tl.store(xs + k, x)
+                            tl.store(zs + k, rest_sum)
+                            tl.store(ss + k, q_sum)
+                            tl.debug_barrier()
+                            k += 1
+            if accepted < 0:  # inverse CDF on the residual (the reference's _sample(r, r, u))
+                total = tl.zeros([], tl.float64)
+                for start in range(0, V, BLOCK_V):
+                    offs = start + tl.arange(0, BLOCK_V)
+                    r, _ = _residual(p_row, q_row, offs, offs < V, k, xs, zs, ss, HAS_Q, WITHOUT_REPLACEMENT)
+                    total += tl.sum(r, 0)
+                threshold = u_final * total
+                acc = tl.zeros([], tl.float64)
+                token = tl.zeros([], tl.int64) + V
+                last = tl.full([], -1, tl.int64)
+                for start in range(0, V, BLOCK_V):
+                    offs = start + tl.arange(0, BLOCK_V)
+                    r, _ = _residual(p_row, q_row, offs, offs < V, k, xs, zs, ss, HAS_Q, WITHOUT_REPLACEMENT)
+                    positive = r > 0
+                    r = tl.where(positive, r, 0.0)
+                    hit = positive & (acc + tl.cumsum(r, 0) > threshold)
+                    token = tl.minimum(token, tl.min(tl.where(hit, offs, V), 0).to(tl.int64))
+                    last = tl.maximum(last, tl.max(tl.where(positive, offs, -1), 0).to(tl.int64))
+                    acc += tl.sum(r, 0)
+                token = tl.where(token == V, last, token)
+                tl.store(TOK + b * T + depth, tl.where(total > 0, tl.maximum(token, 0), 0))
+                tl.store(ACC + b, depth)
+                done = 1
+            else:
+                depth += 1
+                tl.store(PATH + b * T + depth, accepted)
+                tl.store(TOK + b * T + depth - 1, tl.load(X + b * T + accepted))
+                node = accepted
+
+
 def split_count(rows: int, V: int, device: torch.device) -> int:
     """Chunks per row: about two waves of programs over the SMs, none under MIN_CHUNK."""
     return max(1, min(triton.cdiv(V, MIN_CHUNK), triton.cdiv(2 * _sm_count(device), rows)))
@@ -251,20 +363,28 @@ def chain_verify_split(target: torch.Tensor, draft_tokens: torch.Tensor, draft_p
 
 def split_tree_verify(target: torch.Tensor, tree_tokens: torch.Tensor, parents: torch.Tensor,
                       draft_probs: torch.Tensor | None, uniforms: torch.Tensor | None, greedy: bool,
-                      without_replacement: bool, num_splits: int | None = None
+                      without_replacement: bool, num_splits: int | None = None, block_v: int | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy: every node's argmax split over the vocabulary at once, then one program per
-    row walks the tree. Sampling: the one-program-per-row kernel (its siblings' residuals
-    chain through whole-vocabulary sums)."""
-    if not greedy:
-        return torch.ops.spec_ext_triton.tree_verify(target, tree_tokens, parents, draft_probs, uniforms, greedy,
-                                                     without_replacement)
+    row walks the tree. Sampling: one program per row (its siblings' residuals chain
+    through whole-vocabulary sums), without a workspace: see _tree_sample_kernel.
+    ``num_splits`` and ``block_v`` override the chunking (tests force boundaries)."""
     B, T, V = target.shape
     device = target.device
     path = torch.empty(B, T, dtype=torch.int64, device=device)
     tokens = torch.empty(B, T, dtype=torch.int64, device=device)
     num_accepted = torch.empty(B, dtype=torch.int64, device=device)
     if B == 0:
+        return path, tokens, num_accepted
+    if not greedy:
+        steps = torch.empty(B, T, dtype=torch.int64, device=device)
+        sums = torch.empty(2, B, T, dtype=torch.float64, device=device)
+        wrap_triton(_tree_sample_kernel)[(B,)](
+            target.contiguous(), tree_tokens.contiguous(), parents.contiguous(),
+            target if draft_probs is None else draft_probs.contiguous(), uniforms.contiguous(), steps, sums[0],
+            sums[1], path, tokens, num_accepted, T, V, HAS_Q=draft_probs is not None,
+            WITHOUT_REPLACEMENT=without_replacement, BLOCK_V=block_v or min(4096, triton.next_power_of_2(V)),
+            BLOCK_T=triton.next_power_of_2(T))
         return path, tokens, num_accepted
     splits = min(num_splits or split_count(B * T, V, device), V)
     chunk = triton.cdiv(V, splits)

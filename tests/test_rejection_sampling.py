@@ -204,6 +204,30 @@ def test_vocabulary_split_greedy_tree_verification_replays_reference(splits, sha
     assert int(ref[2].max()) >= 1
 
 
+@pytest.mark.skipif(spec_ext.backends()["triton"] != "available", reason="Triton cannot run here")
+@pytest.mark.parametrize("shape", ["star", "deep"])
+@pytest.mark.parametrize("mode", ["without_replacement", "iid", "deterministic"])
+def test_split_tree_sampling_replays_reference_across_vocabulary_blocks(shape, mode):
+    """triton_split's tree sampler recomputes each residual from the rejections' scalars:
+    siblings rejected in a row, over a vocabulary of 5 blocks."""
+    from spec_ext.kernels.rejection_sampling_split import split_tree_verify
+    parents = torch.tensor(TREES[shape])
+    B, T, V = 8, len(parents), 257
+    g = torch.Generator().manual_seed(T)
+    p = probs(B, T, V, generator=g, sharp=2.0, zero_frac=0.2)
+    q = probs(B, T, V, generator=g, sharp=2.0)
+    tokens = sample_tree_tokens(parents.tolist(), q, mode != "iid", g)
+    uniforms = torch.rand(B, T + 1, generator=g, dtype=torch.float64)
+    q_arg = None if mode == "deterministic" else q
+    dev = device_for("triton")
+    move = lambda t: None if t is None else t.to(dev)
+    out = split_tree_verify(move(p), move(tokens), move(parents.expand(B, T).contiguous()), move(q_arg),
+                            move(uniforms), False, mode != "iid", block_v=64)
+    ref = reference.tree_verify(p, tokens, parents.expand(B, T), q_arg, uniforms, False, mode != "iid")
+    assert torch.equal(out[0].cpu(), ref[0]) and torch.equal(out[2].cpu(), ref[2])
+    assert mismatches(out[1].cpu(), ref[1]) == 0
+
+
 # ----------------------------------------------------------------------- statistics
 def chi_square_p(samples: np.ndarray, p: np.ndarray) -> float:
     support = p > 0
