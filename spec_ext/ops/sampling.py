@@ -160,6 +160,8 @@ def tree_rejection_sample(target_probs: Tensor, tree_tokens: Tensor, parents: Te
         uniforms: [B,T+1] float64: column i is node i's coin, the last the final draw.
         max_depth: the trees' greatest depth (Dmax) when the caller knows it (e.g. a
             static tree); otherwise computed from ``parents`` (one more launch and a sync).
+        backend: as :func:`chain_rejection_sample`; "triton_split" here keeps no float64
+            workspace (opt-in, not yet run on a GPU).
     Returns:
         TreeResult(path [B,Dmax+1], tokens [B,Dmax+1], num_accepted [B]), -1 padded.
 
