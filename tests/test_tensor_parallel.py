@@ -83,7 +83,7 @@ def saved_pair(tmp_path_factory):
     return folder, target
 
 
-GREEDY_POLICIES = [name for name in sorted(POLICIES)]  # the parallel ones in threads mode: draft on the leader
+GREEDY_POLICIES = sorted(POLICIES)  # the parallel ones in threads mode: their draft thread runs on the leader
 
 
 def _greedy_worker(rank, folder):
