@@ -38,6 +38,18 @@ def _mass(p_row, q_row, x, offs, V, kind, HAS_Q: tl.constexpr):
 
 
 @triton.jit
+def inverse_cdf_step(m, offs, V, threshold, acc, token, last):
+    """One block of an inverse-CDF scan over the mass m at offs: (the smallest index whose
+    cumulative mass passes threshold, or V; the last positive index; the mass so far)."""
+    positive = m > 0
+    m = tl.where(positive, m, 0.0)
+    hit = positive & (acc + tl.cumsum(m, 0) > threshold)
+    token = tl.minimum(token, tl.min(tl.where(hit, offs, V), 0).to(tl.int64))
+    last = tl.maximum(last, tl.max(tl.where(positive, offs, -1), 0).to(tl.int64))
+    return token, last, acc + tl.sum(m, 0)
+
+
+@triton.jit
 def _inverse_cdf(p_row, q_row, x, u, V, kind, HAS_Q: tl.constexpr, BLOCK_V: tl.constexpr):
     """Smallest j with cumsum(mass)[j] > u * sum(mass); the last positive index if rounding
     leaves none; -1 if the mass is not positive."""
@@ -51,13 +63,7 @@ def _inverse_cdf(p_row, q_row, x, u, V, kind, HAS_Q: tl.constexpr, BLOCK_V: tl.c
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         m = _mass(p_row, q_row, x, offs, V, kind, HAS_Q)
-        positive = m > 0
-        m = tl.where(positive, m, 0.0)
-        cdf = acc + tl.cumsum(m, 0)
-        hit = positive & (cdf > threshold)
-        token = tl.minimum(token, tl.min(tl.where(hit, offs, V), 0).to(tl.int64))
-        last = tl.maximum(last, tl.max(tl.where(positive, offs, -1), 0).to(tl.int64))
-        acc += tl.sum(m, 0)
+        token, last, acc = inverse_cdf_step(m, offs, V, threshold, acc, token, last)
     token = tl.where(token == V, last, token)
     return tl.where(total > 0, token, -1)
 
@@ -68,6 +74,14 @@ def _sample(p_row, q_row, x, u, V, kind, HAS_Q: tl.constexpr, BLOCK_V: tl.conste
     if token < 0:
         token = _inverse_cdf(p_row, q_row, x, u, V, 0, HAS_Q, BLOCK_V)
     return tl.maximum(token, 0)
+
+
+@triton.jit
+def clear_tree_row(PATH, TOK, b, T, BLOCK_T: tl.constexpr):
+    """Row b's path [T] = (0, -1, ...) (the root), its tokens [T] all -1."""
+    ts = tl.arange(0, BLOCK_T)
+    tl.store(PATH + b * T + ts, tl.where(ts == 0, 0, -1).to(tl.int64), mask=ts < T)
+    tl.store(TOK + b * T + ts, tl.full([BLOCK_T], -1, tl.int64), mask=ts < T)
 
 
 @triton.jit
@@ -120,9 +134,7 @@ def _tree_verify_kernel(P, X, PAR, Q, U, WORK, PATH, TOK, ACC, B, T, V, GREEDY: 
     residual = WORK + b * V
     rest = WORK + (B + b) * V
     qs = WORK + (2 * B + b) * V
-    ts = tl.arange(0, BLOCK_T)
-    tl.store(PATH + b * T + ts, tl.where(ts == 0, 0, -1).to(tl.int64), mask=ts < T)
-    tl.store(TOK + b * T + ts, tl.full([BLOCK_T], -1, tl.int64), mask=ts < T)
+    clear_tree_row(PATH, TOK, b, T, BLOCK_T)
     u_final = 0.0
     if not GREEDY:
         u_final = tl.load(U + b * (T + 1) + T)

@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from spec_ext.kernels.rejection_sampling import _mass  # (p_row, q_row, x, offs, end, kind): 0 outside
+from spec_ext.kernels.rejection_sampling import (_mass, clear_tree_row,  # _mass(..., end, kind): 0 outside
+                                                  inverse_cdf_step)
 from spec_ext.kernels.tree_attention_split import _sm_count
 
 MIN_CHUNK = 1024  # no split reads less than this many entries of a row
@@ -51,6 +52,19 @@ def _argmax_partials(P, PVAL, PIDX, V, chunk, splits, BLOCK_V: tl.constexpr):
         best_val = tl.where(take, block_max, best_val)
     tl.store(PVAL + row * splits + s, best_val)
     tl.store(PIDX + row * splits + s, best_idx)
+
+
+@triton.jit
+def _combined_argmax(PVAL, PIDX, row, splits, V, BLOCK_S: tl.constexpr):
+    """Row's argmax from its chunks' maxima and first indices (ties: the first index; an
+    all-NaN row: 0)."""
+    ss = tl.arange(0, BLOCK_S)
+    in_split = ss < splits
+    values = tl.load(PVAL + row * splits + ss, mask=in_split, other=float("-inf"))
+    best = tl.max(values, 0)
+    first = tl.min(tl.where(in_split & (values == best),
+                            tl.load(PIDX + row * splits + ss, mask=in_split, other=0), V), 0)
+    return tl.where(first == V, 0, first).to(tl.int64)
 
 
 @triton.jit
@@ -125,12 +139,7 @@ def _finish(P, X, Q, N, U, PART, LAST, PVAL, PIDX, OUT, ACC, K, V, chunk, splits
         done = 0
         for i in range(0, K1):
             if done == 0:
-                row = b * K1 + i
-                values = tl.load(PVAL + row * splits + ss, mask=in_split, other=float("-inf"))
-                best = tl.max(values, 0)
-                first = tl.min(tl.where(in_split & (values == best),
-                                        tl.load(PIDX + row * splits + ss, mask=in_split, other=0), V), 0)
-                argmax = tl.where(first == V, 0, first).to(tl.int64)  # an all-NaN row: index 0
+                argmax = _combined_argmax(PVAL, PIDX, b * K1 + i, splits, V, BLOCK_S)
                 x = tl.load(X + b * K + i, mask=(i < K) & (i < n), other=-1)
                 if x != argmax:
                     position = tl.zeros([], tl.int64) + i
@@ -174,25 +183,17 @@ def _tree_greedy_finish(X, PAR, PVAL, PIDX, PATH, TOK, ACC, T, V, splits, BLOCK_
                         BLOCK_T: tl.constexpr):
     """From the root, follow the first child (in id order) whose token is its node's argmax."""
     b = tl.program_id(0).to(tl.int64)
-    ts = tl.arange(0, BLOCK_T)
-    tl.store(PATH + b * T + ts, tl.where(ts == 0, 0, -1).to(tl.int64), mask=ts < T)
-    tl.store(TOK + b * T + ts, tl.full([BLOCK_T], -1, tl.int64), mask=ts < T)
+    clear_tree_row(PATH, TOK, b, T, BLOCK_T)
     tl.debug_barrier()
+    ts = tl.arange(0, BLOCK_T)
     parents = tl.load(PAR + b * T + ts, mask=ts < T, other=-2)
     tokens = tl.load(X + b * T + ts, mask=ts < T, other=-1)
-    ss = tl.arange(0, BLOCK_S)
-    in_split = ss < splits
     node = tl.zeros([], tl.int64)
     depth = tl.zeros([], tl.int64)
     done = 0
     for _level in range(0, T):
         if done == 0:
-            row = b * T + node
-            values = tl.load(PVAL + row * splits + ss, mask=in_split, other=float("-inf"))
-            best = tl.max(values, 0)
-            first = tl.min(tl.where(in_split & (values == best),
-                                    tl.load(PIDX + row * splits + ss, mask=in_split, other=0), V), 0)
-            argmax = tl.where(first == V, 0, first).to(tl.int64)
+            argmax = _combined_argmax(PVAL, PIDX, b * T + node, splits, V, BLOCK_S)
             match = (ts > node) & (parents == node) & (tokens == argmax)
             child = tl.min(tl.where(match, ts, BLOCK_T), 0).to(tl.int64)
             if child < T:
@@ -238,9 +239,7 @@ def _tree_sample_kernel(P, X, PAR, Q, U, XS, ZS, SS, PATH, TOK, ACC, T, V, HAS_Q
     rejected sibling costs one read of p and q (its residual's sums); the residual itself
     is recomputed from the rejections' scalars wherever it is needed."""
     b = tl.program_id(0).to(tl.int64)
-    ts = tl.arange(0, BLOCK_T)
-    tl.store(PATH + b * T + ts, tl.where(ts == 0, 0, -1).to(tl.int64), mask=ts < T)
-    tl.store(TOK + b * T + ts, tl.full([BLOCK_T], -1, tl.int64), mask=ts < T)
+    clear_tree_row(PATH, TOK, b, T, BLOCK_T)
     tl.debug_barrier()
     xs, zs, ss = XS + b * T, ZS + b * T, SS + b * T
     u_final = tl.load(U + b * (T + 1) + T)
@@ -297,12 +296,7 @@ def _tree_sample_kernel(P, X, PAR, Q, U, XS, ZS, SS, PATH, TOK, ACC, T, V, HAS_Q
                 for start in range(0, V, BLOCK_V):
                     offs = start + tl.arange(0, BLOCK_V)
                     r, _ = _residual(p_row, q_row, offs, offs < V, k, xs, zs, ss, HAS_Q, WITHOUT_REPLACEMENT)
-                    positive = r > 0
-                    r = tl.where(positive, r, 0.0)
-                    hit = positive & (acc + tl.cumsum(r, 0) > threshold)
-                    token = tl.minimum(token, tl.min(tl.where(hit, offs, V), 0).to(tl.int64))
-                    last = tl.maximum(last, tl.max(tl.where(positive, offs, -1), 0).to(tl.int64))
-                    acc += tl.sum(r, 0)
+                    token, last, acc = inverse_cdf_step(r, offs, V, threshold, acc, token, last)
                 token = tl.where(token == V, last, token)
                 tl.store(TOK + b * T + depth, tl.where(total > 0, tl.maximum(token, 0), 0))
                 tl.store(ACC + b, depth)
