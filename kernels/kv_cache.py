@@ -4,7 +4,9 @@ so overlapping moves are safe."""
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
+
+from spec_ext.kernels.launch import wrap_triton
 
 
 @triton.jit

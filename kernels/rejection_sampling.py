@@ -7,7 +7,9 @@ their running residual and sibling q in a [3,B,V] float64 workspace.
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
+
+from spec_ext.kernels.launch import wrap_triton
 
 @triton.jit
 def _argmax(row_ptr, V, BLOCK_V: tl.constexpr):

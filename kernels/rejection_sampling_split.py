@@ -26,13 +26,14 @@ residual is recomputed from the rejections' scalars where needed. Backend
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
+from spec_ext.kernels.launch import resident_per_sm, sm_count, wrap_triton
 from spec_ext.kernels.rejection_sampling import (_mass, clear_tree_row,  # _mass(..., end, kind): 0 outside
                                                   inverse_cdf_step)
-from spec_ext.kernels.tree_attention_split import _sm_count
 
 MIN_CHUNK = 1024  # no split reads less than this many entries of a row
+TREE_SAMPLE_BLOCK_V = 2048  # _tree_sample_kernel's fp64 tiles spill registers at 4096 (4 warps, sm_80/sm_90)
 
 
 @triton.jit
@@ -257,12 +258,14 @@ def _tree_sample_kernel(P, X, PAR, Q, U, XS, ZS, SS, PATH, TOK, ACC, T, V, HAS_Q
                     parent = tl.load(PAR + b * T + child)
                     x = tl.load(X + b * T + child)
                     if (parent == node) & (x >= 0) & (x < V):
-                        at = x + tl.arange(0, 2)  # the token (and a masked neighbour)
-                        r, qv = _residual(p_row, q_row, at, at == x, k, xs, zs, ss, HAS_Q, WITHOUT_REPLACEMENT)
-                        rx = tl.sum(tl.where(at == x, r, 0.0), 0)
+                        # the token (and a masked neighbour); names apart from the [BLOCK_V] r, qv
+                        # below, as a loop-carried variable keeps its shape
+                        at = x + tl.arange(0, 2)
+                        r_at, q_at = _residual(p_row, q_row, at, at == x, k, xs, zs, ss, HAS_Q, WITHOUT_REPLACEMENT)
+                        rx = tl.sum(tl.where(at == x, r_at, 0.0), 0)
                         qx = 1.0
                         if HAS_Q:
-                            qx = tl.sum(tl.where(at == x, qv, 0.0), 0)
+                            qx = tl.sum(tl.where(at == x, q_at, 0.0), 0)
                         u = tl.load(U + b * (T + 1) + child)
                         if (qx > 0) & (u * qx < rx):
                             accepted = tl.zeros([], tl.int64) + child
@@ -308,15 +311,33 @@ def _tree_sample_kernel(P, X, PAR, Q, U, XS, ZS, SS, PATH, TOK, ACC, T, V, HAS_Q
                 node = accepted
 
 
-def split_count(rows: int, V: int, device: torch.device) -> int:
-    """Chunks per row: about two waves of programs over the SMs, none under MIN_CHUNK."""
-    return max(1, min(triton.cdiv(V, MIN_CHUNK), triton.cdiv(2 * _sm_count(device), rows)))
+# Programs resident per SM, by compute capability: the fewest over the kernel's launch
+# configurations, from the compile's registers and shared memory against the SM's limits
+# (kernels/aot.py; tests/test_triton_compile.py checks them). A GPU not listed: 1.
+ARGMAX_RESIDENT = {80: 16, 90: 16}
+MASS_RESIDENT = {80: 8, 90: 8}
+
+
+def split_count(rows: int, V: int, resident: int, device: torch.device) -> int:
+    """Chunks per row: enough for one full wave of ``resident`` programs per SM over the
+    GPU, as far as MIN_CHUNK allows (no chunk under it)."""
+    return max(1, min(triton.cdiv(V, MIN_CHUNK), triton.cdiv(resident * sm_count(device), rows)))
+
+
+def chunking(V: int, splits: int) -> tuple[int, int, int]:
+    """(chunk, splits, BLOCK_V) for about ``splits`` chunks of a row of V: each chunk whole
+    blocks of BLOCK_V >= 16 entries, so every chunk starts 16-entry aligned (the compiler
+    then emits 128-bit loads), and no chunk is empty."""
+    block = max(16, min(1024, triton.next_power_of_2(triton.cdiv(V, splits))))
+    chunk = triton.cdiv(triton.cdiv(V, splits), block) * block
+    return chunk, triton.cdiv(V, chunk), block
 
 
 def split_chain_verify(target: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                        num_draft: torch.Tensor, uniforms: torch.Tensor | None, greedy: bool,
                        num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The launcher; ``num_splits`` overrides :func:`split_count` (tests force chunk boundaries)."""
+    """The launcher; ``num_splits`` replaces :func:`split_count`'s choice, then :func:`chunking`
+    rounds it (tests force chunk boundaries)."""
     B, K1, V = target.shape
     device = target.device
     tokens = torch.empty(B, K1, dtype=torch.int64, device=device)
@@ -324,10 +345,8 @@ def split_chain_verify(target: torch.Tensor, draft_tokens: torch.Tensor, draft_p
     if B == 0:
         return tokens, num_accepted
     rows = B * K1 if greedy else B
-    splits = min(num_splits or split_count(rows, V, device), V)
-    chunk = triton.cdiv(V, splits)
-    splits = triton.cdiv(V, chunk)
-    BLOCK_V = min(1024, triton.next_power_of_2(chunk))
+    resident = resident_per_sm(ARGMAX_RESIDENT if greedy else MASS_RESIDENT, device)
+    chunk, splits, BLOCK_V = chunking(V, num_splits or split_count(rows, V, resident, device))
     target, draft_tokens, num_draft = target.contiguous(), draft_tokens.contiguous(), num_draft.contiguous()
     q = target if draft_probs is None else draft_probs.contiguous()
     u = target if uniforms is None else uniforms.contiguous()
@@ -362,7 +381,8 @@ def split_tree_verify(target: torch.Tensor, tree_tokens: torch.Tensor, parents: 
     """Greedy: every node's argmax split over the vocabulary at once, then one program per
     row walks the tree. Sampling: one program per row (its siblings' residuals chain
     through whole-vocabulary sums), without a workspace: see _tree_sample_kernel.
-    ``num_splits`` and ``block_v`` override the chunking (tests force boundaries)."""
+    ``num_splits`` (rounded by :func:`chunking`) and ``block_v`` override the chunking
+    (tests force boundaries)."""
     B, T, V = target.shape
     device = target.device
     path = torch.empty(B, T, dtype=torch.int64, device=device)
@@ -377,16 +397,16 @@ def split_tree_verify(target: torch.Tensor, tree_tokens: torch.Tensor, parents: 
             target.contiguous(), tree_tokens.contiguous(), parents.contiguous(),
             target if draft_probs is None else draft_probs.contiguous(), uniforms.contiguous(), steps, sums[0],
             sums[1], path, tokens, num_accepted, T, V, HAS_Q=draft_probs is not None,
-            WITHOUT_REPLACEMENT=without_replacement, BLOCK_V=block_v or min(4096, triton.next_power_of_2(V)),
+            WITHOUT_REPLACEMENT=without_replacement,
+            BLOCK_V=block_v or min(TREE_SAMPLE_BLOCK_V, triton.next_power_of_2(V)),
             BLOCK_T=triton.next_power_of_2(T))
         return path, tokens, num_accepted
-    splits = min(num_splits or split_count(B * T, V, device), V)
-    chunk = triton.cdiv(V, splits)
-    splits = triton.cdiv(V, chunk)
+    resident = resident_per_sm(ARGMAX_RESIDENT, device)
+    chunk, splits, BLOCK_V = chunking(V, num_splits or split_count(B * T, V, resident, device))
     pval = torch.empty(B * T, splits, dtype=torch.float32, device=device)
     pidx = torch.empty(B * T, splits, dtype=torch.int64, device=device)
     wrap_triton(_argmax_partials)[(B * T, splits)](target.contiguous(), pval, pidx, V, chunk, splits,
-                                                   BLOCK_V=min(1024, triton.next_power_of_2(chunk)))
+                                                   BLOCK_V=BLOCK_V)
     wrap_triton(_tree_greedy_finish)[(B,)](tree_tokens.contiguous(), parents.contiguous(), pval, pidx, path, tokens,
                                            num_accepted, T, V, splits, BLOCK_S=max(2, triton.next_power_of_2(splits)),
                                            BLOCK_T=triton.next_power_of_2(T))

@@ -1,0 +1,83 @@
+"""The Triton launchers' own choices, planned for an H200 (kernels/launch.py: launchers
+called on meta tensors record their launches), and the cases that cover them, replayed
+against the reference in the interpreter (or on a GPU)."""
+import pytest
+import torch
+
+import spec_ext
+from spec_ext import reference
+from helpers import device_for
+
+pytestmark = pytest.mark.skipif(spec_ext.backends()["triton"] != "available", reason="Triton cannot run here")
+
+
+def meta(*shape, dtype=torch.float32):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def planned(fn, *args, **kwargs):
+    from spec_ext.kernels.launch import H200, planning
+    with planning(H200) as launches:
+        fn(*args, **kwargs)
+    return {launch.kernel.fn.__name__: launch for launch in launches}
+
+
+def arg(launch, name):
+    """The value the launch passes for the kernel parameter ``name``."""
+    import inspect
+    names = list(inspect.signature(launch.kernel.fn).parameters)
+    return launch.args[names.index(name)] if names.index(name) < len(launch.args) else launch.meta[name]
+
+
+# ------------------------------------------------------------------ vocabulary chunks
+@pytest.mark.parametrize("V,splits", [(8193, 3), (83, 7), (32000, 3), (128256, 22), (5, 40)])
+def test_vocabulary_chunks_are_whole_blocks_and_none_is_empty(V, splits):
+    from spec_ext.kernels.rejection_sampling_split import chunking
+    chunk, n, block = chunking(V, splits)
+    assert block >= 16 and chunk % block == 0  # every chunk starts 16-entry aligned: 128-bit loads
+    assert (n - 1) * chunk < V <= n * chunk  # the last chunk holds at least one entry
+    assert n <= splits
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_split_verification_plans_a_wave_of_resident_programs_in_whole_blocks(greedy):
+    from spec_ext.kernels.rejection_sampling_split import (ARGMAX_RESIDENT, MASS_RESIDENT, MIN_CHUNK,
+                                                           split_chain_verify)
+    B, K, V = 16, 5, 128256
+    args = (meta(B, K + 1, V), meta(B, K, dtype=torch.int64), meta(B, K, V), meta(B, dtype=torch.int64),
+            None if greedy else meta(B, K + 1, dtype=torch.float64), greedy)
+    partials = planned(split_chain_verify, *args)["_argmax_partials" if greedy else "_mass_partials"]
+    chunk, block = arg(partials, "chunk"), partials.meta["BLOCK_V"]
+    rows, splits = partials.grid
+    assert chunk % block == 0 and (splits - 1) * chunk < V <= splits * chunk and chunk >= MIN_CHUNK
+    wave = (ARGMAX_RESIDENT if greedy else MASS_RESIDENT)[90] * 132
+    assert 0.9 * wave <= rows * splits < 2 * wave  # about one full wave of resident programs
+
+
+@pytest.mark.parametrize("mode", ["greedy", "q", "one-hot q"])
+def test_split_chain_verification_at_odd_v_with_rounded_chunks(mode):
+    """V = 8193 asked in 3 splits: chunks of 3 x 1024 entries, the last one 2049 short."""
+    from spec_ext.kernels.rejection_sampling_split import chunking, split_chain_verify
+    B, K, V = 3, 3, 8193
+    assert chunking(V, 3) == (3072, 3, 1024)
+    g = torch.Generator().manual_seed(7)
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * 3, -1)
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * 3, -1)
+    p[:, :K] = 0.7 * q + 0.3 * p[:, :K]  # close to q: some drafts are accepted
+    drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, K)
+    num_draft = torch.tensor([K, 2, 0])
+    uniforms = torch.rand(B, K + 1, generator=g, dtype=torch.float64)
+    dev = device_for("triton_split")
+    move = lambda t: None if t is None else t.to(dev)
+    if mode == "greedy":
+        logits = torch.randn(B, K + 1, V, generator=torch.Generator().manual_seed(1))
+        logits[:, :, 8192] = logits.max() + 1  # the argmax in the last, short chunk
+        drafts = logits[:, :K].argmax(-1)
+        drafts[1, 1] = 0
+        out = split_chain_verify(move(logits), move(drafts), None, move(num_draft), None, True, num_splits=3)
+        ref = reference.chain_verify(logits, drafts, None, num_draft, None, greedy=True)
+    else:
+        q = q if mode == "q" else None
+        out = split_chain_verify(move(p), move(drafts), move(q), move(num_draft), move(uniforms), False, num_splits=3)
+        ref = reference.chain_verify(p, drafts, q, num_draft, uniforms, greedy=False)
+    assert torch.equal(out[0].cpu(), ref[0]) and torch.equal(out[1].cpu(), ref[1])
