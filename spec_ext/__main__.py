@@ -1,6 +1,7 @@
 """Command line: ``python -m spec_ext {generate,demo,backends}``.
 
   python -m spec_ext generate --target DIR --draft DIR --prompt "def f(" --policy auto
+  python -m spec_ext generate --target DIR --prompt "..." --policy ngram   # drafts from the text, no draft
   python -m spec_ext demo          # the bundled pair: streamed completion + speed table
   python -m spec_ext backends      # which kernel backends this build can run
 """
@@ -17,8 +18,8 @@ from spec_ext.bundled import ENV, bundled_path
 
 # the registry's names (spec_ext.policies.POLICIES; a test keeps the two equal), here so that
 # --help and argument errors come before torch and transformers load
-POLICY_NAMES = ("adalength", "auto", "confidence", "fixed", "heuristic", "learnedspecbranch", "pearl", "specbranch",
-                "specdecpp", "svip", "tree")
+POLICY_NAMES = ("adalength", "auto", "confidence", "fixed", "heuristic", "learnedspecbranch", "ngram", "pearl",
+                "specbranch", "specdecpp", "svip", "tree")
 DEMO_PROMPT = '''def median(data):
     """Return the median (middle value) of numeric data.
 
@@ -32,14 +33,15 @@ DEMO_PROMPT = '''def median(data):
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def load_pair(target_dir: Path, draft_dir: Path, dtype: str = "float32"):
-    """dtype: a torch dtype name, or "auto": as stored (the bundled pair: bfloat16)."""
+def load_pair(target_dir: Path, draft_dir: Path | None, dtype: str = "float32"):
+    """dtype: a torch dtype name, or "auto": as stored (the bundled pair: bfloat16); no
+    draft_dir: the draft is None."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
-    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
+    draft = None if draft_dir is None else AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
     return tokenizer, target, draft
 
 
@@ -49,6 +51,8 @@ def _streamer(tokenizer):
 
 
 def cmd_generate(args) -> None:
+    if args.draft is None and args.policy != "ngram":
+        raise ValueError(f"--draft: required with --policy {args.policy} (only ngram drafts without a draft model)")
     import spec_ext
     tokenizer, target, draft = load_pair(args.target, args.draft, args.dtype)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
@@ -88,15 +92,16 @@ def cmd_demo(args) -> None:
     rows = []
     base, reference = _tokens_per_s(alone, args.repeats)
     rows.append(("target alone (HF generate)", base, None))
-    runs = [(policy, False) for policy in args.policies] + [("fixed", True)]
-    for policy, fast_linear in runs:
+    runs = [(f"spec_ext {policy}", policy, draft, False) for policy in args.policies]
+    runs += [("spec_ext fixed, fast_linear", "fixed", draft, True),
+             ("spec_ext ngram, no draft model", "ngram", None, False)]  # drafts from the prompt and output
+    for name, policy, drafter, fast_linear in runs:
         def run():
-            out = spec_ext.generate(target, draft, ids, max_new_tokens=n, eos_token_id=[], policy=policy,
+            out = spec_ext.generate(target, drafter, ids, max_new_tokens=n, eos_token_id=[], policy=policy,
                                     fast_linear=fast_linear)
             return out, out.stats.new_tokens
         rate, out = _tokens_per_s(run, args.repeats)
         same = torch.equal(out.sequences[0], reference[0, :out.sequences.shape[1]])
-        name = f"spec_ext {policy}{', fast_linear' if fast_linear else ''}"
         rows.append((f"{name}{'' if same else ' (OUTPUT DIFFERS)'}", rate, out.stats))
     print(f"{'':34} {'tokens/s':>9} {'speed-up':>9} {'accepted/call':>14} {'accept rate':>12} {'target calls':>13}")
     for name, rate, stats in rows:
@@ -105,7 +110,8 @@ def cmd_demo(args) -> None:
         print(f"{name:34} {rate:9.1f} {rate / base:8.2f}x {extra[0]:>14} {extra[1]:>12} {extra[2]:>13}")
     kernel = "the skinny-GEMM kernel" if spec_ext.ops.linear.kernel_applies(draft.device, draft.dtype) else "F.linear"
     print(f"\n(medians of {args.repeats} runs; greedy output identical to the target's own unless marked;"
-          f" the draft's linear layers run on {kernel}; fast_linear: the target's too)")
+          f" the draft's linear layers run on {kernel}; fast_linear: the target's too; ngram: drafts copied from"
+          f" the prompt and output, verified like a draft model's)")
 
 
 def _positive(text: str) -> int:
@@ -130,7 +136,9 @@ def parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="complete a prompt with speculative decoding, streamed",
                          formatter_class=defaults)
     gen.add_argument("--target", type=_model_folder, required=True, help="the target model's folder")
-    gen.add_argument("--draft", type=_model_folder, required=True, help="the draft model's folder (same vocabulary)")
+    gen.add_argument("--draft", type=_model_folder,
+                     help="the draft model's folder (same vocabulary); optional with --policy ngram, which then "
+                     "drafts from the prompt and output alone")
     gen.add_argument("--prompt", required=True, help="the text to complete")
     gen.add_argument("--policy", default="auto", choices=POLICY_NAMES, help="how the draft proposes each round")
     gen.add_argument("--max-new-tokens", type=_positive, default=128, help="tokens to generate")

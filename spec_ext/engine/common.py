@@ -12,17 +12,24 @@ from spec_ext.models import forward
 
 @dataclass
 class Stats:
-    """Counters of one generate call. ``rounds`` counts (row, verification) pairs."""
+    """Counters of one generate call. ``rounds`` counts (row, verification) pairs;
+    ``matched`` the rounds whose drafts came from the row's own text (``NGram``); the
+    ``row_*`` lists hold the same counts per row of the batch."""
     target_calls: int = 0
     draft_calls: int = 0
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    matched: int = 0
     new_tokens: int = 0
     discarded: int = 0  # drafts thrown away unverified (parallel methods draft ahead)
     wall_time: float = 0.0
     accepted_lengths: list[int] = field(default_factory=list, repr=False)
     draft_lengths: list[int] = field(default_factory=list, repr=False)
+    row_rounds: list[int] = field(default_factory=list, repr=False)
+    row_matched: list[int] = field(default_factory=list, repr=False)
+    row_drafted: list[int] = field(default_factory=list, repr=False)
+    row_accepted: list[int] = field(default_factory=list, repr=False)
 
     @property
     def rollback(self) -> int:
@@ -47,7 +54,9 @@ class Stats:
                     drafted=self.drafted, accepted=self.accepted, rollback=self.rollback,
                     mean_accepted=round(self.mean_accepted, 4), acceptance_rate=round(self.acceptance_rate, 4),
                     discarded=self.discarded, new_tokens=self.new_tokens, wall_time=round(self.wall_time, 4),
-                    tokens_per_s=round(self.tokens_per_s, 2))
+                    tokens_per_s=round(self.tokens_per_s, 2), matched=self.matched,
+                    per_row=dict(rounds=self.row_rounds, matched=self.row_matched, drafted=self.row_drafted,
+                                 accepted=self.row_accepted))
 
 
 @dataclass
@@ -129,11 +138,13 @@ class Rows:
         self.new: list[list[int]] = [[] for _ in prompts]
         self.active = list(range(len(prompts)))
         self.max_new, self.eos, self.streamer = max_new_tokens, eos, streamer
-        self.stats = Stats()
+        self.stats = Stats(row_rounds=[0] * len(prompts), row_matched=[0] * len(prompts),
+                           row_drafted=[0] * len(prompts), row_accepted=[0] * len(prompts))
 
-    def emit(self, r: int, tokens: list[int], num_drafted: int, num_accepted: int) -> bool:
+    def emit(self, r: int, tokens: list[int], num_drafted: int, num_accepted: int, matched: bool = False) -> bool:
         """Append row ``r``'s tokens of one verification, cut at max_new_tokens and at EOS,
-        and count the round; True while the row goes on."""
+        and count the round (``matched``: its drafts came from the row's text); True while
+        the row goes on."""
         emitted = tokens[:self.max_new - len(self.new[r])]
         for n, tok in enumerate(emitted):
             if tok in self.eos:
@@ -144,8 +155,13 @@ class Rows:
         self.stats.rounds += 1
         self.stats.drafted += num_drafted
         self.stats.accepted += num_accepted
+        self.stats.matched += matched
         self.stats.accepted_lengths.append(num_accepted)
         self.stats.draft_lengths.append(num_drafted)
+        self.stats.row_rounds[r] += 1
+        self.stats.row_matched[r] += matched
+        self.stats.row_drafted[r] += num_drafted
+        self.stats.row_accepted[r] += num_accepted
         if self.streamer is not None:
             self.streamer.put(torch.tensor(emitted))
         return len(self.new[r]) < self.max_new and not (emitted and emitted[-1] in self.eos)

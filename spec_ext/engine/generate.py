@@ -13,7 +13,7 @@ from spec_ext.engine.parallel import ParallelEngine
 from spec_ext.engine.serial import SerialEngine
 from spec_ext.engine.tensor_parallel import channel
 from spec_ext.models import attention_implementation, check_model, check_pair, check_window, split_size
-from spec_ext.policies import PEARL, Policy, resolve
+from spec_ext.policies import PEARL, NGram, Policy, resolve
 
 
 def _check_fast_linear(fast_linear) -> None:
@@ -60,9 +60,9 @@ def token_ids(value, name: str) -> list[int]:
 
 def _check_models(target, draft, policy: Policy) -> None:
     if draft is None:
-        if not (isinstance(policy, PEARL) and policy.mode == "distributed"):
-            raise ValueError("draft: required (None only with a policy whose draft runs on another rank, "
-                             "e.g. PEARL(mode='distributed'))")
+        if not (isinstance(policy, PEARL) and policy.mode == "distributed" or isinstance(policy, NGram)):
+            raise ValueError("draft: required (None only with NGram, which drafts from the text, or a policy "
+                             "whose draft runs on another rank, e.g. PEARL(mode='distributed'))")
         check_model(target, "target")
     else:
         check_pair(target, draft)
@@ -83,7 +83,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
 
     Args:
         target, draft: transformers Llama/Qwen2/Mistral causal LMs with the same vocabulary
-            (draft None when the policy's draft runs on another rank).
+            (draft None with ``policy="ngram"``, or when the policy's draft runs on another rank).
         input_ids: [B, L] LongTensor (left-padded, with ``attention_mask``) or a list of
             token-id lists (ragged).
         temperature: 0 for greedy; top_k / top_p as in HF, applied to target and draft alike.

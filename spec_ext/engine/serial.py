@@ -19,11 +19,13 @@ from spec_ext import ops
 from spec_ext.engine.common import Rows, Stats, check_finite, pad_rows, prefill
 from spec_ext.models import SpecCache, forward
 from spec_ext.ops import build_tree
-from spec_ext.policies import Policy, Tree
+from spec_ext.policies import NGram, Policy, Tree
 
 
 class SerialEngine(Rows):
-    """Runs one generate call's rounds with a chain rule or a :class:`Tree` policy."""
+    """Runs one generate call's rounds with a chain rule, a :class:`Tree` policy or
+    :class:`NGram` (drafts from the text; the draft model, if any, drafts the rows the text
+    has no match for)."""
 
     def __init__(self, target, draft, prompts, max_new_tokens, sampler, eos, policy: Policy, generator, streamer):
         super().__init__(prompts, max_new_tokens, eos, streamer)
@@ -32,7 +34,9 @@ class SerialEngine(Rows):
         self.device = target.device
         capacity = max(len(p) for p in prompts) + max_new_tokens + policy.max_draft + 2
         self.tcache = SpecCache.for_model(target, len(prompts), capacity)
-        self.dcache = SpecCache.for_model(draft, len(prompts), capacity)
+        self.dcache = None if draft is None else SpecCache.for_model(draft, len(prompts), capacity)
+        self.lookup = isinstance(policy, NGram)
+        self.matched = [False] * len(prompts)  # per current row: did its last round draft from the text
         self.draft_hidden = policy.uses_draft_hidden
         self.target_hidden = policy.uses_target_hidden
         self.bonus_agreement = policy.uses_bonus_agreement
@@ -221,24 +225,180 @@ class SerialEngine(Rows):
                          accepted)
         return tokens, accepted, [T - 1] * B
 
+    # ------------------------------------------------------------------ prompt lookup (NGram)
+    def _roots(self, carry: dict | None) -> Tensor:
+        if carry is not None:
+            return carry["roots"]
+        return torch.tensor([self.seqs[r][-1] for r in self.active], device=self.device)
+
+    def lookup_chain_round(self) -> tuple[list[list[int]], list[int], list[int]]:
+        """Each row drafts the chain the text proposes; with a draft model, the rows without a
+        match take ``draft_k`` drafts of the draft model, whose steps are fed the text's
+        drafts on the other rows (so its cache keeps what the target accepts there too)."""
+        B = len(self.active)
+        carry, self._carry = self._carry, None
+        chains = self.policy.chains()
+        self.matched = [bool(c) for c in chains]
+        use_draft = self.draft is not None and not all(self.matched)
+        draft_k = self.policy.draft_k if use_draft else 0
+        K = max(draft_k, max(map(len, chains)))
+        lookup = torch.tensor([c + [-1] * (K - len(c)) for c in chains], dtype=torch.int64,
+                              device=self.device).view(B, K)
+        num_draft_host = [len(c) if c else draft_k for c in chains]
+        num_draft = torch.tensor(num_draft_host, device=self.device)
+        drafts, q_all, extra_forwards = lookup.clone(), None, 0
+        if use_draft:
+            logits, _ = self._catch_up_draft(carry)
+            start, start_t = list(self.dcache.host_lengths), self.dcache.lengths
+            from_text = torch.tensor(self.matched, device=self.device)
+            if not self.sampler.greedy:
+                q_all = torch.zeros(B, K, logits.shape[-1], device=self.device)
+            for step in range(1, draft_k + 1):
+                token, q = self._propose(logits)
+                token = torch.where(from_text, lookup[:, step - 1], token)
+                drafts[:, step - 1] = token
+                if q is not None:
+                    q_all[:, step - 1] = q
+                if step == draft_k:
+                    break
+                logits = self._draft(token.clamp_min(0)[:, None], self.dcache.lengths[:, None])[:, 0]
+                self.dcache.advance([1] * B)
+                extra_forwards += 1
+            if q_all is not None:  # the text's drafts are deterministic: one-hot q
+                one_hot = torch.zeros_like(q_all).scatter_(2, lookup.clamp_min(0)[..., None], 1.0)
+                q_all = torch.where(from_text[:, None, None], one_hot, q_all)
+        ids = torch.cat([self._roots(carry)[:, None], drafts.clamp_min(0)], 1)
+        positions = self.tcache.lengths[:, None] + torch.arange(K + 1, device=self.device)
+        target_logits = self._target(ids, positions)
+        if self.sampler.greedy:
+            result = ops.greedy_verify(target_logits, drafts, num_draft, validate=False)
+        else:
+            result = ops.chain_rejection_sample(self.sampler.probs(target_logits), drafts, q_all, num_draft,
+                                                generator=self.generator, validate=False)
+        outcome = torch.cat([result.tokens, result.num_accepted[:, None]], 1).tolist()  # the round's host sync
+        tokens, accepted = [o[:-1] for o in outcome], [o[-1] for o in outcome]
+        self.tcache.advance([a + 1 for a in accepted], result.num_accepted + 1)
+        if use_draft:
+            fed = [min(a, extra_forwards) for a in accepted]
+            fed_t = result.num_accepted.clamp_max(extra_forwards)
+            self.dcache.rollback([s + f for s, f in zip(start, fed)], start_t + fed_t)
+            self._carry_over(result.tokens, fed_t, result.num_accepted, fed, accepted)
+        return tokens, accepted, num_draft_host
+
+    def lookup_tree_round(self) -> tuple[list[list[int]], list[int], list[int]]:
+        """Each row verifies its own tree of the text's continuations (per-row parents and
+        tree masks, -1 padded nodes that are always rejected); with a draft model, the rows
+        without a match verify a chain of ``draft_k`` drafts of the draft model instead."""
+        B = len(self.active)
+        carry, self._carry = self._carry, None
+        trees = self.policy.trees()
+        self.matched = [len(tokens) > 1 for tokens, _ in trees]
+        use_draft = self.draft is not None and not all(self.matched)
+        draft_k = self.policy.draft_k if use_draft else 0
+        T = max(draft_k + 1, max(len(tokens) for tokens, _ in trees))
+        rows, parent_rows, drafted, max_depth = [], [], [], 0
+        for (tokens, parents), from_text in zip(trees, self.matched):
+            if use_draft and not from_text:  # a chain for the draft model to fill
+                tokens, parents = [-1] * (draft_k + 1), [-1] + list(range(draft_k))
+            depth = [0]
+            for p in parents[1:]:
+                depth.append(depth[p] + 1)
+            max_depth = max(max_depth, max(depth))
+            drafted.append(len(tokens) - 1)
+            rows.append(tokens + [-1] * (T - len(tokens)))
+            parent_rows.append(parents + [0] * (T - len(parents)))
+        nodes = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        parents = torch.tensor(parent_rows, dtype=torch.int64, device=self.device)
+        depth, mask = ops.tree_mask(parents, validate=False)
+        q_chain, extra_forwards = None, 0
+        if use_draft:
+            logits, _ = self._catch_up_draft(carry)
+            start, start_t = list(self.dcache.host_lengths), self.dcache.lengths
+            by_draft = ~torch.tensor(self.matched, device=self.device)
+            if not self.sampler.greedy:
+                q_chain = torch.zeros(B, draft_k, logits.shape[-1], device=self.device)
+            for step in range(1, draft_k + 1):
+                token, q = self._propose(logits)
+                nodes[:, step] = torch.where(by_draft, token, nodes[:, step])
+                if q is not None:
+                    q_chain[:, step - 1] = q
+                if step == draft_k:
+                    break
+                logits = self._draft(token[:, None], self.dcache.lengths[:, None])[:, 0]
+                self.dcache.advance([1] * B)
+                extra_forwards += 1
+        nodes[:, 0] = self._roots(carry)
+        target_logits = self._target(nodes.clamp_min(0), self.tcache.lengths[:, None] + depth, mask)
+        if self.sampler.greedy:
+            result = ops.tree_greedy_verify(target_logits, nodes, parents, max_depth=max_depth, validate=False)
+        else:
+            result = self._sample_trees(self.sampler.probs(target_logits), nodes, parents, q_chain, max_depth)
+        outcome = torch.cat([result.tokens, result.num_accepted[:, None]], 1).tolist()  # the round's host sync
+        tokens, accepted = [o[:-1] for o in outcome], [o[-1] for o in outcome]
+        self.tcache.commit(result.path, accepted, result.num_accepted)
+        if use_draft:  # the draft keeps the accepted drafts of its own rows; it was fed no text rows' tree
+            fed = [0 if m else min(a, extra_forwards) for a, m in zip(accepted, self.matched)]
+            fed_t = torch.where(by_draft, result.num_accepted.clamp_max(extra_forwards), 0)
+            self.dcache.rollback([s + f for s, f in zip(start, fed)], start_t + fed_t)
+            self._carry_over(result.tokens, fed_t, result.num_accepted, fed, accepted)
+        return tokens, accepted, drafted
+
+    def _sample_trees(self, p: Tensor, nodes: Tensor, parents: Tensor, q_chain: Tensor | None, max_depth: int):
+        """Rejection sampling of a lookup tree round: the text's trees with one-hot q (siblings
+        without replacement); the draft model's chains (rows where ``q_chain`` [B,k,V] is
+        used) by the chain sampler with the q they were drawn from."""
+        if q_chain is None:
+            return ops.tree_rejection_sample(p, nodes, parents, generator=self.generator, max_depth=max_depth,
+                                             validate=False)
+        B, width, k = nodes.shape[0], max_depth + 1, q_chain.shape[1]
+        text = torch.tensor(self.matched, device=self.device)
+        path = torch.full((B, width), -1, dtype=torch.int64, device=self.device)
+        tokens = torch.full((B, width), -1, dtype=torch.int64, device=self.device)
+        num_accepted = torch.zeros(B, dtype=torch.int64, device=self.device)
+        rows = text.nonzero().squeeze(1), (~text).nonzero().squeeze(1)
+        if len(rows[0]):
+            r = rows[0]
+            tree = ops.tree_rejection_sample(p[r], nodes[r], parents[r], generator=self.generator,
+                                             max_depth=max_depth, validate=False)
+            path[r], tokens[r], num_accepted[r] = tree.path, tree.tokens, tree.num_accepted
+        r = rows[1]
+        chain = ops.chain_rejection_sample(p[r, :k + 1], nodes[r, 1:k + 1], q_chain[r], generator=self.generator,
+                                           validate=False)
+        steps = torch.arange(k + 1, device=self.device)
+        path[r, :k + 1] = torch.where(steps <= chain.num_accepted[:, None], steps, -1)
+        tokens[r, :k + 1], num_accepted[r] = chain.tokens, chain.num_accepted
+        return ops.TreeResult(path, tokens, num_accepted)
+
     # ------------------------------------------------------------------ bookkeeping
     def run(self) -> Stats:
         self.policy.start(len(self.active), self.sampler.greedy)
+        if self.lookup:
+            self.policy.reset(self.seqs)
         self.prefill()
+        if isinstance(self.policy, Tree):
+            round_fn = self.tree_round
+        elif self.lookup:
+            round_fn = self.lookup_tree_round if self.policy.tree else self.lookup_chain_round
+        else:
+            round_fn = self.chain_round
         while self.active:
-            round_fn = self.tree_round if isinstance(self.policy, Tree) else self.chain_round
             tokens, accepted, drafted = round_fn()
             self.policy.observe(drafted, accepted)
+            if self.lookup:
+                self.policy.extend([t[:a + 1] for t, a in zip(tokens, accepted)])
             keep = []
             for i, r in enumerate(self.active):
-                if self.emit(r, tokens[i][:accepted[i] + 1], drafted[i], accepted[i]):
+                if self.emit(r, tokens[i][:accepted[i] + 1], drafted[i], accepted[i], self.matched[i]):
                     keep.append(i)
             if len(keep) < len(self.active):
                 self.tcache.keep_rows(keep)
-                self.dcache.keep_rows(keep)
+                if self.dcache is not None:
+                    self.dcache.keep_rows(keep)
                 self.policy.keep_rows(keep)
                 index = torch.tensor(keep, dtype=torch.long, device=self.device)
-                self._carry = {k: [v[i] for i in keep] if k == "lengths" else v[index] for k, v in self._carry.items()}
+                if self._carry is not None:  # None after a round that left the draft out
+                    self._carry = {k: [v[i] for i in keep] if k == "lengths" else v[index]
+                                   for k, v in self._carry.items()}
                 if self.bonus_agreement:
                     self._keep_round_outcome(index)
                 self.active = [self.active[i] for i in keep]

@@ -1,0 +1,196 @@
+"""Prompt lookup (n-gram drafting): drafts taken from each row's own text, no draft model.
+
+Each round, for every row, the longest suffix of the row's prompt + output, of ``n_max``
+down to ``n_min`` tokens, that occurred earlier is looked up; the tokens that followed it
+there are the drafts (a chain: the most recent occurrence; a tree: the distinct
+continuations of several occurrences merged, siblings distinct tokens). Drafts are a
+deterministic function of the text, so the samplers verify them with one-hot q
+(``draft_probs=None``): exact at every temperature.
+
+:class:`NGramIndex` is the incremental matcher (an index of every n-gram of a row's history,
+extended with each round's committed tokens, never rescanned); :func:`reference_occurrences`
+is the plain scan it is tested against.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from spec_ext.policies.base import Policy, register
+
+
+def reference_occurrences(history: Sequence[int], n_max: int, n_min: int) -> tuple[int, list[int]]:
+    """The plain matcher (a scan of the whole history): ``(n, starts)`` where n is the
+    longest suffix length in [n_min, n_max] that occurred earlier, and ``starts`` the
+    positions just after each earlier occurrence, most recent first; ``(0, [])`` if none.
+
+    Example:
+        >>> reference_occurrences([1, 2, 3, 1, 2, 4, 1, 2], 2, 1)
+        (2, [5, 2])
+    """
+    L = len(history)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        suffix = list(history[L - n:])
+        starts = [p for p in range(L - 1, n - 1, -1) if list(history[p - n:p]) == suffix]
+        if starts:
+            return n, starts
+    return 0, []
+
+
+class NGramIndex:
+    """The n-grams of one row's history (of n_min..n_max tokens) -> where each occurrence
+    ended, in order; :meth:`extend` indexes only the new tokens (O(n_max) per token), and
+    :meth:`occurrences` answers what :func:`reference_occurrences` does without a scan.
+
+    Example:
+        >>> index = NGramIndex([1, 2, 3, 1, 2], n_max=2, n_min=1)
+        >>> index.occurrences(4)
+        (2, [2])
+        >>> index.extend([4, 1, 2]); index.occurrences(4)
+        (2, [5, 2])
+    """
+
+    def __init__(self, tokens: Sequence[int], n_max: int, n_min: int):
+        self.n_max, self.n_min = n_max, n_min
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], list[int]] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append committed tokens and index the n-grams that end at them."""
+        history, ends = self.tokens, self._ends
+        for token in tokens:
+            history.append(int(token))
+            end = len(history)
+            for n in range(self.n_min, min(self.n_max, end) + 1):
+                key = tuple(history[end - n:])
+                found = ends.get(key)
+                if found is None:
+                    ends[key] = [end]
+                else:
+                    found.append(end)
+
+    def occurrences(self, most: int) -> tuple[int, list[int]]:
+        """(n, starts): the longest suffix length with an earlier occurrence and up to
+        ``most`` of the positions just after those occurrences, most recent first."""
+        history, L = self.tokens, len(self.tokens)
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            found = self._ends.get(tuple(history[L - n:]))
+            if found is not None and len(found) > 1:  # the last entry is the suffix itself
+                return n, found[-2:-2 - most:-1]
+        return 0, []
+
+    def continuations(self, starts: Sequence[int], k: int) -> list[list[int]]:
+        """The up to ``k`` tokens that follow each start."""
+        return [self.tokens[s:s + k] for s in starts]
+
+
+def continuation_tree(continuations: Sequence[Sequence[int]], max_nodes: int) -> tuple[list[int], list[int]]:
+    """Merge token sequences into a tree of at most ``max_nodes`` nodes counting the root.
+
+    Returns (tokens, parents): node 0 is the root (token -1 here; the engine puts the last
+    committed token there), nodes in topological order, siblings distinct tokens. Nodes are
+    kept by how many of the sequences pass through them (then shallower, then earlier
+    sequences first), so a node's parent always comes before it and the tree is the most
+    shared part of the continuations; siblings come out most shared first.
+
+    Example:
+        >>> continuation_tree([[5, 6, 7], [5, 6, 8], [9]], max_nodes=5)
+        ([-1, 5, 9, 6, 7], [-1, 0, 0, 1, 3])
+    """
+    children: list[dict[int, int]] = [{}]
+    token_of, parent_of, count, depth = [-1], [-1], [0], [0]
+    for sequence in continuations:
+        node = 0
+        for token in sequence:
+            child = children[node].get(token)
+            if child is None:
+                child = len(token_of)
+                children[node][token] = child
+                children.append({})
+                token_of.append(token)
+                parent_of.append(node)
+                count.append(0)
+                depth.append(depth[node] + 1)
+            count[child] += 1
+            node = child
+    order = sorted(range(1, len(token_of)), key=lambda i: (-count[i], depth[i], i))[:max_nodes - 1]
+    order.sort(key=lambda i: (depth[i], -count[i], i))  # breadth first: each level's nodes together
+    renumber = {0: 0}
+    for new, old in enumerate(order, start=1):
+        renumber[old] = new
+    return [-1] + [token_of[i] for i in order], [-1] + [renumber[parent_of[i]] for i in order]
+
+
+@register
+class NGram(Policy):
+    """Prompt lookup: each row drafts the tokens that followed the longest earlier occurrence
+    of its current suffix (``n_max`` down to ``n_min`` tokens) in its own prompt + output.
+
+    Defaults and their sources: ``k=10`` tokens per draft (``prompt_lookup_num_tokens=10``,
+    the value of HF's prompt-lookup documentation and of the original prompt-lookup
+    decoding code), ``n_max=2``, ``n_min=1`` (HF's ``max_matching_ngram_size`` default 2,
+    down to 1 token; vLLM's ngram proposer uses ``prompt_lookup_max = prompt_lookup_min = 5``
+    when neither is set, a choice its code calls arbitrary).
+
+    A row whose suffix never occurred before drafts nothing that round (verification still
+    emits its one token); with a draft model given (``generate(target, draft, ...,
+    policy=NGram())``) such rows are drafted by the draft model instead, ``draft_k`` tokens,
+    in the same round and the same target forward.
+
+    Args:
+        k: most tokens drafted per row and round (the chain's length, the tree's depth).
+        n_max, n_min: the longest and the shortest suffix looked up.
+        tree: False: a chain from the most recent occurrence. True: the distinct
+            continuations of up to ``max_continuations`` most recent occurrences merged into
+            a tree of at most ``max_nodes`` nodes (root included), verified in one forward
+            with tree attention (siblings drawn without replacement).
+        draft_k: drafts per round of the draft model, for rows without a match (only with a
+            draft model).
+
+    Example:
+        >>> out = spec_ext.generate(target, None, ids, policy=NGram(tree=True))   # doctest: +SKIP
+    """
+
+    def __init__(self, k: int = 10, n_max: int = 2, n_min: int = 1, tree: bool = False, max_nodes: int = 32,
+                 max_continuations: int = 8, draft_k: int = 5):
+        if k < 1 or draft_k < 1:
+            raise ValueError(f"k, draft_k: must be >= 1, got {k}, {draft_k}")
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"n_min, n_max: need 1 <= n_min <= n_max, got {n_min}, {n_max}")
+        if max_nodes < 2 or max_continuations < 1:
+            raise ValueError(f"max_nodes, max_continuations: need >= 2 and >= 1, got {max_nodes}, "
+                             f"{max_continuations}")
+        self.k, self.n_max, self.n_min, self.tree = k, n_max, n_min, bool(tree)
+        self.max_nodes, self.max_continuations, self.draft_k = max_nodes, max_continuations, draft_k
+        self.max_draft = max(max_nodes - 1 if tree else k, draft_k)
+        self._rows: list[NGramIndex] = []
+
+    def reset(self, histories: Sequence[Sequence[int]]) -> None:
+        """Before the first round: each row's prompt."""
+        self._rows = [NGramIndex(h, self.n_max, self.n_min) for h in histories]
+
+    def extend(self, committed: Sequence[Sequence[int]]) -> None:
+        """After a round: the tokens each current row committed."""
+        for index, tokens in zip(self._rows, committed):
+            index.extend(tokens)
+
+    def chains(self) -> list[list[int]]:
+        """Per row, its drafts this round ([] where its suffix never occurred before)."""
+        drafts = []
+        for index in self._rows:
+            _, starts = index.occurrences(1)
+            drafts.append(index.continuations(starts, self.k)[0] if starts else [])
+        return drafts
+
+    def trees(self) -> list[tuple[list[int], list[int]]]:
+        """Per row, (tokens, parents) of its tree this round (see :func:`continuation_tree`;
+        the root alone where its suffix never occurred before)."""
+        trees = []
+        for index in self._rows:
+            _, starts = index.occurrences(self.max_continuations)
+            trees.append(continuation_tree(index.continuations(starts, self.k), self.max_nodes))
+        return trees
+
+    def keep_rows(self, rows) -> None:
+        super().keep_rows(rows)
+        self._rows = [self._rows[r] for r in rows]
