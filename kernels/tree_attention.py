@@ -82,7 +82,11 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, mask_ptr, out_ptr, s
 
 @triton_op("spec_ext_triton::tree_attention", mutates_args=())
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_lens: torch.Tensor,
-                   tree_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+                   tree_mask: torch.Tensor | None, scale: float, window: int, softcap: float,
+                   sinks: torch.Tensor | None) -> torch.Tensor:
+    if window or softcap or sinks is not None:
+        raise ValueError("window, softcap and sinks are not yet implemented in the Triton kernels "
+                         "(backend='torch', 'cpu' or 'cuda' has them)")
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     out = torch.empty_like(q)

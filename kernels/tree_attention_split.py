@@ -123,5 +123,9 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix
 
 @triton_op("spec_ext_triton::tree_attention_split", mutates_args=())
 def tree_attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_lens: torch.Tensor,
-                         tree_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+                         tree_mask: torch.Tensor | None, scale: float, window: int, softcap: float,
+                         sinks: torch.Tensor | None) -> torch.Tensor:
+    if window or softcap or sinks is not None:
+        raise ValueError("window, softcap and sinks are not yet implemented in the Triton kernels "
+                         "(backend='torch', 'cpu' or 'cuda' has them)")
     return split_kv_attention(q, k, v, prefix_lens, tree_mask, scale)

@@ -154,8 +154,26 @@ def tree_verify(target: Tensor, tree_tokens: Tensor, parents: Tensor, draft_prob
 
 
 # ----------------------------------------------------------------------- attention
-def visibility(prefix_lens: Tensor, tree_mask: Tensor | None, T: int, S: int) -> Tensor:
-    """[B,T,S] bool: key s is visible to query i of row b."""
+def positions(prefix_lens: Tensor, tree_mask: Tensor | None, T: int, S: int) -> tuple[Tensor, Tensor]:
+    """Absolute positions: of the queries [B,T] (prefix_lens[b] + depth of node i) and of
+    the keys [B,S] (prefix key s at s, tree node j at prefix_lens[b] + depth(j)). A node's
+    depth is its number of ancestors: j for the causal chain (tree_mask None), else the
+    popcount of its mask row minus one."""
+    B = prefix_lens.shape[0]
+    device = prefix_lens.device
+    if tree_mask is None:
+        depth = torch.arange(T, device=device).expand(B, T)
+    else:
+        depth = (unpack_mask(tree_mask, T).sum(-1) - 1).expand(B, T)
+    prefix = prefix_lens.long().view(B, 1)
+    s = torch.arange(S, device=device).view(1, S)
+    offset = s - prefix
+    node_pos = prefix + torch.gather(depth, 1, offset.clamp(0, T - 1))
+    return prefix + depth, torch.where(offset >= 0, node_pos, s.expand(B, S))
+
+
+def visibility(prefix_lens: Tensor, tree_mask: Tensor | None, T: int, S: int, window: int = 0) -> Tensor:
+    """[B,T,S] bool: key s is visible to query i of row b (window 0: no sliding window)."""
     B = prefix_lens.shape[0]
     device = prefix_lens.device
     s = torch.arange(S, device=device)
@@ -167,23 +185,39 @@ def visibility(prefix_lens: Tensor, tree_mask: Tensor | None, T: int, S: int) ->
     offset = s.view(1, 1, S) - prefix                          # [B,1,S]
     inside = (offset >= 0) & (offset < T)
     tree_bit = torch.gather(tree, 2, offset.clamp(0, T - 1).expand(B, T, S))
-    return (s.view(1, 1, S) < prefix) | (inside & tree_bit)
+    visible = (s.view(1, 1, S) < prefix) | (inside & tree_bit)
+    if window and T:
+        query_pos, key_pos = positions(prefix_lens, tree_mask, T, S)
+        visible &= query_pos[:, :, None] - key_pos[:, None, :] < window
+    return visible
 
 
-def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor,
-                   tree_mask: Tensor | None, scale: float) -> Tensor:
+def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_mask: Tensor | None, scale: float,
+                   window: int = 0, softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
     """q [B,Hq,T,D], k/v [B,Hkv,S,D], prefix_lens [B], tree_mask [B|1,T,W] int32 or None
-    (causal) -> [B,Hq,T,D]; computed in float32 with a dense mask. A query that sees no
-    key returns zeros."""
+    (causal) -> [B,Hq,T,D]; computed with a dense mask in float32 (float64 for float64
+    inputs).
+
+    window > 0: a query at position p sees key position s only if p - s < window (see
+    :func:`positions`). softcap > 0: the scaled scores become softcap * tanh(score / softcap)
+    before the mask. sinks [Hq] float32: one extra logit per query head in the softmax's
+    denominator, with no value. A query that sees no key returns zeros."""
     B, Hq, T, D = q.shape
     S = k.shape[2]
     group = Hq // k.shape[1]
-    keys = k.float().repeat_interleave(group, 1)
-    values = v.float().repeat_interleave(group, 1)
-    visible = visibility(prefix_lens, tree_mask, T, S).unsqueeze(1)
-    scores = (q.float() @ keys.transpose(-1, -2)) * scale
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    keys = k.to(dtype).repeat_interleave(group, 1)
+    values = v.to(dtype).repeat_interleave(group, 1)
+    visible = visibility(prefix_lens, tree_mask, T, S, window).unsqueeze(1)
+    scores = (q.to(dtype) @ keys.transpose(-1, -2)) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible, float("-inf"))
-    weights = torch.softmax(scores, -1).nan_to_num(0.0)
+    if sinks is not None:
+        sink = sinks.to(dtype).view(1, Hq, 1, 1).expand(B, Hq, T, 1)
+        weights = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :S]
+    else:
+        weights = torch.softmax(scores, -1).nan_to_num(0.0)
     return (weights @ values).to(q.dtype)
 
 

@@ -56,7 +56,10 @@ def test_fake_implementations_agree_with_kernels():
                           (p[:, :3], torch.randint(0, 11, (2, 3)), torch.tensor([[-1, 0, 0]] * 2), None,
                            torch.rand(2, 4, dtype=torch.float64), False, True))
     q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 10, 8)
-    torch.library.opcheck(torch.ops.spec_ext.tree_attention.default, (q, k, k, torch.tensor([4]), None, 0.3))
+    torch.library.opcheck(torch.ops.spec_ext.tree_attention.default,
+                          (q, k, k, torch.tensor([4]), None, 0.3, 0, 0.0, None))
+    torch.library.opcheck(torch.ops.spec_ext.tree_attention.default,
+                          (q, k, k, torch.tensor([4]), None, 0.3, 2, 5.0, torch.randn(2)))
     torch.library.opcheck(torch.ops.spec_ext.skinny_linear.default, (torch.randn(2, 3, 40), torch.randn(7, 40), None))
 
 
@@ -65,7 +68,7 @@ def test_compiled_function_uses_the_ops():
     prefix = torch.tensor([4])
 
     def f(q, k):
-        return torch.ops.spec_ext.tree_attention(q, k, k, prefix, None, 0.3) * 2
+        return torch.ops.spec_ext.tree_attention(q, k, k, prefix, None, 0.3, 0, 0.0, None) * 2
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(q, k), f(q, k))

@@ -11,6 +11,9 @@
 // The GEMM paths expand the packed mask bits once into a [B, T, keys] bool mask that every
 // head shares, and take ATen's vectorised softmax (1.2-1.5x faster than a scalar loop with
 // std::exp, side by side at B=1..8, T=5..64).
+// A sliding window also goes into that mask; keys below every query's window are never
+// read (a query at position p sees nothing before p - window + 1 >= prefix - window). A
+// sink is one more softmax column holding the head's sink logit and no value.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -30,27 +33,59 @@ constexpr int64_t kLoopQueries = 1;
 constexpr int64_t kBatchedScores = int64_t{1} << 20;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline bool visible(const uint32_t* mrow, int64_t j, int64_t i) {
-  return j < 0 || (mrow ? ((mrow[j / 32] >> (j % 32)) & 1u) : j <= i);
+// The tree's mask and positions: node j of row b sits at prefix_lens[b] + depth(b, j), its
+// depth being the popcount of its mask row minus one (the causal chain, no mask: j).
+struct Tree {
+  const uint32_t* bits;  // [mask_rows, T, W] packed, or nullptr: causal
+  int64_t mask_rows, T, W;
+  std::vector<int64_t> depths;  // [mask_rows or 1, T]
+
+  Tree(const uint32_t* bits_, int64_t mask_rows_, int64_t T_, int64_t W_)
+      : bits(bits_), mask_rows(bits_ ? mask_rows_ : 1), T(T_), W(W_), depths(mask_rows * T) {
+    for (int64_t r = 0; r < mask_rows; ++r) {
+      for (int64_t j = 0; j < T; ++j) {
+        int64_t count = 0;
+        if (bits) {
+          for (int64_t w = 0; w < W; ++w) count += __builtin_popcount(bits[(r * T + j) * W + w]);
+        }
+        depths[r * T + j] = bits ? count - 1 : j;
+      }
+    }
+  }
+  const uint32_t* row(int64_t b, int64_t i) const { return bits ? bits + ((mask_rows == 1 ? 0 : b) * T + i) * W : nullptr; }
+  int64_t depth(int64_t b, int64_t j) const { return depths[(mask_rows == 1 ? 0 : b) * T + j]; }
+  // whether query i of row b (its mask row mrow) sees key s: the prefix, or an ancestor in
+  // the tree, and within the window (0: none)
+  bool sees(const uint32_t* mrow, int64_t b, int64_t prefix, int64_t i, int64_t s, int64_t window) const {
+    const int64_t j = s - prefix;
+    if (j >= 0 && !(mrow ? ((mrow[j / 32] >> (j % 32)) & 1u) : j <= i)) return false;
+    return window == 0 || depth(b, i) - (j >= 0 ? depth(b, j) : j) < window;
+  }
+};
+
+// The first key any query of a row with this prefix may see.
+inline int64_t first_key(int64_t prefix, int64_t window) {
+  return window ? std::max<int64_t>(prefix - window, 0) : 0;
 }
 
-// Which keys each (row, query) may not see, [B, 1, 1, T, longest] (the same for every head),
-// and whether some query sees no key at all (its softmax would be NaN; it gets zeros).
-std::pair<at::Tensor, bool> hidden_keys(const at::Tensor& q, const int64_t* prefix_lens, const uint32_t* bits,
-                                        int64_t mask_rows, int64_t W, int64_t S, int64_t longest) {
+// Which keys first + c each (row, query) may not see, [B, 1, 1, T, columns] (the same for
+// every head), and whether some query sees no key at all (its softmax would be NaN; it gets zeros).
+std::pair<at::Tensor, bool> hidden_keys(const at::Tensor& q, const int64_t* prefix_lens, const Tree& tree,
+                                        int64_t window, int64_t S, int64_t first, int64_t columns) {
   const int64_t B = q.size(0), T = q.size(2);
-  auto hidden = at::empty({B, 1, 1, T, longest}, q.options().dtype(at::kBool));
+  auto hidden = at::empty({B, 1, 1, T, columns}, q.options().dtype(at::kBool));
   bool* hide = hidden.data_ptr<bool>();
   bool blind = false;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t prefix = std::max<int64_t>(prefix_lens[b], 0), limit = std::min(S, prefix + T);
     for (int64_t i = 0; i < T; ++i) {
-      const uint32_t* mrow = bits ? bits + ((mask_rows == 1 ? 0 : b) * T + i) * W : nullptr;
-      bool* row = hide + (b * T + i) * longest;
+      const uint32_t* mrow = tree.row(b, i);
+      bool* row = hide + (b * T + i) * columns;
       bool none = true;
-      for (int64_t s = 0; s < longest; ++s) {
-        row[s] = s >= limit || !visible(mrow, s - prefix, i);
-        none = none && row[s];
+      for (int64_t c = 0; c < columns; ++c) {
+        const int64_t s = first + c;
+        row[c] = s >= limit || !tree.sees(mrow, b, prefix, i, s, window);
+        none = none && row[c];
       }
       blind = blind || none;
     }
@@ -58,10 +93,24 @@ std::pair<at::Tensor, bool> hidden_keys(const at::Tensor& q, const int64_t* pref
   return {hidden, blind};
 }
 
+// scores [..., keys] -> softmax weights, with the sink logits [...] (broadcast to scores'
+// leading dimensions) as one more column when given; masked scores are -inf.
+at::Tensor softmax_with_sinks(const at::Tensor& scores, const std::optional<at::Tensor>& sink) {
+  if (!sink) return at::softmax(scores, -1);
+  auto sizes = scores.sizes().vec();
+  sizes.back() = 1;
+  const int64_t keys = scores.size(-1);
+  return at::softmax(at::cat({scores, sink->expand(sizes)}, -1), -1).narrow(-1, 0, keys);
+}
+
+inline float soft_capped(float score, float softcap) {
+  return softcap > 0.f ? softcap * std::tanh(score / softcap) : score;
+}
+
 template <typename scalar_t>
 void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* out, const int64_t* prefix_lens,
-            const uint32_t* bits, int64_t mask_rows, int64_t W, int64_t B, int64_t Hq, int64_t Hkv, int64_t T,
-            int64_t S, int64_t D, int64_t longest, float scale) {
+            const Tree& tree, int64_t B, int64_t Hq, int64_t Hkv, int64_t T, int64_t S, int64_t D, int64_t longest,
+            float scale, int64_t window, float softcap, const float* sinks) {
   const int64_t group = Hq / Hkv;
   // enough multiply-adds per chunk that a thread's wake-up is worth it
   const int64_t work = std::max<int64_t>(1, group * T * longest * D);
@@ -77,11 +126,14 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o
         for (int64_t i = 0; i < T; ++i) {
           const int64_t row = (b * Hq + h) * T + i;
           scalar_t* o = out + row * D;
-          const uint32_t* mrow = bits ? bits + ((mask_rows == 1 ? 0 : b) * T + i) * W : nullptr;
+          const uint32_t* mrow = tree.row(b, i);
+          // keys before the window of this query's position are never read
+          const int64_t start = window ? std::max<int64_t>(prefix + tree.depth(b, i) - window + 1, 0) : 0;
           for (int64_t d = 0; d < D; ++d) query[d] = static_cast<float>(q[row * D + d]) * scale;
-          float best = kNegInf;
-          for (int64_t s = 0; s < limit; ++s) {
-            if (!visible(mrow, s - prefix, i)) {
+          const float sink = sinks ? sinks[h] : kNegInf;
+          float best = sink;
+          for (int64_t s = start; s < limit; ++s) {
+            if (!tree.sees(mrow, b, prefix, i, s, window)) {
               weights[s] = kNegInf;
               continue;
             }
@@ -89,13 +141,13 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < D; ++d) dot += query[d] * static_cast<float>(key[d]);
-            weights[s] = dot;
-            best = std::max(best, dot);
+            weights[s] = soft_capped(dot, softcap);
+            best = std::max(best, weights[s]);
           }
           std::fill(acc.begin(), acc.end(), 0.f);
-          float total = 0.f;
+          float total = best != kNegInf ? std::exp(sink - best) : 0.f;  // exp(-inf) = 0: no sink
           if (best != kNegInf) {
-            for (int64_t s = 0; s < limit; ++s) {
+            for (int64_t s = start; s < limit; ++s) {
               if (weights[s] == kNegInf) continue;
               const float w = std::exp(weights[s] - best);
               total += w;
@@ -113,23 +165,27 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o
 }
 
 void attend_per_head(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                     const at::Tensor& hidden, bool blind, const int64_t* prefix_lens, double scale) {
+                     const at::Tensor& hidden, bool blind, const int64_t* prefix_lens, int64_t first, double scale,
+                     int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), S = k.size(2), group = Hq / k.size(1);
   const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
     const c10::InferenceMode guard(inference);  // worker threads do not inherit it; out may be an inference tensor
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hq, h = task % Hq;
-      const int64_t limit = std::min(S, std::max<int64_t>(prefix_lens[b], 0) + T);
-      if (limit <= 0) {
+      const int64_t prefix = std::max<int64_t>(prefix_lens[b], 0);
+      const int64_t limit = std::min(S, prefix + T), start = first_key(prefix, window);
+      if (limit <= start) {
         out[b][h].zero_();
         continue;
       }
-      auto keys = k[b][h / group].narrow(0, 0, limit).to(at::kFloat);
-      auto values = v[b][h / group].narrow(0, 0, limit).to(at::kFloat);
-      auto hide = hidden[b][0][0].narrow(1, 0, limit);  // [T, limit]
-      auto scores = at::mm(q[b][h].to(at::kFloat), keys.t()).mul_(scale).masked_fill_(hide, kNegInf);
-      auto weights = at::softmax(scores, -1);
+      auto keys = k[b][h / group].narrow(0, start, limit - start).to(at::kFloat);
+      auto values = v[b][h / group].narrow(0, start, limit - start).to(at::kFloat);
+      auto hide = hidden[b][0][0].narrow(1, start - first, limit - start);  // [T, keys]
+      auto scores = at::mm(q[b][h].to(at::kFloat), keys.t()).mul_(scale);
+      if (softcap > 0) scores.div_(softcap).tanh_().mul_(softcap);
+      scores.masked_fill_(hide, kNegInf);
+      auto weights = softmax_with_sinks(scores, sinks ? std::optional<at::Tensor>((*sinks)[h]) : std::nullopt);
       if (blind) weights.masked_fill_(hide.all(-1, true), 0.f);
       out[b][h].copy_(at::mm(weights, values));
     }
@@ -137,25 +193,32 @@ void attend_per_head(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 void attend_batched(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                    const at::Tensor& hidden, bool blind, int64_t longest, double scale) {
+                    const at::Tensor& hidden, bool blind, int64_t first, int64_t columns, double scale,
+                    double softcap, const std::optional<at::Tensor>& sinks) {
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), group = Hq / Hkv;
   // a GQA group's query heads become extra query rows of its kv head: [B, Hkv, group*T, D]
   auto queries = q.to(at::kFloat).view({B, Hkv, group * T, D});
-  auto keys = k.narrow(2, 0, longest).to(at::kFloat);
-  auto values = v.narrow(2, 0, longest).to(at::kFloat);
-  auto scores = at::matmul(queries, keys.transpose(2, 3)).mul_(scale).view({B, Hkv, group, T, longest});
-  auto weights = at::softmax(scores.masked_fill_(hidden, kNegInf), -1);
+  auto keys = k.narrow(2, first, columns).to(at::kFloat);
+  auto values = v.narrow(2, first, columns).to(at::kFloat);
+  auto scores = at::matmul(queries, keys.transpose(2, 3)).mul_(scale).view({B, Hkv, group, T, columns});
+  if (softcap > 0) scores.div_(softcap).tanh_().mul_(softcap);
+  scores.masked_fill_(hidden, kNegInf);
+  auto weights = softmax_with_sinks(scores, sinks ? std::optional<at::Tensor>(sinks->view({Hkv, group, 1, 1}))
+                                                  : std::nullopt);
   if (blind) weights.masked_fill_(hidden.all(-1, true), 0.f);
-  out.copy_(at::matmul(weights.view({B, Hkv, group * T, longest}), values).view({B, Hq, T, D}));
+  out.copy_(at::matmul(weights.reshape({B, Hkv, group * T, columns}), values).view({B, Hq, T, D}));
 }
 
 }  // namespace
 
 at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                               const at::Tensor& prefix_lens_in, const std::optional<at::Tensor>& tree_mask_in,
-                              double scale) {
+                              double scale, int64_t window, double softcap, const std::optional<at::Tensor>& sinks_in) {
+  TORCH_CHECK(window >= 0, "tree_attention (cpu): window must be >= 0 (0: none), got ", window);
   auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  std::optional<at::Tensor> sinks;
+  if (sinks_in) sinks = sinks_in->to(at::kFloat).contiguous();
   auto prefix_lens = prefix_lens_in.to(at::kLong).contiguous();
   at::Tensor tree_mask;
   if (tree_mask_in) tree_mask = tree_mask_in->contiguous();
@@ -165,22 +228,29 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, co
       tree_mask.defined() ? reinterpret_cast<const uint32_t*>(tree_mask.data_ptr<int32_t>()) : nullptr;
   const int64_t W = bits ? tree_mask.size(2) : 0, mask_rows = bits ? tree_mask.size(0) : 0;
   const int64_t* lengths = prefix_lens.data_ptr<int64_t>();
-  int64_t longest = 0;  // keys the furthest row may see
-  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, std::min(S, std::max<int64_t>(lengths[b], 0) + T));
+  int64_t longest = 0, first = S;  // the keys some row may see: [first, longest)
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t prefix = std::max<int64_t>(lengths[b], 0);
+    longest = std::max(longest, std::min(S, prefix + T));
+    first = std::min(first, first_key(prefix, window));
+  }
   auto out = at::empty_like(q);
   if (longest == 0) return out.zero_();
+  const Tree tree(bits, mask_rows, T, W);
   if (T <= kLoopQueries) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "tree_attention_cpu", [&] {
       attend<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                       out.data_ptr<scalar_t>(), lengths, bits, mask_rows, W, B, Hq, Hkv, T, S, D, longest,
-                       static_cast<float>(scale));
+                       out.data_ptr<scalar_t>(), lengths, tree, B, Hq, Hkv, T, S, D, longest,
+                       static_cast<float>(scale), window, static_cast<float>(softcap),
+                       sinks ? sinks->data_ptr<float>() : nullptr);
     });
   } else {
-    const auto [hidden, blind] = hidden_keys(q, lengths, bits, mask_rows, W, S, longest);
-    if (B * Hq * T * longest <= kBatchedScores) {  // launches dominate: batch them
-      attend_batched(q, k, v, out, hidden, blind, longest, scale);
+    const int64_t columns = longest - first;
+    const auto [hidden, blind] = hidden_keys(q, lengths, tree, window, S, first, columns);
+    if (B * Hq * T * columns <= kBatchedScores) {  // launches dominate: batch them
+      attend_batched(q, k, v, out, hidden, blind, first, columns, scale, softcap, sinks);
     } else {  // one head at a time keeps its scores in cache
-      attend_per_head(q, k, v, out, hidden, blind, lengths, scale);
+      attend_per_head(q, k, v, out, hidden, blind, lengths, first, scale, window, softcap, sinks);
     }
   }
   return out;

@@ -1,6 +1,8 @@
 // Tree attention on CUDA. A block owns one (row, KV head) and up to kRows query rows of
 // that head's group; key/value tiles are staged in shared memory once per block and every
 // warp runs an online softmax over them for its rows. Mask bits are read per key.
+// A node's depth (for the sliding window) is the popcount of its mask row minus one; a
+// sink starts each row's online softmax as a logit with no value. Not yet run on a GPU.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -15,11 +17,27 @@ constexpr int kRowsPerWarp = 2;
 constexpr int kRows = kWarps * kRowsPerWarp;
 constexpr int kMaxChunks = 8;  // head dim up to 256
 
+// Depth of tree node j from its packed mask row (nullptr: the causal chain, depth j).
+__device__ inline int64_t node_depth(const uint32_t* row, int64_t j, int64_t W) {
+  if (!row) return j;
+  int64_t count = 0;
+  for (int64_t w = 0; w < W; ++w) count += __popc(row[w]);
+  return count - 1;
+}
+
+// tanh to a few ulp: --use_fast_math turns tanhf into tanh.approx.f32 (relative error 2^-11,
+// seen in the PTX), which would move soft-capped scores by up to softcap * 5e-4.
+__device__ inline float accurate_tanh(float x) {
+  const float e = expm1f(2.f * fminf(fabsf(x), 10.f));  // tanh(10) rounds to 1 in float
+  return copysignf(e / (e + 2.f), x);
+}
+
 template <typename scalar_t>
 __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(
     const scalar_t* __restrict__ Qp, const scalar_t* __restrict__ Kp, const scalar_t* __restrict__ Vp,
     const int32_t* __restrict__ prefix_lens, const uint32_t* __restrict__ mask, int64_t mask_rows, int64_t W,
-    float scale, int64_t Hq, int64_t Hkv, int64_t T, int64_t S, int64_t D, int64_t tile, scalar_t* __restrict__ O) {
+    float scale, int64_t window, float softcap, const float* __restrict__ sinks, int64_t Hq, int64_t Hkv, int64_t T,
+    int64_t S, int64_t D, int64_t tile, scalar_t* __restrict__ O) {
   extern __shared__ float smem[];
   float* ktile = smem;
   float* vtile = smem + tile * D;
@@ -27,15 +45,19 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t prefix = prefix_lens[b];
   const int64_t limit = min(S, prefix + T);
+  const uint32_t* rows_bits = mask ? mask + (mask_rows == 1 ? 0 : b) * T * W : nullptr;  // this row's [T, W]
+  // no query of this row sees a key before prefix - window (its position is at least prefix - 1)
+  const int64_t first = window ? max(prefix - window, int64_t{0}) : 0;
 
-  int64_t rows[kRowsPerWarp];
+  int64_t rows[kRowsPerWarp], depth[kRowsPerWarp];
   float q[kRowsPerWarp][kMaxChunks], acc[kRowsPerWarp][kMaxChunks], m[kRowsPerWarp], l[kRowsPerWarp];
   for (int r = 0; r < kRowsPerWarp; ++r) {
     rows[r] = static_cast<int64_t>(blockIdx.x) * kRows + warp * kRowsPerWarp + r;  // g * T + i
-    m[r] = -INFINITY;
-    l[r] = 0.f;
     const bool valid = rows[r] < group * T;
     const int64_t h = hkv * group + (valid ? rows[r] / T : 0), i = valid ? rows[r] % T : 0;
+    depth[r] = node_depth(rows_bits ? rows_bits + i * W : nullptr, i, W);
+    m[r] = sinks ? sinks[h] : -INFINITY;  // the sink: logit m[r], weight exp(0) = 1 unless -inf
+    l[r] = m[r] == -INFINITY ? 0.f : 1.f;
     for (int c = 0; c < kMaxChunks; ++c) {
       const int64_t d = lane + 32 * c;
       q[r][c] = (valid && d < D) ? static_cast<float>(Qp[((b * Hq + h) * T + i) * D + d]) * scale : 0.f;
@@ -44,7 +66,7 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(
   }
   const scalar_t* kbase = Kp + (b * Hkv + hkv) * S * D;
   const scalar_t* vbase = Vp + (b * Hkv + hkv) * S * D;
-  for (int64_t start = 0; start < limit; start += tile) {
+  for (int64_t start = first; start < limit; start += tile) {
     const int64_t n = min(tile, limit - start);
     __syncthreads();
     for (int64_t e = threadIdx.x; e < n * D; e += blockDim.x) {
@@ -55,17 +77,21 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(
     for (int r = 0; r < kRowsPerWarp; ++r) {
       if (rows[r] >= group * T) continue;
       const int64_t i = rows[r] % T;
-      const uint32_t* bits = mask ? mask + ((mask_rows == 1 ? 0 : b) * T + i) * W : nullptr;
+      const uint32_t* bits = rows_bits ? rows_bits + i * W : nullptr;
       for (int64_t s = 0; s < n; ++s) {
         const int64_t j = start + s - prefix;
         const bool visible = j < 0 || (bits ? ((bits[j / 32] >> (j % 32)) & 1u) : j <= i);
         if (!visible) continue;
+        // positions: prefix + depth for the query and a tree key, s for a prefix key
+        if (window && depth[r] - (j < 0 ? j : node_depth(rows_bits ? rows_bits + j * W : nullptr, j, W)) >= window)
+          continue;
         float dot = 0.f;
         for (int c = 0; c < kMaxChunks; ++c) {
           const int64_t d = lane + 32 * c;
           if (d < D) dot += q[r][c] * ktile[s * D + d];
         }
         for (int offset = 16; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, offset);
+        if (softcap > 0.f) dot = softcap * accurate_tanh(dot / softcap);
         const float m_new = fmaxf(m[r], dot);
         const float correction = __expf(m[r] - m_new);
         const float w = __expf(dot - m_new);
@@ -92,12 +118,15 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(
 
 at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                const at::Tensor& prefix_lens_in, const std::optional<at::Tensor>& tree_mask_in,
-                               double scale) {
+                               double scale, int64_t window, double softcap, const std::optional<at::Tensor>& sinks_in) {
+  TORCH_CHECK(window >= 0, "tree_attention (cuda): window must be >= 0 (0: none), got ", window);
   const c10::cuda::CUDAGuard guard(q_in.device());
   auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   auto prefix_lens = prefix_lens_in.to(at::kInt).contiguous();
   at::Tensor tree_mask;
   if (tree_mask_in) tree_mask = tree_mask_in->contiguous();
+  at::Tensor sinks;
+  if (sinks_in) sinks = sinks_in->to(at::kFloat).contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2);
   TORCH_CHECK(D <= 32 * kMaxChunks, "tree_attention (cuda): head dim must be at most ", 32 * kMaxChunks);
@@ -111,7 +140,8 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
         q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), prefix_lens.data_ptr<int32_t>(),
         tree_mask.defined() ? reinterpret_cast<const uint32_t*>(tree_mask.data_ptr<int32_t>()) : nullptr,
         tree_mask.defined() ? tree_mask.size(0) : 0, tree_mask.defined() ? tree_mask.size(2) : 0,
-        static_cast<float>(scale), Hq, Hkv, T, S, D, tile, out.data_ptr<scalar_t>());
+        static_cast<float>(scale), window, static_cast<float>(softcap),
+        sinks.defined() ? sinks.data_ptr<float>() : nullptr, Hq, Hkv, T, S, D, tile, out.data_ptr<scalar_t>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

@@ -1,6 +1,9 @@
 """Tree / branch attention: T new tokens (a chain or a tree) over a per-row cached prefix."""
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -9,12 +12,17 @@ from spec_ext.ops.checks import FLOAT_TYPES, check_shape, check_tensor, fail
 
 
 def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_mask: Tensor | None = None,
-                   scale: float | None = None, backend: str = "auto", validate: bool | None = None) -> Tensor:
+                   scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                   sinks: Tensor | None = None, backend: str = "auto", validate: bool | None = None) -> Tensor:
     """Attention of T new tokens (a chain or a tree) over a per-row cached prefix.
 
     Key position s is visible to query i of row b iff ``s < prefix_lens[b]``, or
     ``s = prefix_lens[b] + j`` and bit j of ``tree_mask[b, i]`` is set (None: causal over
     the T new tokens). Keys from ``prefix_lens[b] + T`` on are never read.
+
+    Positions: prefix key s sits at s, tree node j at ``prefix_lens[b] + depth(j)``, where
+    depth is the number of ancestors (node j of the causal chain: j; with a mask: the
+    popcount of row j minus one).
 
     Args:
         q: [B,Hq,T,D] float32/float16/bfloat16.
@@ -22,24 +30,37 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
         prefix_lens: [B] int32 or int64, ``prefix_lens + T <= S``.
         tree_mask: [B,T,W] or [1,T,W] int32 packed bits (see :func:`tree_mask`), W >= ceil(T/32).
         scale: softmax scale, default ``D ** -0.5``.
+        window: sliding window (Mistral, Gemma-2/3 local layers, GPT-OSS): a query at position
+            p sees a key at position s only if ``p - s < window``; None (default) or an int >= 1.
+        softcap: the scaled scores become ``softcap * tanh(score / softcap)`` before the mask
+            (Gemma-2); None (default) or a float > 0.
+        sinks: [Hq] float32 on q's device (GPT-OSS): one extra logit per query head in the
+            softmax's denominator, compared with the scaled, soft-capped scores; it has no value,
+            so it only takes weight from the keys. None (default): no sink.
         backend: "auto", "torch", "cpu", "cuda", "triton", or "triton_split" (split over the
             keys, flash-decoding style, for few rows on a GPU; not yet run on a GPU, so never
             chosen by "auto").
         validate: False skips every check (a model forward calls this once per layer).
     Returns:
-        [B,Hq,T,D] in q's dtype.
+        [B,Hq,T,D] in q's dtype. A query that sees no key (possible only through a mask row
+        without its own bit) gets zeros.
 
     Example:
         >>> q = torch.randn(2, 4, 3, 64); k = v = torch.randn(2, 2, 16, 64)
-        >>> out = tree_attention(q, k, v, torch.tensor([5, 13]), tree_mask(torch.tensor([-1, 0, 0]))[1])
+        >>> mask = tree_mask(torch.tensor([-1, 0, 0]))[1]
+        >>> out = tree_attention(q, k, v, torch.tensor([5, 13]), mask, window=4, softcap=50.0,
+        ...                      sinks=torch.zeros(4))
     """
     if registry.checking(validate):
-        _check(q, k, v, prefix_lens, tree_mask)
+        _check(q, k, v, prefix_lens, tree_mask, window, softcap, sinks)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return registry.kernel("tree_attention", backend, q.device)(q, k, v, prefix_lens, tree_mask, scale)
+    window = 0 if window is None else int(window)
+    softcap = 0.0 if softcap is None else float(softcap)
+    return registry.kernel("tree_attention", backend, q.device)(q, k, v, prefix_lens, tree_mask, scale,
+                                                                window, softcap, sinks)
 
 
-def _check(q, k, v, prefix_lens, tree_mask) -> None:
+def _check(q, k, v, prefix_lens, tree_mask, window, softcap, sinks) -> None:
     check_tensor("q", q, 4, FLOAT_TYPES)
     check_tensor("k", k, 4, (q.dtype,), q.device)
     check_tensor("v", v, 4, (q.dtype,), q.device)
@@ -55,6 +76,14 @@ def _check(q, k, v, prefix_lens, tree_mask) -> None:
         check_tensor("tree_mask", tree_mask, 3, (torch.int32,), q.device)
         if tree_mask.shape[0] not in (1, B) or tree_mask.shape[1] != T or tree_mask.shape[2] * 32 < T:
             fail("tree_mask", f"expected [B={B} or 1, T={T}, W>={(T + 31) // 32}], got {tuple(tree_mask.shape)}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1):
+        fail("window", f"expected None or an int >= 1, got {window!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
+                                or not math.isfinite(softcap) or softcap <= 0):
+        fail("softcap", f"expected None or a finite float > 0, got {softcap!r}")
+    if sinks is not None:
+        check_tensor("sinks", sinks, 1, (torch.float32,), q.device)
+        check_shape("sinks", sinks, (Hq,))
     if B and (bool((prefix_lens < 0).any()) or bool((prefix_lens + T > k.shape[2]).any())):
         fail("prefix_lens", f"need 0 <= prefix_lens and prefix_lens + T ({T}) <= S ({k.shape[2]}); "
                             f"got {prefix_lens.tolist()}")

@@ -22,7 +22,7 @@ if _C_ERROR is None:
         return tree_tokens.new_empty(B, T), tree_tokens.new_empty(B, T), tree_tokens.new_empty(B)
 
     @torch.library.register_fake("spec_ext::tree_attention")
-    def _(q, k, v, prefix_lens, tree_mask, scale):
+    def _(q, k, v, prefix_lens, tree_mask, scale, window, softcap, sinks):
         return torch.empty_like(q)
 
     @torch.library.register_fake("spec_ext::compact_kv")
