@@ -15,11 +15,17 @@ from spec_ext.policies.learned import DRAFT_EXTRA_FEATURES, HISTORY_FEATURES
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def backend_params(op: str):
-    """One pytest param per backend; those that cannot run here are skipped with the reason."""
+def backend_params(op: str, with_torch: bool = False):
+    """One pytest param per backend of ``op``; those that cannot run here are skipped with the
+    reason. The torch backend *is* ``spec_ext.reference``: a test that compares a backend with
+    the reference would compare it with itself, so it is left out unless the call site asks
+    (``with_torch=True``: the expectation does not come from the reference, e.g. a hand
+    computation or the target distribution)."""
     params = []
     status = ops.backends()
     for name in registry.backends_of(op):
+        if name == "torch" and not with_torch:
+            continue
         reason = None
         if name == "cpu" and not ops.registered(op, "CPU"):
             reason = status["cpu"]
@@ -30,6 +36,12 @@ def backend_params(op: str):
         marks = [pytest.mark.skip(reason=f"{name} backend {reason}")] if reason else []
         params.append(pytest.param(name, marks=marks, id=name))
     return params
+
+
+def interpreted(backend: str) -> bool:
+    """Whether ``backend`` runs in the Triton interpreter here (Python, about 30-150 ms per
+    verified row): tests size their samples down for it and say so."""
+    return backend.startswith("triton") and DEVICE == "cpu"
 
 
 def device_for(backend: str) -> str:
