@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from spec_ext.policies import Auto
+from spec_ext.policies import SVIP, Auto, Confidence, Heuristic
 
 
 class FakeClock:
@@ -141,3 +141,84 @@ def test_sampling_takes_the_cost_from_the_model_sizes_not_the_clock():
         tokens.append(tokens[-1] + chance)
     best = max(range(1, policy.max_draft + 1), key=lambda k: tokens[k] / (1 + ratio * k))
     assert policy.plan()[0] == min(policy.max_draft, max(1, best + {1: 1, 3: -1}.get(9 % 4, 0)))
+
+
+# ------------------------------------------------------------------- the rules' decisions
+def test_heuristic_adds_two_after_a_round_that_accepted_every_draft_else_drops_one():
+    policy = Heuristic(initial=5, max_draft=8)
+    policy.start(3)
+    assert policy.plan() == [5, 5, 5]
+    policy.observe([5, 5, 5], [5, 4, 0])
+    assert policy.plan() == [7, 4, 4]
+    policy.observe([7, 4, 4], [7, 4, 1])
+    assert policy.plan() == [8, 6, 3]  # row 0 at max_draft
+    policy.observe([8, 6, 3], [8, 6, 0])
+    assert policy.plan() == [8, 8, 2]
+    policy.keep_rows([2, 0])
+    policy.observe([2, 8], [0, 1])
+    policy.observe([1, 7], [0, 0])
+    assert policy.plan() == [1, 6]  # never below 1
+
+
+def test_heuristic_schedule_in_the_loop():
+    """Each round's length follows from the previous round's outcome (batch 1, greedy)."""
+    import spec_ext
+    from helpers import llama, perturbed
+    target = llama(97, 32, 1, seed=0, sharpen=4.0)
+    draft = perturbed(target, 0.01, seed=1)
+    out = spec_ext.generate(target, draft, [[5, 17, 33]], max_new_tokens=60, eos_token_id=[],
+                            policy=Heuristic(initial=3, max_draft=9))
+    drafted, accepted = out.stats.draft_lengths, out.stats.accepted_lengths
+    assert drafted[0] == 3
+    expected, k = [], 3
+    for n, a in zip(drafted, accepted):
+        expected.append(k)
+        k = min(9, k + 2) if a >= n else max(1, k - 1)
+    assert drafted[:-1] == expected[:-1]  # the last round may be cut to the tokens left
+    assert any(a == n for n, a in zip(drafted, accepted)) and any(a < n for n, a in zip(drafted, accepted))
+
+
+def test_confidence_stops_a_row_once_its_tokens_probability_is_below_the_threshold():
+    probs = torch.tensor([[0.75, 0.25, 0.0], [0.1, 0.55, 0.35], [0.2, 0.0, 0.8], [0.39, 0.3, 0.31]])
+    tokens = torch.tensor([0, 1, 0, 0])  # row 2 proposed token 0 (0.2), not its likeliest
+    assert Confidence(threshold=0.7).keep_drafting(1, probs, tokens).tolist() == [True, False, False, False]
+    assert Confidence().keep_drafting(1, probs, tokens).tolist() == [True, True, False, False]  # 0.4
+    assert Confidence(threshold=0.1).keep_drafting(3, probs, tokens).tolist() == [True, True, True, True]
+
+
+def test_svip_stops_once_the_entropy_rule_says_so():
+    """sqrt(c * H(q)) > h stops: with c = h = 1, once H(q) > 1 nat."""
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0],            # ln 2 = 0.693
+                          [1 / 3, 1 / 3, 1 / 3, 0.0],      # ln 3 = 1.099
+                          [1.0, 0.0, 0.0, 0.0],            # 0
+                          [0.5, 0.25, 0.25, 0.0]])         # 1.040
+    tokens = probs.argmax(-1)
+    assert SVIP(c=1.0, h=1.0).keep_drafting(1, probs, tokens).tolist() == [True, False, True, False]
+    # the defaults c = 0.15, h = 0.3: stop once H > 0.6 nat
+    assert SVIP().keep_drafting(1, probs, tokens).tolist() == [False, False, True, False]
+    assert SVIP(c=0.15, h=0.33).keep_drafting(1, probs, tokens).tolist() == [True, False, True, False]
+
+
+def test_auto_picks_the_k_with_most_tokens_per_unit_cost_from_counted_runs():
+    """Sampling: the cost is 1 + k * (draft / target parameters) = 1 + k/2 here; runs are
+    counted by hand (prior: 0.5 accepted of 1 reached at every depth)."""
+    policy = Auto(max_draft=6, initial=4, forget_runs=1.0)
+    policy.bind(torch.nn.Linear(10, 10), torch.nn.Linear(10, 5))  # 110 and 55 parameters
+    policy.start(1, greedy=False)
+    for run in [6, 6, 6, 6, 2, 2, 2, 2, 0, 0]:  # ten rounds of 6 drafts
+        policy.plan()
+        policy.observe([6], [run])
+    # depth j: (0.5 + rounds that accepted >= j) / (1 + rounds that reached j)
+    passed = [0.5 + 8, 0.5 + 8, 0.5 + 4, 0.5 + 4, 0.5 + 4, 0.5 + 4]
+    reached = [1 + 10, 1 + 8, 1 + 8, 1 + 4, 1 + 4, 1 + 4]
+    survival, alive = [], 1.0
+    for a, r in zip(passed, reached):
+        alive *= a / r
+        survival.append(alive)
+    assert policy.survival() == pytest.approx(survival)
+    rate = {k: (1 + sum(survival[:k])) / (1 + k / 2) for k in range(1, 7)}
+    best = max(rate, key=rate.get)
+    assert best == 2 and rate[2] > 1.05 * max(rate[1], rate[3])
+    assert policy.round_cost() == (1.0, 0.5)
+    # rounds 11, 12, 13: the 11th explores one less, the 12th takes the best, the 13th one more
+    assert [policy.plan()[0] for _ in range(3)] == [best - 1, best, best + 1]
