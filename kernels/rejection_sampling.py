@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from spec_ext.kernels.launch import wrap_triton
+from spec_ext.kernels.launch import capability, wrap_triton
 
 @triton.jit
 def _argmax(row_ptr, V, BLOCK_V: tl.constexpr):
@@ -220,8 +220,8 @@ def _tree_verify_kernel(P, X, PAR, Q, U, WORK, PATH, TOK, ACC, B, T, V, GREEDY: 
                 node = accepted
 
 
-def _block_v(V: int) -> int:
-    return min(4096, triton.next_power_of_2(V))
+def _block_v(V: int, largest: int = 4096) -> int:
+    return min(largest, triton.next_power_of_2(V))
 
 
 @triton_op("spec_ext_triton::chain_verify", mutates_args=())
@@ -241,6 +241,11 @@ def chain_verify(target: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: 
     return tokens, num_accepted
 
 
+# _tree_verify_kernel's vocabulary block by compute capability: 4096 spills registers on
+# sm_80, 2048 on sm_90 (ptxas's choices; kernels/aot.py)
+TREE_BLOCK_V = {90: 4096}
+
+
 @triton_op("spec_ext_triton::tree_verify", mutates_args=())
 def tree_verify(target: torch.Tensor, tree_tokens: torch.Tensor, parents: torch.Tensor,
                 draft_probs: torch.Tensor | None, uniforms: torch.Tensor | None, greedy: bool,
@@ -256,5 +261,6 @@ def tree_verify(target: torch.Tensor, tree_tokens: torch.Tensor, parents: torch.
         wrap_triton(_tree_verify_kernel)[(B,)](
             target.contiguous(), tree_tokens.contiguous(), parents.contiguous(), q, u, work, path, tokens,
             num_accepted, B, T, V, GREEDY=greedy, HAS_Q=draft_probs is not None,
-            WITHOUT_REPLACEMENT=without_replacement, BLOCK_V=_block_v(V), BLOCK_T=triton.next_power_of_2(T))
+            WITHOUT_REPLACEMENT=without_replacement, BLOCK_V=_block_v(V, TREE_BLOCK_V.get(capability(target.device), 2048)),
+            BLOCK_T=triton.next_power_of_2(T))
     return path, tokens, num_accepted

@@ -33,7 +33,10 @@ from spec_ext.kernels.rejection_sampling import (_mass, clear_tree_row,  # _mass
                                                   inverse_cdf_step)
 
 MIN_CHUNK = 1024  # no split reads less than this many entries of a row
-TREE_SAMPLE_BLOCK_V = 2048  # _tree_sample_kernel's fp64 tiles spill registers at 4096 (4 warps, sm_80/sm_90)
+# larger blocks spill registers (4 warps; kernels/aot.py): _tree_sample_kernel's fp64 tiles at
+# 4096 on sm_80 and sm_90, _finish's scan at 1024 on sm_80
+TREE_SAMPLE_BLOCK_V = 2048
+FINISH_BLOCK_V = 512
 
 
 @triton.jit
@@ -362,7 +365,7 @@ def split_chain_verify(target: torch.Tensor, draft_tokens: torch.Tensor, draft_p
                                                  splits, HAS_Q=draft_probs is not None, BLOCK_V=BLOCK_V)
     wrap_triton(_finish)[(B,)](target, draft_tokens, q, num_draft, u, part, last, pval, pidx, tokens, num_accepted,
                                K1 - 1, V, chunk, splits, GREEDY=greedy, HAS_Q=draft_probs is not None,
-                               BLOCK_V=BLOCK_V, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+                               BLOCK_V=min(BLOCK_V, FINISH_BLOCK_V), BLOCK_S=max(2, triton.next_power_of_2(splits)),
                                BLOCK_K=triton.next_power_of_2(K1))
     return tokens, num_accepted
 
