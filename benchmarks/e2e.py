@@ -14,14 +14,27 @@ greedy (e2e_cpu_accepted.png, e2e_cpu_lengths.png). The learned policies and the
 from benchmarks/train_policies.py, which chose them on the validation split.
 
     python benchmarks/e2e.py [--prompts 8] [--repeats 1] [--new-tokens 128] [--configs 1:0 ...] [--name e2e_cpu]
-                             [--only TEXT ...]
+                             [--only TEXT ...] [--workloads heldout grounded]
+
+Workloads: ``heldout``, the held-out prompts above (a file cut at a line break), and
+``grounded``, input-grounded prompts from the same held-out split: a function's source,
+then the first lines of the same function again, so that the continuation is a copy (what
+prompt lookup is for). The n-gram rows (spec_ext.policies.NGram) run without the draft
+model, except "ngram beside the draft"; HF prompt lookup (prompt_lookup_num_tokens=10) runs
+at batch 1 only, as HF's does. Each run also measures the n-gram matcher's cost per round
+at 32K tokens of history against a verification round of the target (<name>_matcher.csv).
+
+    python benchmarks/e2e.py --workloads grounded heldout --configs 1:0 8:0 1:1.0 8:1.0 \
+        --only "best on validation" ngram "prompt lookup" --name e2e_ngram_cpu
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -36,7 +49,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spec_ext  # noqa: E402
 from spec_ext.ops.linear import ISA_VARIABLE  # noqa: E402
-from stdlib_data import code_prompts  # noqa: E402
+from stdlib_data import code_prompts, read_text, split_files  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -55,6 +68,76 @@ def policies(greedy: bool = True, batch: int = 1) -> dict:
         k = best_fixed(greedy, batch)
         chosen[f"fixed k={k} {BEST_FIXED}"] = spec_ext.policies.Fixed(k)
     return chosen
+
+
+def ngram_rows(greedy: bool = True, batch: int = 1) -> dict:
+    """Row name -> (NGram policy, whether it runs beside the draft model); beside the draft,
+    the draft model drafts the best fixed k of the validation split where the text has no match."""
+    from spec_ext.policies import NGram
+    return {"ngram chain, no draft": (NGram(), False), "ngram tree, no draft": (NGram(tree=True), False),
+            "ngram beside the draft": (NGram(draft_k=best_fixed(greedy, batch)), True)}
+
+
+def grounded_prompts(tokenizer, split: str = "test", count: int = 8, seed: int = 0, head_lines: int = 2,
+                     longest: int = 128, shortest_copy: int = 32) -> list[list[int]]:
+    """Input-grounded prompts: the source of a function of a ``split`` file, a blank line, and
+    the first ``head_lines`` lines of the same function again, so that a copy begins (of at
+    least ``shortest_copy`` tokens). At most ``longest`` tokens: the bundled pair was trained on
+    256-token windows, so prompt + 128 new tokens stay inside what it knows. Chosen by ``seed``."""
+    candidates = []
+    for path in split_files(split):
+        text = read_text(path)
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        lines = text.splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno > head_lines:
+                source = "\n".join(lines[node.lineno - 1:node.end_lineno]) + "\n"
+                head = "\n".join(lines[node.lineno - 1:node.lineno - 1 + head_lines]) + "\n"
+                ids = tokenizer(source + "\n" + head, add_special_tokens=False)["input_ids"]
+                copy = len(tokenizer(source, add_special_tokens=False)["input_ids"]) - \
+                    len(tokenizer(head, add_special_tokens=False)["input_ids"])
+                if copy >= shortest_copy and len(ids) <= longest:
+                    candidates.append(ids)
+    return random.Random(seed).sample(candidates, count)
+
+
+def matcher_cost(tokenizer, target, history_tokens: int = 32768, rounds: int = 400, per_round: int = 3):
+    """Median seconds per round of the n-gram matcher (commit ``per_round`` tokens, then propose
+    a chain, or a tree) over a held-out history of ``history_tokens`` tokens, and of one
+    verification forward of the target (11 tokens after a 512-token prefix, batch 1)."""
+    from spec_ext.policies import NGram
+    history = []
+    for path in split_files("test"):
+        history += tokenizer(read_text(path), add_special_tokens=False)["input_ids"]
+        if len(history) >= history_tokens + rounds * per_round:
+            break
+    costs = {}
+    for name, policy in (("chain", NGram()), ("tree", NGram(tree=True))):
+        started = time.perf_counter()
+        policy.reset([history[:history_tokens]])
+        costs[f"index_{history_tokens}_tokens_s"] = time.perf_counter() - started
+        times = []
+        for r in range(rounds):
+            new = history[history_tokens + r * per_round:history_tokens + (r + 1) * per_round]
+            started = time.perf_counter()
+            policy.extend([new])
+            policy.trees() if policy.tree else policy.chains()
+            times.append(time.perf_counter() - started)
+        costs[f"matcher_{name}_round_s"] = statistics.median(times)
+    ids = torch.tensor([history[:512]])
+    times = []
+    with torch.inference_mode(), spec_ext.models.attention_implementation(target):
+        for _ in range(20):
+            cache = spec_ext.SpecCache.for_model(target, 1, 600)
+            spec_ext.models.forward(target, ids, cache, torch.arange(512)[None])
+            cache.advance([512])
+            _, t = timed(lambda: spec_ext.models.forward(target, ids[:, :11], cache, 512 + torch.arange(11)[None]))
+            times.append(t)
+    costs["target_verification_round_s"] = statistics.median(times)
+    return costs
 
 
 def load(path, dtype):
@@ -163,6 +246,13 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, want
                      config.assistant_confidence_threshold) = saved
                     new = out.shape[1] - ids.shape[1]
                     record(name, new / t, new / t / base, match=bool(torch.equal(out, alone)) if greedy else None)
+                name = "HF prompt lookup (prompt_lookup_num_tokens=10)"
+                if wanted(name):
+                    out, t = timed(lambda: target.generate(ids, attention_mask=mask, prompt_lookup_num_tokens=10,
+                                                           max_new_tokens=n, min_new_tokens=n, pad_token_id=pad,
+                                                           **(sample or dict(do_sample=False))))
+                    new = out.shape[1] - ids.shape[1]
+                    record(name, new / t, new / t / base, match=bool(torch.equal(out, alone)) if greedy else None)
             for isa in isas:  # each forced path of skinny_linear, on the same prompts in the same pass
                 if isa is not None:
                     os.environ[ISA_VARIABLE] = isa
@@ -183,6 +273,15 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, want
                         rate = out.stats.tokens_per_s
                         record(f"spec_ext {SAME_WINDOW}{tag}", rate, rate / base, out.stats,
                                bool(torch.equal(out.sequences, alone)) if greedy else None)
+                for name, (policy, beside) in ngram_rows(greedy, batch).items():
+                    if not wanted(f"spec_ext {name}"):
+                        continue
+                    out = spec_ext.generate(target, draft if beside else None, ids, attention_mask=mask,
+                                            max_new_tokens=n, temperature=temperature, eos_token_id=[],
+                                            pad_token_id=pad, policy=policy)
+                    rate = out.stats.tokens_per_s
+                    record(f"spec_ext {name}{tag}", rate, rate / base, out.stats,
+                           bool(torch.equal(out.sequences, alone)) if greedy else None)
                 k = best_fixed(greedy, batch)
                 if wanted(f"spec_ext fixed k={k}*, fast_linear"):
                     out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n,
@@ -238,6 +337,9 @@ def main():
     parser.add_argument("--only", nargs="+", metavar="TEXT",
                         help="run only the methods whose row name contains one of these (the target alone always "
                         "runs: it is the baseline), e.g. --only 'fixed' specdecpp adalength")
+    parser.add_argument("--workloads", nargs="+", default=["heldout"], choices=["heldout", "grounded"],
+                        help="heldout: held-out file prefixes; grounded: a held-out function, then its first lines "
+                        "again (a copy begins)")
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                         help="every method runs in it; auto: as stored (the bundled pair: bfloat16). In bfloat16 "
                         "greedy outputs depend on the attention kernel's rounding (HF's own sdpa and eager "
@@ -246,7 +348,9 @@ def main():
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target, draft = load(args.target, args.dtype), load(args.draft, args.dtype)
-    prompts = code_prompts(tokenizer, "test", args.prompts, args.prompt_tokens, seed=0)
+    prompts = {"heldout": lambda: code_prompts(tokenizer, "test", args.prompts, args.prompt_tokens, seed=0),
+               "grounded": lambda: grounded_prompts(tokenizer, "test", args.prompts, seed=0)}
+    prompts = {workload: prompts[workload]() for workload in args.workloads}
     pad = tokenizer.pad_token_id
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
@@ -261,15 +365,33 @@ def main():
 
     competitor = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_core else None
     try:
-        rows, histograms, costs = measure_configs(args, parser, target, draft, prompts, pad, commit, device, wanted,
-                                                  matched)
+        rows, histograms, costs = [], {}, {}
+        for workload, group in prompts.items():
+            found = measure_configs(args, parser, target, draft, group, pad, commit, device, wanted, matched, workload)
+            rows += found[0]
+            histograms.update(found[1])
+            costs = costs or found[2]
+        if any(r["method"].startswith("spec_ext ngram") for r in rows):
+            write_matcher_cost(args, matcher_cost(tokenizer, target), commit, device)
     finally:
         if competitor is not None:
             competitor.kill()
     write_results(args, rows, histograms, costs, matched)
 
 
-def measure_configs(args, parser, target, draft, prompts, pad, commit, device, wanted, matched):
+def write_matcher_cost(args, costs, commit, device):
+    """<name>_matcher.csv: the n-gram matcher's seconds per round at 32K tokens of history, and
+    their share of a target verification round."""
+    with (RESULTS / f"{args.name}_matcher.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["measure", "seconds", "share_of_target_round", "device", "commit"])
+        for name, seconds in costs.items():
+            writer.writerow([name, f"{seconds:.3g}", f"{seconds / costs['target_verification_round_s']:.2g}",
+                             device, commit])
+    print(f"n-gram matcher at 32K tokens of history: {costs}")
+
+
+def measure_configs(args, parser, target, draft, prompts, pad, commit, device, wanted, matched, workload="heldout"):
     rows, histograms = [], {}
     with torch.inference_mode():
         costs = forward_costs(target, draft, prompts[0])
@@ -283,7 +405,7 @@ def measure_configs(args, parser, target, draft, prompts, pad, commit, device, w
             reference = next((r for method, r in results.items() if BEST_FIXED in method), None)
             for method, r in results.items():
                 stats = r["stats"]
-                row = dict(method=method, batch=batch, temperature=temperature,
+                row = dict(method=method, workload=workload, batch=batch, temperature=temperature,
                            tokens_per_s=round(statistics.median(r["rates"]), 1),
                            speedup=round(statistics.median(r["ratios"]), 3),
                            vs_best_fixed=paired_ratio(r, reference),
@@ -292,13 +414,15 @@ def measure_configs(args, parser, target, draft, prompts, pad, commit, device, w
                            target_calls=sum(s.target_calls for s in stats) if stats else "",
                            draft_calls=sum(s.draft_calls for s in stats) if stats else "",
                            rollback=sum(s.rollback for s in stats) if stats else "",
+                           matched_rounds=round(sum(s.matched for s in stats) / max(1, sum(s.rounds for s in stats)),
+                                                3) if stats else "",
                            matches_target=(all(r["matches"]) if r["matches"] else ""),
                            pearl_gamma=(statistics.median(r["gammas"]) if "gammas" in r else ""),
                            new_tokens=args.new_tokens, prompts=args.prompts,
                            dtype=str(target.dtype).removeprefix("torch."), device=device, commit=commit)
                 rows.append(row)
                 if stats:
-                    histograms[(method, batch, temperature)] = (sum((s.accepted_lengths for s in stats), []),
+                    histograms[(f"{workload}: {method}", batch, temperature)] = (sum((s.accepted_lengths for s in stats), []),
                                                                 sum((s.draft_lengths for s in stats), []))
     return rows, histograms, costs
 
@@ -317,12 +441,12 @@ def write_results(args, rows, histograms, costs, matched):
     print(f"serial methods: {torch.get_num_threads()} intra-op threads; PEARL (threads mode): {target_threads} for "
           f"the target, {draft_threads} for the draft; its gamma (median per config): "
           f"{ {(r['batch'], r['temperature']): r['pearl_gamma'] for r in rows if r['pearl_gamma'] != ''} }")
-    print(f"\n{'method':40} {'batch':>5} {'temp':>5} {'tok/s':>8} {'speed-up':>9} {'vs k*':>6} {'acc/call':>9} "
-          f"{'rate':>6} {'== target':>10}")
+    print(f"\n{'method':48} {'workload':>8} {'batch':>5} {'temp':>5} {'tok/s':>8} {'speed-up':>9} {'vs k*':>6} "
+          f"{'acc/call':>9} {'rate':>6} {'matched':>7} {'== target':>10}")
     for r in rows:
-        print(f"{r['method']:40} {r['batch']:5} {r['temperature']:5} {r['tokens_per_s']:8.1f} {r['speedup']:8.2f}x "
-              f"{str(r['vs_best_fixed']):>6} {str(r['mean_accepted']):>9} {str(r['acceptance_rate']):>6} "
-              f"{str(r['matches_target']):>10}")
+        print(f"{r['method']:48} {r['workload']:>8} {r['batch']:5} {r['temperature']:5} {r['tokens_per_s']:8.1f} "
+              f"{r['speedup']:8.2f}x {str(r['vs_best_fixed']):>6} {str(r['mean_accepted']):>9} "
+              f"{str(r['acceptance_rate']):>6} {str(r['matched_rounds']):>7} {str(r['matches_target']):>10}")
     (RESULTS / f"{args.name}_costs.txt").write_text(f"{costs}\n")
     plot(rows, histograms, args.name)
 
@@ -335,7 +459,8 @@ def plot(rows, histograms, name):
     fig, axes = plt.subplots(1, len(configs), figsize=(4.5 * len(configs), 4), squeeze=False)
     for ax, (batch, temperature) in zip(axes[0], configs):
         sub = [r for r in rows if r["batch"] == batch and r["temperature"] == temperature]
-        ax.barh([r["method"] for r in sub], [r["speedup"] for r in sub],
+        several = len({r["workload"] for r in rows}) > 1
+        ax.barh([f"{r['workload']}: {r['method']}" if several else r["method"] for r in sub], [r["speedup"] for r in sub],
                 color=["gray" if "spec_ext" not in r["method"] else "tab:blue" for r in sub])
         ax.axvline(1, color="black", lw=0.8)
         ax.set_title(f"batch {batch}, {'greedy' if temperature == 0 else f'T={temperature}'}")
