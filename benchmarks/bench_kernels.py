@@ -3,7 +3,10 @@
 Appends CSV rows (op, backend, shape, device, median_us, p20_us, p80_us, extra, version,
 commit) to benchmarks/results/kernels_<device>.csv and draws kernels_<device>.png from its latest rows
 (<device>: cpu, or the GPU's name such as NVIDIA-H200)
-(speed-up of each backend over the torch reference).
+(speed-up of each backend over the torch reference). The backends of one shape are timed
+call by call in turn (a load change reaches all alike); tree_attention also has the sdpa
+backend and "auto" (what spec_ext.ops.selection picks, its per-call choice included), and
+the run ends with auto against the fastest backend of the same run.
 
     python benchmarks/bench_kernels.py [--ops rejection tree attention kv linear policy] [--quick]
 """
@@ -23,7 +26,7 @@ from tqdm import tqdm
 
 import spec_ext
 from spec_ext import ops, reference
-from spec_ext.ops import registry
+from spec_ext.ops import registry, selection
 from spec_ext.ops.linear import ISA_VARIABLE
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -55,18 +58,24 @@ def commit() -> str:
         return "unknown"
 
 
-def measure(fn, budget_s: float = 3.0, min_repeats: int = 3, max_repeats: int = 50) -> np.ndarray:
-    """Seconds per call: one warm-up, then repeats until the time budget (at least min_repeats)."""
+def measure(fns: dict, budget_s: float = 3.0, min_repeats: int = 3, max_repeats: int = 50) -> dict:
+    """Seconds per call of each function, side by side: one warm-up each, then rounds of one
+    call of every function in turn until the time budget per function (at least
+    min_repeats), so a change of load on a shared machine reaches every backend alike."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    fn()
-    sync()
-    times, started = [], time.perf_counter()
-    while len(times) < max_repeats and (len(times) < min_repeats or time.perf_counter() - started < budget_s):
-        t = time.perf_counter()
+    for fn in fns.values():
         fn()
         sync()
-        times.append(time.perf_counter() - t)
-    return np.array(times)
+    times = {name: [] for name in fns}
+    started = time.perf_counter()
+    while min(map(len, times.values())) < max_repeats and (
+            min(map(len, times.values())) < min_repeats or time.perf_counter() - started < budget_s * len(fns)):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t)
+    return {name: np.array(t) for name, t in times.items()}
 
 
 def graph_us(fn) -> str:
@@ -80,6 +89,9 @@ def graph_us(fn) -> str:
 
 
 def backends_for(op: str, device: str) -> list[str]:
+    """The backends measured for ``op``: every one that runs here, and "auto" (what the
+    measured table of spec_ext.ops.selection picks, its choice per call included) where the
+    table has entries for the device."""
     if op == "anchor":  # PyTorch's own kernel, recorded as backend "torch"
         return ["torch"]
     names = ["torch"]
@@ -90,6 +102,9 @@ def backends_for(op: str, device: str) -> list[str]:
             names.append("cuda")
         if spec_ext.backends()["triton"] == "available":
             names += [b for b in registry.backends_of(op) if b.startswith("triton")]
+    names += [b for b in registry.backends_of(op) if b == "sdpa"]
+    if selection.entries(device, op):
+        names.append("auto")
     return names
 
 
@@ -147,17 +162,19 @@ def attention_cases(device, quick):
     """tree_attention on a binary tree over a prefix of S - T keys, beside what a model runs
     otherwise: SDPA with the dense [T, S] mask HF builds, and (GPU) SDPA's causal
     lower-right kernel on the same shape as a chain (the speed bar for a tree)."""
-    if device == "cpu":
-        grid = [(B, S, T, 32) for B in (1, 8) for S in (512, 4096) for T in (1, 4, 8, 32, 64)]
+    if device == "cpu":  # 32 heads of 128 with and without GQA; the bundled target's and draft's heads
+        grid = [(B, S, T, 32, Hkv, 128) for Hkv in (32, 8) for B in (1, 8) for S in (512, 4096)
+                for T in (1, 4, 8, 32, 64)]
+        grid += [(B, 256, T, 10, 5, 32) for B in (1, 8) for T in (1, 6, 22)] + [(B, 256, 1, 6, 6, 32) for B in (1, 8)]
         dtype = torch.float32
     else:  # the shapes of the tree-attention issue, Llama-3-8B's heads (GQA 32 / 8)
-        grid = [(1, 4096, 8, 8), (1, 4096, 64, 8), (8, 4096, 8, 8), (8, 4096, 64, 8), (32, 2048, 16, 8),
-                (1, 32768, 64, 8), (8, 16384, 32, 8)]
+        grid = [(1, 4096, 8, 32, 8, 128), (1, 4096, 64, 32, 8, 128), (8, 4096, 8, 32, 8, 128),
+                (8, 4096, 64, 32, 8, 128), (32, 2048, 16, 32, 8, 128), (1, 32768, 64, 32, 8, 128),
+                (8, 16384, 32, 32, 8, 128)]
         dtype = torch.bfloat16
     if quick:
         grid = grid[:1]
-    H, D = 32, 128
-    for B, S, T, Hkv in grid:
+    for B, S, T, H, Hkv, D in grid:
         g = torch.Generator().manual_seed(0)
         q = torch.randn(B, H, T, D, generator=g).to(device, dtype)
         k = torch.randn(B, Hkv, S, D, generator=g).to(device, dtype)
@@ -279,12 +296,12 @@ def main():
             writer.writeheader()
         for family in args.ops:
             for op, shape, run, extra in tqdm(list(families[family](device, args.quick)), desc=family):
-                for backend in backends_for(KERNEL_OF.get(op, op), device):
-                    fn = run(backend)
-                    t = measure(fn, budget_s=args.budget) * 1e6
+                fns = {backend: run(backend) for backend in backends_for(KERNEL_OF.get(op, op), device)}
+                for backend, t in measure(fns, budget_s=args.budget).items():
+                    t = t * 1e6
                     row_extra = extra  # the torch reference syncs with the host: it cannot be captured
                     if args.graphs and device == "cuda" and (backend != "torch" or op.startswith("anchor")):
-                        row_extra = f"{extra};graph_us={graph_us(fn)}"
+                        row_extra = f"{extra};graph_us={graph_us(fns[backend])}"
                     row = dict(op=op, backend=backend, shape=shape, device=device_name(),
                                median_us=round(float(np.median(t)), 2), p20_us=round(float(np.percentile(t, 20)), 2),
                                p80_us=round(float(np.percentile(t, 80)), 2), extra=row_extra,
@@ -293,6 +310,7 @@ def main():
                     f.flush()
                     rows.append(row)
     report(rows)
+    auto_report(rows)
     plot(latest_rows(out, device_name()), RESULTS / f"kernels_{device_file()}.png")
 
 
@@ -326,6 +344,22 @@ def report(rows):
                   f"{achieved:>14}{graph}")
 
 
+def auto_report(rows):
+    """For every shape with an "auto" row: what auto took against the fastest backend of the
+    same run (the goal: within 5%)."""
+    by_key = {}
+    for r in rows:
+        by_key.setdefault((r["op"], r["shape"]), {})[r["backend"]] = r["median_us"]
+    lines = []
+    for (op, shape), times in by_key.items():
+        if "auto" in times:
+            fastest = min((b for b in times if b != "auto"), key=times.get)
+            lines.append(f"{op:16} {shape:44} auto {times['auto']:10.1f} us, fastest {fastest:7} {times[fastest]:10.1f}"
+                         f" us: auto / fastest = {times['auto'] / times[fastest]:.3f}")
+    if lines:
+        print("\nauto against the fastest backend of the same run:\n" + "\n".join(lines))
+
+
 def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -334,7 +368,7 @@ def plot(rows, path):
     fig, axes = plt.subplots(len(ops_), 1, figsize=(11, 3.2 * len(ops_)), squeeze=False)
     for ax, op in zip(axes[:, 0], ops_):
         shapes = list(dict.fromkeys(r["shape"] for r in rows if r["op"] == op))
-        backends = [b for b in ("cpu", "cuda", "triton", "triton_split")
+        backends = [b for b in ("cpu", "cuda", "triton", "triton_split", "sdpa", "auto")
                     if any(r["backend"] == b and r["op"] == op for r in rows)]
         for i, backend in enumerate(backends):
             speedups = []

@@ -18,7 +18,7 @@ wait
 el "build $(tail -1 "$RESULTS/build.log")"
 cp /tmp/spec_ext_build/spec_ext/_C*.so /tmp/spec_ext_build/spec_ext/_build_info.json spec_ext/
 python3 -m spec_ext backends | tee "$RESULTS/backends.json"
-timeout 240 python3 -m pytest -q -rs -n 8 -p no:cacheprovider tests -k "cuda or triton or gpu or registry" \
+timeout 240 python3 -m pytest -q -rs -n 8 -p no:cacheprovider tests -k "cuda or triton or gpu or registry or sdpa" \
     > "$RESULTS/pytest_gpu.log" 2>&1; el "GPU tests rc=$?"; tail -5 "$RESULTS/pytest_gpu.log"
 timeout 300 python3 benchmarks/bench_kernels.py --graphs --budget 1 --ops attention rejection tree kv \
     > "$RESULTS/bench.log" 2>&1; el "bench rc=$?"

@@ -4,6 +4,7 @@
   python -m spec_ext generate --target DIR --prompt "..." --policy ngram   # drafts from the text, no draft
   python -m spec_ext demo          # the bundled pair: streamed completion + speed table
   python -m spec_ext backends      # which kernel backends this build can run
+  python -m spec_ext backends --explain   # ... and what backend="auto" picks per device and op, and why
 """
 from __future__ import annotations
 
@@ -162,7 +163,10 @@ def parser() -> argparse.ArgumentParser:
                       help="auto: as stored (bfloat16; greedy output then depends on the attention kernel's rounding)")
     demo.add_argument("--policies", nargs="+", default=["auto", "fixed", "svip", "confidence", "tree"],
                       choices=POLICY_NAMES, metavar="POLICY", help=f"any of {', '.join(POLICY_NAMES)}")
-    sub.add_parser("backends", help="which kernel backends this build can run, and why not")
+    backends = sub.add_parser("backends", help="which kernel backends this build can run, and why not")
+    backends.add_argument("--explain", action="store_true",
+                          help="also what backend='auto' picks on CPU and CUDA tensors for every op, and the "
+                               "measurements behind it")
     return top
 
 
@@ -180,6 +184,10 @@ def main(argv=None) -> None:
             import spec_ext
             json.dump(spec_ext.backends(), sys.stdout, indent=2)
             print()
+            if args.explain:
+                for device in ("cpu", "cuda"):
+                    for op in spec_ext.ops.OPS:
+                        print(spec_ext.ops.explain(op, device))
     except (ValueError, FileNotFoundError) as error:  # bad input: one line, not a traceback
         cli.exit(2, f"{cli.prog} {args.command}: error: {error}\n")
 

@@ -31,8 +31,8 @@ def test_schema_declared_once_matches_python_ops():
 
 def test_backends_report():
     status = spec_ext.backends()
-    assert set(status) == {"torch", "cpu", "triton", "cuda"}
-    assert status["torch"] == "available" and status["cpu"] == "available"
+    assert set(status) == {"torch", "cpu", "triton", "cuda", "sdpa"}
+    assert status["torch"] == status["cpu"] == status["sdpa"] == "available"
     if json.loads(BUILD_INFO.read_text())["cuda"]:  # a CPU-only op (skinny_linear) is no missing CUDA kernel
         assert status["cuda"] in ("available", "unavailable: built, but no CUDA device"), status["cuda"]
     for name, line in status.items():

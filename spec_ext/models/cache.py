@@ -69,8 +69,9 @@ class SpecCache(Cache):
 
     # ------------------------------------------------------------- transformers API
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
-        """Write [B,H,T,D] new keys/values at positions lengths[b] + j; return the whole
-        [B,H,S,D] buffers of the layer (attention reads only what prefix_lens allows)."""
+        """Write [B,H,T,D] new keys/values at positions lengths[b] + j; return views of the
+        layer's buffers [B,H,longest + T,D], cut to the keys that can be seen (the longest
+        row + T, known on the host: attention then reads no further and needs no sync)."""
         T = key_states.shape[2]
         if self._longest + T > self.capacity:
             raise ValueError(f"SpecCache: a row would exceed the capacity of {self.capacity} tokens "
@@ -87,7 +88,8 @@ class SpecCache(Cache):
             rows, positions = self._scatter
             keys[rows, :, positions] = key_states.transpose(1, 2)
             values[rows, :, positions] = value_states.transpose(1, 2)
-        return keys, values
+        seen = self._longest + T
+        return keys[:, :, :seen], values[:, :, :seen]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._longest

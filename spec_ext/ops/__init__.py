@@ -7,7 +7,7 @@ the host: NaN scans, id ranges) are on by default; ``validate=False`` skips all 
 the one way to call an op unchecked (hot loops, CUDA graphs); ``set_validation(False)``
 makes that the default for every call.
 """
-from spec_ext.ops.registry import BACKENDS, OPS, backends, registered, set_validation
+from spec_ext.ops.registry import BACKENDS, OPS, backends, explain, registered, set_validation
 from spec_ext.ops.trees import Tree, build_tree, tree_mask
 from spec_ext.ops.sampling import (ChainResult, TreeResult, chain_rejection_sample, greedy_verify,
                                    tree_greedy_verify, tree_rejection_sample)
@@ -18,5 +18,5 @@ from spec_ext.ops.acceptance_head import acceptance_head
 from spec_ext.ops import fakes  # noqa: F401  (registers the fake implementations)
 
 __all__ = ["BACKENDS", "OPS", "SKINNY_ROWS", "ChainResult", "Tree", "TreeResult", "acceptance_head", "backends",
-           "build_tree", "chain_rejection_sample", "compact_kv", "greedy_verify", "registered", "set_validation",
-           "skinny_linear", "tree_attention", "tree_greedy_verify", "tree_mask", "tree_rejection_sample"]
+           "build_tree", "chain_rejection_sample", "compact_kv", "explain", "greedy_verify", "registered",
+           "set_validation", "skinny_linear", "tree_attention", "tree_greedy_verify", "tree_mask", "tree_rejection_sample"]

@@ -1,9 +1,12 @@
 """Which backend serves an op, and the switch for input checks.
 
 Backends: ``torch`` (spec_ext.reference), ``cpu`` (C++, spec_ext._C), ``cuda`` (CUDA,
-spec_ext._C), ``triton`` (spec_ext.kernels). Every op resolves its backend through
-:func:`kernel`: ``backend="auto"`` picks cuda > triton > torch for CUDA tensors and
-cpu > torch for CPU tensors, among the backends the op has.
+spec_ext._C), ``triton`` (spec_ext.kernels), ``sdpa`` (tree_attention through PyTorch's
+scaled_dot_product_attention, spec_ext.ops.sdpa). Every op resolves its backend through
+:func:`kernel`: ``backend="auto"`` follows the measured table of
+:mod:`spec_ext.ops.selection` where it has entries for the device and op (:func:`explain`
+says which and why), else cuda > triton > torch for CUDA tensors and cpu > torch for CPU
+tensors, among the backends the op has.
 """
 from __future__ import annotations
 
@@ -16,8 +19,9 @@ from typing import Callable
 import torch
 
 from spec_ext import reference
+from spec_ext.ops import selection
 
-BACKENDS = ("torch", "cpu", "triton", "cuda")
+BACKENDS = ("torch", "cpu", "triton", "cuda", "sdpa")
 # dispatch keys each op has compiled kernels for, in a build with CUDA (skinny_linear: CPU
 # only; on a GPU cuBLAS already reads skinny operands at full bandwidth; acceptance_head:
 # CPU only, it fuses away per-op host overhead that a GPU hides behind its queue)
@@ -36,6 +40,8 @@ TRITON_KERNELS = {("tree_mask", "triton"): ("tree", "tree_mask"),
                   ("tree_attention", "triton"): ("tree_attention", "tree_attention"),
                   ("tree_attention", "triton_split"): ("tree_attention_split", "tree_attention_split"),
                   ("compact_kv", "triton"): ("kv_cache", "compact_kv")}
+# (op, backend) -> function of spec_ext.ops.sdpa: runs on every device PyTorch runs on
+SDPA_KERNELS = {("tree_attention", "sdpa"): "tree_attention"}
 
 try:
     from spec_ext import _C  # registers the spec_ext:: kernels
@@ -93,29 +99,61 @@ def backends() -> dict[str, str]:
         "cpu": status(_C_ERROR or (f"missing CPU kernels: {cpu_missing}" if cpu_missing else None)),
         "triton": status(_triton_status()),
         "cuda": status(cuda_reason),
+        "sdpa": status(None),
     }
 
 
 def backends_of(op: str) -> tuple[str, ...]:
     """The backends ``op`` has (whether or not they can run here)."""
     triton = tuple(backend for (name, backend) in TRITON_KERNELS if name == op)
-    return ("torch",) + tuple(key.lower() for key in KERNEL_KEYS[op]) + triton
+    sdpa = tuple(backend for (name, backend) in SDPA_KERNELS if name == op)
+    return ("torch",) + tuple(key.lower() for key in KERNEL_KEYS[op]) + triton + sdpa
+
+
+def _fixed_order(op: str, device: torch.device) -> str:
+    """``auto`` where the table has nothing: cuda > triton > torch on CUDA, cpu > torch on CPU."""
+    if device.type == "cuda":
+        if registered(op, "CUDA"):
+            return "cuda"
+        return "triton" if (op, "triton") in TRITON_KERNELS and _triton_status() is None else "torch"
+    return "cpu" if device.type == "cpu" and registered(op, "CPU") else "torch"
+
+
+def _cannot_run(op: str, backend: str, device: torch.device) -> str | None:
+    try:
+        resolve(op, backend, device)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@functools.lru_cache(None)
+def auto_choices(op: str, device: torch.device) -> tuple[tuple[str, selection.Entry | None], ...]:
+    """What ``auto`` tries, in order: (backend, table entry) for the table's entries that
+    can run on ``device``, up to the first that serves every call; the fixed order
+    (entry None) closes the list when none does; with the environment variable
+    SPEC_EXT_AUTO_TABLE=0 only the fixed order (what ``auto`` took before the table)."""
+    chosen = []
+    for entry in selection.entries(device.type, op) if os.environ.get(selection.SWITCH) != "0" else ():
+        if _cannot_run(op, entry.backend, device) is None:
+            chosen.append((entry.backend, entry))
+            if entry.applies is None:
+                return tuple(chosen)
+    return tuple(chosen) + ((_fixed_order(op, device), None),)
 
 
 @functools.lru_cache(None)
 def resolve(op: str, backend: str, device: torch.device) -> str:
     """The backend that serves ``op`` for tensors on ``device``; ValueError naming
     ``backend`` when the one asked for cannot (cached: registrations are fixed once the
-    extension is loaded)."""
+    extension is loaded). ``"auto"`` gives the backend it picks, or ``"auto"`` itself
+    when the pick depends on the call (see :func:`explain`)."""
     choices = ("auto",) + backends_of(op)
     if backend not in choices:
         raise ValueError(f"backend must be one of {choices} for {op}, got {backend!r}")
     if backend == "auto":
-        if device.type == "cuda":
-            if registered(op, "CUDA"):
-                return "cuda"
-            return "triton" if (op, "triton") in TRITON_KERNELS and _triton_status() is None else "torch"
-        return "cpu" if device.type == "cpu" and registered(op, "CPU") else "torch"
+        picks = auto_choices(op, device)
+        return picks[0][0] if len(picks) == 1 else "auto"
     if backend == "cpu" and (device.type != "cpu" or not registered(op, "CPU")):
         raise ValueError(f"backend='cpu' needs CPU tensors and the built extension "
                          f"(tensors on {device}; {backends()['cpu']})")
@@ -127,14 +165,62 @@ def resolve(op: str, backend: str, device: torch.device) -> str:
     return backend
 
 
-@functools.lru_cache(None)
-def kernel(op: str, backend: str, device: torch.device) -> Callable:
-    """The function that runs ``op`` on ``device`` with ``backend`` ("auto" or a name),
-    unchecked, with the schema's arguments (csrc/ops.cpp)."""
-    impl = resolve(op, backend, device)
+def _function(op: str, impl: str) -> Callable:
     if impl == "torch":
         return getattr(reference, op)
     if impl.startswith("triton"):
         module, name = TRITON_KERNELS[op, impl]
         return getattr(importlib.import_module(f"spec_ext.kernels.{module}"), name)
+    if impl == "sdpa":
+        return getattr(importlib.import_module("spec_ext.ops.sdpa"), SDPA_KERNELS[op, impl])
     return getattr(torch.ops.spec_ext, op)
+
+
+@functools.lru_cache(None)
+def kernel(op: str, backend: str, device: torch.device) -> Callable:
+    """The function that runs ``op`` on ``device`` with ``backend`` ("auto" or a name),
+    unchecked, with the schema's arguments (csrc/ops.cpp). Where ``auto``'s pick depends on
+    the call, a function that tests the table's conditions on the arguments' shapes and
+    host-side values, then calls the first backend that applies."""
+    impl = resolve(op, backend, device)
+    if impl != "auto":
+        return _function(op, impl)
+    picks = tuple((entry.applies if entry else None, _function(op, name)) for name, entry in auto_choices(op, device))
+
+    def auto(*args):
+        for applies, function in picks:
+            if applies is None or applies(*args):
+                return function(*args)
+    auto.__doc__ = f"spec_ext {op} on {device}, backend 'auto' (spec_ext.ops.explain({op!r}) says what it picks)"
+    return auto
+
+
+def explain(op: str, device: str | torch.device = "cpu", call: tuple | None = None) -> str:
+    """What ``backend="auto"`` picks for ``op`` on ``device`` and why: the table's entries in
+    order (the shapes each serves, the benchmark rows it follows, the command that makes
+    them, or why its backend cannot run here), then, when ``call`` (the kernel-level
+    arguments, as :func:`kernel`'s function takes them) is given, the entry that call takes.
+
+    Example:
+        >>> print(explain("tree_attention", "cuda"))  # doctest: +SKIP
+    """
+    device = torch.device(device)
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    lines = [f"{op} on {device.type}, backend='auto':"]
+    table = selection.entries(device.type, op)
+    for n, entry in enumerate(table, 1):
+        why_not = _cannot_run(op, entry.backend, device)
+        lines.append(f"  {n}. {entry.backend}: {entry.shapes}" + (f" [cannot run here: {why_not}]" if why_not else ""))
+        lines.append(f"     measured: {entry.rows}")
+        lines.append(f"     command: {entry.command}")
+    if not table or all(entry.applies is not None for entry in table):
+        lines.append(f"  {len(table) + 1}. {_fixed_order(op, device)}: "
+                     f"{'otherwise' if table else 'every call'}: the fixed order cuda > triton > cpu > torch "
+                     "(nothing measured for this device class says otherwise)")
+    if call is not None:
+        for name, entry in auto_choices(op, device):
+            if entry is None or entry.applies is None or entry.applies(*call):
+                lines.append(f"  this call: {name}" + (f" ({entry.shapes})" if entry else " (the fixed order)"))
+                break
+    return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""What ``backend="auto"`` runs: a table by device class and op, from measurements.
+
+Each op's entries are tried in order; the first whose backend can run here and whose
+condition holds for the call's arguments (the kernel-level arguments of csrc/ops.cpp) is
+taken. An entry names the benchmark rows it follows and the command that makes them. An
+op without entries for a device class keeps the fixed order cuda > triton > cpu > torch
+(nothing measured says otherwise). A condition reads shapes and host-side arguments only
+(never a tensor's values): no host sync, and a few hundred nanoseconds per call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+SWITCH = "SPEC_EXT_AUTO_TABLE"  # "0": auto ignores this table (the fixed order; for before/after comparisons)
+
+H200_KERNELS = "issue 21's tables (H200 sm_90, fp32 probs; GPU time from CUDA-graph replay, eager: host included)"
+H200_ATTENTION = ("issues 20 and 31 (H200 sm_90, bf16, Hq=32, Hkv=8, D=128, binary tree, prefix S - T, "
+                  "GPU time from CUDA-graph replay)")
+GPU_COMMAND = "bash benchmarks/gpu_run.sh (runs benchmarks/bench_kernels.py --graphs on the GPU)"
+CPU_COMMAND = "flock /tmp/spec_bench.lock python benchmarks/bench_kernels.py --ops attention"
+REFACTORED = ("measured before the kernels were refactored (shared block steps) and before the Triton kernels "
+              "were compiled ahead of time; re-measure with the command")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """``backend`` serves the calls for which ``applies(*kernel_args)`` is true (None: all)."""
+    backend: str
+    shapes: str
+    rows: str
+    command: str
+    applies: Callable[..., bool] | None = None
+
+
+def _no_softcap_or_sinks(q, k, v, prefix_lens, tree_mask, scale, window, softcap, sinks) -> bool:
+    return not softcap and sinks is None
+
+
+def _sampling(target, draft_tokens, draft_probs, num_draft, uniforms, greedy, *rest) -> bool:
+    return not greedy
+
+
+def _greedy(target, draft_tokens, draft_probs, num_draft, uniforms, greedy, *rest) -> bool:
+    return greedy
+
+
+TABLE: dict[tuple[str, str], tuple[Entry, ...]] = {
+    ("cuda", "tree_attention"): (
+        Entry("sdpa", "every call without softcap or sinks",
+              f"{H200_ATTENTION}: the cuda kernel 15-54x and triton 0.83-4.0x the time of SDPA with a dense mask "
+              "(B,S,T = 1,4096,8: cuda 2562, triton 129, SDPA 91 us; 8,4096,64: 10968, 502, 203; 32,2048,16: "
+              "5657, 306, 368, the one row where triton is faster; 1,32768,64: 24520, 2988, 738; 8,16384,32: "
+              "27150, 1499, 734)", GPU_COMMAND, _no_softcap_or_sinks),
+        Entry("cuda", "softcap or sinks (SDPA has neither; the Triton kernel has neither yet)",
+              "none with softcap or sinks: the only backend on CUDA tensors that has them", GPU_COMMAND),
+    ),
+    ("cuda", "chain_verify"): (
+        Entry("triton", "greedy verification",
+              f"{H200_KERNELS}: greedy_verify B=16 K=5 V=32000 cuda 25, triton 14 us; B=64 K=8 V=128256: "
+              f"130, 73 (no eager rows); {REFACTORED}", GPU_COMMAND, _greedy),
+        Entry("cuda", "rejection sampling",
+              f"{H200_KERNELS}: chain_rejection_sample K=5 V=32000 B=1 cuda 23 (eager 39), triton 32 (eager 84) "
+              "us; B=16 40 (55), 33 (50); B=64 40, 33; B=64 K=8 V=128256 157, 184: cuda ahead in total and "
+              f"eagerly, triton ahead by 7 us at B=16-64 K=5; {REFACTORED}", GPU_COMMAND, _sampling),
+    ),
+    ("cuda", "tree_verify"): (
+        Entry("triton", "rejection sampling",
+              f"{H200_KERNELS}: tree_rejection_sample T=22 B=16 V=32000 cuda 239, triton 154 us; B=64 "
+              f"V=128256: 1862, 788 (no eager rows); {REFACTORED}", GPU_COMMAND, _sampling),
+        Entry("cuda", "greedy verification (tree_greedy_verify: never measured on a GPU, the fixed order)",
+              "none", GPU_COMMAND),
+    ),
+    ("cuda", "compact_kv"): (
+        Entry("cuda", "every call",
+              f"{H200_KERNELS}: 32 layers x (K, V) fp16 H=8 D=128: B=1 M=4 cuda 3.3 (eager 203), triton 87 (eager "
+              f"1763) us; B=16 M=16 51 (112), 157 (1253); B=64 M=8 S=1024 133 (233), 189 (1962); {REFACTORED}",
+              GPU_COMMAND),
+    ),
+}
+
+
+def entries(device_type: str, op: str) -> tuple[Entry, ...]:
+    """The table's entries for ``op`` on a device of type ``device_type`` ("cpu", "cuda"), in order."""
+    return TABLE.get((device_type, op), ())
