@@ -1,9 +1,13 @@
 """The command line: help and argument errors before any heavy import, one-line errors."""
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 from spec_ext.__main__ import POLICY_NAMES
 from spec_ext.policies import POLICIES
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args):
@@ -33,3 +37,30 @@ def test_bad_arguments_are_one_line_errors_before_any_model_loads(tmp_path):
     assert out.returncode == 2 and "invalid choice: 'fixd'" in out.stderr and "Traceback" not in out.stderr
     out = run("demo", "--max-new-tokens", "0")
     assert out.returncode == 2 and "must be at least 1, got 0" in out.stderr
+
+
+def test_backends_prints_each_backends_status():
+    import spec_ext
+    out = run("backends")
+    assert out.returncode == 0, out.stderr
+    status, _ = json.JSONDecoder().raw_decode(out.stdout)
+    assert status == spec_ext.backends() and set(status) >= {"torch", "cpu", "triton", "cuda"}
+
+
+def test_generate_streams_the_targets_greedy_completion_and_prints_the_stats():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    target_dir, draft_dir = ROOT / "models" / "stdlib-target", ROOT / "models" / "stdlib-draft"
+    prompt = "import os\n\n\ndef read_config(path):\n"
+    out = run("generate", "--target", str(target_dir), "--draft", str(draft_dir), "--prompt", prompt,
+              "--max-new-tokens", "12", "--policy", "fixed")
+    assert out.returncode == 0, out.stderr
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    expected = target.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert expected.shape[1] == ids.shape[1] + 12, "the completion should not stop early here"
+    text = tokenizer.decode(expected[0])
+    assert out.stdout.startswith(text), (out.stdout, text)
+    stats = json.loads(out.stdout[len(text):])
+    assert stats["new_tokens"] == 12 and stats["target_calls"] >= 1 and stats["drafted"] >= stats["accepted"]
