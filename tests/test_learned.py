@@ -51,6 +51,12 @@ def test_acceptance_labels_and_features_against_prefix_forwards(pair):
     ends = list(range(9, 30 - 1 - 4))
     assert data["specdecpp_y_greedy"].shape == (2 * len(ends),)
     assert data["sequence"].tolist() == [0] * len(ends) + [1] * len(ends)
+    with torch.no_grad():  # the sampling history's draws: generator seed 0 over [N,L] acceptance chances
+        chances = torch.minimum(torch.softmax(target(sequences).logits, -1),
+                                torch.softmax(draft(sequences).logits, -1))
+        drawn_by_hand = torch.rand(sequences.shape, generator=torch.Generator().manual_seed(0)) < chances.sum(-1)
+    assert torch.equal(drawn_by_hand[:, ends].flatten().float(), data["accepted_sampling"])
+    errors = {"specdecpp_x": [], "adalength_x": []}
     with torch.no_grad():
         for row in range(2):
             p = torch.softmax(target(sequences[row:row + 1]).logits[0], -1)  # causal: row i sees tokens <= i
@@ -58,9 +64,22 @@ def test_acceptance_labels_and_features_against_prefix_forwards(pair):
             accept = torch.minimum(p, q).sum(-1)
             agree = (p.argmax(-1) == q.argmax(-1)).tolist()
             for n, i in enumerate(ends):
-                p_i = torch.softmax(target(sequences[row:row + 1, :i + 1]).logits[0, -1], -1)
-                q_i = torch.softmax(draft(sequences[row:row + 1, :i + 1]).logits[0, -1], -1)
+                t_prefix = target(sequences[row:row + 1, :i + 1], output_hidden_states=True)
+                d_prefix = draft(sequences[row:row + 1, :i + 1], output_hidden_states=True)
+                p_i = torch.softmax(t_prefix.logits[0, -1], -1)
+                q_i = torch.softmax(d_prefix.logits[0, -1], -1)
                 k = row * len(ends) + n
+                # the hidden states of the prefix's last token (the full forward is causal)
+                hidden_error = data["specdecpp_x"][k, :-3] - d_prefix.hidden_states[-1][0, -1]
+                errors["specdecpp_x"].append(hidden_error.abs().max())
+                embed = target.get_input_embeddings().weight[sequences[row, i + 1]]
+                assert torch.equal(data["adalength_x"][k, :64], embed)
+                hidden_error = data["adalength_x"][k, 64:] - t_prefix.hidden_states[-1][0, -1]
+                errors["adalength_x"].append(hidden_error.abs().max())
+                run = 0  # drawn acceptances in a row up to i, at most max_length
+                while run < 4 and run <= i and drawn_by_hand[row, i - run]:
+                    run += 1
+                assert data["adalength_history_sampling"][k].tolist() == [run / 4, float(run > 0)]
                 assert data["specdecpp_y_greedy"][k].item() == float(p_i.argmax() == q_i.argmax())
                 torch.testing.assert_close(data["specdecpp_y_sampling"][k], torch.minimum(p_i, q_i).sum(),
                                            atol=1e-5, rtol=0)
@@ -74,8 +93,11 @@ def test_acceptance_labels_and_features_against_prefix_forwards(pair):
                     before += 1
                 assert data["accepted_greedy"][k].item() == float(agree[i])
                 assert data["adalength_history_greedy"][k].tolist() == [before / 4, float(before > 0)]
+    # batched full forward vs the prefix's own: measured 6e-7 at most (float32 rounding)
+    assert max(errors["specdecpp_x"]) < 2e-6 and max(errors["adalength_x"]) < 2e-6
     assert data["adalength_x"].shape == (2 * len(ends), 128)
     assert data["adalength_history_sampling"].shape == (2 * len(ends), 2)
+    assert data["adalength_history_sampling"][:, 1].min() == 0 < data["adalength_history_sampling"][:, 0].max()
     drawn = data["accepted_sampling"]
     assert set(drawn.tolist()) == {0.0, 1.0} and abs(drawn.mean() - data["specdecpp_y_sampling"].mean()) < 0.15
     assert data["specdecpp_x"].shape == (2 * len(ends), 64 + 3)
