@@ -1,8 +1,9 @@
 // Tree attention on CUDA. A block owns one (row, KV head) and up to kRows query rows of
 // that head's group; key/value tiles are staged in shared memory once per block and every
 // warp runs an online softmax over them for its rows. Mask bits are read per key.
-// A node's depth (for the sliding window) is the popcount of its mask row minus one; a
-// sink starts each row's online softmax as a logit with no value. Not yet run on a GPU.
+// With a sliding window each tile also stages its keys' positions (prefix key s at s, node
+// j at prefix + the popcount of its mask row - 1); a sink starts each row's online softmax
+// as a logit with no value. Not yet run on a GPU.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -41,6 +42,7 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(
   extern __shared__ float smem[];
   float* ktile = smem;
   float* vtile = smem + tile * D;
+  int64_t* key_pos = reinterpret_cast<int64_t*>(vtile + tile * D);  // [tile] when window > 0
   const int64_t b = blockIdx.z, hkv = blockIdx.y, group = Hq / Hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t prefix = prefix_lens[b];
@@ -49,13 +51,14 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(
   // no query of this row sees a key before prefix - window (its position is at least prefix - 1)
   const int64_t first = window ? max(prefix - window, int64_t{0}) : 0;
 
-  int64_t rows[kRowsPerWarp], depth[kRowsPerWarp];
+  int64_t rows[kRowsPerWarp], query_pos[kRowsPerWarp];
   float q[kRowsPerWarp][kMaxChunks], acc[kRowsPerWarp][kMaxChunks], m[kRowsPerWarp], l[kRowsPerWarp];
+#pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
     rows[r] = static_cast<int64_t>(blockIdx.x) * kRows + warp * kRowsPerWarp + r;  // g * T + i
     const bool valid = rows[r] < group * T;
     const int64_t h = hkv * group + (valid ? rows[r] / T : 0), i = valid ? rows[r] % T : 0;
-    depth[r] = node_depth(rows_bits ? rows_bits + i * W : nullptr, i, W);
+    query_pos[r] = prefix + node_depth(rows_bits ? rows_bits + i * W : nullptr, i, W);
     m[r] = sinks ? sinks[h] : -INFINITY;  // the sink: logit m[r], weight exp(0) = 1 unless -inf
     l[r] = m[r] == -INFINITY ? 0.f : 1.f;
     for (int c = 0; c < kMaxChunks; ++c) {
@@ -73,7 +76,14 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(
       ktile[e] = static_cast<float>(kbase[start * D + e]);
       vtile[e] = static_cast<float>(vbase[start * D + e]);
     }
+    if (window) {
+      for (int64_t s = threadIdx.x; s < n; s += blockDim.x) {
+        const int64_t j = start + s - prefix;
+        key_pos[s] = j < 0 ? start + s : prefix + node_depth(rows_bits ? rows_bits + j * W : nullptr, j, W);
+      }
+    }
     __syncthreads();
+#pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
       if (rows[r] >= group * T) continue;
       const int64_t i = rows[r] % T;
@@ -82,9 +92,7 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(
         const int64_t j = start + s - prefix;
         const bool visible = j < 0 || (bits ? ((bits[j / 32] >> (j % 32)) & 1u) : j <= i);
         if (!visible) continue;
-        // positions: prefix + depth for the query and a tree key, s for a prefix key
-        if (window && depth[r] - (j < 0 ? j : node_depth(rows_bits ? rows_bits + j * W : nullptr, j, W)) >= window)
-          continue;
+        if (window && query_pos[r] - key_pos[s] >= window) continue;
         float dot = 0.f;
         for (int c = 0; c < kMaxChunks; ++c) {
           const int64_t d = lane + 32 * c;
@@ -104,6 +112,7 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(
       }
     }
   }
+#pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
     if (rows[r] >= group * T) continue;
     const int64_t h = hkv * group + rows[r] / T, i = rows[r] % T;
@@ -133,7 +142,7 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   auto out = at::empty_like(q);
   if (q.numel() == 0) return out;
   const int64_t tile = std::max<int64_t>(8, 4096 / D);
-  const size_t smem = 2 * tile * D * sizeof(float);
+  const size_t smem = 2 * tile * D * sizeof(float) + (window ? tile * sizeof(int64_t) : 0);
   const dim3 grid((Hq / Hkv * T + kRows - 1) / kRows, Hkv, B);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "tree_attention_cuda", [&] {
     tree_attention_kernel<scalar_t><<<grid, kWarps * 32, smem, at::cuda::getCurrentCUDAStream()>>>(
