@@ -1,7 +1,8 @@
 """The lean forward (spec_ext.models.lean) against the HF modules it replaces: same numbers, bit for bit."""
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 import spec_ext
@@ -26,10 +27,26 @@ def run_both(model, steps, fast_linear=False):
     return results
 
 
+def lean_model(kind):
+    """helpers.tiny's models, and: Qwen3 (q/k norms), Mistral with a window of 5, Qwen2 with
+    a window of 5 on its second layer only (both windows passed by the steps below)."""
+    common = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+    torch.manual_seed(0)
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=8, **common)).eval()
+    if kind == "mistral_window":
+        return MistralForCausalLM(MistralConfig(sliding_window=5, **common)).eval()
+    if kind == "qwen2_window":
+        return Qwen2ForCausalLM(Qwen2Config(sliding_window=5, use_sliding_window=True, max_window_layers=1,
+                                            **common)).eval()
+    return tiny(kind)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3", "mistral_window", "qwen2_window"])
 def test_lean_forward_equals_hf_forward(kind, dtype):
-    model = tiny(kind).to(dtype)
+    model = lean_model(kind).to(dtype)
     assert unsupported_reason(model) is None
     g = torch.Generator().manual_seed(0)
     tree = spec_ext.build_tree([-1, 0, 0, 1, 2, 2])

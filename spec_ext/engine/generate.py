@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 
 import torch
 from torch import Tensor
@@ -12,7 +13,7 @@ from spec_ext.engine.common import Output, Sampler, Stats, pad_rows, prompt_rows
 from spec_ext.engine.parallel import ParallelEngine
 from spec_ext.engine.serial import SerialEngine
 from spec_ext.engine.tensor_parallel import channel
-from spec_ext.models import attention_implementation, check_model, check_pair, check_window, split_size
+from spec_ext.models import attention_implementation, check_model, check_pair, split_size
 from spec_ext.policies import PEARL, NGram, Policy, resolve
 
 
@@ -72,6 +73,23 @@ def _check_models(target, draft, policy: Policy) -> None:
                          "is left for the draft; use PEARL(mode='threads'), whose draft runs on the leading rank")
 
 
+# a draft that agrees this rarely over this many drafts is most likely not a draft of this target
+UNRELATED_RATE, UNRELATED_DRAFTS = 0.02, 64
+
+
+def warn_if_unrelated(target, draft, stats: Stats) -> None:
+    """Warn (once per place, as Python does) when the draft's proposals were almost never
+    accepted: exact still, but slower than the target alone, and the likely cause, another
+    tokenizer, cannot be seen in the configs (vocabularies may differ by padding)."""
+    if draft is None or stats.drafted < UNRELATED_DRAFTS or stats.acceptance_rate >= UNRELATED_RATE:
+        return
+    vt, vd = target.config.vocab_size, draft.config.vocab_size
+    sizes = f"vocabulary sizes {vd} and {vt}" if vd != vt else f"the same vocabulary size ({vt})"
+    warnings.warn(f"draft: {stats.accepted} of {stats.drafted} drafts accepted; the output is exact but slower "
+                  f"than the target alone. The likely cause: the draft uses another tokenizer than the target "
+                  f"({sizes}); use a draft from the target's family", stacklevel=3)
+
+
 @torch.inference_mode()
 def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max_new_tokens: int = 32,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
@@ -82,8 +100,10 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     target's own greedy output; sampled output follows the target's distribution.
 
     Args:
-        target, draft: transformers Llama/Qwen2/Mistral causal LMs with the same vocabulary
-            (draft None with ``policy="ngram"``, or when the policy's draft runs on another rank).
+        target, draft: transformers decoder-only causal LMs (any that
+            :func:`spec_ext.models.unsupported_reason` accepts) with one tokenizer; their
+            vocabulary sizes may differ by padding (draft None with ``policy="ngram"``, or when
+            the policy's draft runs on another rank).
         input_ids: [B, L] LongTensor (left-padded, with ``attention_mask``) or a list of
             token-id lists (ragged).
         temperature: 0 for greedy; top_k / top_p as in HF, applied to target and draft alike.
@@ -139,9 +159,6 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         generator = torch.Generator(device=target.device).manual_seed(seed)
     policy.bind(target, draft)
     models = [m for m in (target, draft) if m is not None]
-    # the last token comes from the logits at position longest + max_new_tokens - 2 (the
-    # draft's window only changes what it proposes, never the output)
-    check_window(target, "target", longest + max_new_tokens - 2)
     sampler = Sampler(temperature, top_k, top_p)
     split = channel(target)  # a tensor-parallel target: the leading rank runs the loop, the others follow
     if split is not None and not split.leading:
@@ -155,8 +172,10 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         if streamer is not None:
             streamer.put(torch.tensor([prompts[0]]))
         # the draft's rounding changes only which tokens are proposed, never the output
-        with attention_implementation(*models, fast_linear=[fast_linear, fast_linear or "auto"][:len(models)]):
+        with attention_implementation(*models, fast_linear=[fast_linear, fast_linear or "auto"][:len(models)],
+                                      vocab_size=target.config.vocab_size):
             stats = loop.run()
+    warn_if_unrelated(target, draft, stats)
     if streamer is not None:
         streamer.end()
     head = input_ids.to(target.device) if isinstance(input_ids, Tensor) else \

@@ -3,13 +3,17 @@
 * :mod:`spec_ext.models.cache`: :class:`SpecCache`, a transformers ``Cache`` with per-row
   lengths (rollback by lengths, tree commits by ``compact_kv``), and :class:`MirroredCache`,
   the leading rank's cache of a tensor-parallel target;
-* :mod:`spec_ext.models.hf`: the ``"spec_ext"`` attention function, model checks, and
-  :func:`forward` (T new tokens per row over a SpecCache, chain or tree);
-* :mod:`spec_ext.models.lean`: the same arithmetic as the Llama/Mistral/Qwen2 modules
-  without their per-call machinery.
+* :mod:`spec_ext.models.hf`: the ``"spec_ext"`` attention function, model checks
+  (:func:`unsupported_reason`), and :func:`forward` (T new tokens per row over a SpecCache,
+  chain or tree; vocabularies padded to the target's), with :func:`forward_path` saying
+  which forward a model takes;
+* :mod:`spec_ext.models.lean`: the same arithmetic as the Llama/Mistral/Qwen2/Qwen3 modules
+  without their per-call machinery (:func:`hf_modules` keeps models off it).
 """
 from spec_ext.models.cache import MirroredCache, SpecCache, mirrored, split_size
-from spec_ext.models.hf import attention_implementation, check_model, check_pair, check_window, forward
+from spec_ext.models.hf import (attention_implementation, check_model, check_pair, forward, forward_path,
+                                unsupported_reason)
+from spec_ext.models.lean import hf_modules
 
-__all__ = ["MirroredCache", "SpecCache", "attention_implementation", "check_model", "check_pair", "check_window",
-           "forward", "mirrored", "split_size"]
+__all__ = ["MirroredCache", "SpecCache", "attention_implementation", "check_model", "check_pair", "forward",
+           "forward_path", "hf_modules", "mirrored", "split_size", "unsupported_reason"]

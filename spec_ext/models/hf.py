@@ -4,17 +4,31 @@ A forward of an unmodified HF decoder runs through spec_ext by
   * a :class:`SpecCache` passed as the model's cache (writes at per-row offsets),
   * per-row ``position_ids`` [B,T] (prefix length + node depth),
   * a 4-D ``attention_mask`` that carries the packed tree bits [B|1,1,T,W] int32 (a 4-D
-    mask is handed to the attention function untouched, so transformers builds no mask),
+    mask is handed to every layer's attention function untouched, whatever the layer's
+    type, so transformers builds no mask; the attention function checks that it got it),
   * the attention function ``"spec_ext"``, registered with ``AttentionInterface``, that
-    calls :func:`spec_ext.ops.tree_attention` with the cache's per-row prefix lengths.
-Models :mod:`spec_ext.models.lean` reproduces (Llama, Mistral, Qwen2 without hooks) skip the HF
-modules and run the same arithmetic there.
+    calls :func:`spec_ext.ops.tree_attention` with the cache's per-row prefix lengths and
+    the layer's own ``scaling``, ``sliding_window`` (as ``window``), ``softcap`` and
+    ``s_aux`` (as ``sinks``).
+Which decoders qualify: any decoder-only causal LM whose attention layers call the
+attention interface (transformers' ``_supports_attention_backend``) and whose forward
+takes a cache; :func:`unsupported_reason` says why any other is refused. Models
+:mod:`spec_ext.models.lean` reproduces (Llama, Mistral, Qwen2, Qwen3 without hooks) skip the
+HF modules and run the same arithmetic there (:func:`forward_path` says which path a model
+takes).
+
+Vocabularies that differ by padding (one tokenizer, e.g. Qwen2.5-0.5B's 151936 rows
+drafting for Qwen2.5-7B's 152064): inside :func:`attention_implementation` with
+``vocab_size=V``, :func:`forward` returns every model's logits with V columns (columns a
+model lacks get the lowest float, so probability 0; extra columns are dropped) and feeds a
+model a placeholder id for a token it cannot embed.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
+import weakref
 from typing import Sequence
 
 import torch
@@ -25,80 +39,163 @@ from spec_ext import ops
 from spec_ext.models import lean
 
 ATTENTION = "spec_ext"
-SUPPORTED = ("llama", "qwen2", "mistral")
 
-__all__ = ["ATTENTION", "check_pair", "check_model", "check_window", "forward", "attention_implementation"]
+__all__ = ["ATTENTION", "attention_implementation", "check_model", "check_pair", "forward", "forward_path",
+           "unsupported_reason"]
+
+# keyword arguments models pass to the attention function that do not change what it computes
+_PASSIVE = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states",
+                      "output_router_logits"})
+# layer kinds (config.layer_types) the attention applies exactly; the rest are refused by name
+_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
+_RECURRENT_LAYERS = ("linear_attention", "mamba", "conv", "recurrent", "rwkv", "lstm", "ssm", "hybrid")
 
 
 def _attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None, dropout=0.0,
+               sliding_window=None, softcap=None, s_aux=None, is_causal=None,
                spec_prefix_lens: Tensor | None = None, **kwargs):
     if spec_prefix_lens is None:
         raise RuntimeError("the 'spec_ext' attention runs only inside spec_ext.models.hf.forward "
                            "(it needs per-row prefix lengths)")
+    name = type(module).__name__
+    if dropout:
+        raise ValueError(f"{name}: dropout={dropout} (the model is in train mode): spec_ext's attention applies "
+                         "no dropout; call model.eval()")
+    if is_causal is False:
+        raise ValueError(f"{name}: is_causal=False: spec_ext's attention is causal (or a draft tree)")
+    active = sorted(n for n, v in kwargs.items() if n not in _PASSIVE and v is not None)
+    if active:
+        raise ValueError(f"{name}: the attention argument {active[0]!r} is not supported by spec_ext (it would "
+                         "be dropped); use a model without it")
+    if not isinstance(attention_mask, Tensor) or attention_mask.dtype != torch.int32:
+        raise RuntimeError(f"{name}: got a mask transformers built ({type(attention_mask).__name__}) instead of "
+                           "spec_ext's packed tree bits")
     tree_mask = attention_mask[:, 0] if attention_mask.shape[-1] else None
-    out = ops.tree_attention(query, key, value, spec_prefix_lens, tree_mask, scale=scaling, validate=False)
+    sinks = None if s_aux is None else s_aux.float()
+    out = ops.tree_attention(query, key, value, spec_prefix_lens, tree_mask, scale=scaling, window=sliding_window,
+                             softcap=softcap, sinks=sinks, validate=False)
     return out.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTENTION, _attention)
 
 
-def check_model(model, role: str) -> None:
+@functools.lru_cache(None)
+def _cache_argument(model_class) -> str | None:
+    parameters = inspect.signature(model_class.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
+
+
+def unsupported_reason(model) -> str | None:
+    """Why spec_ext cannot decode ``model`` exactly, or None when it can (on the HF modules
+    at least). Checked before any forward; an attention argument this cannot see from
+    outside (an unknown keyword a layer passes) is refused by name at the first forward."""
     config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED:
-        raise ValueError(f"{role}: unsupported architecture {model_type!r}; spec_ext supports the decoder-only "
-                         f"transformers models {SUPPORTED}")
+    if config is None or not hasattr(model, "forward"):
+        return "not a transformers model (no .config)"
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model (spec_ext drafts for decoder-only causal LMs)"
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    recurrent = [t for t in layer_types if any(word in str(t) for word in _RECURRENT_LAYERS)]
+    if getattr(model, "_is_stateful", False) or recurrent:
+        kind = f" ({recurrent[0]!r} layers)" if recurrent else ""
+        return (f"recurrent or state-space layers{kind}: their state cannot be rolled back to a row's accepted "
+                "tokens")
+    unknown = [t for t in layer_types if t not in _ATTENTION_LAYERS]
+    if unknown:
+        return f"layer type {unknown[0]!r}: spec_ext's attention applies full and sliding-window layers only"
+    if _cache_argument(type(model)) is None:
+        return "its forward takes no cache (no 'cache' or 'past_key_values' argument)"
+    if not getattr(model, "_supports_attention_backend", False):
+        return "its attention layers do not call transformers' attention interface"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "use_bidirectional_attention=True (is_causal=False): spec_ext's attention is causal"
+    for module_name, module in model.named_modules():
+        if getattr(module, "is_causal", True) is False and hasattr(module, "layer_idx"):
+            return f"{module_name} has is_causal=False: spec_ext's attention is causal"
+    return None
 
 
-def check_window(model, role: str, last_position: int) -> None:
-    """Sliding-window attention is exact here while every query whose logits are used, at
-    positions up to ``last_position``, still sees its whole prefix (position < window)."""
-    config = model.config
-    window = getattr(config, "sliding_window", None)
-    if window is None or not getattr(config, "use_sliding_window", True):
-        return
-    if last_position >= window:
-        raise ValueError(f"{role}: the logits at position {last_position} are needed, past its sliding window "
-                         f"({window}): spec_ext attends over the whole prefix, so a prompt plus max_new_tokens "
-                         f"may hold at most {window + 1} tokens here; use shorter ones or a model without a "
-                         "sliding window")
+def check_model(model, role: str) -> None:
+    """ValueError naming ``role`` and the reason when :func:`unsupported_reason` refuses ``model``."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        raise ValueError(f"{role}: {type(model).__name__} (model_type {model_type!r}) is not supported: {reason}")
 
 
 def check_pair(target, draft) -> None:
+    """Both models supported, on one device. Their vocabulary sizes may differ (padding of
+    one tokenizer's embedding table): see the module docstring."""
     check_model(target, "target")
     check_model(draft, "draft")
-    vt, vd = target.config.vocab_size, draft.config.vocab_size
-    if vt != vd:
-        raise ValueError(f"draft: vocabulary size {vd} differs from the target's {vt}; speculative decoding "
-                         "needs the same tokenizer for both models")
     if target.device != draft.device:
         raise ValueError(f"draft: on {draft.device} but the target is on {target.device}")
 
 
+_VOCAB: "weakref.WeakKeyDictionary[object, tuple[int, int, int]]" = weakref.WeakKeyDictionary()
+
+
+def _embeddable(model) -> int:
+    embeddings = model.get_input_embeddings()
+    return getattr(embeddings, "num_embeddings", None) or model.config.vocab_size
+
+
+def _placeholder(model, rows: int) -> int:
+    pad = getattr(model.config, "pad_token_id", None)
+    return pad if isinstance(pad, int) and 0 <= pad < rows else 0
+
+
 @contextlib.contextmanager
-def attention_implementation(*models, fast_linear: bool | str | Sequence[bool | str] = False):
+def attention_implementation(*models, fast_linear: bool | str | Sequence[bool | str] = False,
+                             vocab_size: int | None = None):
     """Route the models' attention through spec_ext for the duration of the block (and
     choose, per model, between the lean forward and the HF modules; ``fast_linear``, one
-    for all models or one per model: see :func:`spec_ext.models.lean.prepare`)."""
+    for all models or one per model: see :func:`spec_ext.models.lean.prepare`).
+    ``vocab_size``: :func:`forward` returns logits [B,T,vocab_size] for every model (the
+    target's V; see the module docstring); None: each model's own."""
     saved = [m.config._attn_implementation for m in models]
     fast = list(fast_linear) if isinstance(fast_linear, (list, tuple)) else [fast_linear] * len(models)
     if len(fast) != len(models):
         raise ValueError(f"fast_linear: {len(fast)} settings for {len(models)} models")
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+        raise ValueError(f"vocab_size: expected None or a positive int, got {vocab_size!r}")
     try:
         for m, f in zip(models, fast):
             m.config._attn_implementation = ATTENTION
             lean.prepare(m, f)
+            rows = _embeddable(m)
+            if vocab_size is not None and (rows < vocab_size or m.config.vocab_size != vocab_size):
+                _VOCAB[m] = (rows, _placeholder(m, rows), vocab_size)
+            else:
+                _VOCAB.pop(m, None)
         yield
     finally:
         for m, name in zip(models, saved):
             m.config._attn_implementation = name
+            _VOCAB.pop(m, None)
 
 
-@functools.lru_cache(None)
-def _cache_argument(model_class) -> str:
-    parameters = inspect.signature(model_class.forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
+def forward_path(model) -> str:
+    """Which forward :func:`forward` runs for ``model`` in the current (or the last)
+    :func:`attention_implementation` block: ``"lean"``, or ``"hf: <why not lean>"``.
+
+    Example:
+        >>> spec_ext.generate(target, draft, ids); forward_path(target)     # doctest: +SKIP
+        'hf: unknown layer modules in Gemma2DecoderLayer'
+    """
+    if lean.lean_decoder(model) is not None:
+        return "lean"
+    return f"hf: {lean.last_reason(model) or 'not prepared (outside attention_implementation)'}"
+
+
+def _fit_vocab(logits: Tensor, size: int) -> Tensor:
+    """logits [B,T,V'] -> [B,T,size]: extra columns dropped, missing ones the lowest float
+    (probability exactly 0 after softmax, never an argmax, finite for the prompt check)."""
+    have = logits.shape[-1]
+    if have >= size:
+        return logits[..., :size]
+    return torch.cat([logits, logits.new_full((*logits.shape[:-1], size - have), torch.finfo(logits.dtype).min)], -1)
 
 
 _NO_TREE = {}
@@ -109,23 +206,32 @@ def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tenso
     """One forward of T new tokens per row over ``cache`` (prefix lengths ``cache.lengths``).
 
     input_ids [B,T], positions [B,T], tree_mask [B|1,T,W] int32 or None (causal).
-    Returns logits [B,T,V] (float32) and, when ``hidden``, the last hidden state [B,T,H].
-    Llama-family models take the lean forward of :mod:`spec_ext.models.lean` (same numbers, less
-    overhead) unless ``use_lean`` is False; others go through the HF modules.
+    Returns logits [B,T,V] (float32; V: the ``vocab_size`` of the enclosing
+    :func:`attention_implementation`, else the model's) and, when ``hidden``, the last
+    hidden state [B,T,H]. Models :mod:`spec_ext.models.lean` reproduces take the lean
+    forward (same numbers, less overhead) unless ``use_lean`` is False; others go through
+    the HF modules.
     """
+    vocab = _VOCAB.get(model)
+    if vocab is not None:
+        input_ids = input_ids.masked_fill(input_ids >= vocab[0], vocab[1])
     cache.before_forward(input_ids, positions, tree_mask)
     decoder = lean.lean_decoder(model) if use_lean else None
     if decoder is not None:
-        return decoder(input_ids, cache, positions, tree_mask, hidden)
-    if tree_mask is None:
-        key = (input_ids.device, input_ids.shape[1])
-        if key not in _NO_TREE:
-            _NO_TREE[key] = torch.zeros(1, 1, input_ids.shape[1], 0, dtype=torch.int32, device=input_ids.device)
-        mask4d = _NO_TREE[key]
+        out = decoder(input_ids, cache, positions, tree_mask, hidden)
     else:
-        mask4d = tree_mask.unsqueeze(1)
-    out = model(input_ids=input_ids, position_ids=positions, attention_mask=mask4d, use_cache=True,
-                output_hidden_states=hidden, spec_prefix_lens=cache.lengths,
-                **{_cache_argument(type(model)): cache})
-    logits = out.logits.float()
-    return (logits, out.hidden_states[-1]) if hidden else logits
+        if tree_mask is None:
+            key = (input_ids.device, input_ids.shape[1])
+            if key not in _NO_TREE:
+                _NO_TREE[key] = torch.zeros(1, 1, input_ids.shape[1], 0, dtype=torch.int32, device=input_ids.device)
+            mask4d = _NO_TREE[key]
+        else:
+            mask4d = tree_mask.unsqueeze(1)
+        result = model(input_ids=input_ids, position_ids=positions, attention_mask=mask4d, use_cache=True,
+                       output_hidden_states=hidden, spec_prefix_lens=cache.lengths,
+                       **{_cache_argument(type(model)): cache})
+        logits = result.logits.float()
+        out = (logits, result.hidden_states[-1]) if hidden else logits
+    if vocab is None:
+        return out
+    return (_fit_vocab(out[0], vocab[2]), out[1]) if hidden else _fit_vocab(out, vocab[2])

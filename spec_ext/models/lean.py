@@ -1,4 +1,4 @@
-"""A lean forward for Llama-family decoders (Llama, Mistral, Qwen2) over a SpecCache.
+"""A lean forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) over a SpecCache.
 
 It does the transformers modules' arithmetic op for op (the logits equal the HF forward's
 bit for bit; tests/test_lean.py checks it), without their per-call machinery: no mask
@@ -11,6 +11,7 @@ generate call, by :func:`prepare` (``spec_ext.models.hf.attention_implementation
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 import weakref
@@ -27,15 +28,27 @@ from spec_ext.ops.linear import kernel_applies
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
+@functools.lru_cache(None)
 def _known_layer_classes() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
     from transformers.models.llama import modeling_llama as llama
     from transformers.models.mistral import modeling_mistral as mistral
     from transformers.models.qwen2 import modeling_qwen2 as qwen2
+    from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
-    families = (llama, mistral, qwen2)
-    prefix = {llama: "Llama", mistral: "Mistral", qwen2: "Qwen2"}
+    families = (llama, mistral, qwen2, qwen3)
+    prefix = {llama: "Llama", mistral: "Mistral", qwen2: "Qwen2", qwen3: "Qwen3"}
     return tuple(tuple(getattr(m, prefix[m] + name) for m in families)
                  for name in ("DecoderLayer", "Attention", "MLP", "RMSNorm"))
+
+
+def _window(attention) -> int | None:
+    """The ``sliding_window`` the module passes its attention function: Mistral's is its
+    config's, Qwen2's and Qwen3's the layer's own (None on full-attention layers)."""
+    from transformers.models.mistral.modeling_mistral import MistralAttention
+
+    if isinstance(attention, MistralAttention):
+        return getattr(attention.config, "sliding_window", None)
+    return getattr(attention, "sliding_window", None)
 
 
 def _hooked(module) -> bool:
@@ -46,8 +59,31 @@ def _hooked(module) -> bool:
     return bool(foreign) or "forward" in module.__dict__
 
 
+_FORCED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def hf_modules(*models):
+    """While inside, generate calls run ``models`` on the HF modules even where the lean
+    forward applies (to compare the two paths, or to rule the lean one out).
+
+    Example:
+        >>> with hf_modules(target, draft):                                 # doctest: +SKIP
+        ...     spec_ext.generate(target, draft, ids)
+    """
+    added = [m for m in models if m not in _FORCED]
+    _FORCED.update(added)
+    try:
+        yield
+    finally:
+        for m in added:
+            _FORCED.discard(m)
+
+
 def unsupported_reason(model) -> str | None:
     """Why ``model`` must take the HF forward, or None when the lean forward reproduces it."""
+    if model in _FORCED:
+        return "forced onto the HF modules (spec_ext.models.hf_modules)"
     layers, attentions, mlps, norms = _known_layer_classes()
     if split_size(model) > 1:
         return f"split across {split_size(model)} ranks by tensor parallelism (the transformers modules run the shards)"
@@ -66,6 +102,9 @@ def unsupported_reason(model) -> str | None:
         if (type(layer) not in layers or type(layer.self_attn) not in attentions or type(layer.mlp) not in mlps
                 or type(layer.input_layernorm) not in norms or type(layer.post_attention_layernorm) not in norms):
             return f"unknown layer modules in {type(layer).__name__}"
+        head_norms = [getattr(layer.self_attn, n, None) for n in ("q_norm", "k_norm")]
+        if any(n is not None and type(n) not in norms for n in head_norms):
+            return f"unknown q/k norms in {type(layer.self_attn).__name__}"
     if type(base.norm) not in norms:
         return "unknown final norm"
     return None
@@ -77,6 +116,12 @@ def _linear(module) -> tuple[Tensor, Tensor | None]:
 
 def _norm(module) -> tuple[Tensor, float]:
     return module.weight, module.variance_epsilon
+
+
+def _head_norm(attention, name: str) -> tuple[Tensor, float] | None:
+    """Qwen3's RMSNorm over each head's dims of q or k (before the rotary), or None."""
+    module = getattr(attention, name, None)
+    return None if module is None else _norm(module)
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -112,7 +157,8 @@ class LeanDecoder:
                 input_norm=_norm(layer.input_layernorm), post_norm=_norm(layer.post_attention_layernorm),
                 q=_linear(attn.q_proj), k=_linear(attn.k_proj), v=_linear(attn.v_proj), o=_linear(attn.o_proj),
                 gate=_linear(mlp.gate_proj), up=_linear(mlp.up_proj), down=_linear(mlp.down_proj),
-                act=mlp.act_fn, head_dim=attn.head_dim, scaling=attn.scaling))
+                act=mlp.act_fn, head_dim=attn.head_dim, scaling=attn.scaling, window=_window(attn),
+                q_norm=_head_norm(attn, "q_norm"), k_norm=_head_norm(attn, "k_norm")))
         self.norm = _norm(base.norm)
         self.lm_head = _linear(model.lm_head)
         self.fast_linear = fast_linear and kernel_applies(model.device, model.dtype)
@@ -143,12 +189,14 @@ class LeanDecoder:
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, *layer["input_norm"])
             shape = (B, T, -1, layer["head_dim"])
-            q = linear(h, *layer["q"]).view(shape).transpose(1, 2)
-            k = linear(h, *layer["k"]).view(shape).transpose(1, 2)
+            q, k = linear(h, *layer["q"]).view(shape), linear(h, *layer["k"]).view(shape)
+            if layer["q_norm"] is not None:
+                q, k = _rms_norm(q, *layer["q_norm"]), _rms_norm(k, *layer["k_norm"])
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = linear(h, *layer["v"]).view(shape).transpose(1, 2)
             q, k = _rotate(q, cos, signed_sin), _rotate(k, cos, signed_sin)
             keys, values = cache.update(k, v, index)
-            a = self.attention(q, keys, values, cache.lengths, tree_mask, layer["scaling"])
+            a = self.attention(q, keys, values, cache.lengths, tree_mask, layer["scaling"], layer["window"])
             x = x + linear(a.transpose(1, 2).reshape(B, T, -1), *layer["o"])
             h = _rms_norm(x, *layer["post_norm"])
             x = x + linear(layer["act"](linear(h, *layer["gate"])) * linear(h, *layer["up"]), *layer["down"])
@@ -158,6 +206,7 @@ class LeanDecoder:
 
 
 _DECODERS: "weakref.WeakKeyDictionary[object, LeanDecoder | None]" = weakref.WeakKeyDictionary()
+_REASONS: "weakref.WeakKeyDictionary[object, str | None]" = weakref.WeakKeyDictionary()
 
 
 def prepare(model, fast_linear: bool | str = False) -> None:
@@ -167,7 +216,7 @@ def prepare(model, fast_linear: bool | str = False) -> None:
     where it can (a draft's rounding never reaches the output)."""
     if fast_linear not in (False, True, "auto"):
         raise ValueError(f"fast_linear: expected False, True or 'auto', got {fast_linear!r}")
-    reason = unsupported_reason(model)
+    reason = _REASONS[model] = unsupported_reason(model)
     decoder = _DECODERS[model] = None if reason else LeanDecoder(model, bool(fast_linear))
     if fast_linear is True and (decoder is None or not decoder.fast_linear):
         why = reason or "skinny_linear's kernel runs on CPU float32 models, on x86-64 with AVX2 and FMA or AVX-512"
@@ -178,3 +227,11 @@ def prepare(model, fast_linear: bool | str = False) -> None:
 def lean_decoder(model) -> LeanDecoder | None:
     """The decoder :func:`prepare` made for ``model``, or None: the HF forward."""
     return None if model.training else _DECODERS.get(model)  # dropout: the HF forward applies it
+
+
+def last_reason(model) -> str | None:
+    """Why the last :func:`prepare` left ``model`` to the HF forward (None: it takes the
+    lean one, or was never prepared); a model in train mode takes the HF forward too."""
+    if model.training and _DECODERS.get(model) is not None:
+        return "in train mode (the HF modules apply dropout)"
+    return _REASONS.get(model)

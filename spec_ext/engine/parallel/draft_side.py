@@ -12,7 +12,7 @@ import torch
 from spec_ext.engine.common import Sampler, prefill
 from spec_ext.engine.parallel.links import DistributedLink, send_pickled
 from spec_ext.engine.parallel.messages import Done, Drafts, End, Failure, Hello, PeerError, Shutdown, Start, Verdict
-from spec_ext.models import SpecCache, attention_implementation, forward
+from spec_ext.models import SpecCache, attention_implementation, check_model, forward
 from spec_ext.policies import BranchHint
 
 
@@ -82,7 +82,8 @@ class DraftSide:
             return "shutdown"
         if not isinstance(start, Start):
             raise PeerError(f"expected a start message, got {type(start).__name__}")
-        self.link.send(Hello(self.draft.config.vocab_size))
+        check_model(self.draft, "draft")  # on its own rank the target's generate call cannot check it
+        self.link.send(Hello())
         self.start, self.device = start, self.draft.device
         self.sampler = Sampler(start.temperature, start.top_k, start.top_p)
         self.generator = torch.Generator(device=self.device).manual_seed(start.seed)
@@ -93,7 +94,8 @@ class DraftSide:
         self.epochs, self.next_node = [0] * B, [0] * B
         self.roots, self.hints = [-1] * B, [BranchHint.DEFER] * B  # each row's root node id, branch hint
         self.committed = [len(p) for p in start.prompts]
-        with attention_implementation(self.draft, fast_linear=start.fast_linear), torch.inference_mode():
+        with attention_implementation(self.draft, fast_linear=start.fast_linear, vocab_size=start.vocab_size), \
+                torch.inference_mode():
             self._prefill()
             while True:
                 live = [lane for r, lanes in self.lanes.items() for lane in lanes

@@ -19,11 +19,12 @@ class Start:
     lookahead: int
     branches: int         # most lanes (branches) per row; 1 = a chain (PEARL)
     fast_linear: bool | str  # the draft's linear layers take ops.skinny_linear (lean.prepare)
+    vocab_size: int       # the target's V: the draft's q comes padded (or truncated) to it
 
 
 @dataclass
 class Hello:
-    vocab_size: int
+    """The draft side's answer to Start: it checked its model and is ready."""
 
 
 @dataclass

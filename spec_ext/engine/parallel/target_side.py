@@ -107,12 +107,10 @@ class ParallelEngine(Rows):
         device = "cpu" if self.generator is None else self.generator.device  # a CUDA generator draws on CUDA
         seed = int(torch.randint(0, 2 ** 62, (1,), generator=self.generator, device=device))
         link.send(Start(self.prompts, self.sampler.temperature, self.sampler.top_k, self.sampler.top_p, seed,
-                         self.capacity, self.policy.lookahead, self.policy.branches, self.fast_linear or "auto"))
-        while not isinstance(hello := link.get(), Hello):
+                         self.capacity, self.policy.lookahead, self.policy.branches, self.fast_linear or "auto",
+                         self.target.config.vocab_size))
+        while not isinstance(link.get(), Hello):
             pass  # leftovers of an earlier call that failed on this side
-        if hello.vocab_size != self.target.config.vocab_size:
-            raise ValueError(f"draft: vocabulary size {hello.vocab_size} differs from the target's "
-                             f"{self.target.config.vocab_size}")
         self._prefill()
         while self.active:
             self._round(link)

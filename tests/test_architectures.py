@@ -1,0 +1,278 @@
+"""Every decoder-only architecture the issue lists, on tiny random configs made here (fp32,
+CPU, nothing downloaded): greedy output equals ``target.generate`` on a ragged left-padded
+batch with EOS, past every sliding window; sampling follows the target's exact
+distribution for one model of each attention kind (plain, window, softcap, sinks, MoE);
+vocabularies that differ by padding decode exactly; what cannot work is refused by name."""
+import copy
+
+import pytest
+import torch
+import transformers
+
+import spec_ext
+from spec_ext.engine import Sampler
+from spec_ext.models import SpecCache, forward_path, hf, unsupported_reason
+from helpers import PROMPT, VOCAB, assert_follows, exact_joint, hf_greedy
+
+WINDOW = 6  # sliding-window layers: the prompts plus new tokens run well past it
+CLASSES = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+           "qwen3_moe": "Qwen3Moe", "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "phi3": "Phi3",
+           "granite": "Granite", "olmo2": "Olmo2", "smollm3": "SmolLM3", "starcoder2": "Starcoder2",
+           "gpt_neox": "GPTNeoX", "gpt2": "GPT2", "gpt_oss": "GptOss"}
+ARCHITECTURES = sorted(CLASSES)
+
+
+def tiny(kind: str, vocab: int = 61, seed: int = 0, window: int = WINDOW, **overrides):
+    """A 2-layer random ``kind`` model with sharpened weights (clear argmaxes); its attention
+    features: windows on mistral, starcoder2, gemma2/3 and gpt_oss (gemma3 and gpt_oss
+    alternate sliding and full layers), a soft-cap on gemma2, sinks on gpt_oss, experts on
+    mixtral, qwen3_moe and gpt_oss."""
+    config = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    alternating = ["sliding_attention", "full_attention"]
+    extra = {"mistral": dict(sliding_window=window), "starcoder2": dict(sliding_window=window),
+             "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+             "qwen3": dict(head_dim=8), "gemma": dict(head_dim=8),
+             "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24),
+             "gemma2": dict(head_dim=8, sliding_window=window, query_pre_attn_scalar=8, attn_logit_softcapping=2.0,
+                            final_logit_softcapping=5.0),
+             "gemma3": dict(head_dim=8, sliding_window=window, query_pre_attn_scalar=8, layer_types=alternating),
+             "smollm3": dict(no_rope_layer_interval=2),
+             "gpt_oss": dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=window,
+                             layer_types=alternating)}
+    config.update(extra.get(kind, {}))
+    if kind == "gpt_neox":
+        del config["num_key_value_heads"]
+    if kind == "gpt2":
+        config = dict(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=256, pad_token_id=0,
+                      bos_token_id=1, eos_token_id=2)
+    config.update(overrides)
+    prefix = CLASSES[kind]
+    config_class = getattr(transformers, prefix + ("TextConfig" if kind == "gemma3" else "Config"))
+    model_class = getattr(transformers, prefix + ("LMHeadModel" if kind == "gpt2" else "ForCausalLM"))
+    torch.manual_seed(seed)
+    model = model_class(config_class(**config)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    return model
+
+
+def noisy(model, scale: float, seed: int = 1):
+    draft = copy.deepcopy(model)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return draft
+
+
+_PAIRS: dict = {}
+
+
+def pair(kind: str):
+    """One shared (target, noisy copy as draft) per architecture for the whole module."""
+    if kind not in _PAIRS:
+        target = tiny(kind)
+        _PAIRS[kind] = target, noisy(target, 0.01)
+    return _PAIRS[kind]
+
+
+def left_padded(prompts, pad=0):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+PROMPTS = [[5, 17, 33, 8, 9, 10, 11], [40, 3], [7, 21, 50, 4]]
+NEW = 24
+
+
+def check_greedy(target, draft, prompts=PROMPTS, policy="fixed", new=NEW):
+    """spec_ext on the left-padded batch equals ``target.generate`` row by row, with an EOS
+    that ends row 0 early (a token its own continuation reaches by step 10); finished rows
+    are padded with the pad id (0), as HF pads them."""
+    continuation = hf_greedy(target, prompts[0], new, eos=[])
+    eos = next((t for i, t in enumerate(continuation[4:11], 4) if t not in continuation[:i]), continuation[10])
+    ids, mask = left_padded(prompts)
+    out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=new, eos_token_id=eos,
+                            policy=policy)
+    for b, prompt in enumerate(prompts):
+        expected = hf_greedy(target, prompt, new, eos=[eos])
+        got = out.sequences[b, ids.shape[1]:].tolist()
+        assert got == expected + [0] * (len(got) - len(expected)), f"row {b}"
+        if b == 0:
+            assert len(expected) <= 11 and expected[-1] == eos
+    return out
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_greedy_ragged_batch_with_eos_equals_target_generate(kind):
+    target, draft = pair(kind)
+    assert unsupported_reason(target) is None
+    out = check_greedy(target, draft)
+    assert out.stats.accepted > 0, "the noisy copy should agree with the target sometimes"
+    expected_path = "lean" if kind in ("llama", "mistral", "qwen2", "qwen3") else "hf"
+    assert forward_path(target).split(":")[0] == expected_path
+
+
+def test_models_the_lean_forward_knows_can_be_kept_on_the_hf_modules():
+    target, draft = pair("qwen3")
+    with spec_ext.models.hf_modules(target, draft):
+        check_greedy(target, draft)
+        assert forward_path(target) == forward_path(draft) == \
+            "hf: forced onto the HF modules (spec_ext.models.hf_modules)"
+    check_greedy(target, draft, new=12)
+    assert forward_path(target) == forward_path(draft) == "lean"
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])
+def test_greedy_tree_policy_past_the_window(kind):
+    """Tree verification: node positions (prefix + depth) decide what the window shows."""
+    target, draft = pair(kind)
+    check_greedy(target, draft, policy="tree")
+
+
+# ---------------------------------------------------------------- exact distributions
+SAMPLING_KINDS = {"plain": ("llama", {}), "window": ("mistral", dict(window=2)),
+                  "softcap": ("gemma2", dict(window=64)), "sinks": ("gpt_oss", dict(window=2)),
+                  "moe": ("qwen3_moe", {})}
+
+
+@pytest.mark.parametrize("attention", SAMPLING_KINDS)
+def test_sampling_follows_the_target_distribution(attention):
+    """The first 3 tokens after a 3-token prompt, 20,000 rows, against the enumerated joint
+    distribution; a window of 2 is passed by the second new token."""
+    kind, options = SAMPLING_KINDS[attention]
+    target = tiny(kind, vocab=VOCAB, seed=10, **options)
+    draft = noisy(target, 0.05, seed=11)
+    out = spec_ext.generate(target, draft, [PROMPT] * 20_000, max_new_tokens=3, temperature=1.0, eos_token_id=[],
+                            policy="fixed", seed=7)
+    assert_follows(out.sequences[:, len(PROMPT):].numpy(), exact_joint(target, Sampler(1.0)))
+    assert out.stats.accepted > 0
+
+
+# ---------------------------------------------------------------- padded vocabularies
+def resized(model, rows: int, seed: int):
+    """A noisy copy of ``model`` whose vocabulary (embeddings and head) has ``rows`` rows:
+    truncated, or padded with new rows (as checkpoints pad one tokenizer's table)."""
+    draft = noisy(model, 0.01, seed)
+    draft.resize_token_embeddings(rows, mean_resizing=False)
+    if draft.get_output_embeddings().weight.shape[0] != rows:  # an untied head
+        head = draft.get_output_embeddings()
+        weight = torch.randn(rows, head.weight.shape[1]) * head.weight.std()
+        weight[:min(rows, head.weight.shape[0])] = head.weight[:rows]
+        draft.set_output_embeddings(torch.nn.Linear(head.weight.shape[1], rows, bias=False))
+        draft.get_output_embeddings().weight.data = weight
+    draft.config.vocab_size = rows
+    return draft
+
+
+# the lean forward (llama) and the HF modules (gpt2); a draft that lacks the target's last
+# rows (53 of 61) or has extra ones (64); the serial engine and the parallel one
+PADDED_CASES = [(kind, rows, policy) for kind in ("llama", "gpt2") for rows in (53, 64) for policy in ("fixed", "tree")]
+PADDED_CASES += [("llama", 53, "pearl"), ("gpt2", 64, "pearl"), ("llama", 53, "specbranch")]
+
+
+@pytest.mark.parametrize("kind,rows,policy", PADDED_CASES)
+def test_padded_vocabulary_greedy_equals_target_generate(kind, rows, policy):
+    target, _ = pair(kind)
+    draft = resized(target, rows, seed=2)
+    out = check_greedy(target, draft, policy=policy)
+    assert out.stats.accepted > 0
+    if rows < 61:  # the target emits tokens the draft cannot embed: it is fed a placeholder
+        assert (out.sequences >= rows).any()
+
+
+@pytest.mark.parametrize("rows,temperature,top_k", [(6, 1.0, None), (11, 0.6, 5)])
+def test_padded_vocabulary_sampling_follows_the_target_distribution(rows, temperature, top_k):
+    """V=8 target; the draft lacks tokens 6 and 7 (never proposes them, gets a placeholder
+    for them) or has 3 extra rows (dropped: its q is renormalised over the target's 8)."""
+    target = tiny("llama", vocab=VOCAB, seed=10)
+    draft = resized(target, rows, seed=11)
+    out = spec_ext.generate(target, draft, [PROMPT] * 20_000, max_new_tokens=3, temperature=temperature,
+                            top_k=top_k, eos_token_id=[], policy="fixed", seed=8)
+    samples = out.sequences[:, len(PROMPT):]
+    assert_follows(samples.numpy(), exact_joint(target, Sampler(temperature, top_k)))
+    assert out.stats.accepted > 0
+    if rows < VOCAB:
+        assert (samples[:, :2] >= rows).any()  # fed back to the draft as a placeholder
+
+
+def test_padded_logits_have_the_targets_width_and_zero_probability():
+    target, draft = pair("llama")
+    short, long = resized(target, 53, seed=3), resized(target, 64, seed=4)
+    ids = torch.tensor([[5, 60, 58]])  # 58 and 60: past the short draft's rows
+    with torch.inference_mode():
+        for model in (short, long):
+            with hf.attention_implementation(model, vocab_size=61):
+                logits = hf.forward(model, ids, SpecCache.for_model(model, 1, 8), torch.arange(3)[None])
+            assert logits.shape == (1, 3, 61) and torch.isfinite(logits).all()
+        assert Sampler(0.7).probs(logits)[..., 53:].sum() > 0  # the long draft's columns are its own
+        with hf.attention_implementation(short, vocab_size=61):
+            logits = hf.forward(short, ids, SpecCache.for_model(short, 1, 8), torch.arange(3)[None])
+        assert torch.equal(Sampler(0.7).probs(logits)[..., 53:], torch.zeros(1, 3, 8))
+        assert (logits.argmax(-1) < 53).all()
+        placeholder = torch.tensor([[5, 0, 0]])  # the short draft's pad id stands in
+        with hf.attention_implementation(short, vocab_size=61):
+            a = hf.forward(short, ids, SpecCache.for_model(short, 1, 8), torch.arange(3)[None])
+            b = hf.forward(short, placeholder, SpecCache.for_model(short, 1, 8), torch.arange(3)[None])
+        assert torch.equal(a, b)
+
+
+def test_a_draft_that_is_almost_never_accepted_is_named_as_the_likely_cause():
+    target, _ = pair("llama")
+    stranger = tiny("llama", seed=5)  # as if it used another tokenizer
+    with pytest.warns(UserWarning, match=r"draft: \d+ of \d+ drafts accepted.*another tokenizer"):
+        spec_ext.generate(target, stranger, [[5, 6, 7]], max_new_tokens=40, eos_token_id=[], policy="fixed")
+
+
+# ---------------------------------------------------------------- refusals
+def test_refused_models_name_the_reason():
+    cases = []
+    cases.append((transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=61, d_model=16, d_kv=4, d_ff=16, num_layers=1, num_heads=2)), "an encoder-decoder model"))
+    cases.append((transformers.MambaForCausalLM(transformers.MambaConfig(
+        vocab_size=61, hidden_size=16, state_size=4, num_hidden_layers=1)), "recurrent or state-space layers"))
+    cases.append((transformers.BloomForCausalLM(transformers.BloomConfig(
+        vocab_size=61, hidden_size=16, n_layer=1, n_head=2)),
+        "its attention layers do not call transformers' attention interface"))
+    bidirectional = tiny("gemma3", use_bidirectional_attention=True)
+    cases.append((bidirectional, r"use_bidirectional_attention=True \(is_causal=False\)"))
+    hybrid = tiny("llama")
+    hybrid.config.layer_types = ["full_attention", "linear_attention"]
+    cases.append((hybrid, r"recurrent or state-space layers \('linear_attention' layers\)"))
+    chunked = tiny("llama")
+    chunked.config.layer_types = ["chunked_attention", "full_attention"]
+    cases.append((chunked, r"layer type 'chunked_attention'"))
+
+    class NoCache(transformers.LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, **kwargs):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask)
+
+    cases.append((NoCache(tiny("llama").config), "its forward takes no cache"))
+    draft = pair("llama")[1]
+    for model, reason in cases:
+        with pytest.raises(ValueError, match=f"target: {type(model).__name__} .*is not supported: {reason}"):
+            spec_ext.generate(model, draft, [[1, 2]], max_new_tokens=2)
+        with pytest.raises(ValueError, match=f"draft: {type(model).__name__} .*is not supported: {reason}"):
+            spec_ext.accelerate(draft, model)
+
+
+def test_attention_arguments_it_cannot_apply_are_refused_by_name():
+    target, _ = pair("llama")
+    module = target.model.layers[0].self_attn
+    q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 4, 8)
+    mask, lengths = torch.zeros(1, 1, 2, 0, dtype=torch.int32), torch.tensor([2])
+    attention = transformers.AttentionInterface()["spec_ext"]
+    out, _ = attention(module, q, k, k, mask, scaling=0.5, position_ids=None, use_cache=True, spec_prefix_lens=lengths)
+    assert out.shape == (1, 2, 4, 8)
+    for kwargs, name in ((dict(alibi=torch.zeros(4)), "the attention argument 'alibi'"),
+                         (dict(dropout=0.1), r"dropout=0.1 \(the model is in train mode\)"),
+                         (dict(is_causal=False), "is_causal=False")):
+        with pytest.raises(ValueError, match=f"LlamaAttention: {name}"):
+            attention(module, q, k, k, mask, spec_prefix_lens=lengths, **kwargs)
+    with pytest.raises(RuntimeError, match="got a mask transformers built"):
+        attention(module, q, k, k, torch.zeros(1, 1, 2, 4), spec_prefix_lens=lengths)
