@@ -232,3 +232,13 @@ def test_sampling_follows_target_distribution(sampling_pair, tree, with_draft, t
     if with_draft:
         assert stats.draft_calls > 0 and stats.matched < stats.rounds
     assert np.isin(samples, np.arange(VOCAB)).all()
+
+
+def test_the_command_line_needs_a_draft_model_unless_the_policy_is_ngram(tmp_path):
+    import subprocess
+    import sys
+    (tmp_path / "config.json").write_text("{}")
+    out = subprocess.run([sys.executable, "-m", "spec_ext", "generate", "--target", str(tmp_path), "--prompt", "x",
+                          "--policy", "fixed"], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.strip().endswith(
+        "--draft: required with --policy fixed (only ngram drafts without a draft model)"), out.stderr
