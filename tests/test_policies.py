@@ -1,12 +1,15 @@
-"""The decisions of the rule-based policies that keep state (exactness of every policy is
-in test_decoding, which runs each registered one)."""
+"""The lengths the rule-based policies choose, on constructed inputs: Auto, Heuristic,
+Confidence, SVIP. A wrong choice is still exact, so only these tests catch it (exactness
+of every policy is in test_decoding, which runs each registered one)."""
 import random
 import time
 
 import pytest
 import torch
 
+import spec_ext
 from spec_ext.policies import SVIP, Auto, Confidence, Heuristic
+from helpers import llama, perturbed
 
 
 class FakeClock:
@@ -162,8 +165,6 @@ def test_heuristic_adds_two_after_a_round_that_accepted_every_draft_else_drops_o
 
 def test_heuristic_schedule_in_the_loop():
     """Each round's length follows from the previous round's outcome (batch 1, greedy)."""
-    import spec_ext
-    from helpers import llama, perturbed
     target = llama(97, 32, 1, seed=0, sharpen=4.0)
     draft = perturbed(target, 0.01, seed=1)
     out = spec_ext.generate(target, draft, [[5, 17, 33]], max_new_tokens=60, eos_token_id=[],
