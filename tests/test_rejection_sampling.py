@@ -95,6 +95,7 @@ class Coins:
 
 
 def inverse_cdf(mass, u):
+    """The final draw as DESIGN defines it: the smallest j with cumsum(mass)[j] > u * sum(mass)."""
     cdf = np.cumsum(mass)
     return min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), int(np.nonzero(mass > 0)[0][-1]))
 
