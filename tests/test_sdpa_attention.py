@@ -131,12 +131,16 @@ def test_cuda_table_sends_tree_attention_to_sdpa():
         "this call: sdpa (every call without softcap or sinks)")
 
 
-@pytest.mark.parametrize("case", [(1, 32, 32, 1, 512, 128), (8, 32, 8, 64, 512, 128), (1, 10, 5, 6, 256, 32),
-                                  (8, 6, 6, 1, 256, 32)], ids=lambda c: "x".join(map(str, c)))
-def test_auto_on_cpu_matches_the_reference_on_both_sides_of_the_crossover(case):
+@pytest.mark.parametrize("case, picked", [((1, 32, 32, 1, 512, 128), "cpu"), ((2, 32, 8, 8, 512, 128), "sdpa"),
+                                          ((1, 4, 2, 40, 300, 64), "cpu"), ((1, 10, 5, 6, 256, 32), "cpu")],
+                         ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else c)
+def test_auto_on_cpu_matches_the_reference_on_both_sides_of_the_crossover(case, picked):
     B, Hq, Hkv, T, S, D = case
     q, k, v, prefix, g = make(B, Hq, Hkv, T, S, D, torch.float32, seed=3, prefix=torch.full((B,), S - T))
     mask = tree_of("random", B, T, g)
+    if registry.registered("tree_attention", "CPU"):
+        call = (q, k, v, prefix, mask, D ** -0.5, 0, 0.0, None)
+        assert f"this call: {picked} " in registry.explain("tree_attention", "cpu", call)
     out = spec_ext.tree_attention(q, k, v, prefix, mask)
     torch.testing.assert_close(out, reference.tree_attention(q, k, v, prefix, mask, D ** -0.5), rtol=1e-4, atol=1e-4)
 
