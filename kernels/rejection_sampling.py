@@ -261,6 +261,6 @@ def tree_verify(target: torch.Tensor, tree_tokens: torch.Tensor, parents: torch.
         wrap_triton(_tree_verify_kernel)[(B,)](
             target.contiguous(), tree_tokens.contiguous(), parents.contiguous(), q, u, work, path, tokens,
             num_accepted, B, T, V, GREEDY=greedy, HAS_Q=draft_probs is not None,
-            WITHOUT_REPLACEMENT=without_replacement, BLOCK_V=_block_v(V, TREE_BLOCK_V.get(capability(target.device), 2048)),
-            BLOCK_T=triton.next_power_of_2(T))
+            WITHOUT_REPLACEMENT=without_replacement,
+            BLOCK_V=_block_v(V, TREE_BLOCK_V.get(capability(target.device), 2048)), BLOCK_T=triton.next_power_of_2(T))
     return path, tokens, num_accepted

@@ -1,9 +1,12 @@
 """Tree attention in Triton, flash-style: one program per (row, query head, block of tree
-nodes); online softmax over key blocks; the packed mask bits are read per (node, key)."""
+nodes); online softmax over key blocks; the packed mask bits are read per (node, key), only
+for key blocks that reach the tree's own keys (the prefix needs no mask)."""
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
+
+from spec_ext.kernels.launch import wrap_triton
 
 
 @triton.jit
@@ -70,10 +73,11 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, mask_ptr, out_ptr, s
     for start in range(0, limit, BLOCK_S):
         s = start + tl.arange(0, BLOCK_S)
         scores, v = key_block(q, k_ptr, v_ptr, kv_base, s, limit, d, D, scale, IEEE)
-        j = s[None, :] - prefix
-        in_tree = (j >= 0) & (j < T) & (t[:, None] < T)
-        tree_bit = tree_bits(mask_ptr, mask_row, t, j, in_tree, T, W, CAUSAL)
-        visible = (s[None, :] < limit) & ((j < 0) | (in_tree & tree_bit))
+        visible = (s[None, :] < limit) & (t[:, None] >= 0)  # [rows, keys]
+        if start + BLOCK_S > prefix:  # the block reaches the new tokens: their tree bits decide
+            j = s[None, :] - prefix
+            in_tree = (j >= 0) & (j < T) & (t[:, None] < T)
+            visible = visible & ((j < 0) | (in_tree & tree_bits(mask_ptr, mask_row, t, j, in_tree, T, W, CAUSAL)))
         m, l, acc = online_softmax_step(scores, visible, v, m, l, acc, IEEE)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + ((b * Hq + h) * T).to(tl.int64) * D + t[:, None] * D + d[None, :],
@@ -93,12 +97,13 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len
     if q.numel() == 0:
         return out
     BLOCK_T = max(16, min(64, triton.next_power_of_2(T)))
+    BLOCK_D = max(16, triton.next_power_of_2(D))
     causal = tree_mask is None
     mask = q if causal else tree_mask.contiguous()  # unused pointer when causal
     grid = (B, Hq, triton.cdiv(T, BLOCK_T))
     wrap_triton(_tree_attention_kernel)[grid](
         q.contiguous(), k.contiguous(), v.contiguous(), prefix_lens.to(torch.int32).contiguous(), mask, out,
         scale, Hq, Hkv, T, S, D, 0 if causal else tree_mask.shape[2], 0 if causal else tree_mask.shape[0],
-        CAUSAL=causal, BLOCK_T=BLOCK_T, BLOCK_S=32, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        IEEE=q.dtype == torch.float32)
+        CAUSAL=causal, BLOCK_T=BLOCK_T, BLOCK_S=32, BLOCK_D=BLOCK_D, IEEE=q.dtype == torch.float32,
+        num_warps=8 if BLOCK_D >= 256 else 4)  # 4 warps spill registers at D=256 on sm_80 (kernels/aot.py)
     return out

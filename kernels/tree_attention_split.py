@@ -7,7 +7,8 @@ query row of its KV head's group (GQA packing: the Hq/Hkv heads x T nodes as one
 and an online softmax; the tree bits are read only for key blocks that reach the T new
 tokens (the prefix needs no mask). Each split writes its normalised output and
 log-sum-exp; a second kernel merges the splits. The number of splits comes from
-B x Hkv against the SM count, so one row fills the GPU.
+B x Hkv against the programs resident per SM that the compile reports, so one row fills
+the GPU.
 
 Not yet run on a GPU: this is the opt-in backend ``"triton_split"`` of
 :func:`spec_ext.tree_attention`, tested in the Triton interpreter only.
@@ -15,11 +16,12 @@ Not yet run on a GPU: this is the opt-in backend ``"triton_split"`` of
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
+from spec_ext.kernels.launch import capability, sm_count as _sm_count, wrap_triton  # a test replaces _sm_count
 from spec_ext.kernels.tree_attention import key_block, online_softmax_step, tree_bits
 
-BLOCK_S = 64  # keys per inner step
+BLOCK_S = 64  # keys per inner step (half at D=256 and in fp32); chunks are whole multiples of it
 
 
 @triton.jit
@@ -82,15 +84,17 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, num_splits, D, BLOCK_SPLITS: tl.co
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+# Programs of _split_kernel resident per SM, by (compute capability, BLOCK_R, BLOCK_D,
+# bytes per q/k/v element), from the compile's registers and shared memory against the SM's
+# limits (kernels/aot.py; tests/test_triton_compile.py checks each entry). Others: 1.
+SPLIT_RESIDENT = {(80, 32, 128, 2): 2, (80, 64, 128, 2): 1, (90, 32, 128, 2): 2, (90, 64, 128, 2): 1}
 
 
-def split_count(B: int, Hkv: int, R_blocks: int, S: int, device: torch.device) -> int:
-    """Key splits per (row, KV head): about two waves of programs over the SMs, at most one
-    per key block."""
+def split_count(B: int, Hkv: int, R_blocks: int, S: int, device: torch.device, resident: int = 1) -> int:
+    """Key splits per (row, KV head): about two waves of ``resident`` programs per SM over
+    the GPU, at most one per key block."""
     programs = B * Hkv * R_blocks
-    return max(1, min(triton.cdiv(S, BLOCK_S), triton.cdiv(2 * _sm_count(device), programs)))
+    return max(1, min(triton.cdiv(S, BLOCK_S), triton.cdiv(2 * resident * _sm_count(device), programs)))
 
 
 def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_lens: torch.Tensor,
@@ -104,18 +108,23 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix
     R = (Hq // Hkv) * T
     BLOCK_R = max(16, min(64, triton.next_power_of_2(R)))
     R_blocks = triton.cdiv(R, BLOCK_R)
-    splits = num_splits or split_count(B, Hkv, R_blocks, S, q.device)
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    resident = SPLIT_RESIDENT.get((capability(q.device), BLOCK_R, BLOCK_D, q.element_size()), 1)
+    splits = num_splits or split_count(B, Hkv, R_blocks, S, q.device, resident)
     chunk = triton.cdiv(triton.cdiv(S, splits), BLOCK_S) * BLOCK_S  # whole key blocks per split
+    splits = triton.cdiv(S, chunk)  # none past S
     part = torch.empty(B, Hq, T, splits, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, Hq, T, splits, dtype=torch.float32, device=q.device)
     causal = tree_mask is None
     mask = q if causal else tree_mask.contiguous()  # an unused pointer when causal
-    BLOCK_D = max(16, triton.next_power_of_2(D))
+    ieee = q.dtype == torch.float32
+    # D=256 and fp32 (IEEE dots) spill registers at 64 keys and 4 warps (kernels/aot.py)
+    block_s, warps = (BLOCK_S // 2, 8) if BLOCK_D >= 256 or ieee else (BLOCK_S, 4)
     wrap_triton(_split_kernel)[(B * Hkv, splits, R_blocks)](
         q.contiguous(), k.contiguous(), v.contiguous(), prefix_lens.to(torch.int32).contiguous(), mask, part, lse,
         scale, Hq, Hkv, T, S, D, 0 if causal else tree_mask.shape[2], 0 if causal else tree_mask.shape[0],
-        chunk, splits, R, CAUSAL=causal, BLOCK_R=BLOCK_R, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D,
-        IEEE=q.dtype == torch.float32)
+        chunk, splits, R, CAUSAL=causal, BLOCK_R=BLOCK_R, BLOCK_S=block_s, BLOCK_D=BLOCK_D, IEEE=ieee,
+        num_warps=warps)
     wrap_triton(_merge_kernel)[(B * Hq * T,)](part, lse, out, splits, D,
                                               BLOCK_SPLITS=max(2, triton.next_power_of_2(splits)), BLOCK_D=BLOCK_D)
     return out

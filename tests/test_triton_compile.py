@@ -101,6 +101,14 @@ def test_split_counts_use_the_resident_programs_the_compile_reports(rows, arch):
     for kernel, table in tables.items():
         reported = [r["resident_per_sm"] for r in rows[arch] if r["kernel"] == kernel]
         assert reported and table[arch] == min(reported), (kernel, table, reported)
+    from spec_ext.kernels.tree_attention_split import SPLIT_RESIDENT
+    for (table_arch, block_r, block_d, size), resident in SPLIT_RESIDENT.items():
+        if table_arch == arch:
+            dtypes = ("float16", "bfloat16") if size == 2 else ("float32",)
+            reported = [r["resident_per_sm"] for r in rows[arch] if r["kernel"] == "_split_kernel"
+                        and f"BLOCK_R={block_r}," in r["constexprs"] and f"BLOCK_D={block_d}," in r["constexprs"]
+                        and r["shape"].split(",")[-2] in dtypes]
+            assert reported and resident == min(reported), ((block_r, block_d, size), resident, reported)
 
 
 def _vocabulary(row):

@@ -81,3 +81,53 @@ def test_split_chain_verification_at_odd_v_with_rounded_chunks(mode):
         out = split_chain_verify(move(p), move(drafts), move(q), move(num_draft), move(uniforms), False, num_splits=3)
         ref = reference.chain_verify(p, drafts, q, num_draft, uniforms, greedy=False)
     assert torch.equal(out[0].cpu(), ref[0]) and torch.equal(out[1].cpu(), ref[1])
+
+
+# ------------------------------------------------------------------ tree attention
+def attention_inputs(B, Hq, Hkv, T, S, D, prefix, seed, tree=True):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((B, Hq, T, D), (B, Hkv, S, D), (B, Hkv, S, D)))
+    parents = torch.stack([torch.cat([torch.tensor([-1]), (torch.rand(T - 1, generator=g) * torch.arange(1, T)).long()])
+                           for _ in range(B)])
+    mask = reference.tree_mask(parents)[1] if tree else None
+    return q, k, v, torch.tensor(prefix), mask
+
+
+def test_split_attention_plans_two_waves_of_resident_programs_and_no_empty_split():
+    """B=1, T=64, S=4096 (GQA 4): 8 splits of 512 keys, 256 programs (was 9 splits, the
+    ninth empty, 288 programs in three rounds of 132)."""
+    from spec_ext.kernels.tree_attention_split import SPLIT_RESIDENT, split_kv_attention
+    B, Hq, Hkv, T, S, D = 1, 32, 8, 64, 4096, 128
+    q, k = meta(B, Hq, T, D, dtype=torch.bfloat16), meta(B, Hkv, S, D, dtype=torch.bfloat16)
+    split = planned(split_kv_attention, q, k, k, meta(B, dtype=torch.int64), meta(1, T, 2, dtype=torch.int32), 0.1)
+    split = split["_split_kernel"]
+    chunk, splits = arg(split, "chunk"), split.grid[1]
+    assert chunk % split.meta["BLOCK_S"] == 0 and (splits - 1) * chunk < S <= splits * chunk
+    wave = SPLIT_RESIDENT[90, split.meta["BLOCK_R"], 128, 2] * 132
+    assert wave <= split.programs <= 2 * wave
+
+
+def test_split_attention_with_s_a_multiple_of_the_chunk():
+    """S = 256 asked in 3 splits: two chunks of 128 keys and no third, empty one."""
+    from spec_ext.kernels.tree_attention_split import split_kv_attention
+    B, Hq, Hkv, T, S, D = 2, 4, 2, 6, 256, 32
+    q, k, v, prefix, mask = attention_inputs(B, Hq, Hkv, T, S, D, [250, 100], seed=3)
+    launches = planned(split_kv_attention, *(t.to("meta") for t in (q, k, v, prefix, mask)), D ** -0.5, num_splits=3)
+    assert launches["_split_kernel"].grid[1] == 2 and arg(launches["_split_kernel"], "chunk") == 128
+    dev = device_for("triton_split")
+    out = split_kv_attention(*(t.to(dev) for t in (q, k, v, prefix, mask)), D ** -0.5, num_splits=3).cpu()
+    expected = reference.tree_attention(q.double(), k.double(), v.double(), prefix, mask, D ** -0.5)
+    assert (out.double() - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("tree", [True, False], ids=["tree", "chain"])
+def test_attention_reads_tree_bits_only_where_blocks_reach_the_tree(tree):
+    """Prefixes at, just before and just after a 32-key block boundary, and none: the key
+    block that straddles the prefix's end still takes its bits."""
+    B, Hq, Hkv, T, S, D = 4, 2, 1, 9, 110, 16
+    q, k, v, prefix, mask = attention_inputs(B, Hq, Hkv, T, S, D, [64, 63, 65, 0], seed=5, tree=tree)
+    dev = device_for("triton")
+    out = spec_ext.tree_attention(*(None if t is None else t.to(dev) for t in (q, k, v, prefix, mask)), D ** -0.5,
+                                  backend="triton").cpu()
+    expected = reference.tree_attention(q.double(), k.double(), v.double(), prefix, mask, D ** -0.5)
+    assert (out.double() - expected).abs().max().item() <= 1e-5
