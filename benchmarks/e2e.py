@@ -290,6 +290,14 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, want
                     rate = out.stats.tokens_per_s
                     record(f"spec_ext fixed k={k}*, fast_linear{tag}", rate, rate / base, out.stats,
                            bool(torch.equal(out.sequences, alone)) if greedy else None)
+                if wanted(f"spec_ext fixed k={k}*, HF modules"):  # what models without a lean forward get
+                    with spec_ext.models.hf_modules(target, draft):
+                        out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n,
+                                                temperature=temperature, eos_token_id=[], pad_token_id=pad,
+                                                policy=spec_ext.policies.Fixed(k))
+                    rate = out.stats.tokens_per_s
+                    record(f"spec_ext fixed k={k}*, HF modules{tag}", rate, rate / base, out.stats,
+                           bool(torch.equal(out.sequences, alone)) if greedy else None)
                 for fast in (False, True):
                     if not wanted(f"target alone, lean forward{', fast_linear' if fast else ''}"):
                         continue

@@ -78,7 +78,7 @@ UNRELATED_RATE, UNRELATED_DRAFTS = 0.02, 64
 
 
 def warn_if_unrelated(target, draft, stats: Stats) -> None:
-    """Warn (once per place, as Python does) when the draft's proposals were almost never
+    """Warn (once, at the end of the call) when the draft's proposals were almost never
     accepted: exact still, but slower than the target alone, and the likely cause, another
     tokenizer, cannot be seen in the configs (vocabularies may differ by padding)."""
     if draft is None or stats.drafted < UNRELATED_DRAFTS or stats.acceptance_rate >= UNRELATED_RATE:
