@@ -318,7 +318,7 @@ def _tree_sample_kernel(P, X, PAR, Q, U, XS, ZS, SS, PATH, TOK, ACC, T, V, HAS_Q
 # configurations, from the compile's registers and shared memory against the SM's limits
 # (kernels/aot.py; tests/test_triton_compile.py checks them). A GPU not listed: 1.
 ARGMAX_RESIDENT = {80: 16, 90: 16}
-MASS_RESIDENT = {80: 8, 90: 8}
+MASS_RESIDENT = {80: 8, 90: 7}
 
 
 def split_count(rows: int, V: int, resident: int, device: torch.device) -> int:
@@ -330,9 +330,10 @@ def split_count(rows: int, V: int, resident: int, device: torch.device) -> int:
 def chunking(V: int, splits: int) -> tuple[int, int, int]:
     """(chunk, splits, BLOCK_V) for about ``splits`` chunks of a row of V: each chunk whole
     blocks of BLOCK_V >= 16 entries, so every chunk starts 16-entry aligned (the compiler
-    then emits 128-bit loads), and no chunk is empty."""
-    block = max(16, min(1024, triton.next_power_of_2(triton.cdiv(V, splits))))
-    chunk = triton.cdiv(triton.cdiv(V, splits), block) * block
+    then emits 128-bit loads), and no chunk is empty (so possibly more splits than asked)."""
+    wanted = triton.cdiv(V, splits)
+    block = max(16, min(1024, triton.next_power_of_2(wanted)))
+    chunk = max(1, (wanted + block // 2) // block) * block  # the nearest whole number of blocks
     return chunk, triton.cdiv(V, chunk), block
 
 
