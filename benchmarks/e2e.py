@@ -71,11 +71,12 @@ def policies(greedy: bool = True, batch: int = 1) -> dict:
 
 
 def ngram_rows(greedy: bool = True, batch: int = 1) -> dict:
-    """Row name -> (NGram policy, whether it runs beside the draft model); beside the draft,
-    the draft model drafts the best fixed k of the validation split where the text has no match."""
+    """Row name -> (NGram policy, whether it runs beside the draft model); beside the draft
+    (chains), the draft model drafts the best fixed k of the validation split where the text
+    has no match."""
     from spec_ext.policies import NGram
-    return {"ngram chain, no draft": (NGram(), False), "ngram tree, no draft": (NGram(tree=True), False),
-            "ngram beside the draft": (NGram(draft_k=best_fixed(greedy, batch)), True)}
+    return {"ngram chain, no draft": (NGram(tree=False), False), "ngram tree, no draft": (NGram(tree=True), False),
+            "ngram beside the draft": (NGram(tree=False, draft_k=best_fixed(greedy, batch)), True)}
 
 
 def grounded_prompts(tokenizer, split: str = "test", count: int = 8, seed: int = 0, head_lines: int = 2,

@@ -78,6 +78,15 @@ def test_continuation_tree_merges_shared_prefixes_within_the_budget():
         assert not dropped or min(kept, default=len(sequences)) >= max(dropped), "the most shared nodes are kept"
 
 
+def test_drafts_shrink_as_the_batch_grows_and_grow_back_as_rows_finish():
+    policy = NGram(k=10, max_nodes=32, round_tokens=32)
+    policy.reset([list(range(20)) * 3] * 8)  # every row repeats: full-length matches
+    assert [len(c) for c in policy.chains()] == [3] * 8  # 32 // 8 - 1
+    assert [len(t) for t, _ in policy.trees()] == [4] * 8  # 32 // 8 nodes
+    policy.keep_rows([5])
+    assert [len(c) for c in policy.chains()] == [10] and [len(t) for t, _ in policy.trees()] == [11]
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="k, draft_k: must be >= 1"):
         NGram(k=0)
@@ -85,6 +94,8 @@ def test_bad_settings_are_refused():
         NGram(n_max=2, n_min=3)
     with pytest.raises(ValueError, match="max_nodes, max_continuations"):
         NGram(tree=True, max_nodes=1)
+    with pytest.raises(ValueError, match="round_tokens: must be >= 2"):
+        NGram(round_tokens=1)
 
 
 # ------------------------------------------------------------------------ greedy, end to end
@@ -221,7 +232,7 @@ def test_sampling_follows_target_distribution(sampling_pair, tree, with_draft, t
     n = 20_000
     # n-grams of 2: the prompt's suffix always matches; later rows match or not as they were sampled,
     # so beside a draft both the text and the draft model draft in the same rounds
-    policy = NGram(k=3, n_max=2, n_min=2, tree=tree, max_nodes=6, draft_k=2)
+    policy = NGram(k=3, n_max=2, n_min=2, tree=tree, max_nodes=6, draft_k=2, round_tokens=6 * n)
     out = spec_ext.generate(target, draft if with_draft else None, [REPEATING] * n, max_new_tokens=3,
                             temperature=temperature, top_k=top_k, eos_token_id=[], policy=policy,
                             seed=int(100 * temperature) + 2 * tree + with_draft)

@@ -146,22 +146,31 @@ class NGram(Policy):
             with tree attention (siblings drawn without replacement).
         draft_k: drafts per round of the draft model, for rows without a match (only with a
             draft model).
+        round_tokens: the most tokens the text's drafts of all rows may add to one
+            verification: with B rows going, a row drafts at most ``round_tokens // B - 1``
+            tokens (chains, at least 1) or ``round_tokens // B`` nodes (trees, at least 2), so
+            the batch-1 shapes (k=10, 32 nodes) shrink as the batch grows (k=3, 4 nodes at
+            batch 8, the best fixed k of the bundled pair at batch 8) and grow back as rows
+            finish; a verification's cost on CPU grows with its tokens.
 
     Example:
         >>> out = spec_ext.generate(target, None, ids, policy=NGram(tree=True))   # doctest: +SKIP
     """
 
     def __init__(self, k: int = 10, n_max: int = 2, n_min: int = 1, tree: bool = False, max_nodes: int = 32,
-                 max_continuations: int = 8, draft_k: int = 5):
+                 max_continuations: int = 8, draft_k: int = 5, round_tokens: int = 32):
         if k < 1 or draft_k < 1:
             raise ValueError(f"k, draft_k: must be >= 1, got {k}, {draft_k}")
         if not 1 <= n_min <= n_max:
             raise ValueError(f"n_min, n_max: need 1 <= n_min <= n_max, got {n_min}, {n_max}")
+        if round_tokens < 2:
+            raise ValueError(f"round_tokens: must be >= 2, got {round_tokens}")
         if max_nodes < 2 or max_continuations < 1:
             raise ValueError(f"max_nodes, max_continuations: need >= 2 and >= 1, got {max_nodes}, "
                              f"{max_continuations}")
         self.k, self.n_max, self.n_min, self.tree = k, n_max, n_min, bool(tree)
         self.max_nodes, self.max_continuations, self.draft_k = max_nodes, max_continuations, draft_k
+        self.round_tokens = round_tokens
         self.max_draft = max(max_nodes - 1 if tree else k, draft_k)
         self._rows: list[NGramIndex] = []
 
@@ -176,19 +185,21 @@ class NGram(Policy):
 
     def chains(self) -> list[list[int]]:
         """Per row, its drafts this round ([] where its suffix never occurred before)."""
+        k = max(1, min(self.k, self.round_tokens // len(self._rows) - 1))
         drafts = []
         for index in self._rows:
             _, starts = index.occurrences(1)
-            drafts.append(index.continuations(starts, self.k)[0] if starts else [])
+            drafts.append(index.continuations(starts, k)[0] if starts else [])
         return drafts
 
     def trees(self) -> list[tuple[list[int], list[int]]]:
         """Per row, (tokens, parents) of its tree this round (see :func:`continuation_tree`;
         the root alone where its suffix never occurred before)."""
+        nodes = max(2, min(self.max_nodes, self.round_tokens // len(self._rows)))
         trees = []
         for index in self._rows:
             _, starts = index.occurrences(self.max_continuations)
-            trees.append(continuation_tree(index.continuations(starts, self.k), self.max_nodes))
+            trees.append(continuation_tree(index.continuations(starts, min(self.k, nodes - 1)), nodes))
         return trees
 
     def keep_rows(self, rows) -> None:
