@@ -132,7 +132,8 @@ def test_cuda_table_sends_tree_attention_to_sdpa():
 
 
 @pytest.mark.parametrize("case, picked", [((1, 32, 32, 1, 512, 128), "cpu"), ((2, 32, 8, 8, 512, 128), "sdpa"),
-                                          ((1, 4, 2, 40, 300, 64), "cpu"), ((1, 10, 5, 6, 256, 32), "cpu")],
+                                          ((1, 4, 2, 40, 300, 64), "cpu"), ((1, 10, 5, 6, 256, 32), "cpu"),
+                                          ((1, 32, 8, 4, 512, 128), "cpu"), ((2, 32, 32, 4, 512, 128), "sdpa")],
                          ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else c)
 def test_auto_on_cpu_matches_the_reference_on_both_sides_of_the_crossover(case, picked):
     B, Hq, Hkv, T, S, D = case
