@@ -173,10 +173,10 @@ def _tree(B, T, V, mode):
     return _m(B, T, V), _i64(B, T), _i64(B, T), q, u, greedy, mode != "q iid"
 
 
-def _attention(B, Hq, Hkv, S, T, D, dtype, tree):
+def _attention(B, Hq, Hkv, S, T, D, dtype, tree, window=0, softcap=0.0, sinks=False):
     mask = _m(1, T, (T + 31) // 32, dtype=torch.int32) if tree else None
     return (_m(B, Hq, T, D, dtype=dtype), _m(B, Hkv, S, D, dtype=dtype), _m(B, Hkv, S, D, dtype=dtype), _i64(B), mask,
-            D ** -0.5, 0, 0.0, None)
+            D ** -0.5, window, softcap, _m(Hq) if sinks else None)
 
 
 BENCH_TREE_T = 8  # len(spec_ext.policies.Tree((3, 2, 1, 1)).parents), the tree of benchmarks/bench_kernels.py
@@ -196,6 +196,7 @@ def cases(shapes: str) -> Iterator[tuple[str, str, tuple]]:
                      [(1, 4096, 8, 8), (1, 4096, 64, 8), (8, 4096, 8, 8), (8, 4096, 64, 8), (32, 2048, 16, 8),
                       (1, 32768, 64, 8), (8, 16384, 32, 8)]]
         kv = [(64, B, 8, 4096, 128, M) for B in (1, 16) for M in (4, 16)] + [(64, 64, 8, 1024, 128, 8)]
+        features = []
     else:
         chains = [(1, 1, 32000, "q"), (64, 8, 128256, "q"), (16, 1, 8193, "none"), (16, 5, 32000, "greedy"),
                   (1, 8, 8193, "greedy")]
@@ -205,6 +206,10 @@ def cases(shapes: str) -> Iterator[tuple[str, str, tuple]]:
         attention = [(1, 32, 8, 4096, 8, 128, torch.bfloat16, True), (1, 32, 8, 4096, 64, 128, torch.bfloat16, True),
                      (1, 8, 1, 1000, 1, 64, torch.float16, False), (2, 4, 2, 700, 128, 256, torch.bfloat16, True),
                      (1, 4, 4, 300, 5, 64, torch.float32, True)]
+        # window, softcap and sinks (Gemma 2/3, GPT-OSS): all on a tree, a window on a chain
+        features = [((1, 32, 8, 4096, 64, 128, torch.bfloat16, True), (1024, 30.0, True)),
+                    ((2, 8, 1, 1000, 8, 64, torch.float16, False), (128, 0.0, False)),
+                    ((1, 4, 4, 300, 5, 256, torch.float32, True), (16, 50.0, True))]
         kv = [(64, 1, 8, 4096, 128, 4), (2, 3, 2, 100, 64, 1)]
     for B, K, V, mode in chains:
         yield "chain_verify", f"B={B},K={K},V={V},{mode}", _chain(B, K, V, mode)
@@ -212,9 +217,12 @@ def cases(shapes: str) -> Iterator[tuple[str, str, tuple]]:
         yield "tree_verify", f"B={B},T={T},V={V},{mode}", _tree(B, T, V, mode)
     for B, T in masks:
         yield "tree_mask", f"B={B},T={T}", (_i64(B, T),)
-    for B, Hq, Hkv, S, T, D, dtype, tree in attention:
+    for (B, Hq, Hkv, S, T, D, dtype, tree), (window, softcap, sinks) in [(a, (0, 0.0, False)) for a in attention] + \
+            features:
         shape = f"B={B},Hq={Hq},Hkv={Hkv},S={S},T={T},D={D},{str(dtype)[6:]},{'tree' if tree else 'chain'}"
-        yield "tree_attention", shape, _attention(B, Hq, Hkv, S, T, D, dtype, tree)
+        if window or softcap or sinks:
+            shape += f",window={window},softcap={softcap},sinks={sinks}"
+        yield "tree_attention", shape, _attention(B, Hq, Hkv, S, T, D, dtype, tree, window, softcap, sinks)
     for N, B, H, S, D, M in kv:
         yield "compact_kv", f"N={N},B={B},H={H},S={S},D={D},M={M},fp16", (
             _m(N, B, H, S, D, dtype=torch.float16), _i64(B, M), _i64(B))

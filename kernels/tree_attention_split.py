@@ -10,6 +10,9 @@ log-sum-exp; a second kernel merges the splits. The number of splits comes from
 B x Hkv against the programs resident per SM that the compile reports, so one row fills
 the GPU.
 
+Window and softcap as in kernels/tree_attention.py (splits below every query's window skip
+their keys); the merge adds each head's sink to the denominator.
+
 Not yet run on a GPU: this is the opt-in backend ``"triton_split"`` of
 :func:`spec_ext.tree_attention`, tested in the Triton interpreter only.
 """
@@ -19,16 +22,17 @@ import triton.language as tl
 from torch.library import triton_op
 
 from spec_ext.kernels.launch import capability, sm_count as _sm_count, wrap_triton  # a test replaces _sm_count
-from spec_ext.kernels.tree_attention import key_block, online_softmax_step, tree_bits
+from spec_ext.kernels.tree_attention import (first_window_block, key_block, node_depth, online_softmax_step,
+                                             soft_cap, tree_bits, window_visible)
 
 BLOCK_S = 64  # keys per inner step (half at D=256 and in fp32); chunks are whole multiples of it
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, mask_ptr, part_ptr, lse_ptr, scale,
+def _split_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, mask_ptr, part_ptr, lse_ptr, scale, window, softcap,
                   Hq, Hkv, T, S, D, W, mask_rows, chunk, num_splits, R,
                   CAUSAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  BLOCK_W: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     bh = tl.program_id(0)  # b * Hkv + kv head
     split = tl.program_id(1)
     b = bh // Hkv
@@ -50,14 +54,24 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, mask_ptr, part_ptr, lse_ptr, 
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    query_depth = tl.zeros([BLOCK_R], tl.int32)
+    if WINDOW:
+        query_depth = node_depth(mask_ptr, mask_row, t, row_ok, T, W, CAUSAL, BLOCK_W)
+    start = tl.maximum(start, first_window_block(prefix, query_depth, row_ok, window, BLOCK_S, WINDOW))
     for block in range(start, stop, BLOCK_S):
         s = block + tl.arange(0, BLOCK_S)
         scores, v = key_block(q, k_ptr, v_ptr, kv_base, s, stop, d, D, scale, IEEE)
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap)
         visible = (s[None, :] < stop) & row_ok[:, None]
-        if block + BLOCK_S > prefix:  # the block reaches the new tokens: their tree bits decide
+        reaches_tree = block + BLOCK_S > prefix
+        if reaches_tree:  # the block reaches the new tokens: their tree bits decide
             j = s[None, :] - prefix
             in_tree = (j >= 0) & (j < T) & row_ok[:, None]
             visible = visible & ((j < 0) | (in_tree & tree_bits(mask_ptr, mask_row, t, j, in_tree, T, W, CAUSAL)))
+        if WINDOW:
+            visible = window_visible(visible, s, prefix, prefix + query_depth, mask_ptr, mask_row, T, W, window,
+                                     reaches_tree, CAUSAL, BLOCK_W)
         m, l, acc = online_softmax_step(scores, visible, v, m, l, acc, IEEE)
     seen = l > 0
     out = acc / tl.where(seen, l, 1.0)[:, None]
@@ -69,17 +83,22 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, mask_ptr, part_ptr, lse_ptr, 
 
 
 @triton.jit
-def _merge_kernel(part_ptr, lse_ptr, out_ptr, num_splits, D, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_kernel(part_ptr, lse_ptr, sinks_ptr, out_ptr, num_splits, Hq, T, D, BLOCK_SPLITS: tl.constexpr,
+                  BLOCK_D: tl.constexpr, SINKS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # (b * Hq + h) * T + t
     sp = tl.arange(0, BLOCK_SPLITS)
     d = tl.arange(0, BLOCK_D)
     lse = tl.load(lse_ptr + row * num_splits + sp, mask=sp < num_splits, other=float("-inf"))
     top = tl.max(lse, 0)
+    sink = float("-inf")
+    if SINKS:  # the head's sink: one more logit in the denominator, with no value
+        sink = tl.load(sinks_ptr + (row // T) % Hq)
+        top = tl.maximum(top, sink)
     top_safe = tl.where(top == float("-inf"), 0.0, top)
     weight = tl.exp(lse - top_safe)  # 0 for splits that saw no key
     part = tl.load(part_ptr + (row * num_splits + sp)[:, None] * D + d[None, :],
                    mask=(sp[:, None] < num_splits) & (d[None, :] < D), other=0.0)
-    total = tl.sum(weight, 0)
+    total = tl.sum(weight, 0) + tl.exp(sink - top_safe)
     out = tl.sum(part * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
@@ -98,7 +117,8 @@ def split_count(B: int, Hkv: int, R_blocks: int, S: int, device: torch.device, r
 
 
 def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_lens: torch.Tensor,
-                       tree_mask: torch.Tensor | None, scale: float, num_splits: int | None = None) -> torch.Tensor:
+                       tree_mask: torch.Tensor | None, scale: float, window: int = 0, softcap: float = 0.0,
+                       sinks: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
     """The launcher; ``num_splits`` overrides :func:`split_count` (tests force boundaries)."""
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -118,15 +138,18 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix
     causal = tree_mask is None
     mask = q if causal else tree_mask.contiguous()  # an unused pointer when causal
     ieee = q.dtype == torch.float32
-    # D=256 and fp32 (IEEE dots) spill registers at 64 keys and 4 warps (kernels/aot.py)
-    block_s, warps = (BLOCK_S // 2, 8) if BLOCK_D >= 256 or ieee else (BLOCK_S, 4)
+    # D=256, fp32 (IEEE dots) and the window/softcap paths spill registers at 64 keys and 4
+    # warps (kernels/aot.py)
+    block_s, warps = (BLOCK_S // 2, 8) if BLOCK_D >= 256 or ieee or window or softcap else (BLOCK_S, 4)
+    W = 1 if causal else tree_mask.shape[2]
     wrap_triton(_split_kernel)[(B * Hkv, splits, R_blocks)](
         q.contiguous(), k.contiguous(), v.contiguous(), prefix_lens.to(torch.int32).contiguous(), mask, part, lse,
-        scale, Hq, Hkv, T, S, D, 0 if causal else tree_mask.shape[2], 0 if causal else tree_mask.shape[0],
-        chunk, splits, R, CAUSAL=causal, BLOCK_R=BLOCK_R, BLOCK_S=block_s, BLOCK_D=BLOCK_D, IEEE=ieee,
-        num_warps=warps)
-    wrap_triton(_merge_kernel)[(B * Hq * T,)](part, lse, out, splits, D,
-                                              BLOCK_SPLITS=max(2, triton.next_power_of_2(splits)), BLOCK_D=BLOCK_D)
+        scale, window, softcap, Hq, Hkv, T, S, D, W, 0 if causal else tree_mask.shape[0], chunk, splits, R,
+        CAUSAL=causal, BLOCK_R=BLOCK_R, BLOCK_S=block_s, BLOCK_D=BLOCK_D, BLOCK_W=triton.next_power_of_2(W),
+        IEEE=ieee, WINDOW=window > 0, SOFTCAP=softcap > 0, num_warps=warps)
+    wrap_triton(_merge_kernel)[(B * Hq * T,)](part, lse, lse if sinks is None else sinks.float().contiguous(), out,
+                                              splits, Hq, T, D, BLOCK_SPLITS=max(2, triton.next_power_of_2(splits)),
+                                              BLOCK_D=BLOCK_D, SINKS=sinks is not None)
     return out
 
 
@@ -134,7 +157,4 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix
 def tree_attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_lens: torch.Tensor,
                          tree_mask: torch.Tensor | None, scale: float, window: int, softcap: float,
                          sinks: torch.Tensor | None) -> torch.Tensor:
-    if window or softcap or sinks is not None:
-        raise ValueError("window, softcap and sinks are not yet implemented in the Triton kernels "
-                         "(backend='torch', 'cpu' or 'cuda' has them)")
-    return split_kv_attention(q, k, v, prefix_lens, tree_mask, scale)
+    return split_kv_attention(q, k, v, prefix_lens, tree_mask, scale, window, softcap, sinks)

@@ -288,18 +288,7 @@ def feature_inputs(case, dtype):
     return q, k, v, prefix, mask, parents, scale, window, softcap, sinks
 
 
-def feature_backends():
-    """BACKENDS; the Triton rows are expected to raise (strictly) until their kernels have the features."""
-    params = []
-    for param in BACKENDS:
-        marks = list(param.marks)
-        if param.values[0].startswith("triton"):
-            marks.append(pytest.mark.xfail(strict=True, raises=ValueError, reason="Triton window/softcap/sinks pending"))
-        params.append(pytest.param(*param.values, marks=marks, id=param.id))
-    return params
-
-
-FEATURE_BACKENDS = feature_backends()
+FEATURE_BACKENDS = BACKENDS  # the Triton kernels have window, softcap and sinks too
 # backends with no hook inside the softmax: they refuse softcap and sinks by name (auto avoids them)
 NO_SOFTMAX_HOOK = ("sdpa",)
 

@@ -131,3 +131,20 @@ def test_attention_reads_tree_bits_only_where_blocks_reach_the_tree(tree):
                                   backend="triton").cpu()
     expected = reference.tree_attention(q.double(), k.double(), v.double(), prefix, mask, D ** -0.5)
     assert (out.double() - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_split"])
+def test_window_skips_key_blocks_far_below_every_query(backend):
+    """Long prefixes and a short window: the kernels start at the first key block the window
+    reaches (keys from 224 on for row 0), with softcap and sinks on; and a window past the
+    start (row 1)."""
+    B, Hq, Hkv, T, S, D = 2, 4, 2, 6, 300, 32
+    q, k, v, prefix, mask = attention_inputs(B, Hq, Hkv, T, S, D, [250, 70], seed=9)
+    sinks = torch.randn(Hq, generator=torch.Generator().manual_seed(2))
+    dev = device_for(backend)
+    on = [t.to(dev) for t in (q, k, v, prefix, mask, sinks)]
+    for window in (7, 90):
+        out = spec_ext.tree_attention(*on[:5], 0.5, window=window, softcap=4.0, sinks=on[5], backend=backend).cpu()
+        expected = reference.tree_attention(q.double(), k.double(), v.double(), prefix, mask, 0.5, window, 4.0,
+                                            sinks.double())
+        assert (out.double() - expected).abs().max().item() <= 3e-6, window
