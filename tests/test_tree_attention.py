@@ -288,7 +288,6 @@ def feature_inputs(case, dtype):
     return q, k, v, prefix, mask, parents, scale, window, softcap, sinks
 
 
-FEATURE_BACKENDS = BACKENDS  # the Triton kernels have window, softcap and sinks too
 # backends with no hook inside the softmax: they refuse softcap and sinks by name (auto avoids them)
 NO_SOFTMAX_HOOK = ("sdpa",)
 
@@ -315,7 +314,7 @@ def test_reference_matches_the_feature_oracle(case):
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("backend", FEATURE_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", FEATURE_CASES, ids=lambda c: c[0])
 def test_features_match_the_oracle_in_float32(backend, case):
     q, k, v, prefix, mask, parents, scale, window, softcap, sinks = feature_inputs(case, torch.float32)
@@ -328,7 +327,7 @@ def test_features_match_the_oracle_in_float32(backend, case):
     assert err <= FP32_BUDGET, err
 
 
-@pytest.mark.parametrize("backend", FEATURE_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", LOW_PRECISION_CASES, ids=lambda c: c[0])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_softcap_in_low_precision_within_pytorchs_own_error(backend, case, dtype):
@@ -345,7 +344,7 @@ def test_softcap_in_low_precision_within_pytorchs_own_error(backend, case, dtype
     assert err <= 2 * own, (err, own)
 
 
-@pytest.mark.parametrize("backend", FEATURE_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_sink_on_a_query_that_sees_only_itself_gates_its_value(backend):
     """window 1: every query sees only its own key, so out = sigmoid(score - sink) * v_self
     (the sink takes the rest of the weight and has no value)."""
@@ -374,7 +373,7 @@ def test_cpu_kernel_with_every_feature_on_blocks_too_big_for_its_batched_path():
     assert (out.double() - expected).abs().max().item() <= FP32_BUDGET
 
 
-@pytest.mark.parametrize("backend", FEATURE_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_query_that_sees_no_key_gets_zeros_with_softcap_and_sinks(backend):
     B, Hq, Hkv, T, S, D = 2, 4, 2, 6, 16, 32
     q, k, v, _, g = make(B, Hq, Hkv, T, S, D, torch.float32, seed=17)
