@@ -26,6 +26,9 @@ from spec_ext.kernels.tree_attention import (first_window_block, key_block, node
                                              soft_cap, tree_bits, window_visible)
 
 BLOCK_S = 64  # keys per inner step (half at D=256 and in fp32); chunks are whole multiples of it
+# fp32 at D=256 with window/softcap: ptxas spills registers at 32 keys with Triton 3.6's
+# toolchain and at 16 with 3.8's (sm_80); each version gets the block it compiles cleanly
+FP32_D256_BLOCK_S = 16 if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7) else 32
 
 
 @triton.jit
@@ -140,7 +143,12 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix
     ieee = q.dtype == torch.float32
     # D=256, fp32 (IEEE dots) and the window/softcap paths spill registers at 64 keys and 4
     # warps (kernels/aot.py)
-    block_s, warps = (BLOCK_S // 2, 8) if BLOCK_D >= 256 or ieee or window or softcap else (BLOCK_S, 4)
+    if BLOCK_D >= 256 and ieee:
+        block_s, warps = FP32_D256_BLOCK_S, 8
+    elif BLOCK_D >= 256 or ieee or window or softcap:
+        block_s, warps = BLOCK_S // 2, 8
+    else:
+        block_s, warps = BLOCK_S, 4
     W = 1 if causal else tree_mask.shape[2]
     wrap_triton(_split_kernel)[(B * Hkv, splits, R_blocks)](
         q.contiguous(), k.contiguous(), v.contiguous(), prefix_lens.to(torch.int32).contiguous(), mask, part, lse,
