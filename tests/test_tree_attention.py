@@ -269,6 +269,7 @@ FEATURE_CASES = [  # id, (B, Hq, Hkv, T, S, D), prefix, tree, window, softcap, s
     ("all-decode-g4", (3, 8, 2, 1, 50, 64), [49, 10, 0], "chain", 8, 4.0, True),
     ("window-decode-g8", (2, 8, 1, 1, 33, 32), [32, 5], "chain", 4, None, False),
     ("window1-sinks-decode", (2, 4, 4, 1, 9, 32), [8, 3], "chain", 1, None, True),
+    ("window<tree-T40-all", (2, 4, 2, 40, 70, 32), [20, 3], "tree", 3, 4.0, True),  # two mask words
 ]
 LOW_PRECISION_CASES = [case for case in FEATURE_CASES if case[5] is not None]  # the soft-capped ones
 
