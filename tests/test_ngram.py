@@ -106,7 +106,8 @@ def pair():
 
 
 PROMPTS = [[5, 17, 33, 8, 5, 17, 33, 8, 5], [40], [9, 9, 9, 9, 9, 12], [70, 71, 60, 70, 71]]
-SETTINGS = {"chain": dict(), "tree": dict(tree=True, max_nodes=12), "chain n=3..2": dict(n_max=3, n_min=2),
+SETTINGS = {"chain": dict(tree=False), "tree": dict(tree=True, max_nodes=12),
+            "chain n=3..2": dict(tree=False, n_max=3, n_min=2),
             "tree n=2..2": dict(tree=True, n_max=2, n_min=2, max_nodes=8, draft_k=3)}
 
 
@@ -169,7 +170,7 @@ def test_drafts_are_the_plain_lookup_of_prompt_and_output(pair, with_draft):
     spans = next(p for p in ([q[-1], hf_greedy(target, q, 1, eos=[])[0], 50] + q for q in
                              ([k, k + 1, k + 2] for k in range(10, 60))) if hf_greedy(target, p, 1, eos=[])[0] == p[1])
     prompts = [spans, [11], [20, 21, 22, 20, 21, 22, 20]]
-    policy = Recording(k=4, n_max=2, n_min=2)
+    policy = Recording(k=4, n_max=2, n_min=2, tree=False)
     out = spec_ext.generate(target, draft if with_draft else None, prompts, max_new_tokens=24, eos_token_id=[],
                             policy=policy)
     finals = [prompt + out.sequences[b, -24:].tolist() for b, prompt in enumerate(prompts)]
