@@ -87,11 +87,12 @@ class Coins:
 
     def telling_apart(self, mass, other):
         """A final coin whose inverse-CDF draw from ``mass`` differs from the one from
-        ``other`` (where some does): a draw from the wrong distribution then shows."""
+        ``other``: a draw from the wrong distribution then shows."""
         for u in self.rng.uniform(0, 1, 64):
             if inverse_cdf(mass, u) != inverse_cdf(other, u):
                 return u
-        return self.rng.uniform()
+        raise AssertionError("none of 64 coins tells the two final distributions apart: the case cannot "
+                             "show a draw from the wrong one")
 
 
 def inverse_cdf(mass, u):
