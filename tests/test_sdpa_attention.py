@@ -101,6 +101,22 @@ def test_keys_cut_to_the_longest_row_give_the_full_buffers_result(backend):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_kernels_read_cut_views_in_their_buffer_without_a_copy():
+    """The C++, CUDA and Triton kernels index contiguous keys: a view cut along the keys of
+    a contiguous buffer reaches them as that buffer (same memory, no per-layer copy);
+    anything else non-contiguous is copied."""
+    buffer = torch.randn(2, 3, 3, 10, 4)  # [2L, B, H, S, D], as SpecCache holds it
+    cut = buffer[1][:, :, :6]
+    whole = registry.uncut(cut)
+    assert whole.is_contiguous() and whole.data_ptr() == buffer[1].data_ptr() and whole.shape == (3, 3, 10, 4)
+    assert torch.equal(whole[:, :, :6], cut)
+    transposed = buffer[0].transpose(1, 2)
+    assert torch.equal(registry.uncut(transposed), transposed)
+    assert registry.uncut(transposed).data_ptr() != transposed.data_ptr()
+    last = buffer[1][:, :, :6, :2]  # cut along D too: not one buffer's keys
+    assert registry.uncut(last).data_ptr() != last.data_ptr()
+
+
 def test_spec_cache_update_returns_views_up_to_the_longest_row():
     cache = SpecCache(num_layers=1, num_kv_heads=2, head_dim=8, batch_size=3, capacity=32)
     cache.advance([0, 0, 0])

@@ -17,6 +17,7 @@ import warnings
 from typing import Callable
 
 import torch
+from torch import Tensor
 
 from spec_ext import reference
 from spec_ext.ops import selection
@@ -165,15 +166,45 @@ def resolve(op: str, backend: str, device: torch.device) -> str:
     return backend
 
 
+def uncut(x: Tensor) -> Tensor:
+    """``x`` [B,H,S,D] as a contiguous tensor, without a copy when it is a view that cuts the
+    keys of a contiguous [B,H,S',D] buffer (what SpecCache.update returns): the buffer
+    itself, from which a kernel reads only the first S keys (its callers keep
+    ``prefix_lens + T <= S``)."""
+    if x.is_contiguous():
+        return x
+    B, H, S, D = x.shape
+    batch, head, key, lane = x.stride()
+    if lane != 1 or key != D or head % D or batch != H * head or head // D < S:
+        return x.contiguous()
+    full = (B, H, head // D, D)
+    end = x.storage_offset() + (B - 1) * batch + H * head
+    if end * x.element_size() > x.untyped_storage().nbytes():
+        return x.contiguous()
+    return x.as_strided(full, (batch, head, key, lane))
+
+
+def _keys_in_place(function: Callable) -> Callable:
+    """A tree_attention kernel that indexes contiguous keys and values, handed cut cache
+    views as their buffers (no per-layer copy of the cache); SDPA and the reference take
+    the views as they are."""
+    def call(q, k, v, *rest):
+        return function(q, uncut(k), uncut(v), *rest)
+    call.__doc__ = function.__doc__
+    return call
+
+
 def _function(op: str, impl: str) -> Callable:
     if impl == "torch":
         return getattr(reference, op)
-    if impl.startswith("triton"):
-        module, name = TRITON_KERNELS[op, impl]
-        return getattr(importlib.import_module(f"spec_ext.kernels.{module}"), name)
     if impl == "sdpa":
         return getattr(importlib.import_module("spec_ext.ops.sdpa"), SDPA_KERNELS[op, impl])
-    return getattr(torch.ops.spec_ext, op)
+    if impl.startswith("triton"):
+        module, name = TRITON_KERNELS[op, impl]
+        function = getattr(importlib.import_module(f"spec_ext.kernels.{module}"), name)
+    else:
+        function = getattr(torch.ops.spec_ext, op)
+    return _keys_in_place(function) if op == "tree_attention" else function
 
 
 @functools.lru_cache(None)
