@@ -13,7 +13,7 @@
 // std::exp, side by side at B=1..8, T=5..64).
 // A sliding window also goes into that mask; keys below every query's window are never
 // read (a query at position p sees nothing before p - window + 1 >= prefix - window). A
-// sink is one more softmax column holding the head's sink logit and no value.
+// sink is one more term of the softmax's denominator, exp(sink), with no value.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -93,14 +93,14 @@ std::pair<at::Tensor, bool> hidden_keys(const at::Tensor& q, const int64_t* pref
   return {hidden, blind};
 }
 
-// scores [..., keys] -> softmax weights, with the sink logits [...] (broadcast to scores'
-// leading dimensions) as one more column when given; masked scores are -inf.
-at::Tensor softmax_with_sinks(const at::Tensor& scores, const std::optional<at::Tensor>& sink) {
+// scores [..., keys] -> softmax weights, in place, with the sink logits [...] (broadcast to
+// scores' leading dimensions) as one more term of the denominator when given; masked scores
+// are -inf. The sink enters the max, so no exp overflows and a row with no key gets zeros.
+at::Tensor softmax_with_sinks(at::Tensor scores, const std::optional<at::Tensor>& sink) {
   if (!sink) return at::softmax(scores, -1);
-  auto sizes = scores.sizes().vec();
-  sizes.back() = 1;
-  const int64_t keys = scores.size(-1);
-  return at::softmax(at::cat({scores, sink->expand(sizes)}, -1), -1).narrow(-1, 0, keys);
+  const auto best = at::maximum(std::get<0>(scores.max(-1, true)), *sink);
+  scores.sub_(best).exp_();
+  return scores.div_(scores.sum(-1, true).add_((*sink - best).exp_()));
 }
 
 inline float soft_capped(float score, float softcap) {
