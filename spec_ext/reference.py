@@ -200,7 +200,7 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
 
     window > 0: a query at position p sees key position s only if p - s < window (see
     :func:`positions`). softcap > 0: the scaled scores become softcap * tanh(score / softcap)
-    before the mask. sinks [Hq] float32: one extra logit per query head in the softmax's
+    before the mask. sinks [Hq] (any float dtype, read in the compute dtype): one extra logit per query head in the softmax's
     denominator, with no value. A query that sees no key returns zeros."""
     B, Hq, T, D = q.shape
     S = k.shape[2]

@@ -400,6 +400,19 @@ def test_keys_no_query_sees_are_never_read(request, backend, T, unseen):
         assert (out.double() - expected).abs().max().item() <= FP32_BUDGET
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sink_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_sinks_in_the_models_dtype_are_read_as_float32(backend, sink_dtype):
+    """GPT-OSS keeps s_aux in the model's dtype: the op takes it as it is."""
+    q, k, v, prefix, mask, _, scale, window, softcap, sinks = feature_inputs(FEATURE_CASES[7], torch.float32)
+    low = sinks.to(sink_dtype)
+    out = run_backend(backend, q, k, v, prefix, mask, scale, window, softcap, low)
+    if out is None:
+        return
+    expected = run_backend(backend, q, k, v, prefix, mask, scale, window, softcap, low.float())
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.skipif(not spec_ext.ops.registered("tree_attention", "CPU"), reason="C++ kernels not built")
 def test_cpu_kernel_with_every_feature_on_blocks_too_big_for_its_batched_path():
     B, Hq, Hkv, T, S, D = 2, 8, 2, 64, 1100, 32

@@ -34,9 +34,10 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
             p sees a key at position s only if ``p - s < window``; None (default) or an int >= 1.
         softcap: the scaled scores become ``softcap * tanh(score / softcap)`` before the mask
             (Gemma-2); None (default) or a float > 0.
-        sinks: [Hq] float32 on q's device (GPT-OSS): one extra logit per query head in the
-            softmax's denominator, compared with the scaled, soft-capped scores; it has no value,
-            so it only takes weight from the keys. None (default): no sink.
+        sinks: [Hq] float32/float16/bfloat16 on q's device (GPT-OSS, whose ``s_aux`` is in the
+            model's dtype): one extra logit per query head in the softmax's denominator, compared
+            with the scaled, soft-capped scores (every backend reads it in float32); it has no
+            value, so it only takes weight from the keys. None (default): no sink.
         backend: "auto", "torch", "cpu", "cuda", "triton", or "triton_split" (split over the
             keys, flash-decoding style, for few rows on a GPU; not yet run on a GPU, so never
             chosen by "auto").
@@ -82,7 +83,7 @@ def _check(q, k, v, prefix_lens, tree_mask, window, softcap, sinks) -> None:
                                 or not math.isfinite(softcap) or softcap <= 0):
         fail("softcap", f"expected None or a finite float > 0, got {softcap!r}")
     if sinks is not None:
-        check_tensor("sinks", sinks, 1, (torch.float32,), q.device)
+        check_tensor("sinks", sinks, 1, FLOAT_TYPES, q.device)
         check_shape("sinks", sinks, (Hq,))
     if B and (bool((prefix_lens < 0).any()) or bool((prefix_lens + T > k.shape[2]).any())):
         fail("prefix_lens", f"need 0 <= prefix_lens and prefix_lens + T ({T}) <= S ({k.shape[2]}); "
