@@ -445,6 +445,16 @@ def test_feature_arguments_are_checked_by_name():
     for window in (0, -2, 2.5, True, "4"):
         with pytest.raises(ValueError, match="window: expected None or an int >= 1"):
             spec_ext.tree_attention(q, k, v, prefix, window=window)
+@pytest.mark.skipif(not spec_ext.ops.registered("tree_attention", "CPU"), reason="C++ kernels not built")
+def test_cpu_kernel_refuses_a_negative_softcap_and_sinks_of_the_wrong_length():
+    """validate=False skips the Python checks; the kernel itself refuses what it would misread."""
+    q, k, v, prefix, _ = make(2, 4, 2, 1, 10, 8, torch.float32, seed=0)
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        torch.ops.spec_ext.tree_attention(q, k, v, prefix, None, 0.5, 0, -1.0, None)
+    with pytest.raises(RuntimeError, match="sinks must hold one logit per query head"):
+        torch.ops.spec_ext.tree_attention(q, k, v, prefix, None, 0.5, 0, 0.0, torch.zeros(2))
+
+
     for softcap in (0.0, -1.0, float("nan"), float("inf"), True, "30"):
         with pytest.raises(ValueError, match="softcap: expected None or a finite float > 0"):
             spec_ext.tree_attention(q, k, v, prefix, softcap=softcap)

@@ -216,6 +216,9 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, co
                               const at::Tensor& prefix_lens_in, const std::optional<at::Tensor>& tree_mask_in,
                               double scale, int64_t window, double softcap, const std::optional<at::Tensor>& sinks_in) {
   TORCH_CHECK(window >= 0, "tree_attention (cpu): window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(softcap >= 0, "tree_attention (cpu): softcap must be >= 0 (0: none), got ", softcap);
+  TORCH_CHECK(!sinks_in || sinks_in->numel() == q_in.size(1), "tree_attention (cpu): sinks must hold one logit per query head (",
+              q_in.size(1), "), got ", sinks_in ? sinks_in->numel() : 0);
   auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   std::optional<at::Tensor> sinks;
   if (sinks_in) sinks = sinks_in->to(at::kFloat).contiguous();

@@ -129,6 +129,9 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
                                const at::Tensor& prefix_lens_in, const std::optional<at::Tensor>& tree_mask_in,
                                double scale, int64_t window, double softcap, const std::optional<at::Tensor>& sinks_in) {
   TORCH_CHECK(window >= 0, "tree_attention (cuda): window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(softcap >= 0, "tree_attention (cuda): softcap must be >= 0 (0: none), got ", softcap);
+  TORCH_CHECK(!sinks_in || sinks_in->numel() == q_in.size(1), "tree_attention (cuda): sinks must hold one logit per query head (",
+              q_in.size(1), "), got ", sinks_in ? sinks_in->numel() : 0);
   const c10::cuda::CUDAGuard guard(q_in.device());
   auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   auto prefix_lens = prefix_lens_in.to(at::kInt).contiguous();
