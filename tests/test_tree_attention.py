@@ -414,12 +414,17 @@ def test_sinks_in_the_models_dtype_are_read_as_float32(backend, sink_dtype):
 
 
 @pytest.mark.skipif(not spec_ext.ops.registered("tree_attention", "CPU"), reason="C++ kernels not built")
-def test_cpu_kernel_with_every_feature_on_blocks_too_big_for_its_batched_path():
-    B, Hq, Hkv, T, S, D = 2, 8, 2, 64, 1100, 32
-    q, k, v, prefix, g = make(B, Hq, Hkv, T, S, D, torch.float32, seed=13, prefix=torch.tensor([S - T, 300]))
+@pytest.mark.parametrize("S, prefix, window", [(1100, [1036, 300], 700), (4000, [3900, 2900], 30)],
+                         ids=["window-reaches-key-0", "both-prefixes-beyond-the-window"])
+def test_cpu_kernel_with_every_feature_on_blocks_too_big_for_its_batched_path(S, prefix, window):
+    """Row 1's window reaching key 0 reads all columns; with both prefixes beyond the window
+    the first column read is 2870 and each row's keys start at its own offset in it."""
+    B, Hq, Hkv, T, D = 2, 8, 2, 64, 32
+    q, k, v, prefix, g = make(B, Hq, Hkv, T, S, D, torch.float32, seed=13, prefix=torch.tensor(prefix))
     parents = random_parents(B, T, g)
-    mask, sinks, window = reference.tree_mask(parents)[1], torch.randn(Hq, generator=g), 700
-    assert B * Hq * T * (int(prefix.max()) + T) > 2 ** 20  # row 1's window reaches key 0: all columns read
+    mask, sinks = reference.tree_mask(parents)[1], torch.randn(Hq, generator=g)
+    columns = int(prefix.max()) + T - max(int(prefix.min()) - window, 0)
+    assert B * Hq * T * columns > 2 ** 20  # past the batched path
     out = spec_ext.tree_attention(q, k, v, prefix, mask, 0.5, window=window, softcap=4.0, sinks=sinks, backend="cpu")
     expected, _ = oracle(q, k, v, prefix, parents, 0.5, window, 4.0, sinks)
     assert (out.double() - expected).abs().max().item() <= FP32_BUDGET
@@ -440,11 +445,6 @@ def test_a_query_that_sees_no_key_gets_zeros_with_softcap_and_sinks(backend):
                                rtol=0, atol=FP32_BUDGET)
 
 
-def test_feature_arguments_are_checked_by_name():
-    q, k, v, prefix, _ = make(2, 4, 2, 3, 10, 8, torch.float32, seed=0)
-    for window in (0, -2, 2.5, True, "4"):
-        with pytest.raises(ValueError, match="window: expected None or an int >= 1"):
-            spec_ext.tree_attention(q, k, v, prefix, window=window)
 @pytest.mark.skipif(not spec_ext.ops.registered("tree_attention", "CPU"), reason="C++ kernels not built")
 def test_cpu_kernel_refuses_a_negative_softcap_and_sinks_of_the_wrong_length():
     """validate=False skips the Python checks; the kernel itself refuses what it would misread."""
@@ -455,6 +455,11 @@ def test_cpu_kernel_refuses_a_negative_softcap_and_sinks_of_the_wrong_length():
         torch.ops.spec_ext.tree_attention(q, k, v, prefix, None, 0.5, 0, 0.0, torch.zeros(2))
 
 
+def test_feature_arguments_are_checked_by_name():
+    q, k, v, prefix, _ = make(2, 4, 2, 3, 10, 8, torch.float32, seed=0)
+    for window in (0, -2, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="window: expected None or an int >= 1"):
+            spec_ext.tree_attention(q, k, v, prefix, window=window)
     for softcap in (0.0, -1.0, float("nan"), float("inf"), True, "30"):
         with pytest.raises(ValueError, match="softcap: expected None or a finite float > 0"):
             spec_ext.tree_attention(q, k, v, prefix, softcap=softcap)
