@@ -154,19 +154,15 @@ def tree_verify(target: Tensor, tree_tokens: Tensor, parents: Tensor, draft_prob
 
 
 # ----------------------------------------------------------------------- attention
-def positions(prefix_lens: Tensor, tree_mask: Tensor | None, T: int, S: int) -> tuple[Tensor, Tensor]:
-    """Absolute positions: of the queries [B,T] (prefix_lens[b] + depth of node i) and of
-    the keys [B,S] (prefix key s at s, tree node j at prefix_lens[b] + depth(j)). A node's
-    depth is its number of ancestors: j for the causal chain (tree_mask None), else the
-    popcount of its mask row minus one."""
-    B = prefix_lens.shape[0]
-    device = prefix_lens.device
-    if tree_mask is None:
-        depth = torch.arange(T, device=device).expand(B, T)
-    else:
-        depth = (unpack_mask(tree_mask, T).sum(-1) - 1).expand(B, T)
+def positions(prefix_lens: Tensor, tree: Tensor, S: int) -> tuple[Tensor, Tensor]:
+    """Absolute positions from the unpacked tree [B|1,T,T] bool (row i: node i's ancestors
+    and itself): of the queries [B,T] (prefix_lens[b] + depth of node i) and of the keys
+    [B,S] (prefix key s at s, tree node j at prefix_lens[b] + depth(j)). A node's depth is
+    its number of ancestors, the popcount of its row minus one (node j of the causal chain: j)."""
+    B, T = prefix_lens.shape[0], tree.shape[1]
+    depth = (tree.sum(-1) - 1).expand(B, T)
     prefix = prefix_lens.long().view(B, 1)
-    s = torch.arange(S, device=device).view(1, S)
+    s = torch.arange(S, device=prefix_lens.device).view(1, S)
     offset = s - prefix
     node_pos = prefix + torch.gather(depth, 1, offset.clamp(0, T - 1))
     return prefix + depth, torch.where(offset >= 0, node_pos, s.expand(B, S))
@@ -187,7 +183,7 @@ def visibility(prefix_lens: Tensor, tree_mask: Tensor | None, T: int, S: int, wi
     tree_bit = torch.gather(tree, 2, offset.clamp(0, T - 1).expand(B, T, S))
     visible = (s.view(1, 1, S) < prefix) | (inside & tree_bit)
     if window and T:
-        query_pos, key_pos = positions(prefix_lens, tree_mask, T, S)
+        query_pos, key_pos = positions(prefix_lens, tree, S)
         visible &= query_pos[:, :, None] - key_pos[:, None, :] < window
     return visible
 
