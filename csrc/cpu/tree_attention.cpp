@@ -34,14 +34,16 @@ constexpr int64_t kBatchedScores = int64_t{1} << 20;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // The tree's mask and positions: node j of row b sits at prefix_lens[b] + depth(b, j), its
-// depth being the popcount of its mask row minus one (the causal chain, no mask: j).
+// depth being the popcount of its mask row minus one (the causal chain, no mask: j). Only a
+// window reads positions, so without one no depth is counted.
 struct Tree {
   const uint32_t* bits;  // [mask_rows, T, W] packed, or nullptr: causal
   int64_t mask_rows, T, W;
-  std::vector<int64_t> depths;  // [mask_rows or 1, T]
+  std::vector<int64_t> depths;  // [mask_rows or 1, T]; empty without a window
 
-  Tree(const uint32_t* bits_, int64_t mask_rows_, int64_t T_, int64_t W_)
-      : bits(bits_), mask_rows(bits_ ? mask_rows_ : 1), T(T_), W(W_), depths(mask_rows * T) {
+  Tree(const uint32_t* bits_, int64_t mask_rows_, int64_t T_, int64_t W_, bool windowed)
+      : bits(bits_), mask_rows(bits_ ? mask_rows_ : 1), T(T_), W(W_), depths(windowed ? mask_rows * T : 0) {
+    if (!windowed) return;
     for (int64_t r = 0; r < mask_rows; ++r) {
       for (int64_t j = 0; j < T; ++j) {
         int64_t count = 0;
@@ -239,7 +241,7 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, co
   }
   auto out = at::empty_like(q);
   if (longest == 0) return out.zero_();
-  const Tree tree(bits, mask_rows, T, W);
+  const Tree tree(bits, mask_rows, T, W, window > 0);
   if (T <= kLoopQueries) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "tree_attention_cpu", [&] {
       attend<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
