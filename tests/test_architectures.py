@@ -118,6 +118,20 @@ def test_greedy_ragged_batch_with_eos_equals_target_generate(kind):
     assert forward_path(target).split(":")[0] == expected_path
 
 
+@pytest.mark.parametrize("policy", ["fixed", "tree", "ngram"])
+def test_learned_positions_can_be_filled_to_the_last(policy):
+    """GPT-2's positions are a table of max_position_embeddings rows: a prompt plus
+    max_new_tokens may fill it (HF's generate allows that), although the last rounds verify
+    drafts past it (their tokens are cut; their positions are kept in range), and a draft
+    with a shorter table than the target's proposes past its own end."""
+    target = tiny("gpt2", n_positions=16)
+    draft = None if policy == "ngram" else noisy(tiny("gpt2", n_positions=10), 0.01)
+    prompt = [5, 17, 33, 5, 17, 33]
+    out = spec_ext.generate(target, draft, [prompt], max_new_tokens=16 - len(prompt), eos_token_id=[],
+                            policy=policy)
+    assert out.sequences[0, len(prompt):].tolist() == hf_greedy(target, prompt, 16 - len(prompt), eos=[])
+
+
 def test_models_the_lean_forward_knows_can_be_kept_on_the_hf_modules():
     target, draft = pair("qwen3")
     with spec_ext.models.hf_modules(target, draft):

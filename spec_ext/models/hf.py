@@ -63,17 +63,17 @@ def _attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask
                          "no dropout; call model.eval()")
     if is_causal is False:
         raise ValueError(f"{name}: is_causal=False: spec_ext's attention is causal (or a draft tree)")
-    active = sorted(n for n, v in kwargs.items() if n not in _PASSIVE and v is not None)
-    if active:
-        raise ValueError(f"{name}: the attention argument {active[0]!r} is not supported by spec_ext (it would "
-                         "be dropped); use a model without it")
+    if kwargs.keys() - _PASSIVE:  # a set difference per layer; the names are sorted only to refuse one
+        active = sorted(n for n in kwargs.keys() - _PASSIVE if kwargs[n] is not None)
+        if active:
+            raise ValueError(f"{name}: the attention argument {active[0]!r} is not supported by spec_ext (it "
+                             "would be dropped); use a model without it")
     if not isinstance(attention_mask, Tensor) or attention_mask.dtype != torch.int32:
         raise RuntimeError(f"{name}: got a mask transformers built ({type(attention_mask).__name__}) instead of "
                            "spec_ext's packed tree bits")
     tree_mask = attention_mask[:, 0] if attention_mask.shape[-1] else None
-    sinks = None if s_aux is None else s_aux.float()
     out = ops.tree_attention(query, key, value, spec_prefix_lens, tree_mask, scale=scaling, window=sliding_window,
-                             softcap=softcap, sinks=sinks, validate=False)
+                             softcap=softcap, sinks=s_aux, validate=False)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -215,6 +215,9 @@ def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tenso
     vocab = _VOCAB.get(model)
     if vocab is not None:
         input_ids = input_ids.masked_fill(input_ids >= vocab[0], vocab[1])
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None:  # drafts past the limit only give tokens past max_new_tokens: keep them in range
+        positions = positions.clamp_max(limit - 1)
     cache.before_forward(input_ids, positions, tree_mask)
     decoder = lean.lean_decoder(model) if use_lean else None
     if decoder is not None:
