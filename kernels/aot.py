@@ -198,8 +198,8 @@ def cases(shapes: str) -> Iterator[tuple[str, str, tuple]]:
         kv = [(64, B, 8, 4096, 128, M) for B in (1, 16) for M in (4, 16)] + [(64, 64, 8, 1024, 128, 8)]
         features = []
     else:
-        chains = [(1, 1, 32000, "q"), (64, 8, 128256, "q"), (16, 1, 8193, "none"), (16, 5, 32000, "greedy"),
-                  (1, 8, 8193, "greedy")]
+        chains = [(1, 1, 32000, "q"), (64, 1, 32000, "q"), (64, 8, 128256, "q"), (16, 1, 8193, "none"),
+                  (16, 5, 32000, "greedy"), (1, 8, 8193, "greedy")]
         trees = [(1, BENCH_TREE_T, 32000, "q"), (16, 22, 8193, "q iid"), (1, BENCH_TREE_T, 32000, "none"),
                  (1, BENCH_TREE_T, 32000, "greedy"), (64, 1, 8193, "greedy")]
         masks = [(1, 22), (4, 1), (2, 128)]

@@ -32,7 +32,11 @@ from spec_ext.kernels.launch import resident_per_sm, sm_count, wrap_triton
 from spec_ext.kernels.rejection_sampling import (_mass, clear_tree_row,  # _mass(..., end, kind): 0 outside
                                                   inverse_cdf_step)
 
-MIN_CHUNK = 1024  # no split reads less than this many entries of a row
+# Triton emits 128-bit loads only where a block holds at least 4 float32 a thread (kernels/aot.py):
+# 128 entries a warp. The partials kernels take a warp per 128 entries of their block (up to 4),
+# and the planned splits read no fewer than one warp's 128 entries of a row.
+ENTRIES_PER_WARP = 128
+MIN_CHUNK = ENTRIES_PER_WARP
 # larger blocks spill registers (4 warps; kernels/aot.py): _tree_sample_kernel's fp64 tiles at
 # 4096 on sm_80 and sm_90, _finish's scan at 1024 on sm_80
 TREE_SAMPLE_BLOCK_V = 2048
@@ -324,17 +328,24 @@ MASS_RESIDENT = {80: 8, 90: 7}
 def split_count(rows: int, V: int, resident: int, device: torch.device) -> int:
     """Chunks per row: enough for one full wave of ``resident`` programs per SM over the
     GPU, as far as MIN_CHUNK allows (no chunk under it)."""
-    return max(1, min(triton.cdiv(V, MIN_CHUNK), triton.cdiv(resident * sm_count(device), rows)))
+    return max(1, min(V // MIN_CHUNK, triton.cdiv(resident * sm_count(device), rows)))
 
 
 def chunking(V: int, splits: int) -> tuple[int, int, int]:
-    """(chunk, splits, BLOCK_V) for about ``splits`` chunks of a row of V: each chunk whole
-    blocks of BLOCK_V >= 16 entries, so every chunk starts 16-entry aligned (the compiler
-    then emits 128-bit loads), and no chunk is empty (so possibly more splits than asked)."""
-    wanted = triton.cdiv(V, splits)
-    block = max(16, min(1024, triton.next_power_of_2(wanted)))
-    chunk = max(1, (wanted + block // 2) // block) * block  # the nearest whole number of blocks
+    """(chunk, splits, BLOCK_V) for at least ``splits`` chunks of a row of V where blocks of 16
+    allow: each chunk whole blocks of BLOCK_V >= 16 entries, so every chunk starts 16-entry
+    aligned (the compiler can emit 128-bit loads), rounded down so that the grid is not
+    smaller than asked (at most twice as many), and no chunk is empty."""
+    wanted = max(1, V // splits)
+    block = max(16, min(1024, 1 << (wanted.bit_length() - 1)))  # the power of two <= wanted
+    chunk = max(1, wanted // block) * block
     return chunk, triton.cdiv(V, chunk), block
+
+
+def partial_warps(block: int) -> int:
+    """num_warps of a partials kernel over blocks of ``block`` entries: 4 entries (16 bytes of
+    float32) a thread at least, so that its loads stay 128-bit; at most 4 warps."""
+    return max(1, min(4, block // ENTRIES_PER_WARP))
 
 
 def split_chain_verify(target: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -358,12 +369,14 @@ def split_chain_verify(target: torch.Tensor, draft_tokens: torch.Tensor, draft_p
     if greedy:
         pval = torch.empty(rows, splits, dtype=torch.float32, device=device)
         pidx = torch.empty(rows, splits, dtype=torch.int64, device=device)
-        wrap_triton(_argmax_partials)[(rows, splits)](target, pval, pidx, V, chunk, splits, BLOCK_V=BLOCK_V)
+        wrap_triton(_argmax_partials)[(rows, splits)](target, pval, pidx, V, chunk, splits, BLOCK_V=BLOCK_V,
+                                                      num_warps=partial_warps(BLOCK_V))
     else:
         part = torch.empty(B, 2, splits, dtype=torch.float64, device=device)
         last = torch.empty(B, 2, splits, dtype=torch.int64, device=device)
         wrap_triton(_mass_partials)[(B, splits)](target, draft_tokens, q, num_draft, u, part, last, K1 - 1, V, chunk,
-                                                 splits, HAS_Q=draft_probs is not None, BLOCK_V=BLOCK_V)
+                                                 splits, HAS_Q=draft_probs is not None, BLOCK_V=BLOCK_V,
+                                                 num_warps=partial_warps(BLOCK_V))
     wrap_triton(_finish)[(B,)](target, draft_tokens, q, num_draft, u, part, last, pval, pidx, tokens, num_accepted,
                                K1 - 1, V, chunk, splits, GREEDY=greedy, HAS_Q=draft_probs is not None,
                                BLOCK_V=min(BLOCK_V, FINISH_BLOCK_V), BLOCK_S=max(2, triton.next_power_of_2(splits)),
@@ -410,7 +423,7 @@ def split_tree_verify(target: torch.Tensor, tree_tokens: torch.Tensor, parents: 
     pval = torch.empty(B * T, splits, dtype=torch.float32, device=device)
     pidx = torch.empty(B * T, splits, dtype=torch.int64, device=device)
     wrap_triton(_argmax_partials)[(B * T, splits)](target.contiguous(), pval, pidx, V, chunk, splits,
-                                                   BLOCK_V=BLOCK_V)
+                                                   BLOCK_V=BLOCK_V, num_warps=partial_warps(BLOCK_V))
     wrap_triton(_tree_greedy_finish)[(B,)](tree_tokens.contiguous(), parents.contiguous(), pval, pidx, path, tokens,
                                            num_accepted, T, V, splits, BLOCK_S=max(2, triton.next_power_of_2(splits)),
                                            BLOCK_T=triton.next_power_of_2(T))

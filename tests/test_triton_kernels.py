@@ -36,7 +36,7 @@ def test_vocabulary_chunks_are_whole_blocks_and_none_is_empty(V, splits):
     chunk, n, block = chunking(V, splits)
     assert block >= 16 and chunk % block == 0  # every chunk starts 16-entry aligned: 128-bit loads
     assert (n - 1) * chunk < V <= n * chunk  # the last chunk holds at least one entry
-    assert n < 2 * splits or chunk == block  # rounding to the nearest whole block
+    assert splits <= n <= 2 * splits or chunk == 16  # rounded down: never fewer chunks than asked
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -54,12 +54,42 @@ def test_split_verification_plans_a_wave_of_resident_programs_in_whole_blocks(gr
     assert 0.9 * wave <= rows * splits < 2 * wave  # about one full wave of resident programs
 
 
+@pytest.mark.parametrize("V", [32000, 128256])
+@pytest.mark.parametrize("op,K", [("chain q", 5), ("chain q", 8), ("chain greedy", 5), ("chain greedy", 8),
+                                  ("tree greedy", 8)])
+def test_split_verification_at_b1_fills_a_wave_or_splits_as_finely_as_128_bit_loads_allow(op, K, V):
+    """B=1 at the shapes of benchmarks/bench_kernels.py (the tree: 8 nodes): the partials grid
+    holds a wave of resident programs on 132 SMs, or where the row is too short for one,
+    chunks of one warp's 128-bit loads (4 float32 a thread), the finest split that keeps them;
+    either way every SM gets a program, and every thread of a block loads 4 entries or more."""
+    from spec_ext.kernels.rejection_sampling_split import (ARGMAX_RESIDENT, MASS_RESIDENT, split_chain_verify,
+                                                           split_tree_verify)
+    i64 = torch.int64
+    if op == "tree greedy":
+        launches = planned(split_tree_verify, meta(1, K, V), meta(1, K, dtype=i64), meta(1, K, dtype=i64), None, None,
+                           True, True)
+    else:
+        greedy = op == "chain greedy"
+        launches = planned(split_chain_verify, meta(1, K + 1, V), meta(1, K, dtype=i64),
+                           None if greedy else meta(1, K, V), meta(1, dtype=i64),
+                           None if greedy else meta(1, K + 1, dtype=torch.float64), greedy)
+    greedy = op != "chain q"
+    partials = launches["_argmax_partials" if greedy else "_mass_partials"]
+    chunk, block, warps = arg(partials, "chunk"), partials.meta["BLOCK_V"], partials.meta["num_warps"]
+    rows, splits = partials.grid
+    assert rows == (K if op == "tree greedy" else K + 1 if greedy else 1)
+    assert chunk % block == 0 and (splits - 1) * chunk < V <= splits * chunk
+    assert block >= 4 * 32 * warps
+    wave = (ARGMAX_RESIDENT if greedy else MASS_RESIDENT)[90] * 132
+    assert rows * splits >= wave or (chunk == 4 * 32 and rows * splits >= 132), (rows, splits, chunk, wave)
+
+
 @pytest.mark.parametrize("mode", ["greedy", "q", "one-hot q"])
 def test_split_chain_verification_at_odd_v_with_rounded_chunks(mode):
-    """V = 8193 asked in 3 splits: chunks of 3 x 1024 entries, the last one 2049 short."""
+    """V = 8193 asked in 3 splits: 5 chunks of 2 x 1024 entries, the last one holding one."""
     from spec_ext.kernels.rejection_sampling_split import chunking, split_chain_verify
     B, K, V = 3, 3, 8193
-    assert chunking(V, 3) == (3072, 3, 1024)
+    assert chunking(V, 3) == (2048, 5, 1024)
     g = torch.Generator().manual_seed(7)
     q = torch.softmax(torch.randn(B, K, V, generator=g) * 3, -1)
     p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * 3, -1)
