@@ -29,9 +29,10 @@ def tree_bits(mask_ptr, mask_row, t, j, in_tree, T, W, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def key_block(q, k_ptr, v_ptr, kv_base, s, stop, d, D, scale, IEEE: tl.constexpr):
-    """The keys s (those < stop) of one block: scores q k^T * scale [rows, keys] and values."""
-    kv_mask = (s[:, None] < stop) & (d[None, :] < D)
+def key_block(q, k_ptr, v_ptr, kv_base, s, lowest, stop, d, D, scale, IEEE: tl.constexpr):
+    """The keys s (lowest <= s < stop) of one block: scores q k^T * scale [rows, keys] and
+    values; keys outside are not loaded (read as 0: what the cache holds there may be NaN)."""
+    kv_mask = ((s[:, None] >= lowest) & (s[:, None] < stop)) & (d[None, :] < D)
     k = tl.load(k_ptr + kv_base + s[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + kv_base + s[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
     if IEEE:  # fp32: tl.dot would round both operands to TF32 on the GPU
@@ -86,14 +87,14 @@ def soft_cap(scores, softcap):
 
 
 @triton.jit
-def first_window_block(prefix, query_depth, rows_ok, window, BLOCK_S: tl.constexpr, WINDOW: tl.constexpr):
-    """The first key block any of these queries sees: keys at positions below
-    prefix + depth - window + 1 are outside every query's window."""
-    first = 0
+def lowest_window_key(prefix, query_depth, rows_ok, window, WINDOW: tl.constexpr):
+    """The lowest key any of these queries sees (0 without a window): keys at positions
+    below prefix + depth - window + 1 are outside every query's window."""
+    lowest = 0
     if WINDOW:
-        lowest = tl.min(tl.where(rows_ok, query_depth, 1 << 30), 0)
-        first = tl.maximum(prefix + lowest - window + 1, 0) // BLOCK_S * BLOCK_S
-    return first
+        depth = tl.min(tl.where(rows_ok, query_depth, 1 << 30), 0)
+        lowest = tl.maximum(prefix + depth - window + 1, 0)
+    return lowest
 
 
 @triton.jit
@@ -140,10 +141,10 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, mask_ptr, sinks_ptr,
     query_depth = tl.zeros([BLOCK_T], tl.int32)
     if WINDOW:
         query_depth = node_depth(mask_ptr, mask_row, t, t < T, T, W, CAUSAL, BLOCK_W)
-    first = first_window_block(prefix, query_depth, t < T, window, BLOCK_S, WINDOW)
-    for start in range(first, limit, BLOCK_S):
+    lowest = lowest_window_key(prefix, query_depth, t < T, window, WINDOW)
+    for start in range(lowest // BLOCK_S * BLOCK_S, limit, BLOCK_S):
         s = start + tl.arange(0, BLOCK_S)
-        scores, v = key_block(q, k_ptr, v_ptr, kv_base, s, limit, d, D, scale, IEEE)
+        scores, v = key_block(q, k_ptr, v_ptr, kv_base, s, lowest, limit, d, D, scale, IEEE)
         if SOFTCAP:
             scores = soft_cap(scores, softcap)
         visible = (s[None, :] < limit) & (t[:, None] >= 0)  # [rows, keys]

@@ -22,7 +22,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from spec_ext.kernels.launch import capability, sm_count as _sm_count, wrap_triton  # a test replaces _sm_count
-from spec_ext.kernels.tree_attention import (first_window_block, key_block, node_depth, online_softmax_step,
+from spec_ext.kernels.tree_attention import (key_block, lowest_window_key, node_depth, online_softmax_step,
                                              soft_cap, tree_bits, window_visible)
 
 BLOCK_S = 64  # keys per inner step (half at D=256 and in fp32); chunks are whole multiples of it
@@ -60,10 +60,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, prefix_ptr, mask_ptr, part_ptr, lse_ptr, 
     query_depth = tl.zeros([BLOCK_R], tl.int32)
     if WINDOW:
         query_depth = node_depth(mask_ptr, mask_row, t, row_ok, T, W, CAUSAL, BLOCK_W)
-    start = tl.maximum(start, first_window_block(prefix, query_depth, row_ok, window, BLOCK_S, WINDOW))
+    lowest = lowest_window_key(prefix, query_depth, row_ok, window, WINDOW)
+    start = tl.maximum(start, lowest // BLOCK_S * BLOCK_S)
     for block in range(start, stop, BLOCK_S):
         s = block + tl.arange(0, BLOCK_S)
-        scores, v = key_block(q, k_ptr, v_ptr, kv_base, s, stop, d, D, scale, IEEE)
+        scores, v = key_block(q, k_ptr, v_ptr, kv_base, s, lowest, stop, d, D, scale, IEEE)
         if SOFTCAP:
             scores = soft_cap(scores, softcap)
         visible = (s[None, :] < stop) & row_ok[:, None]

@@ -366,8 +366,6 @@ def test_a_sink_on_a_query_that_sees_only_itself_gates_its_value(backend):
 READS_UNSEEN_KEYS = {
     ("sdpa", "below-window"): "sdpa multiplies the dense [T, S] weights with all of v",
     ("sdpa", "after-tree"): "sdpa multiplies the dense [T, S] weights with all of v",
-    ("triton", "below-window"): "the first key block loads the keys below the window inside it",
-    ("triton_split", "below-window"): "the first key block loads the keys below the window inside it",
 }
 
 
