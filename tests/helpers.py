@@ -7,6 +7,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+import spec_ext
 from spec_ext import ops
 from spec_ext.ops import registry
 from spec_ext.policies import AdaLength, LearnedSpecBranch, ResidualMLP, SpecDecPP
@@ -104,6 +105,26 @@ def hf_greedy(model, prompt, max_new, eos):
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
                          pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def ragged_greedy_equals_target(target, draft, prompts, policy, max_new=30):
+    """spec_ext on the left-padded batch of ``prompts`` equals ``target.generate`` row by row,
+    with an EOS that ends row 0 mid-way; finished rows padded with 0. Returns the Output."""
+    free_run = hf_greedy(target, prompts[0], max_new, eos=[])
+    eos = next(t for i, t in enumerate(free_run) if i >= 6 and t not in free_run[:i])
+    L = max(map(len, prompts))
+    input_ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+    out = spec_ext.generate(target, draft, input_ids, attention_mask=mask, max_new_tokens=max_new,
+                            eos_token_id=eos, pad_token_id=0, policy=policy)
+    assert torch.equal(out.sequences[:, :L], input_ids)
+    for b, prompt in enumerate(prompts):
+        expected = hf_greedy(target, prompt, max_new, eos=eos)
+        got = out.sequences[b, L:].tolist()
+        assert got[:len(expected)] == expected, f"row {b}"
+        assert all(t == 0 for t in got[len(expected):])
+    assert len(hf_greedy(target, prompts[0], max_new, eos=eos)) < max_new
+    return out
 
 
 # ------------------------------------------------------------------- exact distribution

@@ -11,7 +11,8 @@ from transformers import BloomConfig, BloomForCausalLM
 import spec_ext
 from spec_ext.engine import Sampler
 from spec_ext.policies import POLICIES
-from helpers import PROMPT, VOCAB, assert_follows, exact_joint, hf_greedy, llama, make_policy, perturbed
+from helpers import (PROMPT, VOCAB, assert_follows, exact_joint, hf_greedy, llama, make_policy, perturbed,
+                     ragged_greedy_equals_target)
 
 POLICY_NAMES = sorted(POLICIES)
 
@@ -83,20 +84,7 @@ def test_the_draft_takes_the_skinny_kernel_and_the_target_stays_exact(greedy_pai
 def test_greedy_ragged_batch_with_eos_equals_target(greedy_pair, policy):
     target, draft = greedy_pair
     prompts = [[5, 17, 33, 8], [40], [9, 9, 9, 9, 9, 9, 9, 12], [70, 71]]
-    free_run = hf_greedy(target, prompts[0], 30, eos=[])
-    eos = next(t for i, t in enumerate(free_run) if i >= 6 and t not in free_run[:i])  # row 0 stops mid-way
-    L = max(map(len, prompts))
-    input_ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
-    out = spec_ext.generate(target, draft, input_ids, attention_mask=mask, max_new_tokens=30, eos_token_id=eos,
-                            pad_token_id=0, policy=make_policy(policy, target, draft))
-    assert torch.equal(out.sequences[:, :L], input_ids)
-    for b, prompt in enumerate(prompts):
-        expected = hf_greedy(target, prompt, 30, eos=eos)
-        got = out.sequences[b, L:].tolist()
-        assert got[:len(expected)] == expected, f"row {b}"
-        assert all(t == 0 for t in got[len(expected):])
-    assert len(hf_greedy(target, prompts[0], 30, eos=eos)) < 30
+    ragged_greedy_equals_target(target, draft, prompts, make_policy(policy, target, draft))
 
 
 def test_accelerate_is_a_drop_in_for_generate(greedy_pair):

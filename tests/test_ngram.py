@@ -11,7 +11,7 @@ import torch
 import spec_ext
 from spec_ext.engine import Sampler
 from spec_ext.policies import NGram, NGramIndex, continuation_tree, reference_occurrences
-from helpers import VOCAB, assert_follows, hf_greedy, llama, perturbed
+from helpers import VOCAB, assert_follows, hf_greedy, llama, perturbed, ragged_greedy_equals_target
 
 
 # ------------------------------------------------------------------------ the matcher
@@ -115,19 +115,7 @@ SETTINGS = {"chain": dict(tree=False), "tree": dict(tree=True, max_nodes=12),
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_ragged_batch_with_eos_equals_target(pair, setting, with_draft):
     target, draft = pair
-    free_run = hf_greedy(target, PROMPTS[0], 30, eos=[])
-    eos = next(t for i, t in enumerate(free_run) if i >= 6 and t not in free_run[:i])  # row 0 stops mid-way
-    L = max(map(len, PROMPTS))
-    input_ids = torch.tensor([[0] * (L - len(p)) + p for p in PROMPTS])
-    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in PROMPTS])
-    out = spec_ext.generate(target, draft if with_draft else None, input_ids, attention_mask=mask,
-                            max_new_tokens=30, eos_token_id=eos, pad_token_id=0, policy=NGram(**SETTINGS[setting]))
-    for b, prompt in enumerate(PROMPTS):
-        expected = hf_greedy(target, prompt, 30, eos=eos)
-        got = out.sequences[b, L:].tolist()
-        assert got[:len(expected)] == expected, f"row {b}"
-        assert all(t == 0 for t in got[len(expected):])
-    assert len(hf_greedy(target, PROMPTS[0], 30, eos=eos)) < 30
+    out = ragged_greedy_equals_target(target, draft if with_draft else None, PROMPTS, NGram(**SETTINGS[setting]))
     stats = out.stats
     assert stats.matched > 0 and stats.accepted > 0, stats
     assert (sum(stats.row_rounds), sum(stats.row_matched), sum(stats.row_drafted), sum(stats.row_accepted)) == \
