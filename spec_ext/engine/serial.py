@@ -161,7 +161,7 @@ class SerialEngine(Rows):
             self.dcache.advance([1] * B)
             extra_forwards += 1
         drafts = drafts[:, :steps]
-        roots = carry["roots"] if carry else torch.tensor([self.seqs[r][-1] for r in self.active], device=self.device)
+        roots = self._roots(carry)
         ids = torch.cat([roots[:, None], drafts.clamp_min(0)], 1)
         positions = self.tcache.lengths[:, None] + torch.arange(steps + 1, device=self.device)
         target_out = self._target(ids, positions, hidden=self.target_hidden)
@@ -197,8 +197,7 @@ class SerialEngine(Rows):
         levels, branching = self.policy.levels, self.policy.branching
         T = len(self.policy.parents)
         nodes = torch.zeros(B, T, dtype=torch.int64, device=self.device)
-        nodes[:, 0] = carry["roots"] if carry else torch.tensor([self.seqs[r][-1] for r in self.active],
-                                                                device=self.device)
+        nodes[:, 0] = self._roots(carry)
         nodes[:, levels[0]] = torch.topk(logits, branching[0], dim=-1).indices
         for d in range(1, len(levels)):
             n = levels[d - 1][-1] + 1  # the tree so far: nodes 0..n-1, root re-fed at its own position
