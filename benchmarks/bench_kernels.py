@@ -61,16 +61,20 @@ def commit() -> str:
 def measure(fns: dict, budget_s: float = 3.0, min_repeats: int = 3, max_repeats: int = 50) -> dict:
     """Seconds per call of each function, side by side: one warm-up each, then rounds of one
     call of every function in turn until the time budget per function (at least
-    min_repeats), so a change of load on a shared machine reaches every backend alike."""
+    min_repeats), so a change of load on a shared machine reaches every backend alike. Each
+    round starts one function later than the one before: no function always runs right after
+    the same one (after the torch reference's large temporaries, say, which leave the caches cold)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for fn in fns.values():
         fn()
         sync()
     times = {name: [] for name in fns}
-    started = time.perf_counter()
+    order = list(fns.items())
+    started, rounds = time.perf_counter(), 0
     while min(map(len, times.values())) < max_repeats and (
             min(map(len, times.values())) < min_repeats or time.perf_counter() - started < budget_s * len(fns)):
-        for name, fn in fns.items():
+        shift, rounds = rounds % len(order), rounds + 1
+        for name, fn in order[shift:] + order[:shift]:
             t = time.perf_counter()
             fn()
             sync()

@@ -40,11 +40,14 @@ def _no_softcap_or_sinks(q, k, v, prefix_lens, tree_mask, scale, window, softcap
 
 
 def _cpu_sdpa_shapes(q, k, v, prefix_lens, tree_mask, scale, window, softcap, sinks) -> bool:
-    """2..32 new tokens and B * Hq * T * S * D >= 2^23 * (Hq / Hkv) (S: the keys passed): the
-    C++ kernel packs a GQA group's heads into its GEMMs, so with GQA it wins longer."""
+    """2..64 new tokens and B * Hq * T * S * D >= 2^23 (S: the keys passed), except where the
+    C++ kernel's GQA packing wins: a group's T * (Hq / Hkv) query rows <= 32 (one GEMM of a
+    group) over keys of B * S * Hkv * D <= 2^22 elements (K of a batch that stays in cache)."""
     B, heads, T, D = q.shape
-    return (2 <= T <= 32 and B * heads * T * k.shape[2] * D >= (heads // k.shape[1]) << 23 and not softcap
-            and sinks is None)
+    kv_heads, S = k.shape[1], k.shape[2]
+    if softcap or sinks is not None or not 2 <= T <= 64 or B * heads * T * S * D < 1 << 23:
+        return False
+    return not (kv_heads < heads and T * (heads // kv_heads) <= 32 and B * S * kv_heads * D <= 1 << 22)
 
 
 def _sampling(target, draft_tokens, draft_probs, num_draft, uniforms, greedy, *rest) -> bool:
@@ -59,16 +62,18 @@ CPU_ROWS = ("benchmarks/results/kernels_cpu.csv, op tree_attention, backends cpu
             "threads, a 2-core machine shared with other jobs, so ratios near 1 are noise): ")
 TABLE: dict[tuple[str, str], tuple[Entry, ...]] = {
     ("cpu", "tree_attention"): (
-        Entry("sdpa", "2 <= T <= 32 new tokens with B*Hq*T*S*D >= 2^23 * (Hq/Hkv) (S: the keys passed), no "
-                      "softcap or sinks",
-              CPU_ROWS + "Hq=32, D=128, T=4..32: SDPA's fused kernel ahead of the C++ GEMMs by up to 2x without GQA "
-              "and with GQA 4 from S=4096 or B=8 on; with GQA 4 at B=1, S=512, T=4 and 8 the C++ kernel 1.5-2x "
-              "ahead (it packs the group's heads into one GEMM)", CPU_COMMAND, _cpu_sdpa_shapes),
-        Entry("cpu", "the rest: T = 1 (draft decode steps), T > 32, small heads (the bundled pair: Hq=10 or 6, "
-                     "D=32, S=256), softcap or sinks",
-              CPU_ROWS + "T=1: the C++ loop 1.0-1.7x faster than SDPA; T=64: mixed, within noise; the bundled "
-              "pair's shapes: SDPA's mask and call cost more than the whole C++ kernel (1.2-3x at T=1 and 6)",
-              CPU_COMMAND),
+        Entry("sdpa", "2 <= T <= 64 new tokens with B*Hq*T*S*D >= 2^23 (S: the keys passed), no softcap or sinks, "
+                      "except GQA with T*(Hq/Hkv) <= 32 over B*S*Hkv*D <= 2^22 key elements",
+              CPU_ROWS + "two quiet runs, Hq=32, D=128, T=4..64: SDPA's fused kernel ahead of the C++ GEMMs by "
+              "5-36% (B=8, S=512, T=32: 0.64-0.75 of the C++ time); with GQA 4 at T=4 and 8 over B*S <= 4096 "
+              "keys the C++ kernel ahead by 6-56% (B=1, S=4096, T=4: 7.7 vs 11.9 ms), from B=8, S=4096 SDPA "
+              "ahead again (0.74-0.84); the bundled target at B=8, T=22: SDPA 0.87-0.97. This rule takes the "
+              "faster backend within 5% on 46 of the 48 shapes of each run; the two left are T=64 and T=4 "
+              "shapes whose order flips between the runs", CPU_COMMAND, _cpu_sdpa_shapes),
+        Entry("cpu", "the rest: T = 1 (draft decode steps), T > 64, small calls (the bundled pair below B*T = "
+                     "103), GQA groups of <= 32 query rows over cached keys, softcap or sinks",
+              CPU_ROWS + "T=1: the C++ loop 1.2-3.8x faster than SDPA in both runs; the bundled pair's shapes "
+              "below B=8, T=22: SDPA's mask and call cost more than the whole C++ kernel (1.2-3x)", CPU_COMMAND),
     ),
     ("cuda", "tree_attention"): (
         Entry("sdpa", "every call without softcap or sinks",
