@@ -83,8 +83,12 @@ def grounded_prompts(tokenizer, split: str = "test", count: int = 8, seed: int =
                      longest: int = 128, shortest_copy: int = 32) -> list[list[int]]:
     """Input-grounded prompts: the source of a function of a ``split`` file, a blank line, and
     the first ``head_lines`` lines of the same function again, so that a copy begins (of at
-    least ``shortest_copy`` tokens). At most ``longest`` tokens: the bundled pair was trained on
-    256-token windows, so prompt + 128 new tokens stay inside what it knows. Chosen by ``seed``."""
+    least ``shortest_copy`` tokens). The prompt is a prefix of the tokens of the whole text
+    (function, blank line, function), cut before the line break that ends the head lines: the
+    tokenizer merges a line break with the next line's indentation, so a prompt ending in a
+    bare line break would be a token boundary the model never saw (it reads it as the end of
+    the function). At most ``longest`` tokens: the bundled pair was trained on 256-token
+    windows, so prompt + 128 new tokens stay inside what it knows. Chosen by ``seed``."""
     candidates = []
     for path in split_files(split):
         text = read_text(path)
@@ -96,11 +100,11 @@ def grounded_prompts(tokenizer, split: str = "test", count: int = 8, seed: int =
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno > head_lines:
                 source = "\n".join(lines[node.lineno - 1:node.end_lineno]) + "\n"
-                head = "\n".join(lines[node.lineno - 1:node.lineno - 1 + head_lines]) + "\n"
-                ids = tokenizer(source + "\n" + head, add_special_tokens=False)["input_ids"]
-                copy = len(tokenizer(source, add_special_tokens=False)["input_ids"]) - \
-                    len(tokenizer(head, add_special_tokens=False)["input_ids"])
-                if copy >= shortest_copy and len(ids) <= longest:
+                head = "\n".join(lines[node.lineno - 1:node.lineno - 1 + head_lines])
+                whole = tokenizer(source + "\n" + source, add_special_tokens=False, return_offsets_mapping=True)
+                cut = len(source + "\n" + head)
+                ids = [i for i, (_, end) in zip(whole["input_ids"], whole["offset_mapping"]) if end <= cut]
+                if len(whole["input_ids"]) - len(ids) >= shortest_copy and len(ids) <= longest:
                     candidates.append(ids)
     return random.Random(seed).sample(candidates, count)
 
@@ -116,7 +120,7 @@ def matcher_cost(tokenizer, target, history_tokens: int = 32768, rounds: int = 4
         if len(history) >= history_tokens + rounds * per_round:
             break
     costs = {}
-    for name, policy in (("chain", NGram()), ("tree", NGram(tree=True))):
+    for name, policy in (("chain", NGram(tree=False)), ("tree", NGram(tree=True))):
         started = time.perf_counter()
         policy.reset([history[:history_tokens]])
         costs[f"index_{history_tokens}_tokens_s"] = time.perf_counter() - started

@@ -140,12 +140,15 @@ class NGram(Policy):
     Args:
         k: most tokens drafted per row and round (the chain's length, the tree's depth).
         n_max, n_min: the longest and the shortest suffix looked up.
-        tree: False: a chain from the most recent occurrence. True (the default: measured
-            faster, benchmarks/results/e2e_ngram_cpu.csv, batch 1 greedy: 2.20x vs 1.49x the
-            target alone on input-grounded prompts, 2.45x vs 2.21x on held-out ones): the
+        tree: False: a chain from the most recent occurrence. True (the default): the
             distinct continuations of up to ``max_continuations`` most recent occurrences
             merged into a tree of at most ``max_nodes`` nodes (root included), verified in
-            one forward with tree attention (siblings drawn without replacement).
+            one forward with tree attention (siblings drawn without replacement). Measured
+            (benchmarks/results/e2e_ngram_cpu.csv, greedy, tree vs chain, the target alone =
+            1): held-out prompts 2.88x vs 2.44x at batch 1, 1.67x vs 1.55x at batch 8;
+            input-grounded ones (a copy, where one occurrence is right and the tree's extra
+            nodes only cost) 4.97x vs 5.57x and 1.71x vs 1.84x. The tree leads on the
+            geometric mean of the four, and on text that is not a copy.
         draft_k: drafts per round of the draft model, for rows without a match (only with a
             draft model).
         round_tokens: the most tokens the text's drafts of all rows may add to one
