@@ -87,6 +87,25 @@ def test_drafts_shrink_as_the_batch_grows_and_grow_back_as_rows_finish():
     assert [len(c) for c in policy.chains()] == [10] and [len(t) for t, _ in policy.trees()] == [11]
 
 
+def test_adapt_depth_doubles_after_full_acceptance_and_cuts_to_one_past_the_accepted():
+    policy = NGram(k=8, tree=False, adapt_depth=True)
+    policy.reset([list(range(20)) * 3, list(range(20)) * 3, [1, 2, 3]])  # rows 0, 1 match; row 2 never
+    depths = []
+    for accepted in ([3, 8, 0], [0, 8, 0], [1, 8, 0], [2, 8, 0], [4, 8, 0], [8, 8, 0]):
+        drafts = policy.chains()
+        depths.append([len(d) for d in drafts])
+        policy.observe([len(d) for d in drafts], accepted)
+    assert depths == [[8, 8, 0], [4, 8, 0], [1, 8, 0], [2, 8, 0], [4, 8, 0], [8, 8, 0]]
+    policy.observe([8, 8, 0], [5, 8, 0])
+    policy.keep_rows([0])  # the depth goes with its row
+    tokens, parents = policy.trees()[0]
+    assert len(tokens) == 7 and parents == [-1, 0, 1, 2, 3, 4, 5]  # one occurrence: a chain of 6
+    without = NGram(k=8, tree=False)
+    without.reset([list(range(20)) * 3])
+    without.observe([8], [0])
+    assert len(without.chains()[0]) == 8
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="k, draft_k: must be >= 1"):
         NGram(k=0)
@@ -108,7 +127,8 @@ def pair():
 PROMPTS = [[5, 17, 33, 8, 5, 17, 33, 8, 5], [40], [9, 9, 9, 9, 9, 12], [70, 71, 60, 70, 71]]
 SETTINGS = {"chain": dict(tree=False), "tree": dict(tree=True, max_nodes=12),
             "chain n=3..2": dict(tree=False, n_max=3, n_min=2),
-            "tree n=2..2": dict(tree=True, n_max=2, n_min=2, max_nodes=8, draft_k=3)}
+            "tree n=2..2": dict(tree=True, n_max=2, n_min=2, max_nodes=8, draft_k=3),
+            "chain adapt_depth": dict(tree=False, adapt_depth=True), "tree adapt_depth": dict(adapt_depth=True)}
 
 
 @pytest.mark.parametrize("with_draft", [False, True], ids=["alone", "beside the draft"])
