@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import random
 import subprocess
 import time
 from pathlib import Path
@@ -62,19 +63,19 @@ def measure(fns: dict, budget_s: float = 3.0, min_repeats: int = 3, max_repeats:
     """Seconds per call of each function, side by side: one warm-up each, then rounds of one
     call of every function in turn until the time budget per function (at least
     min_repeats), so a change of load on a shared machine reaches every backend alike. Each
-    round starts one function later than the one before: no function always runs right after
-    the same one (after the torch reference's large temporaries, say, which leave the caches cold)."""
+    round runs them in a new (seeded) random order: no function mostly runs right after the
+    same one (after the torch reference's large temporaries, say, which leave the caches cold)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for fn in fns.values():
         fn()
         sync()
     times = {name: [] for name in fns}
-    order = list(fns.items())
-    started, rounds = time.perf_counter(), 0
+    order, shuffle = list(fns.items()), random.Random(0).shuffle
+    started = time.perf_counter()
     while min(map(len, times.values())) < max_repeats and (
             min(map(len, times.values())) < min_repeats or time.perf_counter() - started < budget_s * len(fns)):
-        shift, rounds = rounds % len(order), rounds + 1
-        for name, fn in order[shift:] + order[:shift]:
+        shuffle(order)
+        for name, fn in order:
             t = time.perf_counter()
             fn()
             sync()

@@ -97,9 +97,14 @@ def test_adapt_depth_doubles_after_full_acceptance_and_cuts_to_one_past_the_acce
         policy.observe([len(d) for d in drafts], accepted)
     assert depths == [[8, 8, 0], [4, 8, 0], [1, 8, 0], [2, 8, 0], [4, 8, 0], [8, 8, 0]]
     policy.observe([8, 8, 0], [5, 8, 0])
-    policy.keep_rows([0])  # the depth goes with its row
-    tokens, parents = policy.trees()[0]
-    assert len(tokens) == 7 and parents == [-1, 0, 1, 2, 3, 4, 5]  # one occurrence: a chain of 6
+    policy.keep_rows([2, 1, 0])  # each depth goes with its row
+    (lone, _), (deep, _), (tokens, parents) = policy.trees()
+    assert len(lone) == 1 and len(deep) == 9  # no match: the root alone; row 1 kept its 8
+    assert len(tokens) == 7 and parents == [-1, 0, 1, 2, 3, 4, 5]  # equal continuations: a chain of 6
+    policy.reset([list(range(20)) * 3] * 8)  # at batch 8 the budget cuts the chains to 3
+    policy.observe([3] * 8, [3] * 8)
+    policy.keep_rows([0])
+    assert len(policy.chains()[0]) == 8  # a full accept of a cut chain does not lower the depth
     without = NGram(k=8, tree=False)
     without.reset([list(range(20)) * 3])
     without.observe([8], [0])

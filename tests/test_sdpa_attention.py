@@ -151,7 +151,8 @@ def test_cuda_table_sends_tree_attention_to_sdpa():
                                           ((1, 4, 2, 40, 300, 64), "cpu"), ((1, 10, 5, 6, 256, 32), "cpu"),
                                           ((8, 10, 5, 22, 256, 32), "sdpa"), ((1, 32, 8, 8, 4096, 128), "cpu"),
                                           ((1, 32, 32, 64, 512, 128), "sdpa"), ((1, 32, 32, 65, 512, 128), "cpu"),
-                                          ((1, 32, 8, 4, 512, 128), "cpu"), ((2, 32, 32, 4, 512, 128), "sdpa")],
+                                          ((1, 32, 8, 4, 512, 128), "cpu"), ((2, 32, 32, 4, 512, 128), "sdpa"),
+                                          ((1, 32, 32, 4, 512, 128), "cpu")],
                          ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else c)
 def test_auto_on_cpu_matches_the_reference_on_both_sides_of_the_crossover(case, picked):
     B, Hq, Hkv, T, S, D = case

@@ -40,12 +40,12 @@ def _no_softcap_or_sinks(q, k, v, prefix_lens, tree_mask, scale, window, softcap
 
 
 def _cpu_sdpa_shapes(q, k, v, prefix_lens, tree_mask, scale, window, softcap, sinks) -> bool:
-    """2..64 new tokens and B * Hq * T * S * D >= 2^23 (S: the keys passed), except where the
+    """2..64 new tokens and B * Hq * T * S * D > 2^23 (S: the keys passed), except where the
     C++ kernel's GQA packing wins: a group's T * (Hq / Hkv) query rows <= 32 (one GEMM of a
     group) over keys of B * S * Hkv * D <= 2^22 elements (K of a batch that stays in cache)."""
     B, heads, T, D = q.shape
     kv_heads, S = k.shape[1], k.shape[2]
-    if softcap or sinks is not None or not 2 <= T <= 64 or B * heads * T * S * D < 1 << 23:
+    if softcap or sinks is not None or not 2 <= T <= 64 or B * heads * T * S * D <= 1 << 23:
         return False
     return not (kv_heads < heads and T * (heads // kv_heads) <= 32 and B * S * kv_heads * D <= 1 << 22)
 
@@ -59,19 +59,22 @@ def _greedy(target, draft_tokens, draft_probs, num_draft, uniforms, greedy, *res
 
 
 CPU_ROWS = ("benchmarks/results/kernels_cpu.csv, op tree_attention, backends cpu, sdpa and auto side by side (2 "
-            "threads, a 2-core machine shared with other jobs, so ratios near 1 are noise): ")
+            "threads on a 2-core machine, where one call's time moves by up to 20% between rounds, so ratios "
+            "near 1 are noise): ")
 TABLE: dict[tuple[str, str], tuple[Entry, ...]] = {
     ("cpu", "tree_attention"): (
-        Entry("sdpa", "2 <= T <= 64 new tokens with B*Hq*T*S*D >= 2^23 (S: the keys passed), no softcap or sinks, "
+        Entry("sdpa", "2 <= T <= 64 new tokens with B*Hq*T*S*D > 2^23 (S: the keys passed), no softcap or sinks, "
                       "except GQA with T*(Hq/Hkv) <= 32 over B*S*Hkv*D <= 2^22 key elements",
-              CPU_ROWS + "two quiet runs, Hq=32, D=128, T=4..64: SDPA's fused kernel ahead of the C++ GEMMs by "
-              "5-36% (B=8, S=512, T=32: 0.64-0.75 of the C++ time); with GQA 4 at T=4 and 8 over B*S <= 4096 "
-              "keys the C++ kernel ahead by 6-56% (B=1, S=4096, T=4: 7.7 vs 11.9 ms), from B=8, S=4096 SDPA "
-              "ahead again (0.74-0.84); the bundled target at B=8, T=22: SDPA 0.87-0.97. This rule takes the "
-              "faster backend within 5% on 46 of the 48 shapes of each run; the two left are T=64 and T=4 "
-              "shapes whose order flips between the runs", CPU_COMMAND, _cpu_sdpa_shapes),
-        Entry("cpu", "the rest: T = 1 (draft decode steps), T > 64, small calls (the bundled pair below B*T = "
-                     "103), GQA groups of <= 32 query rows over cached keys, softcap or sinks",
+              CPU_ROWS + "the last two runs (quiet machine, calls in a new random order each round), Hq=32, D=128, "
+              "T=4..64 over that size: SDPA's fused kernel 0.64-1.08 of the C++ time (B=8, S=512, T=32: "
+              "0.75-0.78); with GQA 4 at T=4 and 8 over B*S <= 4096 keys the C++ kernel ahead by 10-70% (B=1, "
+              "S=4096, T=4: 8.3 vs 13.9 ms), from B=8, S=4096 SDPA ahead again (0.74-0.84); the bundled "
+              "target at B=8, T=22: SDPA 0.83-0.97. Measured auto within 5% of the faster backend on 45 of 48 "
+              "shapes of the last run, 1.05-1.06x on the rest; the 1.06x (B=1, S=512, T=4, exactly 2^23, the "
+              "C++ kernel ahead by 5-6% in both runs) has since moved to the C++ side", CPU_COMMAND,
+              _cpu_sdpa_shapes),
+        Entry("cpu", "the rest: T = 1 (draft decode steps), T > 64, small calls (B*Hq*T*S*D <= 2^23: all of the "
+                     "bundled pair's but its tree rounds at batch 8), GQA groups of <= 32 query rows over cached keys, softcap or sinks",
               CPU_ROWS + "T=1: the C++ loop 1.2-3.8x faster than SDPA in both runs; the bundled pair's shapes "
               "below B=8, T=22: SDPA's mask and call cost more than the whole C++ kernel (1.2-3x)", CPU_COMMAND),
     ),
