@@ -74,7 +74,8 @@ TABLE: dict[tuple[str, str], tuple[Entry, ...]] = {
               "C++ kernel ahead by 5-6% in both runs) has since moved to the C++ side", CPU_COMMAND,
               _cpu_sdpa_shapes),
         Entry("cpu", "the rest: T = 1 (draft decode steps), T > 64, small calls (B*Hq*T*S*D <= 2^23: all of the "
-                     "bundled pair's but its tree rounds at batch 8), GQA groups of <= 32 query rows over cached keys, softcap or sinks",
+                     "bundled pair's but its tree rounds at batch 8), GQA groups of <= 32 query rows over cached "
+                     "keys, softcap or sinks",
               CPU_ROWS + "T=1: the C++ loop 1.2-3.8x faster than SDPA in both runs; the bundled pair's shapes "
               "below B=8, T=22: SDPA's mask and call cost more than the whole C++ kernel (1.2-3x)", CPU_COMMAND),
     ),
