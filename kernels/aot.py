@@ -33,7 +33,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
-from spec_ext.kernels.launch import A100, H200, Launch, Target, planning
+from spec_ext.kernels.launch import A100, H200, LAUNCHERS, Launch, Target, planning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,18 +229,12 @@ def cases(shapes: str) -> Iterator[tuple[str, str, tuple]]:
 
 
 def launchers() -> dict[tuple[str, str], Callable]:
-    """(op, backend) -> the Triton launcher the registry calls for it. The compile needs no
-    compiled extension: spec_ext._C is not loaded here unless it already was, so a stale or
-    half-built one cannot abort the process (the registry then only warns)."""
+    """(op, backend) -> the Triton launcher serving it (:data:`spec_ext.kernels.launch.LAUNCHERS`).
+    Nothing above the kernels is imported: no compiled extension, no op registry."""
     import importlib
-    import warnings
 
-    sys.modules.setdefault("spec_ext._C", None)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "spec_ext: spec_ext._C", RuntimeWarning)
-        from spec_ext.ops.registry import TRITON_KERNELS
     return {key: getattr(importlib.import_module(f"spec_ext.kernels.{module}"), name)
-            for key, (module, name) in TRITON_KERNELS.items()}
+            for key, (module, name) in LAUNCHERS.items()}
 
 
 def plans(target: Target, shapes: str, ops=None) -> Iterator[tuple[str, str, str, Launch]]:

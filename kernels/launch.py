@@ -1,4 +1,5 @@
-"""Launching the Triton kernels, or planning the launches without running them.
+"""Launching the Triton kernels, or planning the launches without running them; and which
+launcher serves which op (:data:`LAUNCHERS`).
 
 Every launcher launches through this module's :func:`wrap_triton`. Outside :func:`planning`
 it is ``torch.library.wrap_triton``. Inside, each launch is recorded (kernel, grid,
@@ -36,6 +37,21 @@ class Target:
 
 H200 = Target("H200", 90, 132)
 A100 = Target("A100", 80, 108)
+
+# (op, backend) -> (module of spec_ext.kernels, function): every Triton launcher and the op of
+# spec_ext.ops it serves (same arguments as the op's schema, csrc/ops.cpp). The kernels say
+# what they serve; the layers above read it: ``spec_ext.ops.registry`` dispatches to these
+# launchers and kernels/aot.py compiles each one's launches. "triton_split" (tree_attention
+# split over the keys, chain and greedy tree verification over the vocabulary) has not run
+# on a GPU yet: the registry keeps it opt-in.
+LAUNCHERS = {("tree_mask", "triton"): ("tree", "tree_mask"),
+             ("chain_verify", "triton"): ("rejection_sampling", "chain_verify"),
+             ("chain_verify", "triton_split"): ("rejection_sampling_split", "chain_verify_split"),
+             ("tree_verify", "triton"): ("rejection_sampling", "tree_verify"),
+             ("tree_verify", "triton_split"): ("rejection_sampling_split", "tree_verify_split"),
+             ("tree_attention", "triton"): ("tree_attention", "tree_attention"),
+             ("tree_attention", "triton_split"): ("tree_attention_split", "tree_attention_split"),
+             ("compact_kv", "triton"): ("kv_cache", "compact_kv")}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,6 +51,25 @@ def rows(tmp_path_factory):
     return out
 
 
+def test_the_kernels_plan_every_launcher_without_the_layers_above_them():
+    """kernels/ sits below spec_ext.ops (docs/architecture.md): planning every launch the
+    compile makes loads no spec_ext module outside spec_ext.kernels, and plans every Triton
+    backend the op registry dispatches to."""
+    code = ("import json, sys\n"
+            "from spec_ext.kernels import aot\n"
+            "planned = sorted({(op, backend) for op, backend, _, _ in aot.plans(aot.H200, 'test')})\n"
+            "loaded = sorted(m for m in sys.modules\n"
+            "                if m.startswith('spec_ext.') and not m.startswith('spec_ext.kernels'))\n"
+            "print(json.dumps(dict(planned=planned, loaded=loaded)))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["loaded"] == []
+    from spec_ext.ops import registry
+    assert {tuple(key) for key in result["planned"]} == set(registry.TRITON_KERNELS)
+
+
 def describe(row):
     return f"{row['arch']} {row['op']}/{row['backend']} {row['shape']} {row['kernel']}[{row['constexprs']}]"
 
