@@ -5,8 +5,9 @@ for key blocks that reach the tree's own keys (the prefix needs no mask).
 Window, softcap and sinks as spec_ext.reference.tree_attention: a node's depth is the
 popcount of its mask row minus one (j on the chain); key blocks wholly below every
 query's window are skipped; softcap caps the scaled scores before the mask; a sink is one
-more logit in the denominator. Compiled ahead of time for sm_80/sm_90 and tested in the
-interpreter; the features have not run on a GPU yet."""
+more logit in the denominator (-inf: none; a query that sees no key gets zeros). Keys
+from prefix + T on, and below every query's window, are never loaded. Compiled ahead of
+time for sm_80/sm_90 and tested in the interpreter; the features have not run on a GPU yet."""
 import torch
 import triton
 import triton.language as tl
@@ -112,10 +113,12 @@ def window_visible(visible, s, prefix, query_pos, mask_ptr, mask_row, T, W, wind
 
 @triton.jit
 def add_sink(m, l, acc, sink):
-    """One more logit in the softmax denominator, with no value."""
+    """One more logit in the softmax denominator, with no value; a sink of -inf is none (a
+    query that sees no key keeps l = 0 and gets zeros, not exp(-inf - -inf) = NaN)."""
     m_new = tl.maximum(m, sink)
-    correction = tl.exp(m - m_new)
-    return l * correction + tl.exp(sink - m_new), acc * correction[:, None]
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    correction = tl.exp(m - m_safe)
+    return l * correction + tl.exp(sink - m_safe), acc * correction[:, None]
 
 
 @triton.jit

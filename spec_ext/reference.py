@@ -197,7 +197,8 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
     window > 0: a query at position p sees key position s only if p - s < window (see
     :func:`positions`). softcap > 0: the scaled scores become softcap * tanh(score / softcap)
     before the mask. sinks [Hq] (any float dtype, read in the compute dtype): one extra logit per query head in the softmax's
-    denominator, with no value. A query that sees no key returns zeros."""
+    denominator, with no value. A query that sees no key returns zeros, whatever its sink
+    (a finite sink takes all the weight; -inf, exp(-inf) = 0, is no sink)."""
     B, Hq, T, D = q.shape
     S = k.shape[2]
     group = Hq // k.shape[1]
@@ -211,7 +212,8 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
     scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         sink = sinks.to(dtype).view(1, Hq, 1, 1).expand(B, Hq, T, 1)
-        weights = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :S]
+        # a sink of -inf on a query that sees no key: softmax of -infs only, 0/0; no sink, zeros
+        weights = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :S].nan_to_num(0.0)
     else:
         weights = torch.softmax(scores, -1).nan_to_num(0.0)
     return (weights @ values).to(q.dtype)

@@ -3,17 +3,21 @@
 // the K/V rows a GQA group shares read once for all its query heads; two GEMVs per head
 // are less work than launching ATen ops per head (2.5x faster at H=32, S=4096, D=128 and
 // at H=10, S=250, D=32). From two new tokens on (verification, trees, prefill), GEMMs:
-// while all scores fit in 4 MB, two batched GEMMs over [B, kv heads] up to the longest row
-// (a GQA group's query heads are extra query rows; shorter rows' extra keys are masked),
-// two ATen calls per layer instead of two per (row, head), which made batch 8 slower than
-// HF's fused SDPA; beyond that, one (row, query head) at a time, whose [T, keys] scores
+// while all scores fit in 4 MB, two batched GEMMs over [B, kv heads] (a GQA group's query
+// heads are extra query rows), two ATen calls per layer instead of two per (row, head),
+// which made batch 8 slower than HF's fused SDPA (rows whose keys differ, a ragged batch:
+// two GEMMs per row over [kv heads], each over its own keys); beyond that, one (row, query head) at a time, whose [T, keys] scores
 // stay in cache (1.8x faster than batched at B=8, H=32, T=64, S=4096).
 // The GEMM paths expand the packed mask bits once into a [B, T, keys] bool mask that every
 // head shares, and take ATen's vectorised softmax (1.2-1.5x faster than a scalar loop with
 // std::exp, side by side at B=1..8, T=5..64).
-// A sliding window also goes into that mask; keys below every query's window are never
-// read (a query at position p sees nothing before p - window + 1 >= prefix - window). A
-// sink is one more term of the softmax's denominator, exp(sink), with no value.
+// A sliding window also goes into that mask. Each row reads only its own span of keys,
+// [first, prefix + T): first is 0 without a window, else its shallowest query's position -
+// window + 1 (the root sits at prefix: prefix - window + 1); keys outside a row's span are
+// never read, in a ragged batch too (each row's GEMMs cover its span only), so they may
+// hold anything (0 * NaN is NaN). A sink is one more term of the softmax's denominator,
+// exp(sink), with no value; a query that sees no key gets zeros, whatever its sink (-inf
+// included: exp(-inf) = 0 is no sink).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -56,6 +60,14 @@ struct Tree {
   }
   const uint32_t* row(int64_t b, int64_t i) const { return bits ? bits + ((mask_rows == 1 ? 0 : b) * T + i) * W : nullptr; }
   int64_t depth(int64_t b, int64_t j) const { return depths[(mask_rows == 1 ? 0 : b) * T + j]; }
+  // The first key any query of row b (with this prefix) sees: 0 without a window, else the
+  // shallowest query's position - window + 1 (a mask row without its own bit has depth -1).
+  int64_t first_key(int64_t b, int64_t prefix, int64_t window) const {
+    if (!window || T == 0) return 0;
+    int64_t shallowest = depth(b, 0);
+    for (int64_t i = 1; i < T; ++i) shallowest = std::min(shallowest, depth(b, i));
+    return std::max<int64_t>(prefix + shallowest - window + 1, 0);
+  }
   // whether query i of row b (its mask row mrow) sees key s: the prefix, or an ancestor in
   // the tree, and within the window (0: none)
   bool sees(const uint32_t* mrow, int64_t b, int64_t prefix, int64_t i, int64_t s, int64_t window) const {
@@ -65,10 +77,14 @@ struct Tree {
   }
 };
 
-// The first key any query of a row with this prefix may see.
-inline int64_t first_key(int64_t prefix, int64_t window) {
-  return window ? std::max<int64_t>(prefix - window, 0) : 0;
-}
+
+// The keys each row reads, [lo[b], hi[b]), their union [first, last), and whether some
+// row's span is not the union (a ragged batch, or rows whose windows start apart).
+struct Spans {
+  std::vector<int64_t> lo, hi;
+  int64_t first, last;
+  bool ragged;
+};
 
 // Which keys first + c each (row, query) may not see, [B, 1, 1, T, columns] (the same for
 // every head), and whether some query sees no key at all (its softmax would be NaN; it gets zeros).
@@ -167,23 +183,22 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o
 }
 
 void attend_per_head(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                     const at::Tensor& hidden, bool blind, const int64_t* prefix_lens, int64_t first, double scale,
-                     int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
-  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), S = k.size(2), group = Hq / k.size(1);
+                     const at::Tensor& hidden, bool blind, const Spans& spans, double scale, double softcap,
+                     const std::optional<at::Tensor>& sinks) {
+  const int64_t B = q.size(0), Hq = q.size(1), group = Hq / k.size(1);
   const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
     const c10::InferenceMode guard(inference);  // worker threads do not inherit it; out may be an inference tensor
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hq, h = task % Hq;
-      const int64_t prefix = std::max<int64_t>(prefix_lens[b], 0);
-      const int64_t limit = std::min(S, prefix + T), start = first_key(prefix, window);
+      const int64_t start = spans.lo[b], limit = spans.hi[b];
       if (limit <= start) {
         out[b][h].zero_();
         continue;
       }
       auto keys = k[b][h / group].narrow(0, start, limit - start).to(at::kFloat);
       auto values = v[b][h / group].narrow(0, start, limit - start).to(at::kFloat);
-      auto hide = hidden[b][0][0].narrow(1, start - first, limit - start);  // [T, keys]
+      auto hide = hidden[b][0][0].narrow(1, start - spans.first, limit - start);  // [T, keys]
       auto scores = at::mm(q[b][h].to(at::kFloat), keys.t()).mul_(scale);
       if (softcap > 0) scores.div_(softcap).tanh_().mul_(softcap);
       scores.masked_fill_(hide, kNegInf);
@@ -195,21 +210,47 @@ void attend_per_head(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 void attend_batched(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                    const at::Tensor& hidden, bool blind, int64_t first, int64_t columns, double scale,
-                    double softcap, const std::optional<at::Tensor>& sinks) {
+                    const at::Tensor& hidden, bool blind, const Spans& spans, double scale, double softcap,
+                    const std::optional<at::Tensor>& sinks) {
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), group = Hq / Hkv;
+  const int64_t Hkv = k.size(1), group = Hq / Hkv, first = spans.first, columns = spans.last - spans.first;
   // a GQA group's query heads become extra query rows of its kv head: [B, Hkv, group*T, D]
   auto queries = q.to(at::kFloat).view({B, Hkv, group * T, D});
-  auto keys = k.narrow(2, first, columns).to(at::kFloat);
-  auto values = v.narrow(2, first, columns).to(at::kFloat);
-  auto scores = at::matmul(queries, keys.transpose(2, 3)).mul_(scale).view({B, Hkv, group, T, columns});
+  at::Tensor scores;
+  if (!spans.ragged) {  // every row reads the same keys: one GEMM for the batch
+    auto keys = k.narrow(2, first, columns).to(at::kFloat);
+    scores = at::matmul(queries, keys.transpose(2, 3));
+  } else {  // one GEMM per row over its own span; the columns outside it are hidden below
+    scores = at::empty({B, Hkv, group * T, columns}, queries.options());
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = spans.hi[b] - spans.lo[b];
+      if (n <= 0) continue;
+      auto into = scores[b].narrow(2, spans.lo[b] - first, n);
+      at::bmm_out(into, queries[b], k[b].narrow(1, spans.lo[b], n).to(at::kFloat).transpose(1, 2));
+    }
+  }
+  scores = scores.mul_(scale).view({B, Hkv, group, T, columns});
   if (softcap > 0) scores.div_(softcap).tanh_().mul_(softcap);
   scores.masked_fill_(hidden, kNegInf);
   auto weights = softmax_with_sinks(scores, sinks ? std::optional<at::Tensor>(sinks->view({Hkv, group, 1, 1}))
                                                   : std::nullopt);
   if (blind) weights.masked_fill_(hidden.all(-1, true), 0.f);
-  out.copy_(at::matmul(weights.reshape({B, Hkv, group * T, columns}), values).view({B, Hq, T, D}));
+  weights = weights.view({B, Hkv, group * T, columns});
+  if (!spans.ragged) {
+    auto values = v.narrow(2, first, columns).to(at::kFloat);
+    out.copy_(at::matmul(weights, values).view({B, Hq, T, D}));
+    return;
+  }
+  auto rows = out.view({B, Hkv, group * T, D});
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = spans.hi[b] - spans.lo[b];
+    if (n <= 0) {
+      rows[b].zero_();
+      continue;
+    }
+    rows[b].copy_(at::bmm(weights[b].narrow(2, spans.lo[b] - first, n),
+                          v[b].narrow(1, spans.lo[b], n).to(at::kFloat)));
+  }
 }
 
 }  // namespace
@@ -233,29 +274,33 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, co
       tree_mask.defined() ? reinterpret_cast<const uint32_t*>(tree_mask.data_ptr<int32_t>()) : nullptr;
   const int64_t W = bits ? tree_mask.size(2) : 0, mask_rows = bits ? tree_mask.size(0) : 0;
   const int64_t* lengths = prefix_lens.data_ptr<int64_t>();
-  int64_t longest = 0, first = S;  // the keys some row may see: [first, longest)
+  auto out = at::empty_like(q);
+  if (q.numel() == 0) return out;
+  const Tree tree(bits, mask_rows, T, W, window > 0);
+  Spans spans{std::vector<int64_t>(B), std::vector<int64_t>(B), S, 0, false};
   for (int64_t b = 0; b < B; ++b) {
     const int64_t prefix = std::max<int64_t>(lengths[b], 0);
-    longest = std::max(longest, std::min(S, prefix + T));
-    first = std::min(first, first_key(prefix, window));
+    spans.hi[b] = std::min(S, prefix + T);
+    spans.lo[b] = std::min(tree.first_key(b, prefix, window), spans.hi[b]);
+    spans.first = std::min(spans.first, spans.lo[b]);
+    spans.last = std::max(spans.last, spans.hi[b]);
   }
-  auto out = at::empty_like(q);
-  if (longest == 0) return out.zero_();
-  const Tree tree(bits, mask_rows, T, W, window > 0);
+  if (spans.last <= spans.first) return out.zero_();
+  for (int64_t b = 0; b < B; ++b) spans.ragged = spans.ragged || spans.lo[b] != spans.first || spans.hi[b] != spans.last;
   if (T <= kLoopQueries) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "tree_attention_cpu", [&] {
       attend<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                       out.data_ptr<scalar_t>(), lengths, tree, B, Hq, Hkv, T, S, D, longest,
+                       out.data_ptr<scalar_t>(), lengths, tree, B, Hq, Hkv, T, S, D, spans.last,
                        static_cast<float>(scale), window, static_cast<float>(softcap),
                        sinks ? sinks->data_ptr<float>() : nullptr);
     });
   } else {
-    const int64_t columns = longest - first;
-    const auto [hidden, blind] = hidden_keys(q, lengths, tree, window, S, first, columns);
+    const int64_t columns = spans.last - spans.first;
+    const auto [hidden, blind] = hidden_keys(q, lengths, tree, window, S, spans.first, columns);
     if (B * Hq * T * columns <= kBatchedScores) {  // launches dominate: batch them
-      attend_batched(q, k, v, out, hidden, blind, first, columns, scale, softcap, sinks);
+      attend_batched(q, k, v, out, hidden, blind, spans, scale, softcap, sinks);
     } else {  // one head at a time keeps its scores in cache
-      attend_per_head(q, k, v, out, hidden, blind, lengths, first, scale, window, softcap, sinks);
+      attend_per_head(q, k, v, out, hidden, blind, spans, scale, softcap, sinks);
     }
   }
   return out;

@@ -3,7 +3,9 @@
 // warp runs an online softmax over them for its rows. Mask bits are read per key.
 // With a sliding window each tile also stages its keys' positions (prefix key s at s, node
 // j at prefix + the popcount of its mask row - 1); a sink starts each row's online softmax
-// as a logit with no value. Not yet run on a GPU.
+// as a logit with no value (-inf: no sink; a query that sees no key gets zeros). Keys
+// outside what the block's queries can see (from prefix + T on, below the shallowest
+// query's window) are never read. Not yet run on a GPU.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -48,8 +50,7 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(
   const int64_t prefix = prefix_lens[b];
   const int64_t limit = min(S, prefix + T);
   const uint32_t* rows_bits = mask ? mask + (mask_rows == 1 ? 0 : b) * T * W : nullptr;  // this row's [T, W]
-  // no query of this row sees a key before prefix - window (its position is at least prefix - 1)
-  const int64_t first = window ? max(prefix - window, int64_t{0}) : 0;
+  __shared__ int64_t lowest_query[kWarps];
 
   int64_t rows[kRowsPerWarp], query_pos[kRowsPerWarp];
   float q[kRowsPerWarp][kMaxChunks], acc[kRowsPerWarp][kMaxChunks], m[kRowsPerWarp], l[kRowsPerWarp];
@@ -67,6 +68,18 @@ __global__ void __launch_bounds__(kWarps * 32) tree_attention_kernel(
       acc[r][c] = 0.f;
     }
   }
+  // the keys this block reads start at its shallowest query's position - window + 1 (the
+  // root sits at prefix; a mask row without its own bit has depth -1): no key before that
+  // is read, so unseen keys may hold anything (0 * NaN is NaN)
+  int64_t lowest = INT64_MAX;
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    if (rows[r] < group * T) lowest = min(lowest, query_pos[r]);
+  }
+  if (lane == 0) lowest_query[warp] = lowest;
+  __syncthreads();
+  for (int w = 0; w < kWarps; ++w) lowest = min(lowest, lowest_query[w]);
+  const int64_t first = window ? max(lowest - window + 1, int64_t{0}) : 0;
   const scalar_t* kbase = Kp + (b * Hkv + hkv) * S * D;
   const scalar_t* vbase = Vp + (b * Hkv + hkv) * S * D;
   for (int64_t start = first; start < limit; start += tile) {

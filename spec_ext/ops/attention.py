@@ -18,7 +18,12 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
 
     Key position s is visible to query i of row b iff ``s < prefix_lens[b]``, or
     ``s = prefix_lens[b] + j`` and bit j of ``tree_mask[b, i]`` is set (None: causal over
-    the T new tokens). Keys from ``prefix_lens[b] + T`` on are never read.
+    the T new tokens). Keys no query of a row can see, from ``prefix_lens[b] + T`` on and
+    (with a window) below its shallowest query's window (at and below
+    ``prefix_lens[b] - window``: the root sits at ``prefix_lens[b]``), are never read by
+    the cpu, cuda, triton and triton_split backends, so they may hold anything (NaN
+    included); the torch and sdpa backends multiply them by weight 0, so there (and with
+    "auto", which may pick those) they must be finite (0 * NaN is NaN).
 
     Positions: prefix key s sits at s, tree node j at ``prefix_lens[b] + depth(j)``, where
     depth is the number of ancestors (node j of the causal chain: j; with a mask: the
@@ -44,7 +49,7 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
         validate: False skips every check (a model forward calls this once per layer).
     Returns:
         [B,Hq,T,D] in q's dtype. A query that sees no key (possible only through a mask row
-        without its own bit) gets zeros.
+        without its own bit) gets zeros, whatever its sink (a sink of -inf is no sink).
 
     Example:
         >>> q = torch.randn(2, 4, 3, 64); k = v = torch.randn(2, 2, 16, 64)
