@@ -139,30 +139,92 @@ def test_explain_names_the_rows_and_the_command_of_every_entry():
         registry.explain("attention")
 
 
-def test_cuda_table_sends_tree_attention_to_sdpa():
+@pytest.fixture
+def table_on(monkeypatch):
+    """auto's measured table switched on, whatever the environment says."""
+    monkeypatch.delenv(selection.SWITCH, raising=False)
+
+
+def test_cuda_table_sends_tree_attention_to_sdpa(table_on):
     q = torch.empty(1, 32, 8, 128, device="meta")
     k = torch.empty(1, 8, 4096, 128, device="meta")
-    call = (q, k, k, torch.empty(1, device="meta"), None, 0.1, 0, 0.0, None)
-    assert registry.explain("tree_attention", "cuda", call).endswith(
-        "this call: sdpa (every call without softcap or sinks)")
+    for window in (0, 128):
+        call = (q, k, k, torch.empty(1, device="meta"), None, 0.1, window, 0.0, None)
+        assert registry.explain("tree_attention", "cuda", call).endswith(
+            "this call: sdpa (every call without softcap or sinks)")
 
 
-@pytest.mark.parametrize("case, picked", [((1, 32, 32, 1, 512, 128), "cpu"), ((2, 32, 8, 16, 512, 128), "sdpa"),
-                                          ((1, 4, 2, 40, 300, 64), "cpu"), ((1, 10, 5, 6, 256, 32), "cpu"),
-                                          ((8, 10, 5, 22, 256, 32), "sdpa"), ((1, 32, 8, 8, 4096, 128), "cpu"),
-                                          ((1, 32, 32, 64, 512, 128), "sdpa"), ((1, 32, 32, 65, 512, 128), "cpu"),
-                                          ((1, 32, 8, 4, 512, 128), "cpu"), ((2, 32, 32, 4, 512, 128), "sdpa"),
-                                          ((1, 32, 32, 4, 512, 128), "cpu")],
-                         ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else c)
-def test_auto_on_cpu_matches_the_reference_on_both_sides_of_the_crossover(case, picked):
+def test_cuda_table_sends_softcap_and_sinks_to_the_reference(table_on):
+    """No GPU run has checked or timed the CUDA and Triton kernels' softcap and sink paths:
+    auto on CUDA gives those calls to the PyTorch reference, and explain says why. Asked of
+    the table for a CUDA device (meta tensors: nothing runs); then the function auto builds
+    for CUDA, which picks by shapes and arguments only, run on CPU tensors: the reference's
+    own result, to the bit."""
+    cuda = torch.device("cuda")
+    assert [name for name, _ in registry.auto_choices("tree_attention", cuda)] == ["sdpa", "torch"]
+    q = torch.empty(1, 32, 8, 128, device="meta")
+    k = torch.empty(1, 8, 4096, 128, device="meta")
+    sinks = torch.empty(32, device="meta")
+    shapes = selection.entries("cuda", "tree_attention")[1].shapes
+    assert "correct by construction" in shapes and "never run them on a GPU" in shapes
+    for window, softcap, sink in ((0, 30.0, None), (0, 0.0, sinks), (128, 30.0, sinks)):
+        call = (q, k, k, torch.empty(1, device="meta"), None, 0.1, window, softcap, sink)
+        assert registry.explain("tree_attention", "cuda", call).endswith(f"this call: torch ({shapes})")
+    q, k, v, prefix, g = make(2, 4, 2, 3, 10, 8, torch.float32, seed=6)
+    auto = registry.kernel("tree_attention", "auto", cuda)
+    for softcap, sink in ((5.0, None), (0.0, torch.randn(4, generator=g))):
+        expected = reference.tree_attention(q, k, v, prefix, None, 0.3, 2, softcap, sink)
+        assert torch.equal(auto(q, k, v, prefix, None, 0.3, 2, softcap, sink), expected)
+
+
+CROSSOVER = [  # (B, Hq, Hkv, T, S, D), what auto picks on CPU with the C++ kernels
+    ((1, 32, 32, 1, 512, 128), "cpu"), ((2, 32, 8, 16, 512, 128), "sdpa"), ((1, 4, 2, 40, 300, 64), "cpu"),
+    ((1, 10, 5, 6, 256, 32), "cpu"), ((8, 10, 5, 22, 256, 32), "sdpa"), ((1, 32, 8, 8, 4096, 128), "cpu"),
+    ((1, 32, 32, 64, 512, 128), "sdpa"), ((1, 32, 32, 65, 512, 128), "cpu"), ((1, 32, 8, 4, 512, 128), "cpu"),
+    ((2, 32, 32, 4, 512, 128), "sdpa"), ((1, 32, 32, 4, 512, 128), "cpu"),
+]
+
+
+@pytest.mark.parametrize("case, picked", CROSSOVER, ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else c)
+def test_auto_on_cpu_matches_the_reference_on_both_sides_of_the_crossover(table_on, case, picked):
+    """``picked``: what auto takes with the C++ kernels; without them (a build without
+    spec_ext._C) the table's sdpa entry still holds and the rest falls to the reference."""
     B, Hq, Hkv, T, S, D = case
     q, k, v, prefix, g = make(B, Hq, Hkv, T, S, D, torch.float32, seed=3, prefix=torch.full((B,), S - T))
     mask = tree_of("random", B, T, g)
-    if registry.registered("tree_attention", "CPU"):
-        call = (q, k, v, prefix, mask, D ** -0.5, 0, 0.0, None)
-        assert f"this call: {picked} " in registry.explain("tree_attention", "cpu", call)
+    call = (q, k, v, prefix, mask, D ** -0.5, 0, 0.0, None)
+    expected = picked if registry.registered("tree_attention", "CPU") or picked == "sdpa" else "torch"
+    assert f"this call: {expected} " in registry.explain("tree_attention", "cpu", call)
     out = spec_ext.tree_attention(q, k, v, prefix, mask)
-    torch.testing.assert_close(out, reference.tree_attention(q, k, v, prefix, mask, D ** -0.5), rtol=1e-4, atol=1e-4)
+    exact = reference.tree_attention(q.double(), k.double(), v.double(), prefix, mask, D ** -0.5)
+    assert (out.double() - exact).abs().max().item() <= budget(torch.float32, q, k, v, prefix, mask)
+
+
+def test_auto_on_cpu_without_the_cpp_kernels():
+    """A build without spec_ext._C, in a process that cannot import it: the table's sdpa
+    entry where it applies, the reference (the fixed order) elsewhere."""
+    import json
+    import os
+    import subprocess
+    import sys
+    code = ("import json, sys, warnings; sys.modules['spec_ext._C'] = None; warnings.simplefilter('ignore')\n"
+            "import torch\n"
+            "from spec_ext.ops import registry\n"
+            "assert not registry.registered('tree_attention', 'CPU')\n"
+            "picks = []\n"
+            f"for B, Hq, Hkv, T, S, D in {[case for case, _ in CROSSOVER]!r}:\n"
+            "    q, k = torch.empty(B, Hq, T, D, device='meta'), torch.empty(B, Hkv, S, D, device='meta')\n"
+            "    call = (q, k, k, torch.empty(B, device='meta'), None, D ** -0.5, 0, 0.0, None)\n"
+            "    picks.append(registry.explain('tree_attention', 'cpu', call).splitlines()[-1].strip())\n"
+            "print(json.dumps(picks))\n")
+    env = {key: value for key, value in os.environ.items() if key != selection.SWITCH}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    for (case, picked), line in zip(CROSSOVER, json.loads(result.stdout), strict=True):
+        if picked == "sdpa":
+            assert line.startswith("this call: sdpa ("), (case, line)
+        else:
+            assert line == "this call: torch (the fixed order)", (case, line)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (CUDA graph capture and sync detection)")

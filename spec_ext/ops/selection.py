@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-SWITCH = "SPEC_EXT_AUTO_TABLE"  # "0": auto ignores this table (the fixed order; for before/after comparisons)
+# "0": auto ignores this table (the fixed order; for before/after comparisons); read at each
+# call (spec_ext.ops.registry.table_on)
+SWITCH = "SPEC_EXT_AUTO_TABLE"
 
 H200_KERNELS = "issue 21's tables (H200 sm_90, fp32 probs; GPU time from CUDA-graph replay, eager: host included)"
 H200_ATTENTION = ("issues 20 and 31 (H200 sm_90, bf16, Hq=32, Hkv=8, D=128, binary tree, prefix S - T, "
@@ -85,8 +87,11 @@ TABLE: dict[tuple[str, str], tuple[Entry, ...]] = {
               "(B,S,T = 1,4096,8: cuda 2562, triton 129, SDPA 91 us; 8,4096,64: 10968, 502, 203; 32,2048,16: "
               "5657, 306, 368, the one row where triton is faster; 1,32768,64: 24520, 2988, 738; 8,16384,32: "
               "27150, 1499, 734)", GPU_COMMAND, _no_softcap_or_sinks),
-        Entry("cuda", "softcap or sinks (SDPA has neither; the Triton kernel has neither yet)",
-              "none with softcap or sinks: the only backend on CUDA tensors that has them", GPU_COMMAND),
+        Entry("torch", "softcap or sinks: the PyTorch reference, correct by construction on any device (SDPA has "
+                       "neither; the CUDA and Triton kernels have both but have never run them on a GPU, and the CUDA "
+                       "kernel takes 15-54x SDPA's time without them)",
+              "none with softcap or sinks: until a GPU run checks and times the kernels' feature paths, these "
+              "calls take the reference", GPU_COMMAND),
     ),
     ("cuda", "chain_verify"): (
         Entry("triton", "greedy verification",
