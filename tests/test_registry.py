@@ -87,3 +87,32 @@ def test_import_without_extension_warns_and_keeps_torch_backend():
             "assert d.tolist() == [[0, 1]]\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_auto_table_switch_is_read_at_every_call(monkeypatch):
+    """SPEC_EXT_AUTO_TABLE=0 switches auto's measured table off from the next call on, and
+    unsetting it switches the table back on, within one process: what explain says, what
+    resolve gives, and the function kernel() hands the op."""
+    from spec_ext.ops import selection
+    cpu = torch.device("cpu")
+    q, k = torch.empty(2, 32, 16, 128, device="meta"), torch.empty(2, 32, 512, 128, device="meta")
+    call = (q, k, k, torch.empty(2, device="meta"), None, 128 ** -0.5, 0, 0.0, None)  # the table: sdpa
+    fixed = "cpu" if ops.registered("tree_attention", "CPU") else "torch"
+    rows = [entry.rows for entry in selection.entries("cpu", "tree_attention")]
+    for switch in (None, "0", "1", "0", None):
+        if switch is None:
+            monkeypatch.delenv(selection.SWITCH, raising=False)
+        else:
+            monkeypatch.setenv(selection.SWITCH, switch)
+        text = registry.explain("tree_attention", cpu, call)
+        picked = registry.kernel("tree_attention", "auto", cpu)
+        if switch == "0":
+            assert "the measured table is off (SPEC_EXT_AUTO_TABLE=0)" in text, text
+            assert not any(row in text for row in rows) and text.endswith(f"this call: {fixed} (the fixed order)")
+            assert registry.resolve("tree_attention", "auto", cpu) == fixed
+            assert picked is registry.kernel("tree_attention", fixed, cpu)
+        else:
+            assert "table is off" not in text and all(row in text for row in rows)
+            assert "this call: sdpa (" in text, text
+            assert registry.resolve("tree_attention", "auto", cpu) == "auto"  # the pick depends on the call
+            assert picked is not registry.kernel("tree_attention", fixed, cpu)

@@ -6,7 +6,8 @@ scaled_dot_product_attention, spec_ext.ops.sdpa). Every op resolves its backend 
 :func:`kernel`: ``backend="auto"`` follows the measured table of
 :mod:`spec_ext.ops.selection` where it has entries for the device and op (:func:`explain`
 says which and why), else cuda > triton > torch for CUDA tensors and cpu > torch for CPU
-tensors, among the backends the op has.
+tensors, among the backends the op has; SPEC_EXT_AUTO_TABLE=0 (read at each call) switches
+the table off.
 """
 from __future__ import annotations
 
@@ -128,14 +129,39 @@ def _cannot_run(op: str, backend: str, device: torch.device) -> str | None:
     return None
 
 
-@functools.lru_cache(None)
-def auto_choices(op: str, device: torch.device) -> tuple[tuple[str, selection.Entry | None], ...]:
+# os.environ's own store, read directly: os.environ.get of an unset variable costs ~0.6 us
+# (a KeyError raised and caught), the store's dict.get ~0.05 us; the same contents (setting
+# os.environ writes both), a public fallback where CPython's layout differs
+_ENVIRON = getattr(os.environ, "_data", None)
+try:
+    _SWITCH_KEY, _SWITCH_OFF = os.environ.encodekey(selection.SWITCH), os.environ.encodevalue("0")
+except AttributeError:  # pragma: no cover - not CPython's os._Environ
+    _ENVIRON = None
+
+
+def table_on() -> bool:
+    """Whether ``auto`` follows the measured table of :mod:`spec_ext.ops.selection`: yes
+    unless the environment variable SPEC_EXT_AUTO_TABLE is "0" (the fixed order, what
+    ``auto`` took before the table; for before/after comparisons). Read at every call, so
+    setting it within a process takes effect at the next call."""
+    if _ENVIRON is None:  # pragma: no cover
+        return os.environ.get(selection.SWITCH) != "0"
+    return _ENVIRON.get(_SWITCH_KEY) != _SWITCH_OFF
+
+
+def auto_choices(op: str, device: torch.device,
+                 table: bool | None = None) -> tuple[tuple[str, selection.Entry | None], ...]:
     """What ``auto`` tries, in order: (backend, table entry) for the table's entries that
     can run on ``device``, up to the first that serves every call; the fixed order
-    (entry None) closes the list when none does; with the environment variable
-    SPEC_EXT_AUTO_TABLE=0 only the fixed order (what ``auto`` took before the table)."""
+    (entry None) closes the list when none does. ``table``: whether the table is on (None:
+    :func:`table_on`, read now); off, only the fixed order."""
+    return _auto_choices(op, device, table_on() if table is None else table)
+
+
+@functools.lru_cache(None)
+def _auto_choices(op: str, device: torch.device, table: bool) -> tuple[tuple[str, selection.Entry | None], ...]:
     chosen = []
-    for entry in selection.entries(device.type, op) if os.environ.get(selection.SWITCH) != "0" else ():
+    for entry in selection.entries(device.type, op) if table else ():
         if _cannot_run(op, entry.backend, device) is None:
             chosen.append((entry.backend, entry))
             if entry.applies is None:
@@ -143,17 +169,21 @@ def auto_choices(op: str, device: torch.device) -> tuple[tuple[str, selection.En
     return tuple(chosen) + ((_fixed_order(op, device), None),)
 
 
-@functools.lru_cache(None)
 def resolve(op: str, backend: str, device: torch.device) -> str:
     """The backend that serves ``op`` for tensors on ``device``; ValueError naming
     ``backend`` when the one asked for cannot (cached: registrations are fixed once the
     extension is loaded). ``"auto"`` gives the backend it picks, or ``"auto"`` itself
     when the pick depends on the call (see :func:`explain`)."""
+    return _resolve(op, backend, device, backend == "auto" and table_on())
+
+
+@functools.lru_cache(None)
+def _resolve(op: str, backend: str, device: torch.device, table: bool) -> str:
     choices = ("auto",) + backends_of(op)
     if backend not in choices:
         raise ValueError(f"backend must be one of {choices} for {op}, got {backend!r}")
     if backend == "auto":
-        picks = auto_choices(op, device)
+        picks = _auto_choices(op, device, table)
         return picks[0][0] if len(picks) == 1 else "auto"
     if backend == "cpu" and (device.type != "cpu" or not registered(op, "CPU")):
         raise ValueError(f"backend='cpu' needs CPU tensors and the built extension "
@@ -207,16 +237,25 @@ def _function(op: str, impl: str) -> Callable:
     return _keys_in_place(function) if op == "tree_attention" else function
 
 
-@functools.lru_cache(None)
 def kernel(op: str, backend: str, device: torch.device) -> Callable:
     """The function that runs ``op`` on ``device`` with ``backend`` ("auto" or a name),
     unchecked, with the schema's arguments (csrc/ops.cpp). Where ``auto``'s pick depends on
     the call, a function that tests the table's conditions on the arguments' shapes and
-    host-side values, then calls the first backend that applies."""
-    impl = resolve(op, backend, device)
-    if impl != "auto":
-        return _function(op, impl)
-    picks = tuple((entry.applies if entry else None, _function(op, name)) for name, entry in auto_choices(op, device))
+    host-side values, then calls the first backend that applies. Cached per state of
+    SPEC_EXT_AUTO_TABLE, which every "auto" call reads (:func:`table_on`)."""
+    if backend != "auto":
+        return _kernel(op, backend, device, False)
+    on = _ENVIRON.get(_SWITCH_KEY) != _SWITCH_OFF if _ENVIRON is not None else table_on()  # table_on, inlined
+    return _kernel(op, backend, device, on)
+
+
+@functools.lru_cache(None)
+def _kernel(op: str, backend: str, device: torch.device, table: bool) -> Callable:
+    impl = _resolve(op, backend, device, table)
+    if impl != "auto":  # "auto" with one pick: the very function that backend's name gives
+        return _function(op, impl) if backend != "auto" else _kernel(op, impl, device, False)
+    picks = tuple((entry.applies if entry else None, _function(op, name))
+                  for name, entry in _auto_choices(op, device, table))
 
     def auto(*args):
         for applies, function in picks:
@@ -229,8 +268,9 @@ def kernel(op: str, backend: str, device: torch.device) -> Callable:
 def explain(op: str, device: str | torch.device = "cpu", call: tuple | None = None) -> str:
     """What ``backend="auto"`` picks for ``op`` on ``device`` and why: the table's entries in
     order (the shapes each serves, the benchmark rows it follows, the command that makes
-    them, or why its backend cannot run here), then, when ``call`` (the kernel-level
-    arguments, as :func:`kernel`'s function takes them) is given, the entry that call takes.
+    them, or why its backend cannot run here), or that the table is off
+    (SPEC_EXT_AUTO_TABLE=0), then, when ``call`` (the kernel-level arguments, as
+    :func:`kernel`'s function takes them) is given, the entry that call takes.
 
     Example:
         >>> print(explain("tree_attention", "cuda"))  # doctest: +SKIP
@@ -239,7 +279,10 @@ def explain(op: str, device: str | torch.device = "cpu", call: tuple | None = No
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     lines = [f"{op} on {device.type}, backend='auto':"]
-    table = selection.entries(device.type, op)
+    on = table_on()
+    table = selection.entries(device.type, op) if on else ()
+    if not on:
+        lines.append(f"  the measured table is off ({selection.SWITCH}=0): the fixed order serves every call")
     for n, entry in enumerate(table, 1):
         why_not = _cannot_run(op, entry.backend, device)
         lines.append(f"  {n}. {entry.backend}: {entry.shapes}" + (f" [cannot run here: {why_not}]" if why_not else ""))
@@ -248,9 +291,9 @@ def explain(op: str, device: str | torch.device = "cpu", call: tuple | None = No
     if not table or all(entry.applies is not None for entry in table):
         lines.append(f"  {len(table) + 1}. {_fixed_order(op, device)}: "
                      f"{'otherwise' if table else 'every call'}: the fixed order cuda > triton > cpu > torch "
-                     "(nothing measured for this device class says otherwise)")
+                     f"({'nothing measured for this device class says otherwise' if on else 'the table is off'})")
     if call is not None:
-        for name, entry in auto_choices(op, device):
+        for name, entry in auto_choices(op, device, on):
             if entry is None or entry.applies is None or entry.applies(*call):
                 lines.append(f"  this call: {name}" + (f" ({entry.shapes})" if entry else " (the fixed order)"))
                 break
