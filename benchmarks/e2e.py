@@ -113,6 +113,7 @@ def matcher_cost(tokenizer, target, history_tokens: int = 32768, rounds: int = 4
     """Median seconds per round of the n-gram matcher (commit ``per_round`` tokens, then propose
     a chain, or a tree) over a held-out history of ``history_tokens`` tokens, and of one
     verification forward of the target (11 tokens after a 512-token prefix, batch 1)."""
+    from spec_ext.drafters import Sampler, TextDrafter
     from spec_ext.policies import NGram
     history = []
     for path in split_files("test"):
@@ -121,15 +122,17 @@ def matcher_cost(tokenizer, target, history_tokens: int = 32768, rounds: int = 4
             break
     costs = {}
     for name, policy in (("chain", NGram(tree=False)), ("tree", NGram(tree=True))):
+        policy.start(1)
+        drafter = TextDrafter(policy)
         started = time.perf_counter()
-        policy.reset([history[:history_tokens]])
+        drafter.start([history[:history_tokens]], 0, Sampler())
         costs[f"index_{history_tokens}_tokens_s"] = time.perf_counter() - started
         times = []
         for r in range(rounds):
             new = history[history_tokens + r * per_round:history_tokens + (r + 1) * per_round]
             started = time.perf_counter()
-            policy.extend([new])
-            policy.trees() if policy.tree else policy.chains()
+            drafter.rows[0].extend(new)
+            drafter.trees() if policy.tree else drafter.chains()
             times.append(time.perf_counter() - started)
         costs[f"matcher_{name}_round_s"] = statistics.median(times)
     ids = torch.tensor([history[:512]])

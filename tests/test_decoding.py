@@ -143,12 +143,14 @@ def test_different_seeds_give_different_samples(greedy_pair):
 def test_stats_as_dict():
     import json
     from spec_ext.engine import Stats
-    stats = Stats(target_calls=5, draft_calls=12, rounds=8, drafted=20, accepted=13, matched=3, new_tokens=21,
+    stats = Stats(target_calls=5, draft_calls=12, rounds=8, drafted=20, accepted=13, matched=3, text_drafted=7,
+                  text_accepted=4, new_tokens=21,
                   discarded=2, wall_time=0.123456, accepted_lengths=[1, 2], draft_lengths=[3, 3],
                   row_rounds=[5, 3], row_matched=[2, 1], row_drafted=[12, 8], row_accepted=[9, 4])
     assert stats.as_dict() == dict(target_calls=5, draft_calls=12, rounds=8, drafted=20, accepted=13,
                                    rollback=20 - 13 + 2, mean_accepted=1.625, acceptance_rate=0.65, discarded=2,
                                    new_tokens=21, wall_time=0.1235, tokens_per_s=round(21 / 0.123456, 2), matched=3,
+                                   text_drafted=7, text_accepted=4,
                                    per_row=dict(rounds=[5, 3], matched=[2, 1], drafted=[12, 8], accepted=[9, 4]))
     json.dumps(stats.as_dict())  # what the CLI prints
     assert Stats().as_dict()["mean_accepted"] == 0.0 and Stats().as_dict()["acceptance_rate"] == 0.0
@@ -265,9 +267,9 @@ def test_bonus_agreement_is_the_drafts_agreement_with_the_bonus_token():
     whether the draft proposes the bonus token; sampling draws an acceptance with chance
     sum_x min(p, q) at that position (p: the bonus's distribution, q: the draft's)."""
     from scipy.stats import binomtest
-    from spec_ext.engine.serial import SerialEngine
+    from spec_ext.drafters import ModelDrafter
     B, V = 4000, 5
-    loop = SerialEngine.__new__(SerialEngine)  # only the round outcome the method reads
+    loop = ModelDrafter.__new__(ModelDrafter)  # only the round outcome the method reads
     loop.device, loop.generator = torch.device("cpu"), torch.Generator().manual_seed(0)
     loop.all_accepted = torch.arange(B) % 2 == 0
     q = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2])
@@ -277,16 +279,16 @@ def test_bonus_agreement_is_the_drafts_agreement_with_the_bonus_token():
     known = loop.all_accepted & (last == 1)
 
     loop.sampler, loop.bonus_p = Sampler(1.0), torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0]).expand(B, V)
-    agreed = loop._bonus_agreement(logits, ids, last)
+    agreed = loop.bonus_agreement(logits, ids, last)
     assert not agreed[~known].any()
     assert binomtest(int(agreed[known].sum()), int(known.sum()), 0.6).pvalue > 1e-3  # 0.2 + 0.2 + 0.2
 
     loop.sampler, loop.bonus_p = Sampler(0.0), None
     logits[:, 0, 3] = 1.0  # the draft's greedy token is 3
-    agreed = loop._bonus_agreement(logits, ids, last)
+    agreed = loop.bonus_agreement(logits, ids, last)
     assert agreed.tolist() == (known & (ids[:, 1] == 3)).tolist()
     loop.all_accepted[:] = False  # the first round: no bonus yet
-    assert not loop._bonus_agreement(logits, ids, last).any()
+    assert not loop.bonus_agreement(logits, ids, last).any()
 
 
 def test_sliding_window_models_decode_exactly_past_the_window():
@@ -417,11 +419,13 @@ def test_a_round_reads_the_host_once_on_any_device(greedy_pair, policy):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (counts the loop's host syncs)")
-@pytest.mark.parametrize("policy", ["fixed", "tree"])
-def test_a_round_syncs_with_the_host_about_once(greedy_pair, policy):
-    """Fixed and Tree keep a round on the device: the host learns what was emitted once per
-    round (plus the prefill's few), so the GPU is not idled by every length update."""
+@pytest.mark.parametrize("policy, with_draft", [("fixed", True), ("tree", True), ("ngram", True), ("ngram", False)])
+def test_a_round_syncs_with_the_host_about_once(greedy_pair, policy, with_draft):
+    """Fixed, Tree and the text's rounds (alone and beside the draft) keep a round on the
+    device: the host learns what was emitted once per round (plus the prefill's few), so the
+    GPU is not idled by every length update."""
     target, draft = (copy.deepcopy(m).cuda() for m in greedy_pair)
+    draft = draft if with_draft else None
     ids = [[5, 17, 33, 8], [9, 4]]
     spec_ext.generate(target, draft, ids, max_new_tokens=8, eos_token_id=[], policy=policy)  # warm-up
     with warnings.catch_warnings(record=True) as caught:
@@ -434,3 +438,66 @@ def test_a_round_syncs_with_the_host_about_once(greedy_pair, policy):
     syncs = sum("synchroniz" in str(w.message) for w in caught)
     rounds = out.stats.target_calls - 1
     assert syncs <= rounds + 12, (syncs, rounds)
+
+
+def test_a_config_that_keeps_its_vocabulary_under_text_config(greedy_pair):
+    """Multimodal-style configs name vocab_size only in their text config: generate reads it there."""
+    from transformers import LlamaConfig
+    target, draft = (copy.deepcopy(m) for m in greedy_pair)
+    prompts = [[5, 17, 33, 8], [9, 4]]
+    expected = [hf_greedy(target, p, 12, eos=[]) for p in prompts]
+    class NoTopLevelVocabulary(LlamaConfig):
+        def __getattribute__(self, name):
+            if name == "vocab_size":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    for model in (target, draft):
+        text = LlamaConfig(**model.config.to_dict())
+        model.config.text_config = text
+        model.config.__class__ = NoTopLevelVocabulary
+        assert not hasattr(model.config, "vocab_size") and model.config.get_text_config() is text
+    out = spec_ext.generate(target, draft, prompts, max_new_tokens=12, eos_token_id=[], policy="fixed")
+    assert [out.sequences[b, -12:].tolist() for b in range(2)] == expected
+
+
+def test_the_unrelated_draft_warning_counts_the_draft_models_proposals_only(greedy_pair):
+    """Beside good text matches a draft of another tokenizer still warns: the text's accepted
+    drafts do not hide the model's rejected ones (and text drafts alone never warn)."""
+    from spec_ext.engine.generate import UNRELATED_DRAFTS, warn_if_unrelated
+    from spec_ext.engine import Stats
+    target, draft = greedy_pair
+    mixed = Stats(drafted=10 * UNRELATED_DRAFTS, accepted=9 * UNRELATED_DRAFTS, text_drafted=9 * UNRELATED_DRAFTS,
+                  text_accepted=9 * UNRELATED_DRAFTS)  # the model: 0 of 64 accepted
+    with pytest.warns(UserWarning, match=f"draft: 0 of {UNRELATED_DRAFTS} drafts accepted"):
+        warn_if_unrelated(target, draft, mixed)
+    text_only = Stats(drafted=10 * UNRELATED_DRAFTS, accepted=0, text_drafted=10 * UNRELATED_DRAFTS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_unrelated(target, draft, text_only)
+    # end to end, the text's drafts are counted as such
+    out = spec_ext.generate(target, None, [[5, 17, 33, 8] * 4], max_new_tokens=16, eos_token_id=[], policy="ngram")
+    assert out.stats.matched > 0 and out.stats.drafted > 0
+    assert (out.stats.text_drafted, out.stats.text_accepted) == (out.stats.drafted, out.stats.accepted)
+
+
+def test_a_drafter_made_by_the_user_is_verified_like_any_other(greedy_pair):
+    """generate takes a Drafter object: its proposals, here a fixed junk chain on one row and a
+    one-hot-q tree on another, are verified exactly (greedy equals the target's)."""
+    from spec_ext.drafters import Drafter, Proposal
+    from spec_ext.policies import Fixed
+
+    class Junk(Drafter):
+        """Always proposes tokens 1, 2, 3: almost never accepted, never wrong."""
+
+        def propose(self, seqs, roots):
+            tokens = torch.tensor([[1, 2, 3]] * len(seqs))
+            return Proposal(tokens, torch.full((len(seqs),), 3))
+
+    target, _ = greedy_pair
+    prompts = [[5, 17, 33, 8], [9, 4]]
+    out = spec_ext.generate(target, Junk(Fixed(3)), prompts, max_new_tokens=10, eos_token_id=[])
+    assert [out.sequences[b, -10:].tolist() for b in range(2)] == [hf_greedy(target, p, 10, eos=[]) for p in prompts]
+    assert out.stats.drafted == 3 * out.stats.rounds and out.stats.draft_calls == 0
+    with pytest.raises(ValueError, match="policy: a Drafter brings its own policy"):
+        spec_ext.generate(target, Junk(Fixed(3)), prompts, policy="tree")

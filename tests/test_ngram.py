@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import spec_ext
-from spec_ext.engine import Sampler
+from spec_ext.drafters import ModelDrafter, Sampler, TextDrafter, TextFirst
 from spec_ext.policies import NGram, NGramIndex, continuation_tree, reference_occurrences
 from helpers import VOCAB, assert_follows, hf_greedy, llama, perturbed, ragged_greedy_equals_target
 
@@ -78,37 +78,50 @@ def test_continuation_tree_merges_shared_prefixes_within_the_budget():
         assert not dropped or min(kept, default=len(sequences)) >= max(dropped), "the most shared nodes are kept"
 
 
+def text_drafter(policy: NGram, histories: list[list[int]]) -> TextDrafter:
+    policy.start(len(histories))
+    drafter = TextDrafter(policy)
+    drafter.start(histories, capacity=0, sampler=Sampler())
+    return drafter
+
+
+def keep_rows(policy: NGram, drafter: TextDrafter, rows: list[int]) -> None:
+    policy.keep_rows(rows)
+    drafter.keep_rows(rows, torch.tensor(rows))
+
+
 def test_drafts_shrink_as_the_batch_grows_and_grow_back_as_rows_finish():
     policy = NGram(k=10, max_nodes=32, round_tokens=32)
-    policy.reset([list(range(20)) * 3] * 8)  # every row repeats: full-length matches
-    assert [len(c) for c in policy.chains()] == [3] * 8  # 32 // 8 - 1
-    assert [len(t) for t, _ in policy.trees()] == [4] * 8  # 32 // 8 nodes
-    policy.keep_rows([5])
-    assert [len(c) for c in policy.chains()] == [10] and [len(t) for t, _ in policy.trees()] == [11]
+    drafter = text_drafter(policy, [list(range(20)) * 3] * 8)  # every row repeats: full-length matches
+    assert [len(c) for c in drafter.chains()] == [3] * 8  # 32 // 8 - 1
+    assert [len(t) for t, _ in drafter.trees()] == [4] * 8  # 32 // 8 nodes
+    keep_rows(policy, drafter, [5])
+    assert [len(c) for c in drafter.chains()] == [10] and [len(t) for t, _ in drafter.trees()] == [11]
 
 
 def test_adapt_depth_doubles_after_full_acceptance_and_cuts_to_one_past_the_accepted():
     policy = NGram(k=8, tree=False, adapt_depth=True)
-    policy.reset([list(range(20)) * 3, list(range(20)) * 3, [1, 2, 3]])  # rows 0, 1 match; row 2 never
+    drafter = text_drafter(policy, [list(range(20)) * 3, list(range(20)) * 3, [1, 2, 3]])  # rows 0, 1 match
     depths = []
     for accepted in ([3, 8, 0], [0, 8, 0], [1, 8, 0], [2, 8, 0], [4, 8, 0], [8, 8, 0]):
-        drafts = policy.chains()
+        drafts = drafter.chains()
         depths.append([len(d) for d in drafts])
         policy.observe([len(d) for d in drafts], accepted)
     assert depths == [[8, 8, 0], [4, 8, 0], [1, 8, 0], [2, 8, 0], [4, 8, 0], [8, 8, 0]]
     policy.observe([8, 8, 0], [5, 8, 0])
-    policy.keep_rows([2, 1, 0])  # each depth goes with its row
-    (lone, _), (deep, _), (tokens, parents) = policy.trees()
+    keep_rows(policy, drafter, [2, 1, 0])  # each depth goes with its row
+    (lone, _), (deep, _), (tokens, parents) = drafter.trees()
     assert len(lone) == 1 and len(deep) == 9  # no match: the root alone; row 1 kept its 8
     assert len(tokens) == 7 and parents == [-1, 0, 1, 2, 3, 4, 5]  # equal continuations: a chain of 6
-    policy.reset([list(range(20)) * 3] * 8)  # at batch 8 the budget cuts the chains to 3
+    drafter = text_drafter(policy, [list(range(20)) * 3] * 8)  # at batch 8 the budget cuts the chains to 3
+    policy.proposed([3] * 8)
     policy.observe([3] * 8, [3] * 8)
-    policy.keep_rows([0])
-    assert len(policy.chains()[0]) == 8  # a full accept of a cut chain does not lower the depth
+    keep_rows(policy, drafter, [0])
+    assert len(drafter.chains()[0]) == 8  # a full accept of a cut chain does not lower the depth
     without = NGram(k=8, tree=False)
-    without.reset([list(range(20)) * 3])
+    drafter = text_drafter(without, [list(range(20)) * 3])
     without.observe([8], [0])
-    assert len(without.chains()[0]) == 8
+    assert len(drafter.chains()[0]) == 8
 
 
 def test_bad_settings_are_refused():
@@ -160,16 +173,16 @@ def test_accelerate_without_a_draft_is_a_drop_in_for_generate(pair):
         spec_ext.generate(target, None, ids, policy="fixed")
 
 
-class Recording(NGram):
-    """NGram that records, at every round, each row's history and the drafts it proposed."""
+class Recording(TextDrafter):
+    """The text drafter, recording at every round each row's history and the drafts it proposed."""
 
-    def start(self, batch_size, greedy=True):
-        super().start(batch_size, greedy)
+    def start(self, seqs, capacity, sampler, generator=None):
+        super().start(seqs, capacity, sampler, generator)
         self.seen = []
 
     def chains(self):
         drafts = super().chains()
-        self.seen += [(list(index.tokens), chain) for index, chain in zip(self._rows, drafts)]
+        self.seen += [(list(index.tokens), chain) for index, chain in zip(self.rows, drafts)]
         return drafts
 
 
@@ -183,12 +196,13 @@ def test_drafts_are_the_plain_lookup_of_prompt_and_output(pair, with_draft):
     spans = next(p for p in ([q[-1], hf_greedy(target, q, 1, eos=[])[0], 50] + q for q in
                              ([k, k + 1, k + 2] for k in range(10, 60))) if hf_greedy(target, p, 1, eos=[])[0] == p[1])
     prompts = [spans, [11], [20, 21, 22, 20, 21, 22, 20]]
-    policy = Recording(k=4, n_max=2, n_min=2, tree=False)
-    out = spec_ext.generate(target, draft if with_draft else None, prompts, max_new_tokens=24, eos_token_id=[],
-                            policy=policy)
+    policy = NGram(k=4, n_max=2, n_min=2, tree=False)
+    recording = Recording(policy)
+    drafter = TextFirst(recording, ModelDrafter(draft, policy)) if with_draft else recording
+    out = spec_ext.generate(target, drafter, prompts, max_new_tokens=24, eos_token_id=[])
     finals = [prompt + out.sequences[b, -24:].tolist() for b, prompt in enumerate(prompts)]
     spanning = short = 0
-    for history, chain in policy.seen:
+    for history, chain in recording.seen:
         row = next(b for b, final in enumerate(finals) if final[:len(history)] == history)
         n, starts = reference_occurrences(history, 2, 2)
         assert chain == (history[starts[0]:starts[0] + 4] if starts else [])
@@ -197,7 +211,7 @@ def test_drafts_are_the_plain_lookup_of_prompt_and_output(pair, with_draft):
     # alone, the first round emits one token, so the next suffix spans the boundary (beside the
     # draft, that round's drafts usually carry the row past it)
     assert short and (spanning or with_draft), (spanning, short)
-    assert policy.seen[1] == ([11], [])  # the one-token prompt, first round
+    assert recording.seen[1] == ([11], [])  # the one-token prompt, first round
     for b, prompt in enumerate(prompts):
         assert out.sequences[b, -24:].tolist() == hf_greedy(target, prompt, 24, eos=[]), f"row {b}"
 

@@ -1,5 +1,6 @@
-"""What both engines share: the stats and output of a call, the sampler (temperature,
-top-k, top-p), per-row bookkeeping, padding and the prefill."""
+"""What both engines share: the stats and output of a call, the prompts as rows and per-row
+bookkeeping (the sampler, padding and the prefill are in
+:mod:`spec_ext.drafters.base`, shared with the drafters)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,20 +8,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from spec_ext.models import forward
 
 
 @dataclass
 class Stats:
     """Counters of one generate call. ``rounds`` counts (row, verification) pairs;
-    ``matched`` the rounds whose drafts came from the row's own text (``NGram``); the
-    ``row_*`` lists hold the same counts per row of the batch."""
+    ``matched`` the rounds whose drafts came from the row's own text (``NGram``), and
+    ``text_drafted`` / ``text_accepted`` their drafts; the ``row_*`` lists hold the same
+    counts per row of the batch."""
     target_calls: int = 0
     draft_calls: int = 0
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
     matched: int = 0
+    text_drafted: int = 0
+    text_accepted: int = 0
     new_tokens: int = 0
     discarded: int = 0  # drafts thrown away unverified (parallel methods draft ahead)
     wall_time: float = 0.0
@@ -55,6 +58,7 @@ class Stats:
                     mean_accepted=round(self.mean_accepted, 4), acceptance_rate=round(self.acceptance_rate, 4),
                     discarded=self.discarded, new_tokens=self.new_tokens, wall_time=round(self.wall_time, 4),
                     tokens_per_s=round(self.tokens_per_s, 2), matched=self.matched,
+                    text_drafted=self.text_drafted, text_accepted=self.text_accepted,
                     per_row=dict(rounds=self.row_rounds, matched=self.row_matched, drafted=self.row_drafted,
                                  accepted=self.row_accepted))
 
@@ -65,30 +69,16 @@ class Output:
     stats: Stats
 
 
-class Sampler:
-    """Temperature, top-k and top-p (HF semantics), applied identically to p and q."""
-
-    def __init__(self, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None):
-        if temperature is None or temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {temperature}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k: must be >= 1, got {top_k}")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
-        self.greedy = temperature == 0
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-
-    def probs(self, logits: Tensor) -> Tensor:
-        x = logits.float() / self.temperature
-        if self.top_k is not None and self.top_k < x.shape[-1]:
-            kth = torch.topk(x, self.top_k, dim=-1).values[..., -1:]
-            x = x.masked_fill(x < kth, float("-inf"))
-        if self.top_p is not None and self.top_p < 1:
-            ordered, index = torch.sort(x, dim=-1)
-            tail = torch.softmax(ordered, -1).cumsum(-1) <= 1 - self.top_p
-            tail[..., -1] = False
-            x = x.masked_fill(tail.scatter(-1, index, tail), float("-inf"))
-        return torch.softmax(x, -1)
+def vocab_size(model) -> int:
+    """The size of ``model``'s vocabulary (its config's, or its text config's where a
+    multimodal config keeps it there)."""
+    config = model.config
+    size = getattr(config, "vocab_size", None)
+    if size is None and hasattr(config, "get_text_config"):
+        size = getattr(config.get_text_config(), "vocab_size", None)
+    if size is None:
+        raise ValueError(f"{type(model).__name__}: its config names no vocab_size (nor its text_config)")
+    return size
 
 
 def prompt_rows(input_ids, attention_mask) -> list[list[int]]:
@@ -111,21 +101,6 @@ def prompt_rows(input_ids, attention_mask) -> list[list[int]]:
         if not r:
             raise ValueError(f"input_ids: prompt {b} is empty")
     return rows
-
-
-def pad_rows(rows: list[list[int]], value: int, device, left: bool = False) -> Tensor:
-    """[B, longest] int64: ragged rows padded with ``value`` on the right (or the left)."""
-    width = max(len(r) for r in rows)
-    padded = [[value] * (width - len(r)) + r if left else r + [value] * (width - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=torch.int64, device=device)
-
-
-def check_finite(logits: Tensor, model: str) -> None:
-    """Raise unless ``logits`` (of ``model``, on the prompt) are all finite. The loops check
-    each model once per call, on the prompt, and verify the rounds unchecked: NaN or inf
-    logits (broken weights, float16 overflow) would otherwise decode into garbage."""
-    if not bool(torch.isfinite(logits).all()):
-        raise ValueError(f"{model}: its logits on the prompt contain NaN or inf (check its weights and dtype)")
 
 
 class Rows:
@@ -156,6 +131,9 @@ class Rows:
         self.stats.drafted += num_drafted
         self.stats.accepted += num_accepted
         self.stats.matched += matched
+        if matched:
+            self.stats.text_drafted += num_drafted
+            self.stats.text_accepted += num_accepted
         self.stats.accepted_lengths.append(num_accepted)
         self.stats.draft_lengths.append(num_drafted)
         self.stats.row_rounds[r] += 1
@@ -169,17 +147,3 @@ class Rows:
     def finish(self) -> Stats:
         self.stats.new_tokens = sum(map(len, self.new))
         return self.stats
-
-
-def prefill(model, cache, rows: list[list[int]], role: str, hidden: bool = False):
-    """Feed each row's tokens (ragged) to ``model`` over ``cache`` from position 0, check the
-    logits once (:func:`check_finite`, naming ``role``) and keep them in the cache. Returns
-    the forward's output (logits [B,L,V], with ``hidden`` also the hidden states), or None
-    when every row is empty."""
-    if max(map(len, rows)) == 0:
-        return None
-    ids = pad_rows(rows, 0, cache.buffer.device)
-    out = forward(model, ids, cache, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), hidden=hidden)
-    check_finite(out[0] if hidden else out, role)
-    cache.advance([len(r) for r in rows])
-    return out

@@ -9,12 +9,13 @@ import warnings
 import torch
 from torch import Tensor
 
-from spec_ext.engine.common import Output, Sampler, Stats, pad_rows, prompt_rows
+from spec_ext.drafters import Drafter, Sampler, build, pad_rows
+from spec_ext.engine.common import Output, Stats, prompt_rows, vocab_size
 from spec_ext.engine.parallel import ParallelEngine
 from spec_ext.engine.serial import SerialEngine
 from spec_ext.engine.tensor_parallel import channel
 from spec_ext.models import attention_implementation, check_model, check_pair, split_size
-from spec_ext.policies import PEARL, NGram, Policy, resolve
+from spec_ext.policies import Policy, resolve
 
 
 def _check_fast_linear(fast_linear) -> None:
@@ -59,18 +60,35 @@ def token_ids(value, name: str) -> list[int]:
     return list(values)
 
 
-def _check_models(target, draft, policy: Policy) -> None:
-    if draft is None:
-        if not (isinstance(policy, PEARL) and policy.mode == "distributed" or isinstance(policy, NGram)):
-            raise ValueError("draft: required (None only with NGram, which drafts from the text, or a policy "
-                             "whose draft runs on another rank, e.g. PEARL(mode='distributed'))")
+def _policy(draft, policy: str | Policy) -> Policy:
+    """The policy of the call: a :class:`Drafter` brings its own."""
+    if not isinstance(draft, Drafter):
+        return resolve(policy)
+    if policy == "auto" or policy is draft.policy:
+        return draft.policy
+    raise ValueError(f"policy: a Drafter brings its own policy ({draft.policy!r}); leave policy at its default")
+
+
+def _drafter(target, draft, policy: Policy) -> Drafter | None:
+    """Check the models and make the drafter for ``draft`` (None: the draft runs on another rank)."""
+    drafter = build(draft, policy)
+    distributed = policy.parallel and policy.mode == "distributed"
+    if drafter is None and not distributed:
+        raise ValueError("draft: required (None only with NGram, which drafts from the text, or a policy "
+                         "whose draft runs on another rank, e.g. PEARL(mode='distributed'))")
+    if policy.parallel and drafter is not None and drafter.model is None:
+        raise ValueError(f"policy: {type(policy).__name__} runs a draft model beside the target; "
+                         f"the drafter {type(drafter).__name__} has none")
+    model = None if drafter is None else drafter.model
+    if model is None:
         check_model(target, "target")
     else:
-        check_pair(target, draft)
-    if isinstance(policy, PEARL) and policy.mode == "distributed" and split_size(target) > 1:
+        check_pair(target, model)
+    if distributed and split_size(target) > 1:
         raise ValueError("policy: PEARL(mode='distributed') with a tensor-parallel target: transformers' tensor "
                          "parallelism takes the whole default process group (WORLD_SIZE == tp_size), so no rank "
                          "is left for the draft; use PEARL(mode='threads'), whose draft runs on the leading rank")
+    return drafter
 
 
 # a draft that agrees this rarely over this many drafts is most likely not a draft of this target
@@ -78,14 +96,15 @@ UNRELATED_RATE, UNRELATED_DRAFTS = 0.02, 64
 
 
 def warn_if_unrelated(target, draft, stats: Stats) -> None:
-    """Warn (once, at the end of the call) when the draft's proposals were almost never
-    accepted: exact still, but slower than the target alone, and the likely cause, another
+    """Warn (once, at the end of the call) when the draft model's proposals (not the text's)
+    were almost never accepted: exact still, but slower than the target alone, and the likely cause, another
     tokenizer, cannot be seen in the configs (vocabularies may differ by padding)."""
-    if draft is None or stats.drafted < UNRELATED_DRAFTS or stats.acceptance_rate >= UNRELATED_RATE:
+    drafted, accepted = stats.drafted - stats.text_drafted, stats.accepted - stats.text_accepted  # the model's
+    if draft is None or drafted < UNRELATED_DRAFTS or accepted >= UNRELATED_RATE * drafted:
         return
-    vt, vd = target.config.vocab_size, draft.config.vocab_size
+    vt, vd = vocab_size(target), vocab_size(draft)
     sizes = f"vocabulary sizes {vd} and {vt}" if vd != vt else f"the same vocabulary size ({vt})"
-    warnings.warn(f"draft: {stats.accepted} of {stats.drafted} drafts accepted; the output is exact but slower "
+    warnings.warn(f"draft: {accepted} of {drafted} drafts accepted; the output is exact but slower "
                   f"than the target alone. The likely cause: the draft uses another tokenizer than the target "
                   f"({sizes}); use a draft from the target's family", stacklevel=3)
 
@@ -103,7 +122,8 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         target, draft: transformers decoder-only causal LMs (any that
             :func:`spec_ext.models.unsupported_reason` accepts) with one tokenizer; their
             vocabulary sizes may differ by padding (draft None with ``policy="ngram"``, or when
-            the policy's draft runs on another rank).
+            the policy's draft runs on another rank). ``draft`` may also be a
+            :class:`spec_ext.drafters.Drafter`, which brings its own policy.
         input_ids: [B, L] LongTensor (left-padded, with ``attention_mask``) or a list of
             token-id lists (ragged).
         temperature: 0 for greedy; top_k / top_p as in HF, applied to target and draft alike.
@@ -129,8 +149,9 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         ...                max_new_tokens=32, policy="fixed")           # doctest: +SKIP
     """
     started = time.perf_counter()
-    policy = resolve(policy)
-    _check_models(target, draft, policy)
+    policy = _policy(draft, policy)
+    drafter = _drafter(target, draft, policy)
+    draft = None if drafter is None else drafter.model
     _check_fast_linear(fast_linear)
     prompts = prompt_rows(input_ids, attention_mask)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -164,16 +185,16 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     if split is not None and not split.leading:
         return split.follow(target)
     with split.leading_run(target) if split is not None else contextlib.nullcontext():
-        if isinstance(policy, PEARL):
+        if policy.parallel:
             loop = ParallelEngine(policy, target, draft, prompts, max_new_tokens, sampler, eos, generator, streamer,
                                   fast_linear)
         else:
-            loop = SerialEngine(target, draft, prompts, max_new_tokens, sampler, eos, policy, generator, streamer)
+            loop = SerialEngine(target, drafter, prompts, max_new_tokens, sampler, eos, policy, generator, streamer)
         if streamer is not None:
             streamer.put(torch.tensor([prompts[0]]))
         # the draft's rounding changes only which tokens are proposed, never the output
         with attention_implementation(*models, fast_linear=[fast_linear, fast_linear or "auto"][:len(models)],
-                                      vocab_size=target.config.vocab_size):
+                                      vocab_size=vocab_size(target)):
             stats = loop.run()
     warn_if_unrelated(target, draft, stats)
     if streamer is not None:
@@ -197,9 +218,9 @@ class Accelerated:
     target's. ``last_stats`` holds the stats of the latest call."""
 
     def __init__(self, target, draft, policy: str | Policy = "auto", fast_linear: bool = False):
-        self._target, self._draft, self._policy = target, draft, resolve(policy)
+        self._target, self._draft, self._policy = target, draft, _policy(draft, policy)
         self._fast_linear = fast_linear
-        _check_models(target, draft, self._policy)
+        _drafter(target, draft, self._policy)
         _check_fast_linear(fast_linear)
         self.last_stats: Stats | None = None
 

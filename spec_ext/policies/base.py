@@ -1,11 +1,13 @@
 """The policy protocol: what the decoding engines ask of a policy, and the registry of
 policies by name.
 
-A policy decides how the draft proposes each round. Which engine runs it follows from its
-class: a :class:`Policy` that is neither of the two below is a *chain rule* (the serial
-engine drafts a chain and asks the rule how long); :class:`spec_ext.policies.Tree` is a
-static tree shape (the serial engine drafts and verifies that tree);
-:class:`spec_ext.policies.PEARL` (and its subclasses) runs the parallel engine.
+A policy decides how far a drafter goes each round (a *length rule*: ``plan`` and
+``keep_drafting``) or what shape it grows (a static tree's ``branching``; the text's
+continuation trees of :class:`spec_ext.policies.NGram`). Three declared attributes say
+what else it needs, so no engine asks which class it is: ``branching`` (not None: a static
+tree the draft model grows), ``drafts_from_text`` (the drafts come from each row's own
+text; a draft model, if given, drafts the rows without a match) and ``parallel`` (the
+parallel engine runs it: :class:`spec_ext.policies.PEARL` and its subclasses).
 
 Every policy works with no arguments (published defaults; the learned ones load the
 bundled pair's predictors) and can be named by its lower-case class name in ``policy=``.
@@ -34,6 +36,9 @@ class Policy:
     """
 
     max_draft: int = 5
+    branching: tuple[int, ...] | None = None  # a static tree: children per node at each depth
+    drafts_from_text: ClassVar[bool] = False
+    parallel: ClassVar[bool] = False
     uses_draft_hidden: ClassVar[bool] = False
     uses_target_hidden: ClassVar[bool] = False
     uses_bonus_agreement: ClassVar[bool] = False

@@ -9,7 +9,8 @@ deterministic function of the text, so the samplers verify them with one-hot q
 
 :class:`NGramIndex` is the incremental matcher (an index of every n-gram of a row's history,
 extended with each round's committed tokens, never rescanned); :func:`reference_occurrences`
-is the plain scan it is tested against.
+is the plain scan it is tested against. :class:`NGram` holds the settings and each row's
+depth; the drafter :class:`spec_ext.drafters.TextDrafter` keeps one index per row.
 """
 from __future__ import annotations
 
@@ -168,6 +169,8 @@ class NGram(Policy):
         >>> out.stats.matched, out.stats.row_matched                      # doctest: +SKIP
     """
 
+    drafts_from_text = True
+
     def __init__(self, k: int = 10, n_max: int = 2, n_min: int = 1, tree: bool = True, max_nodes: int = 32,
                  max_continuations: int = 8, draft_k: int = 5, round_tokens: int = 32, adapt_depth: bool = False):
         if k < 1 or draft_k < 1:
@@ -184,13 +187,25 @@ class NGram(Policy):
         self.round_tokens = round_tokens
         self.adapt_depth = bool(adapt_depth)
         self.max_draft = max(max_nodes - 1 if tree else k, draft_k)
-        self._rows: list[NGramIndex] = []
 
-    def reset(self, histories: Sequence[Sequence[int]]) -> None:
-        """Before the first round: each row's prompt."""
-        self._rows = [NGramIndex(h, self.n_max, self.n_min) for h in histories]
-        self._depth = [self.k] * len(histories)  # each row's most text drafts in a line next round
-        self._proposed = [0] * len(histories)  # the depth of each row's text drafts this round (0: none)
+    def start(self, batch_size: int, greedy: bool = True) -> None:
+        super().start(batch_size, greedy)
+        self._depth = [self.k] * batch_size  # each row's most text drafts in a line next round
+        self._proposed = [0] * batch_size  # the depth of each row's text drafts this round (0: none)
+
+    def chain_depths(self) -> list[int]:
+        """Per row, the most tokens its text chain may have this round."""
+        k = max(1, min(self.k, self.round_tokens // len(self._depth) - 1))
+        return [min(k, depth) for depth in self._depth]
+
+    def tree_budget(self) -> tuple[list[int], int]:
+        """(per row the deepest its text tree may go, the most nodes of a tree counting the root)."""
+        nodes = max(2, min(self.max_nodes, self.round_tokens // len(self._depth)))
+        return [min(depth, nodes - 1) for depth in self._depth], nodes
+
+    def proposed(self, depths: Sequence[int]) -> None:
+        """The depth of each row's text drafts this round (0: none), for :meth:`observe`."""
+        self._proposed = list(depths)
 
     def observe(self, num_draft: Sequence[int], num_accepted: Sequence[int]) -> None:
         """With ``adapt_depth``: a row whose text drafts were all accepted drafts twice as deep
@@ -202,38 +217,7 @@ class NGram(Policy):
                     self._depth[r] = (max(self._depth[r], min(self.k, 2 * depth)) if accepted >= depth
                                       else max(1, accepted + 1))
 
-    def extend(self, committed: Sequence[Sequence[int]]) -> None:
-        """After a round: the tokens each current row committed."""
-        for index, tokens in zip(self._rows, committed):
-            index.extend(tokens)
-
-    def chains(self) -> list[list[int]]:
-        """Per row, its drafts this round ([] where its suffix never occurred before)."""
-        k = max(1, min(self.k, self.round_tokens // len(self._rows) - 1))
-        drafts = []
-        for r, index in enumerate(self._rows):
-            _, starts = index.occurrences(1)
-            drafts.append(index.continuations(starts, min(k, self._depth[r]))[0] if starts else [])
-            self._proposed[r] = len(drafts[-1])
-        return drafts
-
-    def trees(self) -> list[tuple[list[int], list[int]]]:
-        """Per row, (tokens, parents) of its tree this round (see :func:`continuation_tree`;
-        the root alone where its suffix never occurred before)."""
-        nodes = max(2, min(self.max_nodes, self.round_tokens // len(self._rows)))
-        trees = []
-        for r, index in enumerate(self._rows):
-            _, starts = index.occurrences(self.max_continuations)
-            tokens, parents = continuation_tree(index.continuations(starts, min(self._depth[r], nodes - 1)), nodes)
-            depth = [0]
-            for p in parents[1:]:
-                depth.append(depth[p] + 1)
-            self._proposed[r] = max(depth)
-            trees.append((tokens, parents))
-        return trees
-
     def keep_rows(self, rows) -> None:
         super().keep_rows(rows)
-        self._rows = [self._rows[r] for r in rows]
         self._depth = [self._depth[r] for r in rows]
         self._proposed = [self._proposed[r] for r in rows]

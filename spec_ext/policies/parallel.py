@@ -34,6 +34,7 @@ class PEARL(Policy):
     """
 
     branches = 1
+    parallel = True
     learned = False  # whether the engine must pass the target's hidden states to hints()
 
     def __init__(self, gamma: int | None = None, mode: str = "threads", draft_rank: int = 1,

@@ -1,4 +1,4 @@
-"""A static draft tree: the serial engine drafts it by top-k and verifies it in one target pass."""
+"""A static draft tree: the draft model grows it by top-k and the target verifies it in one pass."""
 from __future__ import annotations
 
 from typing import Sequence

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from spec_ext.engine.common import Sampler, prefill
+from spec_ext.drafters import ModelDrafter, Sampler
 from spec_ext.engine.parallel.links import DistributedLink, send_pickled
 from spec_ext.engine.parallel.messages import Done, Drafts, End, Failure, Hello, PeerError, Shutdown, Start, Verdict
-from spec_ext.models import SpecCache, attention_implementation, check_model, forward
-from spec_ext.policies import BranchHint
+from spec_ext.models import attention_implementation, check_model
+from spec_ext.policies import BranchHint, Policy
 
 
 def serve_draft(draft, target_rank: int = 0, timeout: float = 600.0, group=None) -> None:
@@ -74,7 +74,8 @@ class DraftSide:
 
     def __init__(self, draft, link, stream=None):
         self.draft, self.link, self.stream = draft, link, stream
-        self.calls = 0
+        # the lanes are rows of one drafter: its cache, forward and sampler (the lane logic is here)
+        self.drafter = ModelDrafter(draft, Policy())
 
     def run(self):
         start = self.link.get(wait_forever=True)  # a serving rank may idle between generate calls
@@ -88,7 +89,8 @@ class DraftSide:
         self.sampler = Sampler(start.temperature, start.top_k, start.top_p)
         self.generator = torch.Generator(device=self.device).manual_seed(start.seed)
         B, k = len(start.prompts), start.branches
-        self.cache = SpecCache.for_model(self.draft, B * k, start.capacity)
+        self.drafter.start([[]] * (B * k), start.capacity, self.sampler, self.generator)
+        self.cache = self.drafter.cache
         self.lanes = {r: [_Lane(r * k, p[-1], set(), -1)] for r, p in enumerate(start.prompts)}
         self.free = {r: list(range(r * k + 1, (r + 1) * k)) for r in range(B)}
         self.epochs, self.next_node = [0] * B, [0] * B
@@ -103,7 +105,7 @@ class DraftSide:
                 messages = self.link.poll() if live else [self.link.get()]
                 for message in messages:
                     if isinstance(message, End):
-                        self.link.send(Done(self.calls))
+                        self.link.send(Done(self.drafter.calls))
                         return "done"
                     if not isinstance(message, Verdict):
                         raise PeerError(f"unexpected message from the target side: {type(message).__name__}")
@@ -113,9 +115,7 @@ class DraftSide:
 
     def _prefill(self) -> None:
         k = self.start.branches  # each row's first lane holds its prompt; the others start empty
-        rows = [p[:-1] if slot % k == 0 else [] for p in self.start.prompts for slot in range(k)]
-        if prefill(self.draft, self.cache, rows, "draft") is not None:
-            self.calls += 1
+        self.drafter.prefill([p[:-1] if slot % k == 0 else [] for p in self.start.prompts for slot in range(k)])
 
     def _apply(self, verdict: Verdict) -> None:
         lengths = list(self.cache.host_lengths)
@@ -147,8 +147,7 @@ class DraftSide:
         ids = torch.zeros(slots, 1, dtype=torch.int64)
         for lane in live:
             ids[lane.slot, 0] = lane.next_token
-        self.calls += 1
-        logits = forward(self.draft, ids.to(self.device), self.cache, self.cache.lengths[:, None])[:, 0]
+        logits = self.drafter.forward(ids.to(self.device), self.cache.lengths[:, None])[:, 0]
         advance = [0] * slots
         for lane in live:
             advance[lane.slot] = 1
@@ -156,11 +155,7 @@ class DraftSide:
         index = torch.tensor([lane.slot for lane in live], device=self.device)
         logits = logits[index]
         confidence_probs = torch.softmax(logits, -1)
-        if self.sampler.greedy:
-            q, first = None, logits.argmax(-1)
-        else:
-            q = self.sampler.probs(logits)
-            first = torch.multinomial(q, 1, generator=self.generator)[:, 0]
+        first, q = self.sampler.propose(logits, self.generator)
         confidence = confidence_probs.gather(1, first[:, None])[:, 0].tolist()
         first = first.tolist()
         owner = {lane.slot: r for r, lanes in self.lanes.items() for lane in lanes}

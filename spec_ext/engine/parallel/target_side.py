@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from spec_ext import ops
-from spec_ext.engine.common import Rows, prefill
+from spec_ext.drafters import prefill
+from spec_ext.engine.common import Rows, vocab_size
 from spec_ext.engine.parallel.draft_side import serve_one, split_threads
 from spec_ext.engine.parallel.links import DistributedLink, ThreadLink
 from spec_ext.engine.parallel.messages import Done, Drafts, End, Hello, PeerError, Start, Verdict
@@ -108,7 +109,7 @@ class ParallelEngine(Rows):
         seed = int(torch.randint(0, 2 ** 62, (1,), generator=self.generator, device=device))
         link.send(Start(self.prompts, self.sampler.temperature, self.sampler.top_k, self.sampler.top_p, seed,
                          self.capacity, self.policy.lookahead, self.policy.branches, self.fast_linear or "auto",
-                         self.target.config.vocab_size))
+                         vocab_size(self.target)))
         while not isinstance(link.get(), Hello):
             pass  # leftovers of an earlier call that failed on this side
         self._prefill()

@@ -1,0 +1,172 @@
+"""The drafter protocol: what every source of drafts gives the engine and what it is told back.
+
+A drafter proposes, for every active row, a chain or a tree of tokens (:class:`Proposal`),
+with the distribution each proposal was drawn from (None for deterministic proposals such
+as copied text), and keeps its own state (a KV cache, a text index) in step with what the
+target committed (:class:`Outcome`). The engine verifies whatever shape comes back; it never
+asks which drafter made it.
+
+Also here, because drafters and engines both need them: :class:`Sampler` (temperature,
+top-k, top-p), :func:`pad_rows` and :func:`prefill`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from spec_ext.models import forward
+from spec_ext.policies import Policy
+
+
+@dataclass
+class Proposal:
+    """One round's drafts of every active row (B rows), a chain or a tree.
+
+    Chain (``parents`` None): ``tokens`` [B,K] int64, draft j of row b at ``tokens[b, j]``,
+    -1 past the row's drafts; ``q`` [B,K,V] float32, the distribution draft j was drawn
+    from, or None (deterministic drafts: one-hot q).
+
+    Tree: ``tokens`` [B,T] int64 with node 0 the root (the engine puts the row's last
+    committed token there), -1 for absent nodes; ``parents`` [T] or [B,T], ``depth`` the
+    same shape, ``mask`` [1|B,T,ceil(T/32)] int32 bits (:func:`spec_ext.ops.tree_mask`),
+    ``max_depth`` on the host; ``q`` [B,T,V]: the distribution node i's children were drawn
+    from, on the rows ``sampled_rows`` [B] bool (None: every row); other rows deterministic.
+
+    ``num_draft`` [B] int64: drafts per row (a tree: its nodes but the root), on the device;
+    the engine reads it with the round's one host sync. ``from_text`` [B] host bools: the
+    rows whose drafts were copied from their own text (counted apart in the stats).
+    """
+    tokens: Tensor
+    num_draft: Tensor
+    q: Tensor | None = None
+    parents: Tensor | None = None
+    depth: Tensor | None = None
+    mask: Tensor | None = None
+    max_depth: int = 0
+    sampled_rows: Tensor | None = None
+    from_text: list[bool] | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+
+@dataclass
+class Outcome:
+    """What the target committed of a :class:`Proposal`, for B rows.
+
+    ``tokens`` [B,W] (device): the accepted drafts then one more token (corrected or bonus),
+    -1 padded; ``num_accepted`` [B] (device) and ``accepted`` (host) the accepted counts;
+    ``committed`` (host) each row's ``tokens[b, :accepted[b] + 1]``; ``last`` [B] the
+    verified position (chain index or tree node) of the last accepted draft, or 0 (the
+    root), whose target distribution gave the final token; ``path`` [B,W] the accepted node
+    ids of a tree (None for a chain); ``p`` [B,W',V] the target distribution at each
+    verified position (None when greedy); ``num_draft`` [B] the proposal's counts.
+    """
+    tokens: Tensor
+    num_accepted: Tensor
+    accepted: list[int]
+    committed: list[list[int]]
+    num_draft: Tensor
+    last: Tensor
+    path: Tensor | None = None
+    p: Tensor | None = None
+
+
+class Drafter:
+    """A source of drafts. Per generate call: :meth:`start` once, then per round
+    :meth:`propose` and :meth:`commit`, and :meth:`keep_rows` when finished rows drop out.
+
+    ``policy`` decides how far the drafter goes (its ``plan`` / ``keep_drafting``) or what
+    shape it grows (a static tree's ``parents``, the text's continuation trees); ``calls``
+    counts the drafter's model forwards (0 for a drafter without a model).
+    """
+
+    calls: int = 0
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+
+    model = None  # the draft model, when the drafter has one
+
+    def start(self, seqs: list[list[int]], capacity: int, sampler: "Sampler", generator=None) -> None:
+        """Before the first round: every row's prompt (its last token is the first root),
+        the most tokens a row may hold (prompt, output and one round's drafts), the sampler
+        the target is verified with (drafts are drawn with it) and the generator."""
+
+    def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
+        """The drafts of every active row: ``seqs`` their committed tokens (host, read only),
+        ``roots`` [B] the last committed token of each on the device."""
+        raise NotImplementedError
+
+    def commit(self, outcome: Outcome) -> None:
+        """What the target kept of the last proposal: roll back what it rejected."""
+
+    def keep_rows(self, rows: list[int], index: Tensor) -> None:
+        """Only ``rows`` (indices into the current batch; ``index`` the same on the device) go on."""
+
+
+class Sampler:
+    """Temperature, top-k and top-p (HF semantics), applied identically to p and q."""
+
+    def __init__(self, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None):
+        if temperature is None or temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k: must be >= 1, got {top_k}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+        self.greedy = temperature == 0
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+
+    def probs(self, logits: Tensor) -> Tensor:
+        x = logits.float() / self.temperature
+        if self.top_k is not None and self.top_k < x.shape[-1]:
+            kth = torch.topk(x, self.top_k, dim=-1).values[..., -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1:
+            ordered, index = torch.sort(x, dim=-1)
+            tail = torch.softmax(ordered, -1).cumsum(-1) <= 1 - self.top_p
+            tail[..., -1] = False
+            x = x.masked_fill(tail.scatter(-1, index, tail), float("-inf"))
+        return torch.softmax(x, -1)
+
+    def propose(self, logits: Tensor, generator=None) -> tuple[Tensor, Tensor | None]:
+        """One token per row from logits [B,V] (greedy: the argmax) and the q [B,V] it was
+        drawn from (None when greedy)."""
+        if self.greedy:
+            return logits.argmax(-1), None
+        q = self.probs(logits)
+        return torch.multinomial(q, 1, generator=generator).squeeze(1), q
+
+
+def pad_rows(rows: Sequence[Sequence[int]], value: int, device, left: bool = False) -> Tensor:
+    """[B, longest] int64: ragged rows padded with ``value`` on the right (or the left)."""
+    width = max(len(r) for r in rows)
+    padded = [[value] * (width - len(r)) + list(r) if left else list(r) + [value] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64, device=device)
+
+
+def check_finite(logits: Tensor, model: str) -> None:
+    """Raise unless ``logits`` (of ``model``, on the prompt) are all finite. The loops check
+    each model once per call, on the prompt, and verify the rounds unchecked: NaN or inf
+    logits (broken weights, float16 overflow) would otherwise decode into garbage."""
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError(f"{model}: its logits on the prompt contain NaN or inf (check its weights and dtype)")
+
+
+def prefill(model, cache, rows: Sequence[Sequence[int]], role: str, hidden: bool = False):
+    """Feed each row's tokens (ragged) to ``model`` over ``cache`` from position 0, check the
+    logits once (:func:`check_finite`, naming ``role``) and keep them in the cache. Returns
+    the forward's output (logits [B,L,V], with ``hidden`` also the hidden states), or None
+    when every row is empty."""
+    if max(map(len, rows)) == 0:
+        return None
+    ids = pad_rows(rows, 0, cache.buffer.device)
+    out = forward(model, ids, cache, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), hidden=hidden)
+    check_finite(out[0] if hidden else out, role)
+    cache.advance([len(r) for r in rows])
+    return out

@@ -1,0 +1,203 @@
+"""A draft model: a transformers causal LM with the target's tokenizer drafts a chain (as
+long as the length policy says) or a static top-k tree (the policy's ``branching``)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, check_finite, pad_rows, prefill
+from spec_ext.models import SpecCache, forward
+from spec_ext.ops import build_tree
+from spec_ext.policies import Policy
+
+
+class ModelDrafter(Drafter):
+    """Drafts with ``model`` over its own :class:`SpecCache`.
+
+    Cache convention: the draft's cache holds a prefix of the committed tokens; what it has
+    not seen (the last round's accepted drafts it was not fed, the corrected or bonus token)
+    waits on the device (the carry) and is fed at the start of the next round, whose last
+    logits propose the first draft. One forward per further draft step (a chain) or per
+    tree level (a tree: the tree so far, re-fed with tree attention).
+
+    Example:
+        >>> drafter = ModelDrafter(draft, spec_ext.policies.Fixed(4))            # doctest: +SKIP
+        >>> spec_ext.generate(target, drafter, ids).stats.draft_calls            # doctest: +SKIP
+    """
+
+    def __init__(self, model, policy: Policy):
+        super().__init__(policy)
+        self.model = model
+        self.hidden = policy.uses_draft_hidden
+        if policy.branching is not None:
+            tree = build_tree(policy.parents)
+            device = model.device
+            self.parents, self.mask = tree.parents[0].to(device), tree.mask.to(device)
+            self.depth, self.max_depth = tree.depth[0].to(device), tree.max_depth
+
+    def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None) -> None:
+        self.sampler, self.generator, self.calls = sampler, generator, 0
+        self.device = self.model.device
+        self.cache = SpecCache.for_model(self.model, len(seqs), capacity)
+        self._carry: dict | None = None
+        # per row: did the last round accept every draft, and the distribution p its bonus came from
+        self.all_accepted = torch.zeros(len(seqs), dtype=torch.bool, device=self.device)
+        self.bonus_p: Tensor | None = None
+
+    def prefill(self, rows: list[list[int]]) -> None:
+        """Feed ``rows`` (ragged, from position 0) to the draft's cache in one forward: the
+        parallel engine's lanes start so; the serial rounds feed the prompt as a catch-up."""
+        if prefill(self.model, self.cache, rows, "draft") is not None:
+            self.calls += 1
+
+    def forward(self, ids: Tensor, positions: Tensor, mask: Tensor | None = None):
+        """The draft's logits [B,T,V] (and hidden states [B,T,H] for policies that read them)."""
+        self.calls += 1
+        return forward(self.model, ids, self.cache, positions, mask, self.hidden)
+
+    def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
+        if self.policy.branching is not None:
+            return self.tree(seqs, roots)
+        drafts, q, num_draft = self.chain(seqs)
+        return Proposal(drafts, num_draft, q)
+
+    # ------------------------------------------------------------------ shapes
+    def chain(self, seqs: list[list[int]], budget: list[int] | None = None, forced: Tensor | None = None,
+              forced_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Draft up to ``budget[b]`` tokens per row (None: the policy's ``plan()``), stopping a
+        row where the policy's ``keep_drafting`` says. ``forced`` [B,k] replaces the drafts
+        of ``forced_rows`` [B] bool (tokens from elsewhere that the draft is fed, so its cache
+        keeps what the target accepts there). Returns drafts [B,K] (-1 padded), the q [B,K,V]
+        each was drawn from (None when greedy) and num_draft [B]."""
+        logits, hidden = self._catch_up(seqs)
+        B = len(seqs)
+        budget = self.policy.plan() if budget is None else budget
+        kmax = max(budget)
+        budget_t = None if min(budget) == kmax else torch.tensor(budget, device=self.device)
+        drafts = torch.full((B, kmax), -1, dtype=torch.int64, device=self.device)
+        q_all = None if self.sampler.greedy else torch.zeros(B, kmax, logits.shape[-1], device=self.device)
+        num_draft = torch.zeros(B, dtype=torch.int64, device=self.device)
+        going = torch.ones(B, dtype=torch.bool, device=self.device)
+        adaptive, steps = self.policy.adaptive, 0
+        for step in range(1, kmax + 1):
+            token, q = self.sampler.propose(logits, self.generator)
+            if forced is not None:
+                token = torch.where(forced_rows, forced[:, step - 1], token)
+            drafts[:, step - 1] = torch.where(going, token, -1)
+            if q is not None:
+                q_all[:, step - 1] = q
+            num_draft += going
+            steps = step
+            if budget_t is not None:
+                going = going & (step < budget_t)
+            if adaptive:
+                going &= self.policy.keep_drafting(step, torch.softmax(logits, -1), token, hidden)
+            if step == kmax or (adaptive and not bool(going.any())):
+                break
+            out = self.forward(token.clamp_min(0)[:, None], self.cache.lengths[:, None])
+            logits, hidden = (out[0][:, 0], out[1][:, 0]) if self.hidden else (out[:, 0], None)
+            self.cache.advance([1] * B)
+        self.feeds(steps - 1)
+        return drafts[:, :steps], None if q_all is None else q_all[:, :steps], num_draft
+
+    def tree(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
+        """The policy's static tree (``branching[d]`` children per node at depth d), each
+        level the top-k of the draft's logits after its parent: deterministic drafts."""
+        logits, _ = self._catch_up(seqs)
+        B, levels, branching = len(seqs), self.policy.levels, self.policy.branching
+        T = len(self.policy.parents)
+        nodes = torch.zeros(B, T, dtype=torch.int64, device=self.device)
+        nodes[:, 0] = roots
+        nodes[:, levels[0]] = torch.topk(logits, branching[0], dim=-1).indices
+        for d in range(1, len(levels)):
+            n = levels[d - 1][-1] + 1  # the tree so far: nodes 0..n-1, root re-fed at its own position
+            self.cache.rollback([x - 1 for x in self.cache.host_lengths])
+            out = self.forward(nodes[:, :n], self.cache.lengths[:, None] + self.depth[:n], self.mask[:, :n])
+            self.cache.advance([1] * B)
+            tree_logits = out[0] if self.hidden else out
+            children = torch.topk(tree_logits[:, levels[d - 1]], branching[d], dim=-1).indices
+            nodes[:, levels[d]] = children.reshape(B, -1)
+        self.feeds(0)  # the cache holds the committed tokens up to the root: none of the tree
+        return Proposal(nodes, torch.full((B,), T - 1, device=self.device), None, self.parents, self.depth,
+                        self.mask, self.max_depth)
+
+    # ------------------------------------------------------------------ state
+    def feeds(self, drafts: int, rows: Tensor | None = None, rows_host: list[bool] | None = None) -> None:
+        """This round fed every row ``drafts`` tokens past the committed ones, of which the
+        drafts of ``rows`` [B] bool (``rows_host`` the same on the host; None: every row) are
+        what the target verifies: :meth:`commit` keeps those it accepts."""
+        self._fed = drafts, rows, rows_host
+
+    def skip(self) -> None:
+        """This round the draft proposed nothing (another drafter's round): it catches up
+        from the committed text next time."""
+        self._carry, self._fed = None, None
+
+    def commit(self, outcome: Outcome) -> None:
+        if self._fed is None:
+            return
+        limit, rows, rows_host = self._fed
+        fed_t = outcome.num_accepted.clamp_max(limit)
+        fed = [min(a, limit) for a in outcome.accepted]
+        if rows is not None:
+            fed_t = torch.where(rows, fed_t, 0)
+            fed = [f if on else 0 for f, on in zip(fed, rows_host)]
+        # every row was fed ``limit`` tokens past the catch-up; keep those the target accepted
+        self.cache.rollback([n - limit + f for n, f in zip(self.cache.host_lengths, fed)],
+                            self.cache.lengths - limit + fed_t)
+        # the tokens the draft has not seen, tokens[b, fed[b] .. num_accepted[b]]; the last is the next root
+        lengths = [a - f + 1 for f, a in zip(fed, outcome.accepted)]
+        index = (fed_t[:, None] + torch.arange(max(lengths), device=self.device)).clamp_max(outcome.tokens.shape[1] - 1)
+        self._carry = dict(ids=outcome.tokens.gather(1, index).clamp_min(0), lengths=lengths,
+                           last=outcome.num_accepted - fed_t)
+        if self.policy.uses_bonus_agreement:
+            self.all_accepted = outcome.num_accepted == outcome.num_draft
+            rows_b = torch.arange(len(fed), device=self.device)
+            self.bonus_p = None if outcome.p is None else outcome.p[rows_b, outcome.last]
+
+    def keep_rows(self, rows: list[int], index: Tensor) -> None:
+        self.cache.keep_rows(rows)
+        if self._carry is not None:
+            self._carry = {k: [v[i] for i in rows] if k == "lengths" else v[index] for k, v in self._carry.items()}
+        self.all_accepted = self.all_accepted[index]
+        if self.bonus_p is not None:
+            self.bonus_p = self.bonus_p[index]
+
+    def _catch_up(self, seqs: list[list[int]]) -> tuple[Tensor, Tensor | None]:
+        """Feed the draft the committed tokens it has not seen (the carry, on the device; the
+        first round or after a skip: from the host lists); logits [B,V] after the last (and
+        the hidden state [B,H] that produced them, for policies that need it)."""
+        carry, self._carry = self._carry, None
+        if carry is None:
+            pending = [s[n:] for s, n in zip(seqs, self.cache.host_lengths)]
+            ids, lengths = pad_rows(pending, 0, self.device), [len(p) for p in pending]
+            last = torch.tensor([n - 1 for n in lengths], device=self.device)
+        else:
+            ids, lengths, last = carry["ids"], carry["lengths"], carry["last"]
+        positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
+        out = self.forward(ids, positions)
+        logits, hidden = out if self.hidden else (out, None)
+        if self.calls == 1:  # the prompt
+            check_finite(logits, "draft")
+        self.cache.advance(lengths, last + 1)
+        if self.policy.uses_bonus_agreement:
+            self.policy.see_bonus_agreement(self.bonus_agreement(logits, ids, last))
+        rows = torch.arange(len(lengths), device=self.device)
+        return logits[rows, last], None if hidden is None else hidden[rows, last]
+
+    def bonus_agreement(self, logits: Tensor, ids: Tensor, last: Tensor) -> Tensor:
+        """[B] bool: rows whose last round accepted every draft and whose draft, at the last
+        draft's position (logits [B,T,V] of the catch-up over ids [B,T]), agrees with the
+        bonus token (ids[b, last[b]]); see :meth:`Policy.see_bonus_agreement`."""
+        if not self.all_accepted.any():  # also the first round: no bonus yet
+            return self.all_accepted.clone()
+        rows = torch.arange(len(ids), device=self.device)
+        before = logits[rows, (last - 1).clamp_min(0)]
+        if self.sampler.greedy:
+            agreed = before.argmax(-1) == ids[rows, last]
+        else:
+            chance = torch.minimum(self.bonus_p, self.sampler.probs(before)).sum(-1)
+            agreed = torch.rand(chance.shape, device=self.device, generator=self.generator) < chance
+        # a row that drafted less than the batch fed its last draft while drafting (the
+        # catch-up has only its bonus): its agreement is not known and counts as broken
+        return agreed & self.all_accepted & (last >= 1)

@@ -1,0 +1,95 @@
+"""The text drafter (prompt lookup, n-gram drafting): each row's drafts are the tokens that
+followed an earlier occurrence of its current suffix in its own prompt + output; the
+:class:`spec_ext.policies.NGram` policy holds the settings and says how deep to go."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from spec_ext import ops
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler
+from spec_ext.policies import NGram, NGramIndex, continuation_tree
+
+
+class TextDrafter(Drafter):
+    """Chains (the most recent occurrence) or trees (the continuations of several
+    occurrences merged) copied from each row's text, as ``policy.tree`` says. Drafts are a
+    deterministic function of the text (one-hot q), so verification is exact at every
+    temperature. A row whose suffix never occurred before drafts nothing.
+
+    Example:
+        >>> policy = NGram(tree=False); policy.start(batch_size=1)
+        >>> drafter = TextDrafter(policy)
+        >>> drafter.start([[1, 2, 3, 1, 2]], capacity=64, sampler=Sampler())
+        >>> drafter.chains()
+        [[3, 1, 2]]
+    """
+
+    def __init__(self, policy: NGram):
+        super().__init__(policy)
+
+    def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None) -> None:
+        self.rows = [NGramIndex(s, self.policy.n_max, self.policy.n_min) for s in seqs]
+
+    def chains(self) -> list[list[int]]:
+        """Per row, its drafts this round ([] where its suffix never occurred before)."""
+        drafts = []
+        for index, k in zip(self.rows, self.policy.chain_depths()):
+            _, starts = index.occurrences(1)
+            drafts.append(index.continuations(starts, k)[0] if starts else [])
+        self.policy.proposed([len(d) for d in drafts])
+        return drafts
+
+    def trees(self) -> list[tuple[list[int], list[int]]]:
+        """Per row, (tokens, parents) of its tree this round (see
+        :func:`spec_ext.policies.continuation_tree`; the root alone where its suffix never
+        occurred before)."""
+        depths, nodes = self.policy.tree_budget()
+        trees = []
+        for index, depth in zip(self.rows, depths):
+            _, starts = index.occurrences(self.policy.max_continuations)
+            trees.append(continuation_tree(index.continuations(starts, depth), nodes))
+        return trees
+
+    def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
+        device = roots.device
+        if not self.policy.tree:
+            chains = self.chains()
+            return chain_proposal(chains, max(map(len, chains)), device)
+        trees = self.trees()
+        proposal, depths = tree_proposal(trees, device)
+        self.policy.proposed(depths)
+        return proposal
+
+    def commit(self, outcome: Outcome) -> None:
+        for index, tokens in zip(self.rows, outcome.committed):
+            index.extend(tokens)
+
+    def keep_rows(self, rows: list[int], index: Tensor) -> None:
+        self.rows = [self.rows[r] for r in rows]
+
+
+def chain_proposal(chains: list[list[int]], width: int, device) -> Proposal:
+    """Deterministic chains (host lists, at most ``width`` tokens) as a :class:`Proposal`."""
+    tokens = torch.tensor([c + [-1] * (width - len(c)) for c in chains], dtype=torch.int64).view(len(chains), width)
+    return Proposal(tokens.to(device), torch.tensor([len(c) for c in chains]).to(device),
+                    from_text=[bool(c) for c in chains])
+
+
+def tree_proposal(trees: list[tuple[list[int], list[int]]], device, width: int = 0,
+                  from_text: list[bool] | None = None) -> tuple[Proposal, list[int]]:
+    """Per-row trees (host (tokens, parents) lists, node 0 the root) padded to one width
+    (at least ``width``) with absent nodes, as a deterministic tree :class:`Proposal`, and
+    each row's depth (host). ``from_text``: the rows copied from the text (default: those
+    with a node past the root)."""
+    T = max(width, max(len(tokens) for tokens, _ in trees))
+    tokens = torch.tensor([t + [-1] * (T - len(t)) for t, _ in trees], dtype=torch.int64)
+    parents = torch.tensor([p + [0] * (T - len(p)) for _, p in trees], dtype=torch.int64)
+    depth, mask = ops.tree_mask(parents, validate=False)  # on the host: its depths are read there
+    real = depth.masked_fill(tokens < 0, 0)
+    real[:, 0] = 0
+    depths = real.max(1).values.tolist()
+    from_text = [len(t) > 1 for t, _ in trees] if from_text is None else from_text
+    proposal = Proposal(tokens.to(device), (tokens[:, 1:] >= 0).sum(1).to(device), None, parents.to(device),
+                        depth.to(device), mask.to(device), max(depths), from_text=from_text)
+    return proposal, depths

@@ -1,0 +1,76 @@
+"""The text first, a draft model for the rows the text has no match for (``NGram`` beside a
+draft model): one proposal, one target forward for both kinds of row."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler
+from spec_ext.drafters.model import ModelDrafter
+from spec_ext.drafters.text import TextDrafter, tree_proposal
+
+
+class TextFirst(Drafter):
+    """Each row drafts from its text (:class:`TextDrafter`); in a round where some row has
+    no match, the draft model (:class:`ModelDrafter`) drafts ``policy.draft_k`` tokens for
+    those rows. Chains: the draft model's steps are fed the text's drafts on the matched
+    rows, so its cache keeps what the target accepts there too; their q is one-hot.
+    Trees: the model's rows are chains among the text's trees, verified with the q they
+    were drawn from, the text's rows as deterministic trees."""
+
+    def __init__(self, text: TextDrafter, model: ModelDrafter):
+        super().__init__(text.policy)
+        self.text, self.drafter = text, model
+        self.model = model.model
+
+    @property
+    def calls(self) -> int:
+        return self.drafter.calls
+
+    def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None) -> None:
+        self.text.start(seqs, capacity, sampler, generator)
+        self.drafter.start(seqs, capacity, sampler, generator)
+
+    def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
+        B, k, device = len(seqs), self.policy.draft_k, roots.device
+        if self.policy.tree:
+            trees = self.text.trees()
+            from_text = [len(tokens) > 1 for tokens, _ in trees]
+            trees = [tree if text else ([-1] * (k + 1), [-1] + list(range(k)))  # a chain for the model to fill
+                     for tree, text in zip(trees, from_text)]
+            proposal, depths = tree_proposal(trees, device, from_text=from_text)
+            self.policy.proposed(depths)
+        else:
+            proposal = self.text.propose(seqs, roots)
+        if all(proposal.from_text):
+            self.drafter.skip()
+            return proposal
+        by_text = torch.tensor(proposal.from_text, device=device)
+        if proposal.is_tree:
+            drafts, q, _ = self.drafter.chain(seqs, [k] * B)
+            self.drafter.feeds(k - 1, ~by_text, [not text for text in proposal.from_text])
+            proposal.tokens[:, 1:k + 1] = torch.where(by_text[:, None], proposal.tokens[:, 1:k + 1], drafts)
+            proposal.num_draft = torch.where(by_text, proposal.num_draft, k)
+            proposal.max_depth = max(proposal.max_depth, k)
+            if q is not None:  # node i's child (node i + 1) of a model row was drawn from q[:, i]
+                proposal.q = F.pad(q, (0, 0, 0, proposal.tokens.shape[1] - k))
+                proposal.sampled_rows = ~by_text
+            return proposal
+        K = max(k, proposal.tokens.shape[1])
+        lookup = F.pad(proposal.tokens, (0, K - proposal.tokens.shape[1]), value=-1)
+        drafts, q, _ = self.drafter.chain(seqs, [k] * B, forced=lookup[:, :k], forced_rows=by_text)
+        tokens = torch.cat([drafts, lookup[:, k:]], 1)
+        if q is not None:  # the text's drafts are deterministic: one-hot q
+            q = F.pad(q, (0, 0, 0, K - k))
+            one_hot = torch.zeros_like(q).scatter_(2, lookup.clamp_min(0)[..., None], 1.0)
+            q = torch.where(by_text[:, None, None], one_hot, q)
+        return Proposal(tokens, torch.where(by_text, proposal.num_draft, k), q, from_text=proposal.from_text)
+
+    def commit(self, outcome: Outcome) -> None:
+        self.text.commit(outcome)
+        self.drafter.commit(outcome)
+
+    def keep_rows(self, rows: list[int], index: Tensor) -> None:
+        self.text.keep_rows(rows, index)
+        self.drafter.keep_rows(rows, index)
