@@ -184,6 +184,37 @@ def test_a_rank_that_dies_makes_the_other_raise_within_the_timeout(saved_pair, d
     assert survivor["seconds"] < 20 + 10
 
 
+def _absent_worker(rank, folder):
+    """Both ranks load the split target (that is collective); rank 1 then never calls
+    generate: it waits until rank 0 has given up (its result file exists)."""
+    target, draft = _load(folder)
+    if rank == 1:
+        deadline = time.monotonic() + 100
+        while not os.path.exists(os.path.join(folder, "rank0.pt")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return {"waited": True}
+    try:
+        spec_ext.generate(target, draft, PROMPTS, max_new_tokens=4, eos_token_id=[], policy="fixed")
+    except PeerError as error:
+        return {"peer_error": str(error)}
+    return {"finished": True}
+
+
+def test_a_follower_that_never_reaches_generate_is_named_by_the_leader(saved_pair, tmp_path):
+    """Like a follower that dies: a PeerError naming rank 1 and the timeout it waited, not
+    the process group's store error."""
+    folder, _ = saved_pair
+    for name in ("target", "draft"):
+        (tmp_path / name).symlink_to(folder / name)
+    results, codes = run_ranks(_absent_worker, tmp_path, timeout=120, SPEC_EXT_TP_TIMEOUT="5")
+    assert codes == [0] * WORLD, results
+    leader = results[0]
+    assert "peer_error" in leader, leader
+    assert leader["peer_error"].startswith("tensor parallelism: rank 1 did not reach generate within 5 s "
+                                           "(SPEC_EXT_TP_TIMEOUT") and "no output is returned" in leader["peer_error"]
+    assert results[1] == {"waited": True}
+
+
 def test_a_mirrored_cache_tells_the_other_ranks_everything_they_need(saved_pair):
     """The messages of a leader's cache, replayed on another cache, leave it the same rows,
     lengths and contents, and announce each forward with its inputs (one process)."""

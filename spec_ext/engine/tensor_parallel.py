@@ -14,14 +14,16 @@ draft is checked, then left alone): a replicated draft would save one small broa
 target forward but needs the same agreement on what it drafted, since a sampled draft on
 another rank draws other tokens.
 
-Faults: a follower waits at most ``SPEC_EXT_TP_TIMEOUT`` seconds (default 120) for the
-leader's next message, and a rank that dies breaks the others' collectives at once; either
-way the others raise :class:`PeerError`. A rank that stalls inside a target forward holds the
+Faults: every rank waits at most ``SPEC_EXT_TP_TIMEOUT`` seconds (default 120) for the others
+to reach ``generate`` (their first call makes the channel), a follower as long for the
+leader's next message, and a rank that dies breaks the others' collectives at once; each way
+the others raise :class:`PeerError`. A rank that stalls inside a target forward holds the
 others in that forward's collectives until the process group's own timeout.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import pickle
 import time
@@ -38,6 +40,7 @@ TIMEOUT_VARIABLE = "SPEC_EXT_TP_TIMEOUT"
 SMALL = 8192  # bytes: a message that fits travels in one broadcast of this size, a bigger one in two
 
 _CHANNELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MADE = itertools.count()  # channels this process has begun to make: every rank makes them in one order
 
 
 def channel(target) -> "Channel | None":
@@ -66,7 +69,12 @@ class Channel:
         self.leader = self.ranks[0]
         self.leading = dist.get_rank() == self.leader
         self.timeout = float(os.environ.get(TIMEOUT_VARIABLE, "120"))
-        self.group = dist.new_group(self.ranks, backend="gloo", timeout=timedelta(seconds=self.timeout))
+        _wait_for_ranks(self.ranks, self.timeout, next(_MADE))
+        try:
+            self.group = dist.new_group(self.ranks, backend="gloo", timeout=timedelta(seconds=self.timeout))
+        except Exception as error:  # noqa: BLE001 - a rank that arrived and then died or stalled
+            raise PeerError(f"tensor parallelism: making the channel between ranks {self.ranks} failed ({error}); "
+                            "no output is returned") from error
         self.seconds = 0.0  # spent in this channel's broadcasts (a benchmark reads it)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
@@ -153,6 +161,29 @@ class Channel:
                 elif kind == "failed":
                     raise PeerError(f"tensor parallelism: the leading rank {self.leader} failed: {message[1]} "
                                     "(no output is returned)")
+
+
+def _wait_for_ranks(ranks: list[int], timeout: float, number: int) -> None:
+    """Each rank of ``ranks`` says in the default store that it is making channel ``number``,
+    then waits up to ``timeout`` seconds for the others to say so: a rank that never reaches
+    ``generate`` is named in a PeerError, rather than breaking the process group's own
+    rendezvous later with a store error that names no one."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    key = f"spec_ext/tensor_parallel/channel{number}/rank"
+    rank = dist.get_rank()
+    store.set(f"{key}{rank}", "1")
+    others = [r for r in ranks if r != rank]
+    try:
+        store.wait([f"{key}{r}" for r in others], timedelta(seconds=timeout))
+    except Exception as error:  # noqa: BLE001 - a store timeout; which ranks are missing is read below
+        missing = [r for r in others if not store.check([f"{key}{r}"])]
+        if missing:
+            raise PeerError(f"tensor parallelism: rank{'s' if len(missing) > 1 else ''} "
+                            f"{', '.join(map(str, missing))} did not reach generate within {timeout:g} s "
+                            f"({TIMEOUT_VARIABLE}; every rank of {ranks} calls generate with the same "
+                            "arguments); no output is returned") from error
 
 
 def _is_transport_error(error: Exception) -> bool:
