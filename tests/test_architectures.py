@@ -118,6 +118,20 @@ def test_greedy_ragged_batch_with_eos_equals_target_generate(kind):
     assert forward_path(target).split(":")[0] == expected_path
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "gpt_neox"])
+def test_a_stray_num_key_value_heads_is_ignored_as_the_architecture_ignores_it(kind):
+    """GPT-2 and GPT-NeoX attend with every head whatever ``num_key_value_heads`` a saved
+    config carries (HF's own cache holds 4 heads): spec_ext decodes them as HF does."""
+    target = tiny(kind, num_key_value_heads=2)
+    assert target.config.num_key_value_heads == 2 and target.config.num_attention_heads == 4
+    with torch.no_grad():
+        hf_cache = target(torch.tensor([PROMPTS[0]]), use_cache=True).past_key_values
+    assert hf_cache.layers[0].keys.shape[1] == 4
+    draft = noisy(target, 0.01)
+    for policy in ("fixed", "tree"):
+        assert check_greedy(target, draft, policy=policy).stats.accepted > 0
+
+
 @pytest.mark.parametrize("policy", ["fixed", "tree", "ngram"])
 def test_learned_positions_can_be_filled_to_the_last(policy):
     """GPT-2's positions are a table of max_position_embeddings rows: a prompt plus

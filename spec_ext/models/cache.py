@@ -30,7 +30,9 @@ class SpecCache(Cache):
     """KV cache of one model for B rows of up to ``capacity`` tokens each.
 
     Args:
-        num_layers, num_kv_heads, head_dim: the model's attention shape.
+        num_layers: the model's attention layers.
+        num_kv_heads, head_dim: the shape of the keys its attention writes; None: taken from
+            the first keys :meth:`update` is given (the buffer is allocated then).
         batch_size: B. capacity: S, tokens per row. dtype, device: of the buffers.
 
     Example:
@@ -41,42 +43,63 @@ class SpecCache(Cache):
         [5, 2, 0]
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, batch_size: int, capacity: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(self, num_layers: int, num_kv_heads: int | None, head_dim: int | None, batch_size: int,
+                 capacity: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         super().__init__(layers=[])
+        if (num_kv_heads is None) != (head_dim is None):
+            raise ValueError(f"num_kv_heads, head_dim: give both or neither (None: sized by the first update), "
+                             f"got {num_kv_heads}, {head_dim}")
         self.num_layers = num_layers
         self.capacity = capacity
-        self._set_buffer(torch.zeros(2 * num_layers, batch_size, num_kv_heads, capacity, head_dim, dtype=dtype,
-                                     device=device))
+        self._sized = num_kv_heads is not None  # False until update() sees the first keys
+        self._set_buffer(torch.zeros(2 * num_layers, batch_size, num_kv_heads or 0, capacity, head_dim or 0,
+                                     dtype=dtype, device=device))
         self._set([0] * batch_size)
 
     @classmethod
     def for_model(cls, model, batch_size: int, capacity: int) -> "SpecCache":
-        """A cache for ``model``'s attention shape (a tensor-parallel model's local KV heads);
-        a :class:`MirroredCache` while :func:`mirrored` says this rank leads ``model``."""
-        config = model.config
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads, split = getattr(config, "num_key_value_heads", None) or heads, split_size(model)
-        if kv_heads % split:
-            raise ValueError(f"{type(model).__name__}: {kv_heads} key-value heads do not split evenly across "
-                             f"tp_size={split} ranks")
-        shape = (config.num_hidden_layers, kv_heads // split, head_dim, batch_size, capacity)
+        """A cache for ``model``, sized by the keys its attention writes at the first forward
+        (the number of KV heads in a config is not always what the attention uses: GPT-2
+        and GPT-NeoX ignore a ``num_key_value_heads`` that a saved config may carry, and a
+        model split by tensor parallelism writes only its local heads); a
+        :class:`MirroredCache` while :func:`mirrored` says this rank leads ``model``."""
+        config, split = model.config, split_size(model)
+        if split > 1:  # an architecture transformers splits names its KV heads in its config
+            kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            if kv_heads % split:
+                raise ValueError(f"{type(model).__name__}: {kv_heads} key-value heads do not split evenly across "
+                                 f"tp_size={split} ranks")
+        shape = (config.num_hidden_layers, None, None, batch_size, capacity)
         send = _SENDERS.get(model)
         if send is not None:
             return MirroredCache(send, *shape, dtype=model.dtype, device=model.device)
         return cls(*shape, dtype=model.dtype, device=model.device)
+
+    def _size(self, key_states: Tensor) -> None:
+        """Allocate the buffer for the shape of the first keys written (no row holds a token
+        yet, so nothing is lost)."""
+        _, batch_size, _, capacity, _ = self.buffer.shape
+        self._set_buffer(self.buffer.new_zeros(2 * self.num_layers, batch_size, key_states.shape[1], capacity,
+                                               key_states.shape[3]))
+        self._sized = True
 
     # ------------------------------------------------------------- transformers API
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         """Write [B,H,T,D] new keys/values at positions lengths[b] + j; return views of the
         layer's buffers [B,H,longest + T,D], cut to the keys that can be seen (the longest
         row + T, known on the host: attention then reads no further and needs no sync)."""
+        if not self._sized:
+            self._size(key_states)
+        keys, values = self._layers[layer_idx]
+        if key_states.shape[1] != keys.shape[1] or key_states.shape[3] != keys.shape[3] or \
+                value_states.shape[1:] != key_states.shape[1:]:
+            raise ValueError(f"SpecCache: layer {layer_idx} writes keys {tuple(key_states.shape)} and values "
+                             f"{tuple(value_states.shape)}, but the cache holds {keys.shape[1]} heads of "
+                             f"{keys.shape[3]} dims (keys and values of one shape, on every layer)")
         T = key_states.shape[2]
         if self._longest + T > self.capacity:
             raise ValueError(f"SpecCache: a row would exceed the capacity of {self.capacity} tokens "
                              f"(lengths {self.host_lengths} + {T} new); allocate a larger cache")
-        keys, values = self._layers[layer_idx]
         if self._common_length is not None:
             start = self._common_length
             keys[:, :, start:start + T] = key_states
