@@ -7,7 +7,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 import spec_ext
 from spec_ext.models import SpecCache, hf
-from spec_ext.models.lean import lean_decoder, prepare, unsupported_reason
+from spec_ext.models.lean import lean_decoder, prepare, why_not_lean
 from helpers import tiny
 
 
@@ -47,7 +47,7 @@ def lean_model(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3", "mistral_window", "qwen2_window"])
 def test_lean_forward_equals_hf_forward(kind, dtype):
     model = lean_model(kind).to(dtype)
-    assert unsupported_reason(model) is None
+    assert why_not_lean(model) is None
     g = torch.Generator().manual_seed(0)
     tree = spec_ext.build_tree([-1, 0, 0, 1, 2, 2])
     lengths = torch.tensor([9, 4, 1])
@@ -101,7 +101,7 @@ def test_models_the_lean_forward_does_not_know_take_the_hf_forward():
                                            num_attention_heads=4,
                                            rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                             "rope_theta": 10000.0})).eval()
-    assert "rope_type 'dynamic'" in unsupported_reason(dynamic)
+    assert "rope_type 'dynamic'" in why_not_lean(dynamic)
     prepare(dynamic)
     assert lean_decoder(dynamic) is None
 
@@ -110,7 +110,7 @@ def test_models_the_lean_forward_does_not_know_take_the_hf_forward():
 
     custom = tiny("llama")
     custom.model.layers[1].mlp.__class__ = CustomMLP
-    assert "unknown layer modules" in unsupported_reason(custom)
+    assert "unknown layer modules" in why_not_lean(custom)
 
     training = tiny("llama").train()
     prepare(training)
@@ -124,7 +124,7 @@ def test_forward_hooks_send_the_model_through_the_hf_forward():
     assert lean_decoder(model) is not None
     seen = []
     model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: seen.append(out.shape))
-    assert "hooks or a patched forward on model.layers.0.mlp" in unsupported_reason(model)
+    assert "hooks or a patched forward on model.layers.0.mlp" in why_not_lean(model)
     out = spec_ext.generate(model, tiny("llama"), [[1, 2, 3]], max_new_tokens=4, policy="fixed")
     assert lean_decoder(model) is None  # generate decided again, and the hook ran
     assert len(seen) == out.stats.target_calls

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 import weakref
 from typing import Sequence
 
@@ -146,6 +147,43 @@ def _placeholder(model, rows: int) -> int:
     return pad if isinstance(pad, int) and 0 <= pad < rows else 0
 
 
+class _Block:
+    """What one open :func:`attention_implementation` block set for one model: its padded
+    vocabulary entry (or None) and the lean forward's decision."""
+
+    def __init__(self, vocab: tuple[int, int, int] | None, decided: tuple):
+        self.vocab, self.decided = vocab, decided
+
+    def apply(self, model) -> None:
+        if self.vocab is None:
+            _VOCAB.pop(model, None)
+        else:
+            _VOCAB[model] = self.vocab
+        lean.restore(model, self.decided)
+
+
+# model -> (its attention implementation before the first open block, the open blocks oldest
+# first). Blocks may nest with the same model, on one thread or several (PEARL's draft thread
+# opens one for the draft inside the caller's), and close in any order: the newest open
+# block's settings apply, and the model is handed back as it was when the last one closes.
+_OPEN: "weakref.WeakKeyDictionary[object, tuple[str, list[_Block]]]" = weakref.WeakKeyDictionary()
+_OPEN_LOCK = threading.Lock()
+
+
+def _close(opened: list[tuple[object, _Block]]) -> None:
+    with _OPEN_LOCK:
+        for m, block in reversed(opened):
+            original, blocks = _OPEN[m]
+            newest = blocks[-1] is block
+            blocks.remove(block)  # by identity: _Block has no __eq__
+            if not blocks:
+                del _OPEN[m]
+                m.config._attn_implementation = original
+                _VOCAB.pop(m, None)  # the lean decision stays: forward_path reports the last block
+            elif newest:
+                blocks[-1].apply(m)
+
+
 @contextlib.contextmanager
 def attention_implementation(*models, fast_linear: bool | str | Sequence[bool | str] = False,
                              vocab_size: int | None = None):
@@ -153,27 +191,32 @@ def attention_implementation(*models, fast_linear: bool | str | Sequence[bool | 
     choose, per model, between the lean forward and the HF modules; ``fast_linear``, one
     for all models or one per model: see :func:`spec_ext.models.lean.prepare`).
     ``vocab_size``: :func:`forward` returns logits [B,T,vocab_size] for every model (the
-    target's V; see the module docstring); None: each model's own."""
-    saved = [m.config._attn_implementation for m in models]
+    target's V; see the module docstring); None: each model's own.
+
+    Blocks nest, with the same model too and from several threads: inside, the newest open
+    block's settings apply to a model; when it closes, those of the block open before it
+    are back; when a model's last block closes, its attention implementation is the one it
+    had before the first."""
     fast = list(fast_linear) if isinstance(fast_linear, (list, tuple)) else [fast_linear] * len(models)
     if len(fast) != len(models):
         raise ValueError(f"fast_linear: {len(fast)} settings for {len(models)} models")
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
         raise ValueError(f"vocab_size: expected None or a positive int, got {vocab_size!r}")
+    opened: list[tuple[object, _Block]] = []
     try:
-        for m, f in zip(models, fast):
-            m.config._attn_implementation = ATTENTION
-            lean.prepare(m, f)
-            rows = _embeddable(m)
-            if vocab_size is not None and (rows < vocab_size or m.config.vocab_size != vocab_size):
-                _VOCAB[m] = (rows, _placeholder(m, rows), vocab_size)
-            else:
-                _VOCAB.pop(m, None)
+        with _OPEN_LOCK:
+            for m, f in zip(models, fast):
+                lean.prepare(m, f)
+                rows = _embeddable(m)
+                padded = vocab_size is not None and (rows < vocab_size or m.config.vocab_size != vocab_size)
+                block = _Block((rows, _placeholder(m, rows), vocab_size) if padded else None, lean.decision(m))
+                block.apply(m)
+                _OPEN.setdefault(m, (m.config._attn_implementation, []))[1].append(block)
+                m.config._attn_implementation = ATTENTION
+                opened.append((m, block))
         yield
     finally:
-        for m, name in zip(models, saved):
-            m.config._attn_implementation = name
-            _VOCAB.pop(m, None)
+        _close(opened)
 
 
 def forward_path(model) -> str:

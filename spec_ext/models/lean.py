@@ -80,8 +80,10 @@ def hf_modules(*models):
             _FORCED.discard(m)
 
 
-def unsupported_reason(model) -> str | None:
-    """Why ``model`` must take the HF forward, or None when the lean forward reproduces it."""
+def why_not_lean(model) -> str | None:
+    """Why the lean forward cannot reproduce ``model`` (so it takes the HF modules), or None
+    when it can. Whether spec_ext decodes ``model`` at all is another question:
+    :func:`spec_ext.models.hf.unsupported_reason`."""
     if model in _FORCED:
         return "forced onto the HF modules (spec_ext.models.hf_modules)"
     layers, attentions, mlps, norms = _known_layer_classes()
@@ -216,12 +218,23 @@ def prepare(model, fast_linear: bool | str = False) -> None:
     where it can (a draft's rounding never reaches the output)."""
     if fast_linear not in (False, True, "auto"):
         raise ValueError(f"fast_linear: expected False, True or 'auto', got {fast_linear!r}")
-    reason = _REASONS[model] = unsupported_reason(model)
+    reason = _REASONS[model] = why_not_lean(model)
     decoder = _DECODERS[model] = None if reason else LeanDecoder(model, bool(fast_linear))
     if fast_linear is True and (decoder is None or not decoder.fast_linear):
         why = reason or "skinny_linear's kernel runs on CPU float32 models, on x86-64 with AVX2 and FMA or AVX-512"
         warnings.warn(f"fast_linear: no effect on this {type(model).__name__} ({model.dtype}, {model.device}): {why}",
                       stacklevel=3)
+
+
+def decision(model) -> tuple[LeanDecoder | None, str | None]:
+    """What the last :func:`prepare` decided for ``model`` (its decoder and reason), to hand
+    back to :func:`restore` when a nested block that prepared it again closes."""
+    return _DECODERS.get(model), _REASONS.get(model)
+
+
+def restore(model, decided: tuple[LeanDecoder | None, str | None]) -> None:
+    """Make ``decided`` (from :func:`decision`) the current decision for ``model`` again."""
+    _DECODERS[model], _REASONS[model] = decided
 
 
 def lean_decoder(model) -> LeanDecoder | None:
