@@ -133,12 +133,12 @@ PROMPT = [1, 3, 5]
 
 
 @torch.no_grad()
-def exact_joint(target, sampler, steps=3):
-    """P(x1..x3 | PROMPT) under the processed target distribution, by enumeration."""
+def exact_joint(target, sampler, steps=3, prompt=PROMPT):
+    """P(x1..x_steps | prompt) under the processed target distribution, by enumeration."""
     joint = {(): 1.0}
     for _ in range(steps):
         prefixes = list(joint)
-        ids = torch.tensor([PROMPT + list(p) for p in prefixes])
+        ids = torch.tensor([list(prompt) + list(p) for p in prefixes])
         probs = sampler.probs(target(ids).logits[:, -1]).double()
         joint = {p + (x,): joint[p] * float(probs[i, x]) for i, p in enumerate(prefixes) for x in range(VOCAB)}
     return joint

@@ -11,7 +11,7 @@ import torch
 import spec_ext
 from spec_ext.drafters import ModelDrafter, Sampler, TextDrafter, TextFirst
 from spec_ext.policies import NGram, NGramIndex, continuation_tree, reference_occurrences
-from helpers import VOCAB, assert_follows, hf_greedy, llama, perturbed, ragged_greedy_equals_target
+from helpers import VOCAB, assert_follows, exact_joint, hf_greedy, llama, perturbed, ragged_greedy_equals_target
 
 
 # ------------------------------------------------------------------------ the matcher
@@ -234,17 +234,6 @@ def test_no_match_ever_drafts_nothing_and_emits_one_token_per_round(pair, tree):
 REPEATING = [1, 3, 5, 1, 3, 5, 1, 3]
 
 
-@torch.no_grad()
-def exact_joint(target, sampler, prompt, steps=3):
-    """P(x1..x_steps | prompt) under the processed target distribution, by enumeration."""
-    joint = {(): 1.0}
-    for _ in range(steps):
-        prefixes = list(joint)
-        probs = sampler.probs(target(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]).double()
-        joint = {p + (x,): joint[p] * float(probs[i, x]) for i, p in enumerate(prefixes) for x in range(VOCAB)}
-    return joint
-
-
 @pytest.fixture(scope="module")
 def sampling_pair():
     target = llama(VOCAB, 32, 2, seed=10, sharpen=3.0)
@@ -265,7 +254,7 @@ def test_sampling_follows_target_distribution(sampling_pair, tree, with_draft, t
                             temperature=temperature, top_k=top_k, eos_token_id=[], policy=policy,
                             seed=int(100 * temperature) + 2 * tree + with_draft)
     samples = out.sequences[:, len(REPEATING):].numpy()
-    assert_follows(samples, exact_joint(target, Sampler(temperature, top_k), REPEATING))
+    assert_follows(samples, exact_joint(target, Sampler(temperature, top_k), prompt=REPEATING))
     stats = out.stats
     assert stats.matched > 0 and stats.drafted > 0 and stats.accepted > 0, stats
     if with_draft:

@@ -64,13 +64,15 @@ class Outcome:
     verified position (chain index or tree node) of the last accepted draft, or 0 (the
     root), whose target distribution gave the final token; ``path`` [B,W] the accepted node
     ids of a tree (None for a chain); ``p`` [B,W',V] the target distribution at each
-    verified position (None when greedy); ``num_draft`` [B] the proposal's counts.
+    verified position (None when greedy); ``num_draft`` [B] the proposal's counts and
+    ``drafted`` the same on the host.
     """
     tokens: Tensor
     num_accepted: Tensor
     accepted: list[int]
     committed: list[list[int]]
     num_draft: Tensor
+    drafted: list[int]
     last: Tensor
     path: Tensor | None = None
     p: Tensor | None = None

@@ -69,18 +69,6 @@ class Output:
     stats: Stats
 
 
-def vocab_size(model) -> int:
-    """The size of ``model``'s vocabulary (its config's, or its text config's where a
-    multimodal config keeps it there)."""
-    config = model.config
-    size = getattr(config, "vocab_size", None)
-    if size is None and hasattr(config, "get_text_config"):
-        size = getattr(config.get_text_config(), "vocab_size", None)
-    if size is None:
-        raise ValueError(f"{type(model).__name__}: its config names no vocab_size (nor its text_config)")
-    return size
-
-
 def prompt_rows(input_ids, attention_mask) -> list[list[int]]:
     """The prompts as token-id lists (left padding removed with ``attention_mask``)."""
     if isinstance(input_ids, Tensor):

@@ -10,11 +10,11 @@ import torch
 from torch import Tensor
 
 from spec_ext.drafters import Drafter, Sampler, build, pad_rows
-from spec_ext.engine.common import Output, Stats, prompt_rows, vocab_size
+from spec_ext.engine.common import Output, Stats, prompt_rows
 from spec_ext.engine.parallel import ParallelEngine
 from spec_ext.engine.serial import SerialEngine
 from spec_ext.engine.tensor_parallel import channel
-from spec_ext.models import attention_implementation, check_model, check_pair, split_size
+from spec_ext.models import attention_implementation, check_model, check_pair, split_size, vocabulary_size
 from spec_ext.policies import Policy, resolve
 
 
@@ -102,7 +102,7 @@ def warn_if_unrelated(target, draft, stats: Stats) -> None:
     drafted, accepted = stats.drafted - stats.text_drafted, stats.accepted - stats.text_accepted  # the model's
     if draft is None or drafted < UNRELATED_DRAFTS or accepted >= UNRELATED_RATE * drafted:
         return
-    vt, vd = vocab_size(target), vocab_size(draft)
+    vt, vd = vocabulary_size(target), vocabulary_size(draft)
     sizes = f"vocabulary sizes {vd} and {vt}" if vd != vt else f"the same vocabulary size ({vt})"
     warnings.warn(f"draft: {accepted} of {drafted} drafts accepted; the output is exact but slower "
                   f"than the target alone. The likely cause: the draft uses another tokenizer than the target "
@@ -194,7 +194,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
             streamer.put(torch.tensor([prompts[0]]))
         # the draft's rounding changes only which tokens are proposed, never the output
         with attention_implementation(*models, fast_linear=[fast_linear, fast_linear or "auto"][:len(models)],
-                                      vocab_size=vocab_size(target)):
+                                      vocab_size=vocabulary_size(target)):
             stats = loop.run()
     warn_if_unrelated(target, draft, stats)
     if streamer is not None:

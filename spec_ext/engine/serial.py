@@ -75,15 +75,14 @@ class SerialEngine(Rows):
             self.policy.see_target(hidden[rows, last], result.tokens[rows, result.num_accepted])
         # the round's one host sync: what was emitted (EOS, streaming, max_new_tokens)
         outcome = torch.cat([result.tokens, result.num_accepted[:, None], proposal.num_draft[:, None]], 1).tolist()
-        accepted = [o[-2] for o in outcome]
-        self.drafted = [o[-1] for o in outcome]
+        accepted, drafted = [o[-2] for o in outcome], [o[-1] for o in outcome]
         if proposal.is_tree:
             self.cache.commit(result.path, accepted, result.num_accepted)
         else:
             self.cache.advance([a + 1 for a in accepted], result.num_accepted + 1)
         self.roots = result.tokens[rows, result.num_accepted]
         return Outcome(result.tokens, result.num_accepted, accepted, [o[:a + 1] for o, a in zip(outcome, accepted)],
-                       proposal.num_draft, last, result.path if proposal.is_tree else None, p)
+                       proposal.num_draft, drafted, last, result.path if proposal.is_tree else None, p)
 
     def _sample(self, proposal: Proposal, logits: Tensor, p: Tensor | None):
         """The greedy or rejection-sampling verification of a chain or a tree."""
@@ -115,11 +114,11 @@ class SerialEngine(Rows):
         while self.active:
             proposal = self.drafter.propose([self.seqs[r] for r in self.active], self.roots)
             outcome = self.verify(proposal)
-            self.policy.observe(self.drafted, outcome.accepted)
+            self.policy.observe(outcome.drafted, outcome.accepted)
             self.drafter.commit(outcome)
             from_text = proposal.from_text or [False] * len(self.active)
             keep = [i for i, r in enumerate(self.active)
-                    if self.emit(r, outcome.committed[i], self.drafted[i], outcome.accepted[i], from_text[i])]
+                    if self.emit(r, outcome.committed[i], outcome.drafted[i], outcome.accepted[i], from_text[i])]
             if len(keep) < len(self.active):
                 index = torch.tensor(keep, dtype=torch.long, device=self.device)
                 self.cache.keep_rows(keep)

@@ -13,8 +13,8 @@
 """
 from spec_ext.models.cache import MirroredCache, SpecCache, mirrored, split_size
 from spec_ext.models.hf import (attention_implementation, check_model, check_pair, forward, forward_path,
-                                unsupported_reason)
+                                unsupported_reason, vocabulary_size)
 from spec_ext.models.lean import hf_modules
 
 __all__ = ["MirroredCache", "SpecCache", "attention_implementation", "check_model", "check_pair", "forward",
-           "forward_path", "hf_modules", "mirrored", "split_size", "unsupported_reason"]
+           "forward_path", "hf_modules", "mirrored", "split_size", "unsupported_reason", "vocabulary_size"]

@@ -137,9 +137,21 @@ def check_pair(target, draft) -> None:
 _VOCAB: "weakref.WeakKeyDictionary[object, tuple[int, int, int]]" = weakref.WeakKeyDictionary()
 
 
+def vocabulary_size(model) -> int:
+    """The size of ``model``'s vocabulary (its config's, or its text config's where a
+    multimodal config keeps it there)."""
+    config = model.config
+    size = getattr(config, "vocab_size", None)
+    if size is None and hasattr(config, "get_text_config"):
+        size = getattr(config.get_text_config(), "vocab_size", None)
+    if size is None:
+        raise ValueError(f"{type(model).__name__}: its config names no vocab_size (nor its text_config)")
+    return size
+
+
 def _embeddable(model) -> int:
     embeddings = model.get_input_embeddings()
-    return getattr(embeddings, "num_embeddings", None) or model.config.vocab_size
+    return getattr(embeddings, "num_embeddings", None) or vocabulary_size(model)
 
 
 def _placeholder(model, rows: int) -> int:
@@ -208,7 +220,7 @@ def attention_implementation(*models, fast_linear: bool | str | Sequence[bool | 
             for m, f in zip(models, fast):
                 lean.prepare(m, f)
                 rows = _embeddable(m)
-                padded = vocab_size is not None and (rows < vocab_size or m.config.vocab_size != vocab_size)
+                padded = vocab_size is not None and (rows < vocab_size or vocabulary_size(m) != vocab_size)
                 block = _Block((rows, _placeholder(m, rows), vocab_size) if padded else None, lean.decision(m))
                 block.apply(m)
                 _OPEN.setdefault(m, (m.config._attn_implementation, []))[1].append(block)

@@ -11,11 +11,11 @@ from torch import Tensor
 
 from spec_ext import ops
 from spec_ext.drafters import prefill
-from spec_ext.engine.common import Rows, vocab_size
+from spec_ext.engine.common import Rows
 from spec_ext.engine.parallel.draft_side import serve_one, split_threads
 from spec_ext.engine.parallel.links import DistributedLink, ThreadLink
 from spec_ext.engine.parallel.messages import Done, Drafts, End, Hello, PeerError, Start, Verdict
-from spec_ext.models import SpecCache, forward
+from spec_ext.models import SpecCache, forward, vocabulary_size
 from spec_ext.policies import PEARL
 
 _TARGET_LINKS: dict = {}  # (draft rank, group) -> DistributedLink: one receiver thread per peer per process
@@ -109,7 +109,7 @@ class ParallelEngine(Rows):
         seed = int(torch.randint(0, 2 ** 62, (1,), generator=self.generator, device=device))
         link.send(Start(self.prompts, self.sampler.temperature, self.sampler.top_k, self.sampler.top_p, seed,
                          self.capacity, self.policy.lookahead, self.policy.branches, self.fast_linear or "auto",
-                         vocab_size(self.target)))
+                         vocabulary_size(self.target)))
         while not isinstance(link.get(), Hello):
             pass  # leftovers of an earlier call that failed on this side
         self._prefill()
