@@ -3,8 +3,6 @@ CPU, nothing downloaded): greedy output equals ``target.generate`` on a ragged l
 batch with EOS, past every sliding window; sampling follows the target's exact
 distribution for one model of each attention kind (plain, window, softcap, sinks, MoE);
 vocabularies that differ by padding decode exactly; what cannot work is refused by name."""
-import copy
-
 import pytest
 import torch
 import transformers
@@ -12,7 +10,7 @@ import transformers
 import spec_ext
 from spec_ext.engine import Sampler
 from spec_ext.models import SpecCache, forward_path, hf, unsupported_reason
-from helpers import PROMPT, VOCAB, assert_follows, exact_joint, hf_greedy
+from helpers import PROMPT, VOCAB, assert_follows, exact_joint, hf_greedy, perturbed, ragged_greedy_equals_target
 
 WINDOW = 6  # sliding-window layers: the prompts plus new tokens run well past it
 CLASSES = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
@@ -22,7 +20,7 @@ CLASSES = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2"
 ARCHITECTURES = sorted(CLASSES)
 
 
-def tiny(kind: str, vocab: int = 61, seed: int = 0, window: int = WINDOW, **overrides):
+def sharpened_model(kind: str, vocab: int = 61, seed: int = 0, window: int = WINDOW, **overrides):
     """A 2-layer random ``kind`` model with sharpened weights (clear argmaxes); its attention
     features: windows on mistral, starcoder2, gemma2/3 and gpt_oss (gemma3 and gpt_oss
     alternate sliding and full layers), a soft-cap on gemma2, sinks on gpt_oss, experts on
@@ -59,61 +57,28 @@ def tiny(kind: str, vocab: int = 61, seed: int = 0, window: int = WINDOW, **over
     return model
 
 
-def noisy(model, scale: float, seed: int = 1):
-    draft = copy.deepcopy(model)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn_like(p) * scale)
-    return draft
-
-
 _PAIRS: dict = {}
 
 
 def pair(kind: str):
-    """One shared (target, noisy copy as draft) per architecture for the whole module."""
+    """One shared (target, perturbed copy as draft) per architecture for the whole module."""
     if kind not in _PAIRS:
-        target = tiny(kind)
-        _PAIRS[kind] = target, noisy(target, 0.01)
+        target = sharpened_model(kind)
+        _PAIRS[kind] = target, perturbed(target, 0.01, seed=1)
     return _PAIRS[kind]
-
-
-def left_padded(prompts, pad=0):
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
 
 
 PROMPTS = [[5, 17, 33, 8, 9, 10, 11], [40, 3], [7, 21, 50, 4]]
 NEW = 24
-
-
-def check_greedy(target, draft, prompts=PROMPTS, policy="fixed", new=NEW):
-    """spec_ext on the left-padded batch equals ``target.generate`` row by row, with an EOS
-    that ends row 0 early (a token its own continuation reaches by step 10); finished rows
-    are padded with the pad id (0), as HF pads them."""
-    continuation = hf_greedy(target, prompts[0], new, eos=[])
-    eos = next((t for i, t in enumerate(continuation[4:11], 4) if t not in continuation[:i]), continuation[10])
-    ids, mask = left_padded(prompts)
-    out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=new, eos_token_id=eos,
-                            policy=policy)
-    for b, prompt in enumerate(prompts):
-        expected = hf_greedy(target, prompt, new, eos=[eos])
-        got = out.sequences[b, ids.shape[1]:].tolist()
-        assert got == expected + [0] * (len(got) - len(expected)), f"row {b}"
-        if b == 0:
-            assert len(expected) <= 11 and expected[-1] == eos
-    return out
+EOS_STEPS = range(4, 11)  # row 0 ends by step 10 (at once where its continuation repeats its first token)
 
 
 @pytest.mark.parametrize("kind", ARCHITECTURES)
 def test_greedy_ragged_batch_with_eos_equals_target_generate(kind):
     target, draft = pair(kind)
     assert unsupported_reason(target) is None
-    out = check_greedy(target, draft)
-    assert out.stats.accepted > 0, "the noisy copy should agree with the target sometimes"
+    out = ragged_greedy_equals_target(target, draft, PROMPTS, "fixed", NEW, EOS_STEPS)
+    assert out.stats.accepted > 0, "the perturbed copy should agree with the target sometimes"
     expected_path = "lean" if kind in ("llama", "mistral", "qwen2", "qwen3") else "hf"
     assert forward_path(target).split(":")[0] == expected_path
 
@@ -122,14 +87,14 @@ def test_greedy_ragged_batch_with_eos_equals_target_generate(kind):
 def test_a_stray_num_key_value_heads_is_ignored_as_the_architecture_ignores_it(kind):
     """GPT-2 and GPT-NeoX attend with every head whatever ``num_key_value_heads`` a saved
     config carries (HF's own cache holds 4 heads): spec_ext decodes them as HF does."""
-    target = tiny(kind, num_key_value_heads=2)
+    target = sharpened_model(kind, num_key_value_heads=2)
     assert target.config.num_key_value_heads == 2 and target.config.num_attention_heads == 4
     with torch.no_grad():
         hf_cache = target(torch.tensor([PROMPTS[0]]), use_cache=True).past_key_values
     assert hf_cache.layers[0].keys.shape[1] == 4
-    draft = noisy(target, 0.01)
+    draft = perturbed(target, 0.01, seed=1)
     for policy in ("fixed", "tree"):
-        assert check_greedy(target, draft, policy=policy).stats.accepted > 0
+        assert ragged_greedy_equals_target(target, draft, PROMPTS, policy, NEW, EOS_STEPS).stats.accepted > 0
 
 
 @pytest.mark.parametrize("policy", ["fixed", "tree", "ngram"])
@@ -138,8 +103,8 @@ def test_learned_positions_can_be_filled_to_the_last(policy):
     max_new_tokens may fill it (HF's generate allows that), although the last rounds verify
     drafts past it (their tokens are cut; their positions are kept in range), and a draft
     with a shorter table than the target's proposes past its own end."""
-    target = tiny("gpt2", n_positions=16)
-    draft = None if policy == "ngram" else noisy(tiny("gpt2", n_positions=10), 0.01)
+    target = sharpened_model("gpt2", n_positions=16)
+    draft = None if policy == "ngram" else perturbed(sharpened_model("gpt2", n_positions=10), 0.01, seed=1)
     prompt = [5, 17, 33, 5, 17, 33]
     out = spec_ext.generate(target, draft, [prompt], max_new_tokens=16 - len(prompt), eos_token_id=[],
                             policy=policy)
@@ -149,10 +114,10 @@ def test_learned_positions_can_be_filled_to_the_last(policy):
 def test_models_the_lean_forward_knows_can_be_kept_on_the_hf_modules():
     target, draft = pair("qwen3")
     with spec_ext.models.hf_modules(target, draft):
-        check_greedy(target, draft)
+        ragged_greedy_equals_target(target, draft, PROMPTS, "fixed", NEW, EOS_STEPS)
         assert forward_path(target) == forward_path(draft) == \
             "hf: forced onto the HF modules (spec_ext.models.hf_modules)"
-    check_greedy(target, draft, new=12)
+    ragged_greedy_equals_target(target, draft, PROMPTS, "fixed", 12, EOS_STEPS)
     assert forward_path(target) == forward_path(draft) == "lean"
 
 
@@ -160,7 +125,7 @@ def test_models_the_lean_forward_knows_can_be_kept_on_the_hf_modules():
 def test_greedy_tree_policy_past_the_window(kind):
     """Tree verification: node positions (prefix + depth) decide what the window shows."""
     target, draft = pair(kind)
-    check_greedy(target, draft, policy="tree")
+    ragged_greedy_equals_target(target, draft, PROMPTS, "tree", NEW, EOS_STEPS)
 
 
 # ---------------------------------------------------------------- exact distributions
@@ -174,8 +139,8 @@ def test_sampling_follows_the_target_distribution(attention):
     """The first 3 tokens after a 3-token prompt, 20,000 rows, against the enumerated joint
     distribution; a window of 2 is passed by the second new token."""
     kind, options = SAMPLING_KINDS[attention]
-    target = tiny(kind, vocab=VOCAB, seed=10, **options)
-    draft = noisy(target, 0.05, seed=11)
+    target = sharpened_model(kind, vocab=VOCAB, seed=10, **options)
+    draft = perturbed(target, 0.05, seed=11)
     out = spec_ext.generate(target, draft, [PROMPT] * 20_000, max_new_tokens=3, temperature=1.0, eos_token_id=[],
                             policy="fixed", seed=7)
     assert_follows(out.sequences[:, len(PROMPT):].numpy(), exact_joint(target, Sampler(1.0)))
@@ -184,9 +149,9 @@ def test_sampling_follows_the_target_distribution(attention):
 
 # ---------------------------------------------------------------- padded vocabularies
 def resized(model, rows: int, seed: int):
-    """A noisy copy of ``model`` whose vocabulary (embeddings and head) has ``rows`` rows:
+    """A perturbed copy of ``model`` whose vocabulary (embeddings and head) has ``rows`` rows:
     truncated, or padded with new rows (as checkpoints pad one tokenizer's table)."""
-    draft = noisy(model, 0.01, seed)
+    draft = perturbed(model, 0.01, seed)
     draft.resize_token_embeddings(rows, mean_resizing=False)
     if draft.get_output_embeddings().weight.shape[0] != rows:  # an untied head
         head = draft.get_output_embeddings()
@@ -208,7 +173,7 @@ PADDED_CASES += [("llama", 53, "pearl"), ("gpt2", 64, "pearl"), ("llama", 53, "s
 def test_padded_vocabulary_greedy_equals_target_generate(kind, rows, policy):
     target, _ = pair(kind)
     draft = resized(target, rows, seed=2)
-    out = check_greedy(target, draft, policy=policy)
+    out = ragged_greedy_equals_target(target, draft, PROMPTS, policy, NEW, EOS_STEPS)
     assert out.stats.accepted > 0
     if rows < 61:  # the target emits tokens the draft cannot embed: it is fed a placeholder
         assert (out.sequences >= rows).any()
@@ -218,7 +183,7 @@ def test_padded_vocabulary_greedy_equals_target_generate(kind, rows, policy):
 def test_padded_vocabulary_sampling_follows_the_target_distribution(rows, temperature, top_k):
     """V=8 target; the draft lacks tokens 6 and 7 (never proposes them, gets a placeholder
     for them) or has 3 extra rows (dropped: its q is renormalised over the target's 8)."""
-    target = tiny("llama", vocab=VOCAB, seed=10)
+    target = sharpened_model("llama", vocab=VOCAB, seed=10)
     draft = resized(target, rows, seed=11)
     out = spec_ext.generate(target, draft, [PROMPT] * 20_000, max_new_tokens=3, temperature=temperature,
                             top_k=top_k, eos_token_id=[], policy="fixed", seed=8)
@@ -252,7 +217,7 @@ def test_padded_logits_have_the_targets_width_and_zero_probability():
 
 def test_a_draft_that_is_almost_never_accepted_is_named_as_the_likely_cause():
     target, _ = pair("llama")
-    stranger = tiny("llama", seed=5)  # as if it used another tokenizer
+    stranger = sharpened_model("llama", seed=5)  # as if it used another tokenizer
     with pytest.warns(UserWarning, match=r"draft: \d+ of \d+ drafts accepted.*another tokenizer"):
         spec_ext.generate(target, stranger, [[5, 6, 7]], max_new_tokens=40, eos_token_id=[], policy="fixed")
 
@@ -267,12 +232,12 @@ def test_refused_models_name_the_reason():
     cases.append((transformers.BloomForCausalLM(transformers.BloomConfig(
         vocab_size=61, hidden_size=16, n_layer=1, n_head=2)),
         "its attention layers do not call transformers' attention interface"))
-    bidirectional = tiny("gemma3", use_bidirectional_attention=True)
+    bidirectional = sharpened_model("gemma3", use_bidirectional_attention=True)
     cases.append((bidirectional, r"use_bidirectional_attention=True \(is_causal=False\)"))
-    hybrid = tiny("llama")
+    hybrid = sharpened_model("llama")
     hybrid.config.layer_types = ["full_attention", "linear_attention"]
     cases.append((hybrid, r"recurrent or state-space layers \('linear_attention' layers\)"))
-    chunked = tiny("llama")
+    chunked = sharpened_model("llama")
     chunked.config.layer_types = ["chunked_attention", "full_attention"]
     cases.append((chunked, r"layer type 'chunked_attention'"))
 
@@ -280,7 +245,7 @@ def test_refused_models_name_the_reason():
         def forward(self, input_ids=None, attention_mask=None, **kwargs):
             return super().forward(input_ids=input_ids, attention_mask=attention_mask)
 
-    cases.append((NoCache(tiny("llama").config), "its forward takes no cache"))
+    cases.append((NoCache(sharpened_model("llama").config), "its forward takes no cache"))
     draft = pair("llama")[1]
     for model, reason in cases:
         with pytest.raises(ValueError, match=f"target: {type(model).__name__} .*is not supported: {reason}"):

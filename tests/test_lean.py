@@ -8,7 +8,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 import spec_ext
 from spec_ext.models import SpecCache, hf
 from spec_ext.models.lean import lean_decoder, prepare, why_not_lean
-from helpers import tiny
+from helpers import llama_family
 
 
 def run_both(model, steps, fast_linear=False):
@@ -28,7 +28,7 @@ def run_both(model, steps, fast_linear=False):
 
 
 def lean_model(kind):
-    """helpers.tiny's models, and: Qwen3 (q/k norms), Mistral with a window of 5, Qwen2 with
+    """helpers.llama_family's models, and: Qwen3 (q/k norms), Mistral with a window of 5, Qwen2 with
     a window of 5 on its second layer only (both windows passed by the steps below)."""
     common = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2)
@@ -40,7 +40,7 @@ def lean_model(kind):
     if kind == "qwen2_window":
         return Qwen2ForCausalLM(Qwen2Config(sliding_window=5, use_sliding_window=True, max_window_layers=1,
                                             **common)).eval()
-    return tiny(kind)
+    return llama_family(kind)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -64,7 +64,7 @@ def test_lean_forward_equals_hf_forward(kind, dtype):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v projections with a bias
 def test_fast_linear_forward_is_close_to_hf_forward(kind):
-    model = tiny(kind)
+    model = llama_family(kind)
     g = torch.Generator().manual_seed(1)
     tree = spec_ext.build_tree([-1, 0, 0, 1])
     lengths = torch.tensor([7, 3])
@@ -80,13 +80,13 @@ def test_fast_linear_forward_is_close_to_hf_forward(kind):
 
 
 def test_fast_linear_says_when_it_cannot_apply():
-    model = tiny("llama").to(torch.bfloat16)
+    model = llama_family("llama").to(torch.bfloat16)
     with pytest.warns(UserWarning, match="fast_linear: no effect on this LlamaForCausalLM"):
         prepare(model, fast_linear=True)
 
 
 def test_rotary_table_covers_every_cache_capacity():
-    model = tiny("llama")
+    model = llama_family("llama")
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode(), hf.attention_implementation(model):
         for capacity, length in ((16, 12), (640, 600)):  # the second cache needs a bigger table than the first
@@ -108,30 +108,30 @@ def test_models_the_lean_forward_does_not_know_take_the_hf_forward():
     class CustomMLP(LlamaMLP):
         pass
 
-    custom = tiny("llama")
+    custom = llama_family("llama")
     custom.model.layers[1].mlp.__class__ = CustomMLP
     assert "unknown layer modules" in why_not_lean(custom)
 
-    training = tiny("llama").train()
+    training = llama_family("llama").train()
     prepare(training)
     assert lean_decoder(training) is None
     assert lean_decoder(training.eval()) is not None
 
 
 def test_forward_hooks_send_the_model_through_the_hf_forward():
-    model = tiny("llama")
+    model = llama_family("llama")
     prepare(model)
     assert lean_decoder(model) is not None
     seen = []
     model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: seen.append(out.shape))
     assert "hooks or a patched forward on model.layers.0.mlp" in why_not_lean(model)
-    out = spec_ext.generate(model, tiny("llama"), [[1, 2, 3]], max_new_tokens=4, policy="fixed")
+    out = spec_ext.generate(model, llama_family("llama"), [[1, 2, 3]], max_new_tokens=4, policy="fixed")
     assert lean_decoder(model) is None  # generate decided again, and the hook ran
     assert len(seen) == out.stats.target_calls
 
 
 def test_lean_forward_sees_in_place_weight_updates():
-    model = tiny("llama")
+    model = llama_family("llama")
     ids = torch.randint(0, 61, (1, 5))
     before = run_both(model, [(ids, torch.arange(5)[None], None, [5])])[1][0][0]
     with torch.no_grad():
