@@ -22,6 +22,11 @@ drafting for Qwen2.5-7B's 152064): inside :func:`attention_implementation` with
 ``vocab_size=V``, :func:`forward` returns every model's logits with V columns (columns a
 model lacks get the lowest float, so probability 0; extra columns are dropped) and feeds a
 model a placeholder id for a token it cannot embed.
+
+Features for draft heads that read the target's hidden states (EAGLE-3): ``forward(...,
+layers=(k, ...))`` also returns the concatenation of HF's ``hidden_states[k]`` of those
+layers, from the same forward (the lean one keeps them as its layer loop passes them; the HF
+modules are asked for those entries only); :func:`aux_layer_ids` picks vLLM's three.
 """
 from __future__ import annotations
 
@@ -41,8 +46,8 @@ from spec_ext.models import lean
 
 ATTENTION = "spec_ext"
 
-__all__ = ["ATTENTION", "attention_implementation", "check_model", "check_pair", "forward", "forward_path",
-           "unsupported_reason"]
+__all__ = ["ATTENTION", "attention_implementation", "aux_layer_ids", "check_model", "check_pair", "forward",
+           "forward_path", "num_layers", "unsupported_reason"]
 
 # keyword arguments models pass to the attention function that do not change what it computes
 _PASSIVE = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states",
@@ -147,6 +152,49 @@ def vocabulary_size(model) -> int:
     if size is None:
         raise ValueError(f"{type(model).__name__}: its config names no vocab_size (nor its text_config)")
     return size
+
+
+def num_layers(model) -> int:
+    """L, the number of decoder layers of ``model`` (its config's ``num_hidden_layers``, or
+    its text config's): HF's ``hidden_states`` has L + 1 entries."""
+    config = model.config
+    count = getattr(config, "num_hidden_layers", None)
+    if count is None and hasattr(config, "get_text_config"):
+        count = getattr(config.get_text_config(), "num_hidden_layers", None)
+    if count is None:
+        raise ValueError(f"{type(model).__name__}: its config names no num_hidden_layers (nor its text_config)")
+    return count
+
+
+def aux_layer_ids(model) -> tuple[int, int, int]:
+    """The three hidden states an EAGLE-3 head reads, as vLLM picks them for a target of L
+    decoder layers: ``(2, L // 2, L - 3)``, each the input of that layer (HF's
+    ``hidden_states[k]``; pass them to :func:`forward` as ``layers``). For L >= 4 that is
+    vLLM's choice as is (e.g. L=32: (2, 16, 29); L=4: (2, 2, 1)). Below 4 layers some of
+    those ids name no layer, so each is clamped into 0..L-1 (a layer's input, never the
+    final norm's output): L=3: (2, 1, 0), L=2: (1, 1, 0), L=1: (0, 0, 0). A head trained
+    with other ids (``eagle_aux_hidden_state_layer_ids`` in its config) should use those."""
+    count = num_layers(model)
+    if count < 1:
+        raise ValueError(f"{type(model).__name__}: {count} decoder layers (aux_layer_ids needs at least 1)")
+    return tuple(min(max(k, 0), count - 1) for k in (2, count // 2, count - 3))
+
+
+def _feature_layers(model, layers) -> tuple[int, ...]:
+    """``layers`` as a tuple of hidden-state indices k in 0..L, or ValueError naming the
+    first that is not one."""
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise ValueError(f"layers: expected None or a tuple of ints, got {layers!r}")
+    layers = tuple(layers)
+    count = num_layers(model)
+    if not layers:
+        raise ValueError("layers: expected None or at least one hidden-state index, got ()")
+    for k in layers:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= count:
+            raise ValueError(f"layers: {k!r} is not a hidden-state index of this {type(model).__name__} "
+                             f"(ints 0..{count}: 0 the embeddings, k the input of layer k, {count} the final norm's "
+                             "output)")
+    return layers
 
 
 def _embeddable(model) -> int:
@@ -257,16 +305,26 @@ _NO_TREE = {}
 
 
 def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tensor | None = None,
-            hidden: bool = False, use_lean: bool = True):
+            hidden: bool = False, use_lean: bool = True, layers: Sequence[int] | None = None):
     """One forward of T new tokens per row over ``cache`` (prefix lengths ``cache.lengths``).
 
     input_ids [B,T], positions [B,T], tree_mask [B|1,T,W] int32 or None (causal).
     Returns logits [B,T,V] (float32; V: the ``vocab_size`` of the enclosing
     :func:`attention_implementation`, else the model's) and, when ``hidden``, the last
-    hidden state [B,T,H]. Models :mod:`spec_ext.models.lean` reproduces take the lean
-    forward (same numbers, less overhead) unless ``use_lean`` is False; others go through
-    the HF modules.
+    hidden state [B,T,H] (after the final norm). ``layers``: a tuple of hidden-state indices
+    k in 0..L (L decoder layers; see :func:`aux_layer_ids`); then the features
+    [B,T,len(layers)*H] come last, in the model's dtype: HF's ``hidden_states[k]`` of each k
+    in the order given, concatenated (k=0: the embeddings as the first layer gets them;
+    0 < k < L: the output of layer k-1, the input of layer k; L: the final norm's output).
+    So: ``logits``, ``(logits, hidden)``, ``(logits, features)`` or ``(logits, hidden,
+    features)``. Models :mod:`spec_ext.models.lean` reproduces take the lean forward (same
+    numbers, less overhead) unless ``use_lean`` is False; others go through the HF modules.
+
+    Example:
+        >>> logits, features = forward(target, ids, cache, positions, layers=aux_layer_ids(target))  # doctest: +SKIP
     """
+    if layers is not None:
+        layers = _feature_layers(model, layers)
     vocab = _VOCAB.get(model)
     if vocab is not None:
         input_ids = input_ids.masked_fill(input_ids >= vocab[0], vocab[1])
@@ -276,7 +334,7 @@ def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tenso
     cache.before_forward(input_ids, positions, tree_mask)
     decoder = lean.lean_decoder(model) if use_lean else None
     if decoder is not None:
-        out = decoder(input_ids, cache, positions, tree_mask, hidden)
+        out = decoder(input_ids, cache, positions, tree_mask, hidden, layers)
     else:
         if tree_mask is None:
             key = (input_ids.device, input_ids.shape[1])
@@ -285,11 +343,29 @@ def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tenso
             mask4d = _NO_TREE[key]
         else:
             mask4d = tree_mask.unsqueeze(1)
+        if layers is None:
+            captured = hidden
+        else:  # only the entries asked for are kept (the others come back None)
+            count = num_layers(model)
+            captured = sorted({*layers, count} if hidden else set(layers))
         result = model(input_ids=input_ids, position_ids=positions, attention_mask=mask4d, use_cache=True,
-                       output_hidden_states=hidden, spec_prefix_lens=cache.lengths,
+                       output_hidden_states=captured, spec_prefix_lens=cache.lengths,
                        **{_cache_argument(type(model)): cache})
         logits = result.logits.float()
-        out = (logits, result.hidden_states[-1]) if hidden else logits
+        if layers is None:
+            out = (logits, result.hidden_states[-1]) if hidden else logits
+        else:
+            out = (logits, result.hidden_states[-1]) if hidden else (logits,)
+            out += (_features(model, result.hidden_states, layers, count),)
     if vocab is None:
         return out
-    return (_fit_vocab(out[0], vocab[2]), out[1]) if hidden else _fit_vocab(out, vocab[2])
+    return (_fit_vocab(out[0], vocab[2]), *out[1:]) if isinstance(out, tuple) else _fit_vocab(out, vocab[2])
+
+
+def _features(model, states: tuple, layers: tuple[int, ...], count: int) -> Tensor:
+    """The HF modules' ``hidden_states`` entries ``layers``, concatenated."""
+    if len(states) != count + 1 or any(states[k] is None for k in layers):
+        raise RuntimeError(f"{type(model).__name__}: its forward returned {len(states)} hidden states, not "
+                           f"num_hidden_layers + 1 = {count + 1} with the entries {sorted(set(layers))} asked for: "
+                           "spec_ext cannot tell which layers they come from")
+    return torch.cat([states[k] for k in layers], -1)

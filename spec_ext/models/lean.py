@@ -183,12 +183,21 @@ class LeanDecoder:
         return table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1)
 
     def __call__(self, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tensor | None = None,
-                 hidden: bool = False):
+                 hidden: bool = False, layers: tuple[int, ...] | None = None):
+        """logits [B,T,V] float32; with ``hidden`` also the last hidden state (after the
+        final norm); with ``layers`` (checked by the caller: ints in 0..L) also the features
+        [B,T,len(layers)*H]: hidden state k is the input of layer k (k=0: the embeddings),
+        L the output of the final norm, as HF's ``hidden_states[k]``. Returns logits,
+        (logits, hidden), (logits, features) or (logits, hidden, features)."""
         B, T = input_ids.shape
         linear = self.linear
         x = F.embedding(input_ids, self.embed)
         cos, signed_sin = self._rotary(positions, x.dtype, cache.capacity)
+        # hidden state k -> its tensor: a reference is enough, the residual stream is never changed in place
+        kept = None if layers is None else {}
         for index, layer in enumerate(self.layers):
+            if kept is not None and index in layers:
+                kept[index] = x
             h = _rms_norm(x, *layer["input_norm"])
             shape = (B, T, -1, layer["head_dim"])
             q, k = linear(h, *layer["q"]).view(shape), linear(h, *layer["k"]).view(shape)
@@ -204,7 +213,11 @@ class LeanDecoder:
             x = x + linear(layer["act"](linear(h, *layer["gate"])) * linear(h, *layer["up"]), *layer["down"])
         x = _rms_norm(x, *self.norm)
         logits = linear(x, *self.lm_head).float()
-        return (logits, x) if hidden else logits
+        if kept is None:
+            return (logits, x) if hidden else logits
+        kept[len(self.layers)] = x
+        features = torch.cat([kept[k] for k in layers], -1)
+        return (logits, x, features) if hidden else (logits, features)
 
 
 _DECODERS: "weakref.WeakKeyDictionary[object, LeanDecoder | None]" = weakref.WeakKeyDictionary()
