@@ -71,7 +71,6 @@ def llama_family(kind):
     return MistralForCausalLM(MistralConfig(sliding_window=None, **common)).eval()
 
 
-tiny = llama_family  # the old name, still imported by tests/test_kv_cache.py
 
 
 def llama(vocab, hidden, layers, seed, sharpen=1.0, max_positions=256):

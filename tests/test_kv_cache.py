@@ -5,7 +5,7 @@ import torch
 import spec_ext
 from spec_ext import reference
 from spec_ext.models import SpecCache, hf
-from helpers import backend_params, device_for, tiny
+from helpers import backend_params, device_for, llama_family
 
 BACKENDS = backend_params("compact_kv")
 
@@ -106,7 +106,7 @@ def test_bad_input():
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 @torch.no_grad()
 def test_spec_cache_commit_and_rollback_match_fresh_forward(kind):
-    model = tiny(kind)
+    model = llama_family(kind)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 61, (n,), generator=g).tolist() for n in (6, 2, 9)]
     cache = SpecCache.for_model(model, 3, 64)

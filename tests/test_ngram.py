@@ -176,8 +176,8 @@ def test_accelerate_without_a_draft_is_a_drop_in_for_generate(pair):
 class Recording(TextDrafter):
     """The text drafter, recording at every round each row's history and the drafts it proposed."""
 
-    def start(self, seqs, capacity, sampler, generator=None):
-        super().start(seqs, capacity, sampler, generator)
+    def start(self, *args, **kwargs):
+        super().start(*args, **kwargs)
         self.seen = []
 
     def chains(self):

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from spec_ext.models import forward
+from spec_ext.models import check_model, check_pair, forward
 from spec_ext.policies import Policy
 
 
@@ -65,7 +65,8 @@ class Outcome:
     root), whose target distribution gave the final token; ``path`` [B,W] the accepted node
     ids of a tree (None for a chain); ``p`` [B,W',V] the target distribution at each
     verified position (None when greedy); ``num_draft`` [B] the proposal's counts and
-    ``drafted`` the same on the host.
+    ``drafted`` the same on the host; ``features`` [B,W',F] the target's hidden states of
+    the drafter's ``target_layers`` at each verified position (None when it asks for none).
     """
     tokens: Tensor
     num_accepted: Tensor
@@ -76,6 +77,7 @@ class Outcome:
     last: Tensor
     path: Tensor | None = None
     p: Tensor | None = None
+    features: Tensor | None = None
 
 
 class Drafter:
@@ -84,20 +86,35 @@ class Drafter:
 
     ``policy`` decides how far the drafter goes (its ``plan`` / ``keep_drafting``) or what
     shape it grows (a static tree's ``parents``, the text's continuation trees); ``calls``
-    counts the drafter's model forwards (0 for a drafter without a model).
+    counts the drafter's model forwards (0 for a drafter without a model); ``model`` is its
+    draft causal LM (None: none, or not an HF causal LM); ``target_layers``: the target
+    layers whose hidden states (HF's ``hidden_states[k]``) the drafter reads from every
+    target forward (None: none), handed over in :meth:`start` and :class:`Outcome`.
     """
 
     calls: int = 0
+    target_layers: tuple[int, ...] | None = None
 
     def __init__(self, policy: Policy):
         self.policy = policy
 
-    model = None  # the draft model, when the drafter has one
+    model = None
 
-    def start(self, seqs: list[list[int]], capacity: int, sampler: "Sampler", generator=None) -> None:
+    def bind(self, target) -> None:
+        """Once per generate call, before :meth:`start`: check that the drafter fits ``target``
+        (``ValueError`` naming what does not)."""
+        if self.model is None:
+            check_model(target, "target")
+        else:
+            check_pair(target, self.model)
+
+    def start(self, seqs: list[list[int]], capacity: int, sampler: "Sampler", generator=None,
+              features: Tensor | None = None) -> None:
         """Before the first round: every row's prompt (its last token is the first root),
         the most tokens a row may hold (prompt, output and one round's drafts), the sampler
-        the target is verified with (drafts are drawn with it) and the generator."""
+        the target is verified with (drafts are drawn with it) and the generator; with
+        ``target_layers``, ``features`` [B,L,F] of each prompt's tokens but its last (row b's
+        first ``len(seqs[b]) - 1``; None when every prompt has one token)."""
 
     def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
         """The drafts of every active row: ``seqs`` their committed tokens (host, read only),
@@ -145,6 +162,42 @@ class Sampler:
         return torch.multinomial(q, 1, generator=generator).squeeze(1), q
 
 
+def draft_chain(policy: Policy, sampler: Sampler, generator, logits: Tensor, hidden: Tensor | None, step,
+                budget: list[int], forced: Tensor | None = None, forced_rows: Tensor | None = None
+                ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The chain loop every drafter with distributions shares: from ``logits`` [B,V] (and the
+    ``hidden`` [B,H] that produced them) propose a token per row, then ``step(token)`` gives
+    the next logits and hidden, up to ``budget[b]`` drafts per row, stopping rows where the
+    policy's ``keep_drafting`` says (one host sync per step for adaptive policies only).
+    ``forced`` [B,k] replaces the drafts of ``forced_rows`` [B] bool. Returns drafts [B,K]
+    (-1 padded), the q [B,K,V] each was drawn from (None when greedy), num_draft [B]."""
+    B, device = logits.shape[0], logits.device
+    kmax = max(budget)
+    budget_t = None if min(budget) == kmax else torch.tensor(budget, device=device)
+    drafts = torch.full((B, kmax), -1, dtype=torch.int64, device=device)
+    q_all = None if sampler.greedy else torch.zeros(B, kmax, logits.shape[-1], device=device)
+    num_draft = torch.zeros(B, dtype=torch.int64, device=device)
+    going = torch.ones(B, dtype=torch.bool, device=device)
+    adaptive, steps = policy.adaptive, 0
+    for n in range(1, kmax + 1):
+        token, q = sampler.propose(logits, generator)
+        if forced is not None:
+            token = torch.where(forced_rows, forced[:, n - 1], token)
+        drafts[:, n - 1] = torch.where(going, token, -1)
+        if q is not None:
+            q_all[:, n - 1] = q
+        num_draft += going
+        steps = n
+        if budget_t is not None:
+            going = going & (n < budget_t)
+        if adaptive:
+            going &= policy.keep_drafting(n, torch.softmax(logits, -1), token, hidden)
+        if n == kmax or (adaptive and not bool(going.any())):
+            break
+        logits, hidden = step(token)
+    return drafts[:, :steps], None if q_all is None else q_all[:, :steps], num_draft
+
+
 def pad_rows(rows: Sequence[Sequence[int]], value: int, device, left: bool = False) -> Tensor:
     """[B, longest] int64: ragged rows padded with ``value`` on the right (or the left)."""
     width = max(len(r) for r in rows)
@@ -160,15 +213,17 @@ def check_finite(logits: Tensor, model: str) -> None:
         raise ValueError(f"{model}: its logits on the prompt contain NaN or inf (check its weights and dtype)")
 
 
-def prefill(model, cache, rows: Sequence[Sequence[int]], role: str, hidden: bool = False):
+def prefill(model, cache, rows: Sequence[Sequence[int]], role: str, hidden: bool = False,
+            layers: tuple[int, ...] | None = None):
     """Feed each row's tokens (ragged) to ``model`` over ``cache`` from position 0, check the
     logits once (:func:`check_finite`, naming ``role``) and keep them in the cache. Returns
-    the forward's output (logits [B,L,V], with ``hidden`` also the hidden states), or None
-    when every row is empty."""
+    the forward's output (as :func:`spec_ext.models.forward` gives it for ``hidden`` and
+    ``layers``), or None when every row is empty."""
     if max(map(len, rows)) == 0:
         return None
     ids = pad_rows(rows, 0, cache.buffer.device)
-    out = forward(model, ids, cache, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), hidden=hidden)
-    check_finite(out[0] if hidden else out, role)
+    out = forward(model, ids, cache, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), hidden=hidden,
+                  **({} if layers is None else dict(layers=layers)))
+    check_finite(out[0] if hidden or layers is not None else out, role)
     cache.advance([len(r) for r in rows])
     return out

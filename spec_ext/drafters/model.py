@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, check_finite, pad_rows, prefill
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, check_finite, draft_chain, pad_rows, prefill
 from spec_ext.models import SpecCache, forward
 from spec_ext.ops import build_tree
 from spec_ext.policies import Policy
@@ -35,7 +35,8 @@ class ModelDrafter(Drafter):
             self.parents, self.mask = tree.parents[0].to(device), tree.mask.to(device)
             self.depth, self.max_depth = tree.depth[0].to(device), tree.max_depth
 
-    def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None) -> None:
+    def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None,
+              features: Tensor | None = None) -> None:
         self.sampler, self.generator, self.calls = sampler, generator, 0
         self.device = self.model.device
         self.cache = SpecCache.for_model(self.model, len(seqs), capacity)
@@ -71,34 +72,16 @@ class ModelDrafter(Drafter):
         each was drawn from (None when greedy) and num_draft [B]."""
         logits, hidden = self._catch_up(seqs)
         B = len(seqs)
-        budget = self.policy.plan() if budget is None else budget
-        kmax = max(budget)
-        budget_t = None if min(budget) == kmax else torch.tensor(budget, device=self.device)
-        drafts = torch.full((B, kmax), -1, dtype=torch.int64, device=self.device)
-        q_all = None if self.sampler.greedy else torch.zeros(B, kmax, logits.shape[-1], device=self.device)
-        num_draft = torch.zeros(B, dtype=torch.int64, device=self.device)
-        going = torch.ones(B, dtype=torch.bool, device=self.device)
-        adaptive, steps = self.policy.adaptive, 0
-        for step in range(1, kmax + 1):
-            token, q = self.sampler.propose(logits, self.generator)
-            if forced is not None:
-                token = torch.where(forced_rows, forced[:, step - 1], token)
-            drafts[:, step - 1] = torch.where(going, token, -1)
-            if q is not None:
-                q_all[:, step - 1] = q
-            num_draft += going
-            steps = step
-            if budget_t is not None:
-                going = going & (step < budget_t)
-            if adaptive:
-                going &= self.policy.keep_drafting(step, torch.softmax(logits, -1), token, hidden)
-            if step == kmax or (adaptive and not bool(going.any())):
-                break
+
+        def step(token: Tensor) -> tuple[Tensor, Tensor | None]:
             out = self.forward(token.clamp_min(0)[:, None], self.cache.lengths[:, None])
-            logits, hidden = (out[0][:, 0], out[1][:, 0]) if self.hidden else (out[:, 0], None)
             self.cache.advance([1] * B)
-        self.feeds(steps - 1)
-        return drafts[:, :steps], None if q_all is None else q_all[:, :steps], num_draft
+            return (out[0][:, 0], out[1][:, 0]) if self.hidden else (out[:, 0], None)
+
+        drafts, q, num_draft = draft_chain(self.policy, self.sampler, self.generator, logits, hidden, step,
+                                           self.policy.plan() if budget is None else budget, forced, forced_rows)
+        self.feeds(drafts.shape[1] - 1)
+        return drafts, q, num_draft
 
     def tree(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
         """The policy's static tree (``branching[d]`` children per node at depth d), each

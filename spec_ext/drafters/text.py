@@ -28,7 +28,8 @@ class TextDrafter(Drafter):
     def __init__(self, policy: NGram):
         super().__init__(policy)
 
-    def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None) -> None:
+    def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None,
+              features: Tensor | None = None) -> None:
         self.rows = [NGramIndex(s, self.policy.n_max, self.policy.n_min) for s in seqs]
 
     def chains(self) -> list[list[int]]:

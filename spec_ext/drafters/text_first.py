@@ -28,7 +28,8 @@ class TextFirst(Drafter):
     def calls(self) -> int:
         return self.drafter.calls
 
-    def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None) -> None:
+    def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None,
+              features: Tensor | None = None) -> None:
         self.text.start(seqs, capacity, sampler, generator)
         self.drafter.start(seqs, capacity, sampler, generator)
 

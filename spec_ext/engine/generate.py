@@ -14,7 +14,7 @@ from spec_ext.engine.common import Output, Stats, prompt_rows
 from spec_ext.engine.parallel import ParallelEngine
 from spec_ext.engine.serial import SerialEngine
 from spec_ext.engine.tensor_parallel import channel
-from spec_ext.models import attention_implementation, check_model, check_pair, split_size, vocabulary_size
+from spec_ext.models import attention_implementation, check_model, split_size, vocabulary_size
 from spec_ext.policies import Policy, resolve
 
 
@@ -79,11 +79,10 @@ def _drafter(target, draft, policy: Policy) -> Drafter | None:
     if policy.parallel and drafter is not None and drafter.model is None:
         raise ValueError(f"policy: {type(policy).__name__} runs a draft model beside the target; "
                          f"the drafter {type(drafter).__name__} has none")
-    model = None if drafter is None else drafter.model
-    if model is None:
+    if drafter is None:
         check_model(target, "target")
     else:
-        check_pair(target, model)
+        drafter.bind(target)
     if distributed and split_size(target) > 1:
         raise ValueError("policy: PEARL(mode='distributed') with a tensor-parallel target: transformers' tensor "
                          "parallelism takes the whole default process group (WORLD_SIZE == tp_size), so no rank "

@@ -35,22 +35,33 @@ class SerialEngine(Rows):
         self.capacity = max(len(p) for p in prompts) + max_new_tokens + policy.max_draft + 2
         self.cache = SpecCache.for_model(target, len(prompts), self.capacity)
         self.target_hidden = policy.uses_target_hidden
+        self.layers = drafter.target_layers
         self.roots = torch.tensor([p[-1] for p in prompts], device=self.device)
+
+    def _outputs(self, out) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """(logits, the last hidden state for the policy, the drafter's features) of a forward."""
+        out = list(out) if self.target_hidden or self.layers is not None else [out]
+        return out[0], out[1] if self.target_hidden else None, out[-1] if self.layers is not None else None
 
     def _target(self, ids: Tensor, positions: Tensor, mask=None):
         self.stats.target_calls += 1
-        return forward(self.target, ids, self.cache, positions, mask, self.target_hidden)
+        extra = {} if self.layers is None else dict(layers=self.layers)
+        return self._outputs(forward(self.target, ids, self.cache, positions, mask, self.target_hidden, **extra))
 
-    def prefill(self) -> None:
+    def prefill(self) -> Tensor | None:
+        """The prompts but their last tokens into the target's cache; returns the drafter's
+        features of them (None when it reads none)."""
         heads = [s[:-1] for s in self.seqs]
-        out = prefill(self.target, self.cache, heads, "target", hidden=self.target_hidden)
+        out = prefill(self.target, self.cache, heads, "target", self.target_hidden, self.layers)
         if out is None:
-            return
+            return None
         self.stats.target_calls += 1
+        _, hidden, features = self._outputs(out)
         if self.target_hidden and min(map(len, heads)) > 0:  # one-token prompts: the policy's first guess
             last = torch.tensor([len(h) - 1 for h in heads], device=self.device)
             rows = torch.arange(len(heads), device=self.device)
-            self.policy.see_target(out[1][rows, last], self.roots)
+            self.policy.see_target(hidden[rows, last], self.roots)
+        return features
 
     def verify(self, proposal: Proposal) -> Outcome:
         """One target forward over the roots and the proposal, the sampler, the round's host
@@ -63,8 +74,7 @@ class SerialEngine(Rows):
         else:
             ids = torch.cat([self.roots[:, None], proposal.tokens.clamp_min(0)], 1)
             positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
-        out = self._target(ids, positions, proposal.mask)
-        logits, hidden = out if self.target_hidden else (out, None)
+        logits, hidden, features = self._target(ids, positions, proposal.mask)
         p = None if self.sampler.greedy else self.sampler.probs(logits)
         # the loop builds the verification's inputs itself: no input checks (they cost 2.7% of
         # a greedy call at batch 1 on CPU); the models' logits were checked on the prompt
@@ -82,7 +92,7 @@ class SerialEngine(Rows):
             self.cache.advance([a + 1 for a in accepted], result.num_accepted + 1)
         self.roots = result.tokens[rows, result.num_accepted]
         return Outcome(result.tokens, result.num_accepted, accepted, [o[:a + 1] for o, a in zip(outcome, accepted)],
-                       proposal.num_draft, drafted, last, result.path if proposal.is_tree else None, p)
+                       proposal.num_draft, drafted, last, result.path if proposal.is_tree else None, p, features)
 
     def _sample(self, proposal: Proposal, logits: Tensor, p: Tensor | None):
         """The greedy or rejection-sampling verification of a chain or a tree."""
@@ -109,8 +119,9 @@ class SerialEngine(Rows):
 
     def run(self) -> Stats:
         self.policy.start(len(self.active), self.sampler.greedy)
-        self.drafter.start([list(s) for s in self.seqs], self.capacity, self.sampler, self.generator)
-        self.prefill()
+        features = self.prefill()
+        self.drafter.start([list(s) for s in self.seqs], self.capacity, self.sampler, self.generator,
+                           features=features)
         while self.active:
             proposal = self.drafter.propose([self.seqs[r] for r in self.active], self.roots)
             outcome = self.verify(proposal)
