@@ -1,14 +1,18 @@
 """Kernel microbenchmarks: every available backend side by side in one run.
 
 Appends CSV rows (op, backend, shape, device, median_us, p20_us, p80_us, extra, version,
-commit) to benchmarks/results/kernels_<device>.csv and draws kernels_<device>.png from its latest rows
+commit; extra holds min_us, the fastest call, and repeats, the calls timed) to
+benchmarks/results/kernels_<device>.csv and draws kernels_<device>.png from its latest rows
 (<device>: cpu, or the GPU's name such as NVIDIA-H200)
 (speed-up of each backend over the torch reference). The backends of one shape are timed
 call by call in turn (a load change reaches all alike); tree_attention also has the sdpa
 backend and "auto" (what spec_ext.ops.selection picks, its per-call choice included), and
-the run ends with auto against the fastest backend of the same run.
+the run ends with auto against the fastest backend of the same run. "crossover" times
+tree_attention's C++ kernel, SDPA and auto (no reference) around the CPU table's GQA bound,
+several rounds of every shape in turn, and compares the fastest call of each: on a shared
+machine a call's median moves by 30%, its fastest by a few percent.
 
-    python benchmarks/bench_kernels.py [--ops rejection tree attention kv linear policy] [--quick]
+    python benchmarks/bench_kernels.py [--ops rejection tree attention kv linear policy crossover] [--quick]
 """
 from __future__ import annotations
 
@@ -163,11 +167,14 @@ def tree_cases(device, quick):
         yield "tree_mask", f"B={B},T={T}", build, f"bytes={parents_bt.numel() * 8 * 2}"
 
 
-def attention_cases(device, quick):
+def attention_cases(device, quick, grid=None):
     """tree_attention on a binary tree over a prefix of S - T keys, beside what a model runs
     otherwise: SDPA with the dense [T, S] mask HF builds, and (GPU) SDPA's causal
-    lower-right kernel on the same shape as a chain (the speed bar for a tree)."""
-    if device == "cpu":  # 32 heads of 128 with and without GQA; the bundled target's and draft's heads
+    lower-right kernel on the same shape as a chain (the speed bar for a tree). ``grid``:
+    these (B, S, T, Hq, Hkv, D) in float32, tree_attention alone."""
+    if grid is not None:
+        dtype = torch.float32
+    elif device == "cpu":  # 32 heads of 128 with and without GQA; the bundled target's and draft's heads
         grid = [(B, S, T, 32, Hkv, 128) for Hkv in (32, 8) for B in (1, 8) for S in (512, 4096)
                 for T in (1, 4, 8, 32, 64)]
         grid += [(B, 256, T, 10, 5, 32) for B in (1, 8) for T in (1, 6, 22)] + [(B, 256, 1, 6, 6, 32) for B in (1, 8)]
@@ -177,7 +184,8 @@ def attention_cases(device, quick):
                 (8, 4096, 64, 32, 8, 128), (32, 2048, 16, 32, 8, 128), (1, 32768, 64, 32, 8, 128),
                 (8, 16384, 32, 32, 8, 128)]
         dtype = torch.bfloat16
-    if quick:
+    anchors = grid is None
+    if quick and anchors:
         grid = grid[:1]
     for B, S, T, H, Hkv, D in grid:
         g = torch.Generator().manual_seed(0)
@@ -195,6 +203,8 @@ def attention_cases(device, quick):
         def run(backend, q=q, k=k, v=v, mask=mask, prefix=prefix):
             return lambda: spec_ext.tree_attention(q, k, v, prefix, mask, backend=backend, validate=False)
         yield "tree_attention", shape, run, f"flops={flops};{moved}"
+        if not anchors:
+            continue
 
         def sdpa_dense(backend, q=q, k=k, v=v, dense=dense):
             return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
@@ -206,6 +216,28 @@ def attention_cases(device, quick):
                 bias = causal_lower_right(T, S)
                 return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
             yield "anchor: SDPA flash, causal lower-right", shape, sdpa_causal, moved
+
+
+def crossover_cases(device, quick):
+    """tree_attention on CPU where the C++ kernel's GQA packing and SDPA cross: groups of 2,
+    4 and 8 query heads per KV head, T = 4..32 new tokens, over B * S * Hkv * D from 2^17 to
+    2^24 key elements, on both sides of the C++ kernel's switch from batched GEMMs to one
+    head at a time (B * Hq * T * S > 2^20 scores); the bundled target's heads at batch 8; a
+    few rows without GQA on both sides of the 2^23 size bound. A binary tree over a prefix of
+    S - T keys, as attention_cases."""
+    if device != "cpu":
+        return
+    grid = [(B, S, T, Hq, Hkv, D) for Hq, Hkv, D in ((16, 4, 64), (32, 8, 128)) for B in (1, 4)
+            for S in (512, 1512, 4096) for T in (4, 8, 12, 16, 24, 32)]
+    grid += [(1, S, T, 32, 4, 128) for S in (1512, 4096) for T in (4, 8, 12, 16)]
+    grid += [(1, S, T, Hq, Hkv, D) for Hq, Hkv, D in ((16, 8, 64), (32, 16, 128)) for S in (1512, 4096)
+             for T in (4, 8, 16, 24)]
+    grid += [(8, 256, T, 10, 5, 32) for T in (8, 16, 22)]
+    grid += [(B, 512, 4, 32, 32, 128) for B in (1, 2)] + [(1, 1512, T, 16, 16, 64) for T in (8, 16)]
+    if quick:
+        grid = [(1, 1512, 12, 16, 4, 64)]
+    for case in attention_cases(device, quick, grid):
+        yield case
 
 
 def kv_cases(device, quick):
@@ -282,31 +314,41 @@ def policy_cases(device, quick):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", nargs="+", default=["rejection", "tree", "attention", "kv", "linear", "policy"])
+    parser.add_argument("--ops", nargs="+", default=["rejection", "tree", "attention", "kv", "linear", "policy"],
+                        help="families (crossover: only when asked)")
     parser.add_argument("--quick", action="store_true", help="one shape per op")
     parser.add_argument("--budget", type=float, default=2.0, help="seconds of repeats per measurement")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="crossover: time every shape this many times, a round over all shapes each")
+    parser.add_argument("--repeats", type=int, default=50, help="at most this many calls per backend and shape")
     parser.add_argument("--graphs", action="store_true",
                         help="CUDA: also the GPU time alone (CUDA-graph replay) of every kernel that does not sync")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     families = {"rejection": rejection_cases, "tree": tree_cases, "attention": attention_cases, "kv": kv_cases,
-                "linear": linear_cases, "policy": policy_cases}
+                "linear": linear_cases, "policy": policy_cases, "crossover": crossover_cases}
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"kernels_{device_file()}.csv"
-    new = not out.exists()
     rows = []
-    with out.open("a", newline="") as f:
-        writer = csv.DictWriter(f, FIELDS)
-        if new:
-            writer.writeheader()
+    with ResultFiles() as files:
         for family in args.ops:
-            for op, shape, run, extra in tqdm(list(families[family](device, args.quick)), desc=family):
-                fns = {backend: run(backend) for backend in backends_for(KERNEL_OF.get(op, op), device)}
-                for backend, t in measure(fns, budget_s=args.budget).items():
+            # the crossover's rows (no reference, rounds of each shape) have a file of their own
+            writer, f = files.get(RESULTS / f"tree_attention_crossover_{device_file()}.csv" if family == "crossover"
+                                  else out)
+            cases = list(families[family](device, args.quick))
+            if family == "crossover":  # rounds over all shapes: a load change reaches each shape alike
+                cases = [case for _ in range(args.rounds) for case in cases]
+            for op, shape, run, extra in tqdm(cases, desc=family):
+                backends = backends_for(KERNEL_OF.get(op, op), device)
+                if family == "crossover":  # the two sides of the choice and the choice itself
+                    backends = [b for b in backends if b != "torch"]
+                fns = {backend: run(backend) for backend in backends}
+                for backend, t in measure(fns, budget_s=args.budget, max_repeats=args.repeats).items():
                     t = t * 1e6
-                    row_extra = extra  # the torch reference syncs with the host: it cannot be captured
+                    row_extra = f"{extra};min_us={t.min():.2f};repeats={len(t)}"
                     if args.graphs and device == "cuda" and (backend != "torch" or op.startswith("anchor")):
-                        row_extra = f"{extra};graph_us={graph_us(fns[backend])}"
+                        # the torch reference syncs with the host: it cannot be captured
+                        row_extra = f"{row_extra};graph_us={graph_us(fns[backend])}"
                     row = dict(op=op, backend=backend, shape=shape, device=device_name(),
                                median_us=round(float(np.median(t)), 2), p20_us=round(float(np.percentile(t, 20)), 2),
                                p80_us=round(float(np.percentile(t, 80)), 2), extra=row_extra,
@@ -316,7 +358,34 @@ def main():
                     rows.append(row)
     report(rows)
     auto_report(rows)
-    plot(latest_rows(out, device_name()), RESULTS / f"kernels_{device_file()}.png")
+    if "crossover" in args.ops:
+        crossover_report(rows)
+    if out.exists():
+        plot(latest_rows(out, device_name()), RESULTS / f"kernels_{device_file()}.png")
+
+
+class ResultFiles:
+    """CSV files opened for appending (a header when new), one writer each."""
+
+    def __init__(self):
+        self.open = {}
+
+    def get(self, path: Path):
+        if path not in self.open:
+            new = not path.exists()
+            f = path.open("a", newline="")
+            writer = csv.DictWriter(f, FIELDS)
+            if new:
+                writer.writeheader()
+            self.open[path] = writer, f
+        return self.open[path]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for _, f in self.open.values():
+            f.close()
 
 
 def latest_rows(path: Path, device: str) -> list[dict]:
@@ -337,6 +406,8 @@ def report(rows):
         by_key.setdefault((r["op"], r["shape"]), {})[r["backend"]] = r
     print(f"\n{'op':24} {'shape':44} {'backend':8} {'median us':>12} {'vs torch':>9} {'achieved':>14}")
     for (op, shape), group in by_key.items():
+        if "torch" not in group:  # crossover rows: crossover_report
+            continue
         ref = group["torch"]["median_us"]
         for backend, r in group.items():
             fields = dict(part.split("=", 1) for part in r["extra"].split(";") if "=" in part)
@@ -363,6 +434,32 @@ def auto_report(rows):
                          f" us: auto / fastest = {times['auto'] / times[fastest]:.3f}")
     if lines:
         print("\nauto against the fastest backend of the same run:\n" + "\n".join(lines))
+
+
+def fastest_us(row) -> float:
+    """The fastest call of a row (min_us in extra; the 20th percentile in rows from before it)."""
+    fields = dict(part.split("=", 1) for part in row["extra"].split(";") if "=" in part)
+    return float(fields.get("min_us", row["p20_us"]))
+
+
+def crossover_report(rows):
+    """Per shape, over the rounds of this run: the fastest call of the C++ kernel and of
+    SDPA, their ratio in each round (the spread says how far the noise reached) and what
+    auto took."""
+    by_shape = {}
+    for r in rows:
+        if r["op"] == "tree_attention":
+            by_shape.setdefault(r["shape"], []).append(r)
+    print(f"\n{'shape':46} {'cpu min us':>10} {'sdpa min us':>11} {'sdpa/cpu per round':>26} {'auto/best':>9}")
+    for shape, group in by_shape.items():
+        best = {}
+        for r in group:
+            best[r["backend"]] = min(best.get(r["backend"], float("inf")), fastest_us(r))
+        rounds = [fastest_us(s) / fastest_us(c) for c, s in zip((r for r in group if r["backend"] == "cpu"),
+                                                                (r for r in group if r["backend"] == "sdpa"))]
+        auto = best.get("auto", float("nan")) / min(best.get("cpu", float("inf")), best.get("sdpa", float("inf")))
+        print(f"{shape:46} {best.get('cpu', float('nan')):10.0f} {best.get('sdpa', float('nan')):11.0f} "
+              f"{' '.join(f'{x:.2f}' for x in rounds):>26} {auto:9.3f}")
 
 
 def plot(rows, path):

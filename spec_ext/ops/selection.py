@@ -43,13 +43,13 @@ def _no_softcap_or_sinks(q, k, v, prefix_lens, tree_mask, scale, window, softcap
 
 def _cpu_sdpa_shapes(q, k, v, prefix_lens, tree_mask, scale, window, softcap, sinks) -> bool:
     """2..64 new tokens and B * Hq * T * S * D > 2^23 (S: the keys passed), except where the
-    C++ kernel's GQA packing wins: a group's T * (Hq / Hkv) query rows <= 32 (one GEMM of a
-    group) over keys of B * S * Hkv * D <= 2^22 elements (K of a batch that stays in cache)."""
+    C++ kernel's GQA packing wins: GQA with T <= 16 new tokens on its batched path, whose
+    B * Hq * T * S scores stay under 2^20 (4 MB: from there its scores fall out of cache)."""
     B, heads, T, D = q.shape
     kv_heads, S = k.shape[1], k.shape[2]
     if softcap or sinks is not None or not 2 <= T <= 64 or B * heads * T * S * D <= 1 << 23:
         return False
-    return not (kv_heads < heads and T * (heads // kv_heads) <= 32 and B * S * kv_heads * D <= 1 << 22)
+    return not (kv_heads < heads and T <= 16 and B * heads * T * S < 1 << 20)
 
 
 def _sampling(target, draft_tokens, draft_probs, num_draft, uniforms, greedy, *rest) -> bool:
@@ -63,21 +63,31 @@ def _greedy(target, draft_tokens, draft_probs, num_draft, uniforms, greedy, *res
 CPU_ROWS = ("benchmarks/results/kernels_cpu.csv, op tree_attention, backends cpu, sdpa and auto side by side (2 "
             "threads on a 2-core machine, where one call's time moves by up to 20% between rounds, so ratios "
             "near 1 are noise): ")
+CROSSOVER_ROWS = ("benchmarks/results/tree_attention_crossover_cpu.csv, the fastest call of cpu and sdpa over "
+                  "three runs (8, 10 and 6 rounds of 103 shapes, calls interleaved; 2 threads on the 2-core machine "
+                  "while other test runs kept its load at 4-8: a row's median call took 1.12-1.26x its fastest "
+                  "at the median row, 2.0-3.4x at the 80th percentile, and two runs' sdpa/cpu ratios of fastest "
+                  "calls differ by 6-11% at the median shape, 12-28% at the 80th percentile): ")
+CPU_COMMAND_CROSSOVER = "python benchmarks/bench_kernels.py --ops crossover --rounds 8 --repeats 6 --budget 0.3"
 TABLE: dict[tuple[str, str], tuple[Entry, ...]] = {
     ("cpu", "tree_attention"): (
         Entry("sdpa", "2 <= T <= 64 new tokens with B*Hq*T*S*D > 2^23 (S: the keys passed), no softcap or sinks, "
-                      "except GQA with T*(Hq/Hkv) <= 32 over B*S*Hkv*D <= 2^22 key elements",
-              CPU_ROWS + "the last two runs (quiet machine, calls in a new random order each round), Hq=32, D=128, "
-              "T=4..64 over that size: SDPA's fused kernel 0.64-1.08 of the C++ time (B=8, S=512, T=32: "
-              "0.75-0.78); with GQA 4 at T=4 and 8 over B*S <= 4096 keys the C++ kernel ahead by 10-70% (B=1, "
-              "S=4096, T=4: 8.3 vs 13.9 ms), from B=8, S=4096 SDPA ahead again (0.74-0.84); the bundled "
-              "target at B=8, T=22: SDPA 0.83-0.97. Measured auto within 5% of the faster backend on 45 of 48 "
-              "shapes of the last run, 1.05-1.06x on the rest; the 1.06x (B=1, S=512, T=4, exactly 2^23, the "
-              "C++ kernel ahead by 5-6% in both runs) has since moved to the C++ side", CPU_COMMAND,
-              _cpu_sdpa_shapes),
+                      "except GQA with T <= 16 under 2^20 scores (B*Hq*T*S: the C++ kernel's batched GEMMs)",
+              CROSSOVER_ROWS + "above 2^23, GQA (groups 2, 4, 8) under 2^20 scores, SDPA / C++ time: T=4 1.19-1.65, "
+              "T=8 1.11-1.37, T=12 0.98-1.23 (issue 38's B=1, Hq=16, Hkv=4, S=1512, D=64: 567 / 545 us, 1.04), "
+              "T=16 0.93-1.16, T=22-32 0.85-0.99; at exactly 2^20 scores 0.64-1.11, 6 of 8 shapes below 0.83 "
+              "(B=1, Hq=32, Hkv=8, S=4096, T=8: 5759 / 7022 us; the C++ batched GEMMs' scores are 4 MB there, "
+              "twice a core's L2), beyond them (one head at a time, no GQA packing) 0.79-0.96; without GQA the 2^23 "
+              "bound holds (B=1 and 2, Hq=32, S=512, T=4: 1.04, 0.94). This rule picks within 5% of the "
+              "faster on 101 of the 103 shapes, at most 1.11x (B=4, Hq=16, Hkv=4, S=4096, T=4, exactly 2^20 "
+              "scores: 0.75-3.5 between runs), then 1.08x (B=8, Hq=10, Hkv=5, S=256, T=16: 442 / 409 us); "
+              "the one before it (GQA with T*Hq/Hkv <= 32 over <= 2^22 key elements) on 91, at most 1.36x. "
+              "And " + CPU_ROWS + "medians, Hq=32, D=128 without GQA, T=4..64 over 2^23: SDPA 0.64-1.08 of "
+              "the C++ time (B=8, S=512, T=32: 0.75-0.78); the bundled target at B=8, T=22: SDPA 0.83-0.97",
+              f"{CPU_COMMAND_CROSSOVER}; {CPU_COMMAND}", _cpu_sdpa_shapes),
         Entry("cpu", "the rest: T = 1 (draft decode steps), T > 64, small calls (B*Hq*T*S*D <= 2^23: all of the "
-                     "bundled pair's but its tree rounds at batch 8), GQA groups of <= 32 query rows over cached "
-                     "keys, softcap or sinks",
+                     "bundled pair's but its tree rounds at batch 8), GQA with T <= 16 under 2^20 scores, "
+                     "softcap or sinks",
               CPU_ROWS + "T=1: the C++ loop 1.2-3.8x faster than SDPA in both runs; the bundled pair's shapes "
               "below B=8, T=22: SDPA's mask and call cost more than the whole C++ kernel (1.2-3x)", CPU_COMMAND),
     ),
