@@ -41,8 +41,9 @@ def load_pair(target_dir: Path, draft_dir: Path | None, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    from spec_ext.drafters import load
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
-    draft = None if draft_dir is None else AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
+    draft = None if draft_dir is None else load(draft_dir, target)  # a causal LM or a feature head
     return tokenizer, target, draft
 
 
@@ -138,8 +139,8 @@ def parser() -> argparse.ArgumentParser:
                          formatter_class=defaults)
     gen.add_argument("--target", type=_model_folder, required=True, help="the target model's folder")
     gen.add_argument("--draft", type=_model_folder,
-                     help="the draft model's folder (same vocabulary); optional with --policy ngram, which then "
-                     "drafts from the prompt and output alone")
+                     help="the draft model's folder (same vocabulary) or an EAGLE-1/EAGLE-3 head's (speculators "
+                     "or EAGLE layout); optional with --policy ngram, which then drafts from the prompt and output alone")
     gen.add_argument("--prompt", required=True, help="the text to complete")
     gen.add_argument("--policy", default="auto", choices=POLICY_NAMES, help="how the draft proposes each round")
     gen.add_argument("--max-new-tokens", type=_positive, default=128, help="tokens to generate")

@@ -5,31 +5,55 @@
 | :class:`ModelDrafter` | a draft model's chain (length policies) or static top-k tree (``Tree``) | its KV cache |
 | :class:`TextDrafter` | each row's own text: chains or trees of continuations (``NGram``) | an n-gram index per row |
 | :class:`TextFirst` | the text, and the draft model for the rows without a match | both |
+| :class:`HeadDrafter` | an EAGLE-1/EAGLE-3 head on the target's own hidden states (chains) | its KV cache, the features it has not seen |
 
 A drafter returns a :class:`Proposal` (a chain or a tree, with the q each draft was drawn
 from, or None for deterministic drafts) and is told the :class:`Outcome`; the engine
 verifies the one shape or the other and never asks which drafter it has. :func:`build`
 makes the drafter that ``generate`` uses for a ``draft`` argument and a policy.
 """
+from pathlib import Path
+
 from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, check_finite, pad_rows, prefill
 from spec_ext.drafters.model import ModelDrafter
 from spec_ext.drafters.text import TextDrafter
 from spec_ext.drafters.text_first import TextFirst
+from spec_ext.drafters.head import HeadDrafter
+from spec_ext.models.eagle import EagleHead, is_head_directory, load_head
 from spec_ext.policies import Policy
 
 
+def load(path: str | Path, target):
+    """The draft in the directory ``path``: a feature head (known by its config: see
+    :func:`spec_ext.models.eagle.is_head_directory`) or a causal LM, in the target's dtype
+    and on its device."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"draft: {str(path)!r} is not a directory (a causal LM's or a head's)")
+    if is_head_directory(path):
+        return load_head(path)
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device).eval()
+
+
 def build(draft, policy: Policy) -> Drafter | None:
-    """The drafter for ``draft`` (a :class:`Drafter`, returned as it is; a causal LM; or
-    None) under ``policy``: the text where the policy drafts from the text (beside the
-    model, if one is given), else the model. None: no drafter here (a draft on another
-    rank, or no draft where the policy needs one; the caller says which)."""
+    """The drafter for ``draft`` (a :class:`Drafter`, returned as it is; an
+    :class:`~spec_ext.models.eagle.EagleHead`; a causal LM; or None) under ``policy``: the
+    text where the policy drafts from the text (beside the model, if one is given), else
+    the model or head. None: no drafter here (a draft on another rank, or no draft where
+    the policy needs one; the caller says which)."""
     if isinstance(draft, Drafter):
         return draft
+    if isinstance(draft, EagleHead):
+        if policy.drafts_from_text or policy.parallel:
+            raise ValueError(f"policy: {type(policy).__name__} with a feature head is not supported yet "
+                             f"(the head drafts chains in the serial loop)")
+        return HeadDrafter(draft, policy)
     if policy.drafts_from_text:
         text = TextDrafter(policy)
         return text if draft is None else TextFirst(text, ModelDrafter(draft, policy))
     return None if draft is None else ModelDrafter(draft, policy)
 
 
-__all__ = ["Drafter", "ModelDrafter", "Outcome", "Proposal", "Sampler", "TextDrafter", "TextFirst", "build",
+__all__ = ["Drafter", "HeadDrafter", "ModelDrafter", "Outcome", "Proposal", "Sampler", "TextDrafter", "TextFirst", "build", "load",
            "check_finite", "pad_rows", "prefill"]

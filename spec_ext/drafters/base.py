@@ -100,6 +100,11 @@ class Drafter:
 
     model = None
 
+    @property
+    def proposer(self):
+        """The module whose parameters drafting reads (policies size their rules by it)."""
+        return self.model
+
     def bind(self, target) -> None:
         """Once per generate call, before :meth:`start`: check that the drafter fits ``target``
         (``ValueError`` naming what does not)."""

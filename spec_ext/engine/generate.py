@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from spec_ext.drafters import Drafter, Sampler, build, pad_rows
+from spec_ext.drafters import Drafter, Sampler, build, load, pad_rows
 from spec_ext.engine.common import Output, Stats, prompt_rows
 from spec_ext.engine.parallel import ParallelEngine
 from spec_ext.engine.serial import SerialEngine
@@ -148,6 +149,8 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         ...                max_new_tokens=32, policy="fixed")           # doctest: +SKIP
     """
     started = time.perf_counter()
+    if isinstance(draft, (str, Path)):
+        draft = load(draft, target)
     policy = _policy(draft, policy)
     drafter = _drafter(target, draft, policy)
     draft = None if drafter is None else drafter.model
@@ -177,7 +180,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     generator = None
     if seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(seed)
-    policy.bind(target, draft)
+    policy.bind(target, None if drafter is None else drafter.proposer)
     models = [m for m in (target, draft) if m is not None]
     sampler = Sampler(temperature, top_k, top_p)
     split = channel(target)  # a tensor-parallel target: the leading rank runs the loop, the others follow
@@ -217,6 +220,8 @@ class Accelerated:
     target's. ``last_stats`` holds the stats of the latest call."""
 
     def __init__(self, target, draft, policy: str | Policy = "auto", fast_linear: bool = False):
+        if isinstance(draft, (str, Path)):
+            draft = load(draft, target)
         self._target, self._draft, self._policy = target, draft, _policy(draft, policy)
         self._fast_linear = fast_linear
         _drafter(target, draft, self._policy)

@@ -201,6 +201,9 @@ class SpecDecPP(Policy):
             raise ValueError(f"max_draft: must be >= 1, got {self.max_draft}")
 
     def bind(self, target, draft) -> None:
+        if not hasattr(getattr(draft, "config", None), "hidden_size"):
+            raise ValueError(f"policy: SpecDecPP reads a draft model's hidden state; this drafter "
+                             f"({type(draft).__name__}) has no draft causal LM")
         _check_width(self._predictor, draft.config.hidden_size + DRAFT_EXTRA_FEATURES,
                      "the draft's hidden state and draft_features", "SpecDecPP")
         self._predictor.to(draft.device)

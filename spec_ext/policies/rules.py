@@ -115,7 +115,7 @@ class Auto(Policy):
 
     def bind(self, target, draft) -> None:
         size = sum(p.numel() for p in target.parameters())
-        self._size_ratio = sum(p.numel() for p in draft.parameters()) / size if size else None
+        self._size_ratio = sum(p.numel() for p in draft.parameters()) / size if size and draft is not None else None
 
     def start(self, batch_size: int, greedy: bool = True) -> None:
         super().start(batch_size, greedy)

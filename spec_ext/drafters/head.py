@@ -1,0 +1,137 @@
+"""A feature head (EAGLE-1 / EAGLE-3, :mod:`spec_ext.models.eagle`) drafts from the target's
+own hidden states, tapped from the verification forward itself (no extra target pass)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain
+from spec_ext.models import SpecCache, aux_layer_ids, check_model, num_layers, vocabulary_size
+from spec_ext.models.eagle import EagleHead
+from spec_ext.policies import Policy
+
+
+class HeadDrafter(Drafter):
+    """Drafts a chain with ``head`` (the length policy says how far).
+
+    State: the head's own :class:`SpecCache` holds one entry per committed position t < n
+    (n + 1 committed tokens, x_n the root): the head's pass over (token x_{t+1}, the target's
+    feature at t). What it has not seen yet (the last round's committed tokens with the
+    target's features at the positions that verified them) waits on the device and is fed
+    at the start of the next round; the draft steps past it use the head's own hidden state
+    and are always rolled back (the accepted ones come back with the target's features).
+
+    Example:
+        >>> drafter = HeadDrafter(load_head("path/to/head"), spec_ext.policies.Auto())  # doctest: +SKIP
+        >>> spec_ext.generate(target, drafter, ids)                                     # doctest: +SKIP
+    """
+
+    def __init__(self, head: EagleHead, policy: Policy):
+        super().__init__(policy)
+        if policy.branching is not None:
+            raise ValueError(f"policy: {type(policy).__name__} grows a static tree with a draft model; a feature "
+                             f"head drafts chains here (use a length policy: auto, fixed, ...)")
+        self.head = head.eval()
+
+    @property
+    def proposer(self):
+        return self.head
+
+    def bind(self, target) -> None:
+        check_model(target, "target")
+        config, head = self.head.config, self.head
+        L, hidden = num_layers(target), target.config.get_text_config().hidden_size
+        if config.kind == "eagle3":
+            ids = config.layer_ids if config.layer_ids is not None else aux_layer_ids(target)
+            bad = [k for k in ids if not 0 <= k <= L]
+            if bad:
+                raise ValueError(f"eagle_aux_hidden_state_layer_ids: {list(ids)} names layers {bad} the target "
+                                 f"(of {L} layers) does not have")
+            if (config.target_hidden_size or head.hidden_size) != hidden:
+                raise ValueError(f"target_hidden_size: the head reads features of width "
+                                 f"{config.target_hidden_size or head.hidden_size}, the target's hidden size is "
+                                 f"{hidden}")
+            self.target_layers = tuple(ids)
+        else:
+            if head.hidden_size != hidden:
+                raise ValueError(f"transformer_layer_config.hidden_size: {head.hidden_size}, the target's is {hidden}")
+            self.target_layers = (L,)
+        if head.layer_config.vocab_size != vocabulary_size(target):
+            raise ValueError(f"transformer_layer_config.vocab_size: the head maps into {head.layer_config.vocab_size} "
+                             f"tokens, the target has {vocabulary_size(target)}")
+        own = head.embed_tokens
+        self.embed = own if own is not None else target.get_input_embeddings()
+        self.target_head = target.get_output_embeddings()
+        if own is None and self.embed.weight.shape[1] != head.hidden_size:
+            raise ValueError(f"embed_tokens: the head has none and the target's are {self.embed.weight.shape[1]} "
+                             f"wide, not the head's {head.hidden_size}")
+        self.head.to(device=target.device, dtype=target.dtype)
+
+    def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None,
+              features: Tensor | None = None) -> None:
+        self.sampler, self.generator, self.calls = sampler, generator, 0
+        self.device = self.head.fc.weight.device
+        B = len(seqs)
+        self.cache = SpecCache(self.head.num_layers, None, None, B, capacity, self.head.fc.weight.dtype, self.device)
+        width = max(len(s) for s in seqs)
+        tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=self.device)
+        if features is None:  # one-token prompts: a zero feature stands for the one before the root
+            features = torch.zeros(B, 0, self._feature_width(), dtype=self.head.fc.weight.dtype, device=self.device)
+        # the pairs (x_{t+1}, feature_t) of each prompt; a one-token prompt has none and is
+        # fed (x_0, 0) once, never kept (its cache keeps only real pairs)
+        self.real = [len(s) - 1 for s in seqs]
+        pairs = [max(1, n) for n in self.real]
+        features = F.pad(features, (0, 0, 0, max(pairs) - features.shape[1]))
+        index = torch.tensor([1 if n else 0 for n in self.real], device=self.device)
+        ids = tokens.gather(1, (index[:, None] + torch.arange(max(pairs), device=self.device)).clamp_max(width - 1))
+        self._pending = ids, features, pairs
+
+    def _feature_width(self) -> int:
+        config = self.head.config
+        width = config.target_hidden_size or self.head.hidden_size
+        return width * (len(self.target_layers) if config.kind == "eagle3" else 1)
+
+    def _step(self, ids: Tensor, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        self.calls += 1
+        return self.head(self.embed(ids), hidden, positions, self.cache, target_head=self.target_head)
+
+    def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
+        B = len(seqs)
+        ids, features, pairs = self._pending
+        positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
+        logits, hidden = self._step(ids, self.head.combine(features), positions)
+        self.cache.advance(pairs)
+        last = torch.tensor([n - 1 for n in pairs], device=self.device)
+        rows = torch.arange(B, device=self.device)
+        self._kept = [n - p + r for n, p, r in zip(self.cache.host_lengths, pairs, self.real)]
+        logits, hidden = logits[rows, last], hidden[rows, last]
+        state = {"hidden": hidden}
+
+        def step(token: Tensor) -> tuple[Tensor, None]:
+            out, state["hidden"] = self._step(token.clamp_min(0)[:, None], state["hidden"][:, None],
+                                              self.cache.lengths[:, None])
+            state["hidden"] = state["hidden"][:, 0]
+            self.cache.advance([1] * B)
+            return out[:, 0], None
+
+        drafts, q, num_draft = draft_chain(self.policy, self.sampler, self.generator, logits, None, step,
+                                           self.policy.plan())
+        return Proposal(drafts, num_draft, q)
+
+    def commit(self, outcome: Outcome) -> None:
+        self.cache.rollback(self._kept)
+        B = len(outcome.accepted)
+        width = max(outcome.accepted) + 1
+        steps = torch.arange(width, device=self.device)
+        positions = steps.expand(B, -1) if outcome.path is None else outcome.path[:, :width].clamp_min(0)
+        features = outcome.features.gather(1, positions[..., None].expand(-1, -1, outcome.features.shape[-1]))
+        ids = outcome.tokens[:, :width].clamp_min(0)
+        self._pending = ids, features, [a + 1 for a in outcome.accepted]
+        self.real = [a + 1 for a in outcome.accepted]
+
+    def keep_rows(self, rows: list[int], index: Tensor) -> None:
+        self.cache.keep_rows(rows)
+        ids, features, pairs = self._pending
+        self._pending = ids[index], features[index], [pairs[i] for i in rows]
+        self.real = [self.real[i] for i in rows]

@@ -1,0 +1,200 @@
+"""Feature heads (EAGLE-1 / EAGLE-3): random heads made here, written in the speculators
+layout and the original EAGLE layouts by this test's own code, loaded back, and decoding
+exactly: greedy equal to ``target.generate`` (lean forward and HF modules), sampling
+following the target's exact law with a reduced draft vocabulary."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import spec_ext
+from spec_ext.drafters import HeadDrafter, Sampler
+from spec_ext.models import aux_layer_ids
+from spec_ext.models.eagle import EagleHead, HeadConfig, is_head_directory, load_head
+from spec_ext.policies import Fixed
+from helpers import PROMPT, VOCAB, assert_follows, exact_joint, llama, ragged_greedy_equals_target
+from test_architectures import sharpened_model
+
+V = 12  # a small vocabulary: random heads' drafts are accepted often enough to exercise the rollback
+PROMPTS = [[5, 7, 3, 8, 11, 4], [9, 4, 10], [3, 1, 2, 3, 4, 5, 6, 7, 8]]
+
+
+def random_head(target, kind="eagle3", draft_vocab=None, layer_ids=None, layers=1, seed=0, own_embeddings=False):
+    """A random head for ``target``; ``draft_vocab`` < V: a random subset of the target's ids."""
+    config = target.config.get_text_config()
+    H = getattr(config, "hidden_size", None) or config.n_embd
+    V = config.vocab_size
+    layer = dict(model_type="llama", hidden_size=H, intermediate_size=2 * H, num_attention_heads=4,
+                 num_key_value_heads=2, num_hidden_layers=layers, vocab_size=V, rms_norm_eps=1e-6,
+                 max_position_embeddings=256)
+    torch.manual_seed(seed)
+    head = EagleHead(HeadConfig(kind, layer, draft_vocab or V, layer_ids), own_embeddings=own_embeddings)
+    if draft_vocab and draft_vocab < V:
+        kept = torch.randperm(V)[:draft_vocab].sort().values
+        head.d2t.copy_(kept - torch.arange(draft_vocab))
+    return head.eval()
+
+
+@torch.no_grad()
+def echo_head(target, kind="eagle3", draft_vocab=None, noise=0.0, seed=0):
+    """A head that proposes what the target's last hidden state predicts (its own lm_head on
+    the target's final features): from (x_n, feature_{n-1}) that is x_n again, so its drafts
+    repeat the root and are accepted exactly where the target repeats itself (sharpened
+    random targets fall into such loops), rejected elsewhere. ``noise``: perturbed weights."""
+    L = target.config.get_text_config().num_hidden_layers
+    head = random_head(target, kind, draft_vocab, layer_ids=(L, L, L) if kind == "eagle3" else None, seed=seed)
+    H = head.hidden_size
+    layer = head.layers[0]
+    layer.self_attn.o_proj.weight.zero_()
+    layer.mlp.down_proj.weight.zero_()
+    head.fc.weight.zero_()
+    if kind == "eagle3":
+        head.fc.weight[:, :H] = torch.eye(H)
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight[torch.arange(head.d2t.shape[0]) + head.d2t])
+    else:
+        head.fc.weight[:, H:] = torch.eye(H)
+    for p in head.parameters():
+        p.add_(noise * torch.randn_like(p))
+    return head
+
+
+def draft_tokens(target, head, prompts=PROMPTS, k=3):
+    """The drafts of the first round of every row (greedy, Fixed(k))."""
+    seen = []
+
+    class Recording(HeadDrafter):
+        def propose(self, seqs, roots):
+            proposal = super().propose(seqs, roots)
+            seen.append(proposal.tokens.tolist())
+            return proposal
+
+    spec_ext.generate(target, Recording(head, Fixed(k)), prompts, max_new_tokens=2, eos_token_id=[])
+    return seen[0]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return llama(V, 32, 4, seed=3, sharpen=3.0)
+
+
+# ---------------------------------------------------------------------------- greedy
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+@pytest.mark.parametrize("model", ["llama", "qwen3", "gpt2"])
+def test_greedy_equals_the_target_with_a_head(model, kind):
+    """Ragged batch with EOS: llama and qwen3 on the lean forward, gpt2 on the HF modules;
+    drafts are accepted and rejected along the way (the head's cache rolls back)."""
+    target = llama(V, 32, 4, seed=3, sharpen=3.0) if model == "llama" else \
+        sharpened_model(model, vocab=V, num_hidden_layers=4)
+    head = echo_head(target, kind, draft_vocab=10 if kind == "eagle3" else None, noise=0.01)
+    out = ragged_greedy_equals_target(target, head, PROMPTS, Fixed(3), max_new=24)
+    assert out.stats.drafted > 0 and 0 < out.stats.accepted < out.stats.drafted, out.stats
+    assert out.stats.draft_calls > 0
+
+
+def test_one_token_prompts_and_every_length_policy(target):
+    head = echo_head(target, draft_vocab=10, noise=0.01)
+    for policy in ("auto", "fixed", "heuristic", "confidence", "svip"):
+        ragged_greedy_equals_target(target, head, [[7], [5, 1, 3, 8], [11]], policy, max_new=16)
+
+
+# ---------------------------------------------------------------------------- sampling
+@pytest.mark.parametrize("temperature,top_k", [(1.0, None), (0.7, 4)])
+def test_sampling_follows_the_target_with_a_reduced_draft_vocabulary(temperature, top_k):
+    """A draft vocabulary of 5 of the 8 tokens (q is 0 off it): the first 3 tokens' joint law
+    is the target's, by enumeration."""
+    target = llama(VOCAB, 32, 4, seed=10, sharpen=3.0)
+    head = echo_head(target, draft_vocab=5, noise=0.05, seed=4)
+    n = 20_000
+    out = spec_ext.generate(target, head, [PROMPT] * n, max_new_tokens=3, temperature=temperature, top_k=top_k,
+                            eos_token_id=[], policy=Fixed(2), seed=7)
+    assert out.stats.accepted > 0 and out.stats.accepted < out.stats.drafted
+    assert_follows(out.sequences[:, len(PROMPT):].numpy(), exact_joint(target, Sampler(temperature, top_k)))
+
+
+# ---------------------------------------------------------------------------- formats
+def test_save_then_load_gives_the_same_drafts(target, tmp_path):
+    for kind, vocab in (("eagle3", 8), ("eagle3", None), ("eagle", None)):
+        head = random_head(target, kind, draft_vocab=vocab, layer_ids=(1, 2, 3) if kind == "eagle3" else None)
+        head.save(tmp_path / kind)
+        assert is_head_directory(tmp_path / kind)
+        loaded = load_head(tmp_path / kind)
+        assert draft_tokens(target, loaded) == draft_tokens(target, head)
+    config = json.loads((tmp_path / "eagle3" / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert config["norm_before_residual"] is False and config["speculators_config"]["algorithm"] == "eagle3"
+
+
+def test_the_original_eagle3_layout_loads(target, tmp_path):
+    """midlayer.* weights, a plain Llama config with draft_vocab_size, no layer ids (the
+    target's defaults, 2, L//2, L-3), t2d beside d2t."""
+    head = random_head(target, draft_vocab=8)
+    state = {k.replace("layers.0.", "midlayer."): v for k, v in head.state_dict().items()}
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.arange(8) + head.d2t] = True
+    save_file({**state, "t2d": t2d}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(dict(head.config.layer, architectures=["LlamaForCausalLM"],
+                                                          draft_vocab_size=8)))
+    loaded = load_head(tmp_path)
+    assert loaded.config.layer_ids is None
+    assert draft_tokens(target, loaded) == draft_tokens(target, head)
+    drafter = HeadDrafter(loaded, Fixed(3))
+    drafter.bind(target)
+    assert drafter.target_layers == aux_layer_ids(target) == (2, 2, 1)
+
+
+def test_the_original_eagle1_layout_loads(target, tmp_path):
+    """fc + layers.0.* without input norm, lm_head or final norm; config with a bias key."""
+    head = random_head(target, "eagle")
+    save_file({k: v for k, v in head.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(dict(head.config.layer, bias=False)))
+    assert not is_head_directory(tmp_path)  # a plain Llama config: generate loads it by path as a head only if told
+    loaded = load_head(tmp_path)
+    assert loaded.config.kind == "eagle"
+    assert draft_tokens(target, loaded) == draft_tokens(target, head)
+
+
+def test_a_head_directory_is_a_draft_path(target, tmp_path):
+    head = random_head(target, draft_vocab=8)
+    head.save(tmp_path)
+    by_path = spec_ext.generate(target, str(tmp_path), PROMPTS, max_new_tokens=8, eos_token_id=[], policy="fixed")
+    by_object = spec_ext.generate(target, head, PROMPTS, max_new_tokens=8, eos_token_id=[], policy="fixed")
+    assert torch.equal(by_path.sequences, by_object.sequences)
+    assert by_path.stats.draft_calls == by_object.stats.draft_calls > 0
+
+
+def test_the_layers_named_are_the_layers_tapped(target):
+    """A head that names its layers reads exactly those (other layers give other drafts)."""
+    named = random_head(target, layer_ids=(0, 1, 2))
+    other = random_head(target, layer_ids=(1, 2, 3))
+    other.load_state_dict(named.state_dict())
+    drafter = HeadDrafter(named, Fixed(3))
+    drafter.bind(target)
+    assert drafter.target_layers == (0, 1, 2)
+    assert draft_tokens(target, named) != draft_tokens(target, other)
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(layer_ids=(1, 2, 9)), "eagle_aux_hidden_state_layer_ids"),
+    (dict(hidden=48), "target_hidden_size"),
+    (dict(vocab=V + 9), "transformer_layer_config.vocab_size"),
+])
+def test_a_head_made_for_another_target_is_refused_by_name(target, change, field):
+    head = random_head(target, layer_ids=change.get("layer_ids"))
+    if "hidden" in change:
+        head.config.target_hidden_size = change["hidden"]
+    if "vocab" in change:
+        head.layer_config.vocab_size = change["vocab"]
+    with pytest.raises(ValueError, match=field):
+        spec_ext.generate(target, head, PROMPTS, max_new_tokens=4)
+
+
+def test_bad_head_files_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="speculators_model_type"):
+        HeadConfig("medusa", dict(model_type="llama"), 10)
+    with pytest.raises(ValueError, match="transformer_layer_config.model_type"):
+        HeadConfig("eagle3", dict(model_type="gpt2"), 10)
+    with pytest.raises(ValueError, match="norm_before_fc, fc_norm"):
+        HeadConfig("eagle3", dict(model_type="llama"), 10, norm_before_fc=True, fc_norm=True)
+    with pytest.raises(ValueError, match="has no config.json"):
+        load_head(tmp_path)
