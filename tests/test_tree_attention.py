@@ -378,10 +378,12 @@ READS_UNSEEN_KEYS = {
 
 def poison_unseen_keys(k, v, prefix, T, window):
     """NaN in k and v of row b at and below prefix[b] - window (its root, at position
-    prefix[b], sees prefix[b] - window + 1 on) and from prefix[b] + T on."""
+    prefix[b], sees prefix[b] - window + 1 on; window None: none there) and from
+    prefix[b] + T on."""
     for b, P in enumerate(prefix.tolist()):
         for cache in (k, v):
-            cache[b, :, :max(P - window + 1, 0)] = float("nan")
+            if window is not None:
+                cache[b, :, :max(P - window + 1, 0)] = float("nan")
             cache[b, :, P + T:] = float("nan")
 
 
@@ -411,6 +413,28 @@ def test_keys_no_query_sees_are_never_read(request, backend, T):
         expected, _ = oracle(q, *clean, prefix, parents, D ** -0.5, window, softcap, sink)
         assert out.isfinite().all()
         assert (out.double() - expected).abs().max().item() <= FP32_BUDGET
+
+
+@pytest.mark.parametrize("backend", backend_params("tree_attention", with_torch=True))
+@pytest.mark.parametrize("T", [1, 6])
+def test_a_nan_that_a_row_sees_stays_in_that_row(backend, T):
+    """NaN in a prefix key of row 0, which all its queries see: row 0 comes out NaN and no
+    other row does, also where the other rows' unseen keys hold NaN too (on the backends
+    that promise not to read them: the C++ kernel multiplies a ragged batch's NaN rows
+    again over their own keys, which must neither hide row 0's NaN nor spread it)."""
+    B, Hq, Hkv, S, D = 3, 4, 2, 40, 32
+    q, k, v, _, g = make(B, Hq, Hkv, T, S, D, torch.float32, seed=29 + T)
+    prefix = torch.tensor([12, 25, 3])
+    parents = random_parents(B, T, g)
+    mask = reference.tree_mask(parents)[1]
+    clean = k.clone(), v.clone()
+    k[0, :, 5] = v[0, :, 5] = float("nan")
+    if backend not in READS_UNSEEN_KEYS:
+        poison_unseen_keys(k[1:], v[1:], prefix[1:], T, None)
+    out = run_backend(backend, q, k, v, prefix, mask, D ** -0.5, None, None, None)
+    assert out[0].isnan().all()
+    expected, _ = oracle(q, *clean, prefix, parents, D ** -0.5)
+    assert (out[1:].double() - expected[1:]).abs().max().item() <= FP32_BUDGET
 
 
 @pytest.mark.parametrize("backend", backend_params("tree_attention", with_torch=True))

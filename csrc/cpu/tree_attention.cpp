@@ -3,21 +3,22 @@
 // the K/V rows a GQA group shares read once for all its query heads; two GEMVs per head
 // are less work than launching ATen ops per head (2.5x faster at H=32, S=4096, D=128 and
 // at H=10, S=250, D=32). From two new tokens on (verification, trees, prefill), GEMMs:
-// while all scores fit in 4 MB, two batched GEMMs over [B, kv heads] (a GQA group's query
-// heads are extra query rows), two ATen calls per layer instead of two per (row, head),
-// which made batch 8 slower than HF's fused SDPA (rows whose keys differ, a ragged batch:
-// two GEMMs per row over [kv heads], each over its own keys); beyond that, one (row, query head) at a time, whose [T, keys] scores
+// while all scores fit in 4 MB, two batched GEMMs over [B, kv heads] up to the longest row
+// (a GQA group's query heads are extra query rows; shorter rows' extra keys are masked),
+// two ATen calls per layer instead of two per (row, head), which made batch 8 slower than
+// HF's fused SDPA; beyond that, one (row, query head) at a time, whose [T, keys] scores
 // stay in cache (1.8x faster than batched at B=8, H=32, T=64, S=4096).
 // The GEMM paths expand the packed mask bits once into a [B, T, keys] bool mask that every
 // head shares, and take ATen's vectorised softmax (1.2-1.5x faster than a scalar loop with
 // std::exp, side by side at B=1..8, T=5..64).
-// A sliding window also goes into that mask. Each row reads only its own span of keys,
-// [first, prefix + T): first is 0 without a window, else its shallowest query's position -
-// window + 1 (the root sits at prefix: prefix - window + 1); keys outside a row's span are
-// never read, in a ragged batch too (each row's GEMMs cover its span only), so they may
-// hold anything (0 * NaN is NaN). A sink is one more term of the softmax's denominator,
-// exp(sink), with no value; a query that sees no key gets zeros, whatever its sink (-inf
-// included: exp(-inf) = 0 is no sink).
+// A sliding window also goes into that mask. Each row's keys are its span, [first,
+// prefix + T): first is 0 without a window, else its shallowest query's position - window +
+// 1 (the root sits at prefix: prefix - window + 1). Keys outside a row's span never reach its
+// output, so they may hold anything (NaN included): the loop and per-head paths never read
+// them; the batched GEMMs of a ragged batch read the union of the rows' spans, mask the
+// scores, and multiply a row whose output came out NaN (0 * NaN) again over its own span.
+// A sink is one more term of the softmax's denominator, exp(sink), with no value; a query
+// that sees no key gets zeros, whatever its sink (-inf included: exp(-inf) = 0 is no sink).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -209,6 +210,24 @@ void attend_per_head(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   });
 }
 
+template <typename scalar_t>
+bool has_nan(const scalar_t* data, int64_t n) {
+  bool any = false;
+#pragma omp simd reduction(|| : any)
+  for (int64_t i = 0; i < n; ++i) any = any || std::isnan(static_cast<float>(data[i]));
+  return any;
+}
+
+// Which rows b of the contiguous out [B, ...] hold a NaN (a scan, no ATen call: a few us).
+std::vector<char> rows_with_nan(const at::Tensor& out) {
+  const int64_t B = out.size(0), per_row = B ? out.numel() / B : 0;
+  std::vector<char> nan(B, 0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "rows_with_nan", [&] {
+    for (int64_t b = 0; b < B; ++b) nan[b] = has_nan(out.data_ptr<scalar_t>() + b * per_row, per_row);
+  });
+  return nan;
+}
+
 void attend_batched(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                     const at::Tensor& hidden, bool blind, const Spans& spans, double scale, double softcap,
                     const std::optional<at::Tensor>& sinks) {
@@ -216,33 +235,25 @@ void attend_batched(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const int64_t Hkv = k.size(1), group = Hq / Hkv, first = spans.first, columns = spans.last - spans.first;
   // a GQA group's query heads become extra query rows of its kv head: [B, Hkv, group*T, D]
   auto queries = q.to(at::kFloat).view({B, Hkv, group * T, D});
-  at::Tensor scores;
-  if (!spans.ragged) {  // every row reads the same keys: one GEMM for the batch
-    auto keys = k.narrow(2, first, columns).to(at::kFloat);
-    scores = at::matmul(queries, keys.transpose(2, 3));
-  } else {  // one GEMM per row over its own span; the columns outside it are hidden below
-    scores = at::empty({B, Hkv, group * T, columns}, queries.options());
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t n = spans.hi[b] - spans.lo[b];
-      if (n <= 0) continue;
-      auto into = scores[b].narrow(2, spans.lo[b] - first, n);
-      at::bmm_out(into, queries[b], k[b].narrow(1, spans.lo[b], n).to(at::kFloat).transpose(1, 2));
-    }
-  }
-  scores = scores.mul_(scale).view({B, Hkv, group, T, columns});
+  auto keys = k.narrow(2, first, columns).to(at::kFloat);
+  auto values = v.narrow(2, first, columns).to(at::kFloat);
+  auto scores = at::matmul(queries, keys.transpose(2, 3)).mul_(scale).view({B, Hkv, group, T, columns});
   if (softcap > 0) scores.div_(softcap).tanh_().mul_(softcap);
-  scores.masked_fill_(hidden, kNegInf);
+  scores.masked_fill_(hidden, kNegInf);  // also where another row's key outside this row's span gave NaN
   auto weights = softmax_with_sinks(scores, sinks ? std::optional<at::Tensor>(sinks->view({Hkv, group, 1, 1}))
                                                   : std::nullopt);
   if (blind) weights.masked_fill_(hidden.all(-1, true), 0.f);
   weights = weights.view({B, Hkv, group * T, columns});
-  if (!spans.ragged) {
-    auto values = v.narrow(2, first, columns).to(at::kFloat);
-    out.copy_(at::matmul(weights, values).view({B, Hq, T, D}));
-    return;
-  }
+  out.copy_(at::matmul(weights, values).view({B, Hq, T, D}));
+  if (!spans.ragged) return;
+  // Rows whose spans differ: each row's values outside its own span were multiplied by weight
+  // 0, and 0 * NaN is NaN. A row that came out with NaN is multiplied again over its own
+  // span alone (a scan of the output instead of two GEMMs per row on every call, which took
+  // 1.6-2.4x the batched time at B=8, Hq=6-10, D=32, T=4-6).
+  const std::vector<char> redo = rows_with_nan(out);
   auto rows = out.view({B, Hkv, group * T, D});
   for (int64_t b = 0; b < B; ++b) {
+    if (!redo[b] || (spans.lo[b] == first && spans.hi[b] == spans.last)) continue;
     const int64_t n = spans.hi[b] - spans.lo[b];
     if (n <= 0) {
       rows[b].zero_();
