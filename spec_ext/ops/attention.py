@@ -20,10 +20,12 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
     ``s = prefix_lens[b] + j`` and bit j of ``tree_mask[b, i]`` is set (None: causal over
     the T new tokens). Keys no query of a row can see, from ``prefix_lens[b] + T`` on and
     (with a window) below its shallowest query's window (at and below
-    ``prefix_lens[b] - window``: the root sits at ``prefix_lens[b]``), are never read by
-    the cpu, cuda, triton and triton_split backends, so they may hold anything (NaN
-    included); the torch and sdpa backends multiply them by weight 0, so there (and with
-    "auto", which may pick those) they must be finite (0 * NaN is NaN).
+    ``prefix_lens[b] - window``: the root sits at ``prefix_lens[b]``), never reach that
+    row's output on the cpu, cuda, triton and triton_split backends, so they may hold
+    anything, NaN included (those kernels never load them, but for the C++ kernel's batched
+    GEMMs over a ragged batch, which read the rows' common span and redo a row that comes
+    out NaN over its own keys). The torch and sdpa backends multiply them by weight 0, so
+    there, and with "auto", which may pick those, they must be finite (0 * NaN is NaN).
 
     Positions: prefix key s sits at s, tree node j at ``prefix_lens[b] + depth(j)``, where
     depth is the number of ancestors (node j of the causal chain: j; with a mask: the

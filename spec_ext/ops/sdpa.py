@@ -5,10 +5,10 @@ The mask covers the keys ``k`` holds, so callers pass only the extent that can b
 (:meth:`spec_ext.models.cache.SpecCache.update` returns its buffers cut to the longest
 row + T, a length the host knows). Every key passed is read: those no query sees (past a
 shorter row's prefix + T, below a window) are multiplied by weight 0, so they must be
-finite (0 * NaN is NaN; SpecCache's buffers start as zeros). The torch reference reads
-them too; the cpu, cuda and triton kernels never do. Nothing here reads a tensor on the
-host and every shape follows the inputs' shapes, so CUDA graphs can capture it. GQA goes to SDPA as
-``enable_gqa=True`` (no copy of K/V). Soft-capping and sinks act inside the softmax,
+finite (0 * NaN is NaN; SpecCache's buffers start as zeros), as with the torch reference
+(on the cpu, cuda and triton kernels they never reach the output). Nothing here reads a
+tensor on the host and every shape follows the inputs' shapes, so CUDA graphs can capture
+it. GQA goes to SDPA as ``enable_gqa=True`` (no copy of K/V). Soft-capping and sinks act inside the softmax,
 where SDPA has no hook: this backend refuses them (``auto`` sends such calls elsewhere).
 """
 from __future__ import annotations
