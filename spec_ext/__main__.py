@@ -79,6 +79,9 @@ def cmd_demo(args) -> None:
     import spec_ext
     torch.set_num_threads(args.threads or torch.get_num_threads())
     tokenizer, target, draft = load_pair(args.target, args.draft, args.dtype)
+    if not hasattr(draft, "device"):
+        raise ValueError(f"--draft: the demo compares policies of a draft model (the static tree among them); "
+                         f"{args.draft} is a feature head: use python -m spec_ext generate --draft {args.draft}")
     ids = tokenizer(DEMO_PROMPT, return_tensors="pt").input_ids
     n = args.max_new_tokens
     print(f"spec_ext demo: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params, "

@@ -148,7 +148,7 @@ def test_the_original_eagle1_layout_loads(target, tmp_path):
     head = random_head(target, "eagle")
     save_file({k: v for k, v in head.state_dict().items()}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(dict(head.config.layer, bias=False)))
-    assert not is_head_directory(tmp_path)  # a plain Llama config: generate loads it by path as a head only if told
+    assert is_head_directory(tmp_path)  # a plain Llama config, but fc and no lm_head in the weights
     loaded = load_head(tmp_path)
     assert loaded.config.kind == "eagle"
     assert draft_tokens(target, loaded) == draft_tokens(target, head)
@@ -196,5 +196,25 @@ def test_bad_head_files_are_refused_by_name(tmp_path):
         HeadConfig("eagle3", dict(model_type="gpt2"), 10)
     with pytest.raises(ValueError, match="norm_before_fc, fc_norm"):
         HeadConfig("eagle3", dict(model_type="llama"), 10, norm_before_fc=True, fc_norm=True)
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids: \\[3, 1, 2\\] is not ascending"):
+        HeadConfig("eagle3", dict(model_type="llama"), 10, layer_ids=(3, 1, 2))
     with pytest.raises(ValueError, match="has no config.json"):
         load_head(tmp_path)
+
+
+def test_a_speculators_config_without_norm_before_residual_reads_as_vllm_does(target, tmp_path):
+    head = random_head(target)
+    head.save(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["norm_before_residual"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_head(tmp_path).config.norm_before_residual is True  # vLLM's default for a missing key
+
+
+def test_qwen2_layers_carry_their_projection_biases(target, tmp_path):
+    head = random_head(target)
+    layer = dict(head.config.layer, model_type="qwen2")
+    qwen2 = EagleHead(HeadConfig("eagle3", layer, head.config.draft_vocab_size))
+    assert qwen2.layers[0].self_attn.q_proj.bias is not None and qwen2.layers[0].self_attn.o_proj.bias is None
+    qwen2.save(tmp_path)
+    assert load_head(tmp_path).layers[0].self_attn.k_proj.bias is not None

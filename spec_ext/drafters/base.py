@@ -93,12 +93,11 @@ class Drafter:
     """
 
     calls: int = 0
+    model = None
     target_layers: tuple[int, ...] | None = None
 
     def __init__(self, policy: Policy):
         self.policy = policy
-
-    model = None
 
     @property
     def proposer(self):

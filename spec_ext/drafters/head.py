@@ -29,9 +29,10 @@ class HeadDrafter(Drafter):
 
     def __init__(self, head: EagleHead, policy: Policy):
         super().__init__(policy)
-        if policy.branching is not None:
-            raise ValueError(f"policy: {type(policy).__name__} grows a static tree with a draft model; a feature "
-                             f"head drafts chains here (use a length policy: auto, fixed, ...)")
+        if policy.branching is not None or policy.uses_bonus_agreement:
+            raise ValueError(f"policy: {type(policy).__name__} with a feature head is not supported yet (a head "
+                             f"drafts chains and reports no bonus agreement; use auto, fixed, heuristic, confidence "
+                             f"or svip)")
         self.head = head.eval()
 
     @property
@@ -76,16 +77,18 @@ class HeadDrafter(Drafter):
         self.cache = SpecCache(self.head.num_layers, None, None, B, capacity, self.head.fc.weight.dtype, self.device)
         width = max(len(s) for s in seqs)
         tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=self.device)
-        if features is None:  # one-token prompts: a zero feature stands for the one before the root
+        if features is None:  # every prompt has one token
             features = torch.zeros(B, 0, self._feature_width(), dtype=self.head.fc.weight.dtype, device=self.device)
         # the pairs (x_{t+1}, feature_t) of each prompt; a one-token prompt has none and is
-        # fed (x_0, 0) once, never kept (its cache keeps only real pairs)
+        # fed (x_0, a zero feature) once, never kept (its cache keeps only real pairs)
         self.real = [len(s) - 1 for s in seqs]
         pairs = [max(1, n) for n in self.real]
         features = F.pad(features, (0, 0, 0, max(pairs) - features.shape[1]))
-        index = torch.tensor([1 if n else 0 for n in self.real], device=self.device)
+        one_token = torch.tensor([n == 0 for n in self.real], device=self.device)
+        features = features.masked_fill(one_token[:, None, None], 0)
+        index = (~one_token).long()
         ids = tokens.gather(1, (index[:, None] + torch.arange(max(pairs), device=self.device)).clamp_max(width - 1))
-        self._pending = ids, features, pairs
+        self._pending = ids, features, pairs, torch.tensor(pairs, device=self.device)
 
     def _feature_width(self) -> int:
         config = self.head.config
@@ -98,13 +101,15 @@ class HeadDrafter(Drafter):
 
     def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
         B = len(seqs)
-        ids, features, pairs = self._pending
+        ids, features, pairs, pairs_t = self._pending
         positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
         logits, hidden = self._step(ids, self.head.combine(features), positions)
-        self.cache.advance(pairs)
-        last = torch.tensor([n - 1 for n in pairs], device=self.device)
+        self.cache.advance(pairs, pairs_t)
+        last = pairs_t - 1
         rows = torch.arange(B, device=self.device)
         self._kept = [n - p + r for n, p, r in zip(self.cache.host_lengths, pairs, self.real)]
+        self._kept_t = self.cache.lengths - pairs_t + torch.tensor(self.real, device=self.device) \
+            if pairs != self.real else self.cache.lengths
         logits, hidden = logits[rows, last], hidden[rows, last]
         state = {"hidden": hidden}
 
@@ -120,18 +125,18 @@ class HeadDrafter(Drafter):
         return Proposal(drafts, num_draft, q)
 
     def commit(self, outcome: Outcome) -> None:
-        self.cache.rollback(self._kept)
+        self.cache.rollback(self._kept, self._kept_t)
         B = len(outcome.accepted)
         width = max(outcome.accepted) + 1
         steps = torch.arange(width, device=self.device)
         positions = steps.expand(B, -1) if outcome.path is None else outcome.path[:, :width].clamp_min(0)
         features = outcome.features.gather(1, positions[..., None].expand(-1, -1, outcome.features.shape[-1]))
         ids = outcome.tokens[:, :width].clamp_min(0)
-        self._pending = ids, features, [a + 1 for a in outcome.accepted]
+        self._pending = ids, features, [a + 1 for a in outcome.accepted], outcome.num_accepted + 1
         self.real = [a + 1 for a in outcome.accepted]
 
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
         self.cache.keep_rows(rows)
-        ids, features, pairs = self._pending
-        self._pending = ids[index], features[index], [pairs[i] for i in rows]
+        ids, features, pairs, pairs_t = self._pending
+        self._pending = ids[index], features[index], [pairs[i] for i in rows], pairs_t[index]
         self.real = [self.real[i] for i in rows]

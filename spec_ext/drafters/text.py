@@ -25,9 +25,6 @@ class TextDrafter(Drafter):
         [[3, 1, 2]]
     """
 
-    def __init__(self, policy: NGram):
-        super().__init__(policy)
-
     def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None,
               features: Tensor | None = None) -> None:
         self.rows = [NGramIndex(s, self.policy.n_max, self.policy.n_min) for s in seqs]
@@ -84,13 +81,12 @@ def tree_proposal(trees: list[tuple[list[int], list[int]]], device, width: int =
     each row's depth (host). ``from_text``: the rows copied from the text (default: those
     with a node past the root)."""
     T = max(width, max(len(tokens) for tokens, _ in trees))
-    tokens = torch.tensor([t + [-1] * (T - len(t)) for t, _ in trees], dtype=torch.int64)
-    parents = torch.tensor([p + [0] * (T - len(p)) for _, p in trees], dtype=torch.int64)
-    depth, mask = ops.tree_mask(parents, validate=False)  # on the host: its depths are read there
-    real = depth.masked_fill(tokens < 0, 0)
-    real[:, 0] = 0
-    depths = real.max(1).values.tolist()
+    host = torch.tensor([t + [-1] * (T - len(t)) + p + [0] * (T - len(p)) for t, p in trees], dtype=torch.int64)
+    depth, _ = ops.tree_mask(host[:, T:], validate=False)  # the depths are read on the host
+    depths = depth.masked_fill(host[:, :T] < 0, 0).max(1).values.tolist()
+    tokens, parents = host.to(device).split(T, 1)  # one copy to the device
+    depth, mask = ops.tree_mask(parents, validate=False)
     from_text = [len(t) > 1 for t, _ in trees] if from_text is None else from_text
-    proposal = Proposal(tokens.to(device), (tokens[:, 1:] >= 0).sum(1).to(device), None, parents.to(device),
-                        depth.to(device), mask.to(device), max(depths), from_text=from_text)
+    proposal = Proposal(tokens, (tokens[:, 1:] >= 0).sum(1), None, parents, depth, mask, max(depths),
+                        from_text=from_text)
     return proposal, depths

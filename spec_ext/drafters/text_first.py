@@ -21,17 +21,17 @@ class TextFirst(Drafter):
 
     def __init__(self, text: TextDrafter, model: ModelDrafter):
         super().__init__(text.policy)
-        self.text, self.drafter = text, model
+        self.text, self.model_drafter = text, model
         self.model = model.model
 
     @property
     def calls(self) -> int:
-        return self.drafter.calls
+        return self.model_drafter.calls
 
     def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None,
               features: Tensor | None = None) -> None:
         self.text.start(seqs, capacity, sampler, generator)
-        self.drafter.start(seqs, capacity, sampler, generator)
+        self.model_drafter.start(seqs, capacity, sampler, generator)
 
     def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
         B, k, device = len(seqs), self.policy.draft_k, roots.device
@@ -45,22 +45,22 @@ class TextFirst(Drafter):
         else:
             proposal = self.text.propose(seqs, roots)
         if all(proposal.from_text):
-            self.drafter.skip()
+            self.model_drafter.skip()
             return proposal
         by_text = torch.tensor(proposal.from_text, device=device)
         if proposal.is_tree:
-            drafts, q, _ = self.drafter.chain(seqs, [k] * B)
-            self.drafter.feeds(k - 1, ~by_text, [not text for text in proposal.from_text])
+            drafts, q, _ = self.model_drafter.chain(seqs, [k] * B)
+            self.model_drafter.feeds(drafts.shape[1] - 1, ~by_text, [not text for text in proposal.from_text])
             proposal.tokens[:, 1:k + 1] = torch.where(by_text[:, None], proposal.tokens[:, 1:k + 1], drafts)
             proposal.num_draft = torch.where(by_text, proposal.num_draft, k)
             proposal.max_depth = max(proposal.max_depth, k)
             if q is not None:  # node i's child (node i + 1) of a model row was drawn from q[:, i]
                 proposal.q = F.pad(q, (0, 0, 0, proposal.tokens.shape[1] - k))
-                proposal.sampled_rows = ~by_text
+                proposal.sampled_rows = ~by_text if any(proposal.from_text) else None
             return proposal
         K = max(k, proposal.tokens.shape[1])
         lookup = F.pad(proposal.tokens, (0, K - proposal.tokens.shape[1]), value=-1)
-        drafts, q, _ = self.drafter.chain(seqs, [k] * B, forced=lookup[:, :k], forced_rows=by_text)
+        drafts, q, _ = self.model_drafter.chain(seqs, [k] * B, forced=lookup[:, :k], forced_rows=by_text)
         tokens = torch.cat([drafts, lookup[:, k:]], 1)
         if q is not None:  # the text's drafts are deterministic: one-hot q
             q = F.pad(q, (0, 0, 0, K - k))
@@ -70,8 +70,8 @@ class TextFirst(Drafter):
 
     def commit(self, outcome: Outcome) -> None:
         self.text.commit(outcome)
-        self.drafter.commit(outcome)
+        self.model_drafter.commit(outcome)
 
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
         self.text.keep_rows(rows, index)
-        self.drafter.keep_rows(rows, index)
+        self.model_drafter.keep_rows(rows, index)

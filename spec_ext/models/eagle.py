@@ -34,11 +34,6 @@ KINDS = ("eagle3", "eagle")
 LAYER_TYPES = ("llama", "qwen3", "qwen2", "mistral")  # decoder layers the head can be made of
 
 
-def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """vLLM's and EAGLE-3's default auxiliary layers (2, L//2, L-3), kept in [0, L) for tiny L."""
-    return tuple(min(max(k, 0), num_layers - 1) for k in (2, num_layers // 2, num_layers - 3))
-
-
 @dataclass
 class HeadConfig:
     """What a head is made of; ``layer`` is the HF config dict of its decoder layers (the
@@ -46,7 +41,9 @@ class HeadConfig:
     kind: str
     layer: dict
     draft_vocab_size: int
-    layer_ids: tuple[int, ...] | None = None  # EAGLE-3: None takes the target's (2, L//2, L-3)
+    # EAGLE-3: ascending; None takes the target's (2, L//2, L-3). Id L is HF's last hidden state,
+    # after the final norm (vLLM's id L is before it: a head trained there reads another feature)
+    layer_ids: tuple[int, ...] | None = None
     target_hidden_size: int | None = None
     norm_before_residual: bool = False
     norm_before_fc: bool = False
@@ -67,6 +64,9 @@ class HeadConfig:
             self.layer_ids = tuple(int(k) for k in self.layer_ids)
             if not self.layer_ids:
                 raise ValueError("eagle_aux_hidden_state_layer_ids: empty (omit it for the target's defaults)")
+            if list(self.layer_ids) != sorted(self.layer_ids):
+                raise ValueError(f"eagle_aux_hidden_state_layer_ids: {list(self.layer_ids)} is not ascending (the "
+                                 f"features are concatenated in layer order, as vLLM taps them)")
 
     @property
     def num_aux(self) -> int:
@@ -91,7 +91,7 @@ class _Attention(nn.Module):
         super().__init__()
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        bias = bool(getattr(config, "attention_bias", False))
+        bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         self.q_proj = nn.Linear(width, heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(width, kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(width, kv_heads * self.head_dim, bias=bias)
@@ -282,15 +282,45 @@ class EagleHead(nn.Module):
         (path / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def _weight_files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+
+
+def _weights(path: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+    files = _weight_files(path)
+    if not files:
+        raise ValueError(f"draft: {path} has no weights (*.safetensors or pytorch_model*.bin)")
+    state: dict[str, Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)) if file.suffix == ".safetensors" else
+                     torch.load(file, map_location="cpu", weights_only=True))
+    return state
+
+
+def _weight_names(path: Path) -> set[str]:
+    from safetensors import safe_open
+    names: set[str] = set()
+    for file in _weight_files(path):
+        if file.suffix != ".safetensors":
+            return set(_weights(path))
+        with safe_open(str(file), "pt") as f:
+            names.update(f.keys())
+    return names
+
+
 def is_head_directory(path: str | Path) -> bool:
     """Whether ``path`` holds a head (a speculators config, an EAGLE-3 ``draft_vocab_size``
-    config or EAGLE-1 weights without an lm_head) rather than a causal LM."""
-    config = Path(path) / "config.json"
+    config, or EAGLE-1 weights: ``fc`` and no ``lm_head``) rather than a causal LM."""
+    path = Path(path)
+    config = path / "config.json"
     if not config.is_file():
         return False
     data = json.loads(config.read_text())
-    return "speculators_model_type" in data or "draft_vocab_size" in data or \
-        data.get("spec_ext", {}).get("kind") == "eagle"
+    if "speculators_model_type" in data or "draft_vocab_size" in data or data.get("spec_ext", {}).get("kind"):
+        return True
+    names = {name.removeprefix("model.") for name in _weight_names(path)}
+    return "fc.weight" in names and "lm_head.weight" not in names
 
 
 def load_head(path: str | Path, dtype: torch.dtype | None = None) -> EagleHead:
@@ -298,17 +328,11 @@ def load_head(path: str | Path, dtype: torch.dtype | None = None) -> EagleHead:
     or "eagle"), the original EAGLE-3 layout (``midlayer.*``, ``draft_vocab_size`` in a
     plain Llama config) or EAGLE-1's (``fc`` + ``layers.0.*`` without input norm, lm_head
     or final norm). Raises ``ValueError`` naming a field it cannot honour."""
-    from safetensors.torch import load_file
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"draft: {path} has no config.json")
     data = json.loads((path / "config.json").read_text())
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"draft: {path} has no .safetensors weights")
-    state: dict[str, Tensor] = {}
-    for file in files:
-        state.update(load_file(str(file)))
+    state = _weights(path)
     state = {k.removeprefix("model."): v for k, v in state.items()}
     state = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
     if "speculators_model_type" in data:
@@ -320,7 +344,8 @@ def load_head(path: str | Path, dtype: torch.dtype | None = None) -> EagleHead:
         layer = dict(data["transformer_layer_config"])
         config = HeadConfig(kind, layer, data.get("draft_vocab_size", layer.get("vocab_size")),
                             data.get("eagle_aux_hidden_state_layer_ids"), data.get("target_hidden_size"),
-                            bool(data.get("norm_before_residual", False)), bool(data.get("norm_before_fc", False)),
+                            # a speculators config without the key: vLLM's default, True
+                            bool(data.get("norm_before_residual", True)), bool(data.get("norm_before_fc", False)),
                             bool(data.get("fc_norm", False)), bool(data.get("norm_output", False)),
                             "fc.bias" in state, (data.get("speculators_config") or {}).get("verifier") or {})
     else:
