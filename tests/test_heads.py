@@ -218,3 +218,18 @@ def test_qwen2_layers_carry_their_projection_biases(target, tmp_path):
     assert qwen2.layers[0].self_attn.q_proj.bias is not None and qwen2.layers[0].self_attn.o_proj.bias is None
     qwen2.save(tmp_path)
     assert load_head(tmp_path).layers[0].self_attn.k_proj.bias is not None
+
+
+def test_the_command_line_takes_a_head_as_its_draft(tmp_path):
+    """``--draft`` loads a head directory as a head (the bundled target, a head saved here)."""
+    from spec_ext.__main__ import load_pair
+    from spec_ext.bundled import bundled_path
+    target_dir = bundled_path("stdlib-target")
+    _, target, _ = load_pair(target_dir, None)
+    random_head(target, draft_vocab=64).save(tmp_path)
+    _, target, head = load_pair(target_dir, tmp_path)
+    assert isinstance(head, EagleHead) and head.config.draft_vocab_size == 64
+    ids = [[5, 17, 33, 8]]
+    out = spec_ext.generate(target, head, ids, max_new_tokens=8, eos_token_id=[], policy="fixed")
+    expected = target.generate(torch.tensor(ids), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert out.sequences.tolist() == expected.tolist()
