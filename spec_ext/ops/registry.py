@@ -34,14 +34,7 @@ OPS = tuple(KERNEL_KEYS)
 # (op, backend) -> (module of spec_ext.kernels, function) of its Triton kernels. "triton_split"
 # (tree_attention split over the keys, chain and greedy tree verification over the
 # vocabulary) has not run on a GPU yet: opt-in, never chosen by "auto".
-TRITON_KERNELS = {("tree_mask", "triton"): ("tree", "tree_mask"),
-                  ("chain_verify", "triton"): ("rejection_sampling", "chain_verify"),
-                  ("chain_verify", "triton_split"): ("rejection_sampling_split", "chain_verify_split"),
-                  ("tree_verify", "triton"): ("rejection_sampling", "tree_verify"),
-                  ("tree_verify", "triton_split"): ("rejection_sampling_split", "tree_verify_split"),
-                  ("tree_attention", "triton"): ("tree_attention", "tree_attention"),
-                  ("tree_attention", "triton_split"): ("tree_attention_split", "tree_attention_split"),
-                  ("compact_kv", "triton"): ("kv_cache", "compact_kv")}
+from spec_ext.kernels.launch import LAUNCHERS as TRITON_KERNELS  # noqa: E402 - the one table, beside its launchers
 # (op, backend) -> function of spec_ext.ops.sdpa: runs on every device PyTorch runs on
 SDPA_KERNELS = {("tree_attention", "sdpa"): "tree_attention"}
 
