@@ -142,28 +142,26 @@ def check_pair(target, draft) -> None:
 _VOCAB: "weakref.WeakKeyDictionary[object, tuple[int, int, int]]" = weakref.WeakKeyDictionary()
 
 
-def vocabulary_size(model) -> int:
-    """The size of ``model``'s vocabulary (its config's, or its text config's where a
-    multimodal config keeps it there)."""
+def _text_config_value(model, name: str):
+    """``model.config.<name>``, or its text config's where a multimodal config keeps it there."""
     config = model.config
-    size = getattr(config, "vocab_size", None)
-    if size is None and hasattr(config, "get_text_config"):
-        size = getattr(config.get_text_config(), "vocab_size", None)
-    if size is None:
-        raise ValueError(f"{type(model).__name__}: its config names no vocab_size (nor its text_config)")
-    return size
+    value = getattr(config, name, None)
+    if value is None and hasattr(config, "get_text_config"):
+        value = getattr(config.get_text_config(), name, None)
+    if value is None:
+        raise ValueError(f"{type(model).__name__}: its config names no {name} (nor its text_config)")
+    return value
+
+
+def vocabulary_size(model) -> int:
+    """The size of ``model``'s vocabulary (its config's, or its text config's)."""
+    return _text_config_value(model, "vocab_size")
 
 
 def num_layers(model) -> int:
     """L, the number of decoder layers of ``model`` (its config's ``num_hidden_layers``, or
     its text config's): HF's ``hidden_states`` has L + 1 entries."""
-    config = model.config
-    count = getattr(config, "num_hidden_layers", None)
-    if count is None and hasattr(config, "get_text_config"):
-        count = getattr(config.get_text_config(), "num_hidden_layers", None)
-    if count is None:
-        raise ValueError(f"{type(model).__name__}: its config names no num_hidden_layers (nor its text_config)")
-    return count
+    return _text_config_value(model, "num_hidden_layers")
 
 
 def aux_layer_ids(model) -> tuple[int, int, int]:
