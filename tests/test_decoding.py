@@ -501,3 +501,40 @@ def test_a_drafter_made_by_the_user_is_verified_like_any_other(greedy_pair):
     assert out.stats.drafted == 3 * out.stats.rounds and out.stats.draft_calls == 0
     with pytest.raises(ValueError, match="policy: a Drafter brings its own policy"):
         spec_ext.generate(target, Junk(Fixed(3)), prompts, policy="tree")
+
+
+@torch.no_grad()
+def test_the_dynamic_tree_is_eagle2s_expansion_of_the_drafts_own_scores(greedy_pair):
+    """The kept tree (as paths of tokens) equals EAGLE-2's expansion computed here from plain
+    full-sequence forwards of the draft: per level the frontier's top-k children, the best k
+    by cumulative log-probability go on; the best ``nodes`` overall are kept."""
+    from spec_ext.drafters import ModelDrafter
+    from spec_ext.models import attention_implementation
+    from spec_ext.policies import DynamicTree
+    _, draft = greedy_pair
+    prompts = [[5, 17, 33, 8], [9, 4, 60, 61, 2]]
+    policy = DynamicTree(depth=3, top_k=3, nodes=8)
+    drafter = ModelDrafter(draft, policy)
+    policy.start(2)
+    drafter.start(prompts, 64, Sampler())
+    with attention_implementation(draft):
+        proposal = drafter.propose(prompts, torch.tensor([p[-1] for p in prompts]))
+    for b, prompt in enumerate(prompts):
+        def logp(path):
+            return torch.log_softmax(draft(torch.tensor([prompt + list(path)])).logits[0, -1].float(), -1)
+        frontier, nodes = [((), 0.0)], []
+        for _ in range(policy.depth):
+            children = []
+            for path, score in frontier:
+                values, ids = logp(path).topk(policy.top_k)
+                children += [(path + (int(t),), score + float(v)) for v, t in zip(values, ids)]
+            frontier = sorted(children, key=lambda c: -c[1])[:policy.top_k]
+            nodes += frontier
+        expected = {path for path, _ in sorted(nodes, key=lambda c: (-c[1], len(c[0])))[:policy.nodes - 1]}
+        tokens, parents = proposal.tokens[b].tolist(), proposal.parents[b].tolist()
+        paths = {}
+        for i in range(1, len(tokens)):
+            assert 0 <= parents[i] < i
+            paths[i] = paths.get(parents[i], ()) + (tokens[i],)
+        assert set(paths.values()) == expected, b
+    assert proposal.num_draft.tolist() == [policy.nodes - 1] * 2

@@ -29,7 +29,7 @@ class HeadDrafter(Drafter):
 
     def __init__(self, head: EagleHead, policy: Policy):
         super().__init__(policy)
-        if policy.branching is not None or policy.uses_bonus_agreement:
+        if policy.branching is not None or policy.grows_dynamic_tree or policy.uses_bonus_agreement:
             raise ValueError(f"policy: {type(policy).__name__} with a feature head is not supported yet (a head "
                              f"drafts chains and reports no bonus agreement; use auto, fixed, heuristic, confidence "
                              f"or svip)")

@@ -10,18 +10,20 @@
 | ``SpecDecPP()`` | learned acceptance head on the draft's hidden state |
 | ``AdaLength()`` | learned length predictor on the target's hidden state (AdaEAGLE) |
 | ``Tree()`` | a static top-k draft tree verified with tree attention |
+| ``DynamicTree()`` | EAGLE-2's tree, grown by the draft's cumulative probability |
 | ``NGram()`` | prompt lookup: drafts from the row's own text, no draft model (chains or trees) |
 | ``PEARL()`` | draft and target at the same time (parallel engine) |
 | ``SpecBranch()``, ``LearnedSpecBranch()`` | PEARL plus branches at uncertain points |
 """
 from spec_ext.policies.base import POLICIES, Policy, register, resolve
 from spec_ext.policies.rules import SVIP, Auto, Confidence, Fixed, Heuristic
-from spec_ext.policies.tree import Tree
+from spec_ext.policies.tree import DynamicTree, Tree
 from spec_ext.policies.ngram import NGram, NGramIndex, continuation_tree, reference_occurrences
 from spec_ext.policies.parallel import PEARL, BranchHint, SpecBranch
 from spec_ext.policies.learned import (AdaLength, BranchPredictor, LearnedSpecBranch, ResidualMLP, SpecDecPP,
                                        draft_features, history_features)
 
-__all__ = ["POLICIES", "SVIP", "AdaLength", "Auto", "BranchHint", "BranchPredictor", "Confidence", "Fixed",
+__all__ = ["POLICIES", "SVIP", "AdaLength", "Auto", "BranchHint", "BranchPredictor", "Confidence", "DynamicTree",
+           "Fixed",
            "Heuristic", "LearnedSpecBranch", "NGram", "NGramIndex", "PEARL", "Policy", "ResidualMLP", "SpecBranch",
            "SpecDecPP", "Tree", "continuation_tree", "draft_features", "history_features", "reference_occurrences", "register", "resolve"]

@@ -37,6 +37,7 @@ class Policy:
 
     max_draft: int = 5
     branching: tuple[int, ...] | None = None  # a static tree: children per node at each depth
+    grows_dynamic_tree: ClassVar[bool] = False  # a tree grown by the draft's scores (DynamicTree)
     drafts_from_text: ClassVar[bool] = False
     parallel: ClassVar[bool] = False
     uses_draft_hidden: ClassVar[bool] = False
