@@ -92,6 +92,18 @@ def test_greedy_equals_the_target_with_a_head(model, kind):
     assert out.stats.draft_calls > 0
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_greedy_equals_the_target_with_a_head_growing_dynamic_trees(model, kind):
+    from spec_ext.policies import DynamicTree
+    target = llama(V, 32, 4, seed=3, sharpen=3.0) if model == "llama" else \
+        sharpened_model(model, vocab=V, num_hidden_layers=4)
+    head = echo_head(target, kind, draft_vocab=10 if kind == "eagle3" else None, noise=0.01)
+    out = ragged_greedy_equals_target(target, head, PROMPTS + [[6]], DynamicTree(depth=3, top_k=3, nodes=8),
+                                      max_new=24)
+    assert 0 < out.stats.accepted < out.stats.drafted, out.stats
+
+
 def test_one_token_prompts_and_every_length_policy(target):
     head = echo_head(target, draft_vocab=10, noise=0.01)
     for policy in ("auto", "fixed", "heuristic", "confidence", "svip"):
@@ -99,15 +111,18 @@ def test_one_token_prompts_and_every_length_policy(target):
 
 
 # ---------------------------------------------------------------------------- sampling
-@pytest.mark.parametrize("temperature,top_k", [(1.0, None), (0.7, 4)])
-def test_sampling_follows_the_target_with_a_reduced_draft_vocabulary(temperature, top_k):
-    """A draft vocabulary of 5 of the 8 tokens (q is 0 off it): the first 3 tokens' joint law
-    is the target's, by enumeration."""
+@pytest.mark.parametrize("temperature,top_k,tree", [(1.0, None, False), (0.7, 4, False), (1.0, None, True),
+                                                     (0.7, 4, True)])
+def test_sampling_follows_the_target_with_a_reduced_draft_vocabulary(temperature, top_k, tree):
+    """A draft vocabulary of 5 of the 8 tokens (q is 0 off it), chains and dynamic trees:
+    the first 3 tokens' joint law is the target's, by enumeration."""
+    from spec_ext.policies import DynamicTree
     target = llama(VOCAB, 32, 4, seed=10, sharpen=3.0)
     head = echo_head(target, draft_vocab=5, noise=0.05, seed=4)
     n = 20_000
+    policy = DynamicTree(depth=2, top_k=3, nodes=6) if tree else Fixed(2)
     out = spec_ext.generate(target, head, [PROMPT] * n, max_new_tokens=3, temperature=temperature, top_k=top_k,
-                            eos_token_id=[], policy=Fixed(2), seed=7)
+                            eos_token_id=[], policy=policy, seed=7)
     assert out.stats.accepted > 0 and out.stats.accepted < out.stats.drafted
     assert_follows(out.sequences[:, len(PROMPT):].numpy(), exact_joint(target, Sampler(temperature, top_k)))
 
@@ -233,3 +248,59 @@ def test_the_command_line_takes_a_head_as_its_draft(tmp_path):
     out = spec_ext.generate(target, head, ids, max_new_tokens=8, eos_token_id=[], policy="fixed")
     expected = target.generate(torch.tensor(ids), max_new_tokens=8, do_sample=False, eos_token_id=None)
     assert out.sequences.tolist() == expected.tolist()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_the_heads_dynamic_tree_is_eagle2s_expansion_of_its_own_scores(target, kind):
+    """The first round's tree (as token paths) equals EAGLE-2's expansion computed here from
+    the head run one token at a time on a fresh cache, with the target's features from HF's
+    own output_hidden_states: the re-fed levels pair each node with its parent's output."""
+    from spec_ext.models import SpecCache, attention_implementation
+    from spec_ext.policies import DynamicTree
+    head = random_head(target, kind, draft_vocab=10 if kind == "eagle3" else None, seed=5)
+    policy = DynamicTree(depth=3, top_k=3, nodes=9)
+    prompt = [5, 7, 3, 8, 11, 4]
+    seen = []
+
+    class Recording(HeadDrafter):
+        def propose(self, seqs, roots):
+            proposal = super().propose(seqs, roots)
+            seen.append((proposal.tokens[0].tolist(), proposal.parents[0].tolist()))
+            return proposal
+
+    drafter = Recording(head, policy)
+    spec_ext.generate(target, drafter, [prompt], max_new_tokens=2, eos_token_id=[])
+    layers = drafter.target_layers
+    states = target(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    features = torch.cat([states[k][:, :-1] for k in layers], -1)  # the features of x_0 .. x_{n-2}
+
+    def logp(path):
+        cache = SpecCache(head.num_layers, None, None, 1, 64)
+        with attention_implementation(target):
+            embed = drafter.embed
+            n = len(prompt) - 1
+            logits, hidden = head(embed(torch.tensor([prompt[1:]])), head.combine(features), torch.arange(n)[None],
+                                  cache, target_head=drafter.target_head)
+            cache.advance([n])
+            logits, hidden = logits[:, -1:], hidden[:, -1:]
+            for i, token in enumerate(path):
+                logits, hidden = head(embed(torch.tensor([[token]])), hidden, torch.tensor([[n + i]]), cache,
+                                      target_head=drafter.target_head)
+                cache.advance([1])
+        return torch.log_softmax(logits[0, -1].float(), -1)
+
+    frontier, nodes = [((), 0.0)], []
+    for _ in range(policy.depth):
+        children = []
+        for path, score in frontier:
+            values, ids = logp(path).topk(policy.top_k)
+            children += [(path + (int(t),), score + float(v)) for v, t in zip(values, ids)]
+        frontier = sorted(children, key=lambda c: -c[1])[:policy.top_k]
+        nodes += frontier
+    expected = {path for path, _ in sorted(nodes, key=lambda c: (-c[1], len(c[0])))[:policy.nodes - 1]}
+    tokens, parents = seen[0]
+    paths = {}
+    for i in range(1, len(tokens)):
+        paths[i] = paths.get(parents[i], ()) + (tokens[i],)
+    assert set(paths.values()) == expected

@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from spec_ext import ops
 from spec_ext.models import check_model, check_pair, forward
 from spec_ext.policies import Policy
 
@@ -200,6 +201,46 @@ def draft_chain(policy: Policy, sampler: Sampler, generator, logits: Tensor, hid
             break
         logits, hidden = step(token)
     return drafts[:, :steps], None if q_all is None else q_all[:, :steps], num_draft
+
+
+def grow_dynamic_tree(policy: Policy, logits: Tensor, roots: Tensor, refeed) -> Proposal:
+    """EAGLE-2's tree (:class:`spec_ext.policies.DynamicTree`), grown per row on the device
+    (no host sync) from the root's logits [B,V]: each level the frontier's ``top_k`` children
+    are scored by cumulative log-probability and the best ``top_k`` of them become the next
+    frontier; ``refeed(tokens [B,n], parents [B,n], depth [B,n], mask)`` gives the drafter's
+    logits [B,n,V] at every node of the tree grown so far (node 0 the root). The best ``nodes`` are kept
+    in topological order, as deterministic drafts (the tree depends on no coin)."""
+    B, device = logits.shape[0], logits.device
+    k = min(policy.top_k, logits.shape[-1])
+    rows = torch.arange(B, device=device)[:, None]
+    best = torch.log_softmax(logits.float(), -1).topk(k)
+    tokens = torch.cat([roots[:, None], best.indices], 1)
+    parents = torch.cat([torch.full((B, 1), -1, device=device),
+                         torch.zeros(B, k, dtype=torch.int64, device=device)], 1)
+    scores = torch.cat([torch.zeros(B, 1, device=device), best.values], 1)
+    for _ in range(1, policy.depth):
+        n = tokens.shape[1]
+        frontier = torch.arange(n - k, n, device=device).expand(B, k)
+        depth, mask = ops.tree_mask(parents, validate=False)
+        logp = torch.log_softmax(refeed(tokens, parents, depth, mask)[rows, frontier].float(), -1)
+        children = logp.topk(k)  # [B, k frontier nodes, k children]
+        total = (scores[rows, frontier][..., None] + children.values).view(B, k * k)
+        chosen = total.topk(k).indices
+        tokens = torch.cat([tokens, children.indices.view(B, -1).gather(1, chosen)], 1)
+        parents = torch.cat([parents, frontier.gather(1, chosen // k)], 1)
+        scores = torch.cat([scores, total.gather(1, chosen)], 1)
+    # the best nodes; on a tie the shallower (a child equals its parent's score only at q = 1)
+    depth, _ = ops.tree_mask(parents, validate=False)
+    T = min(policy.nodes, tokens.shape[1])
+    key = (scores - 1e-6 * depth)[:, 1:]
+    kept = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=device),
+                      key.topk(T - 1).indices.sort(1).values + 1], 1)  # ascending: parents first
+    renumber = torch.full_like(parents, -1).scatter_(1, kept, torch.arange(T, device=device).expand(B, T))
+    kept_parents = renumber.gather(1, parents.gather(1, kept).clamp_min(0))
+    kept_parents[:, 0] = -1
+    depth, mask = ops.tree_mask(kept_parents, validate=False)
+    return Proposal(tokens.gather(1, kept), torch.full((B,), T - 1, device=device), None, kept_parents, depth, mask,
+                    policy.depth)
 
 
 def pad_rows(rows: Sequence[Sequence[int]], value: int, device, left: bool = False) -> Tensor:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain, grow_dynamic_tree
 from spec_ext.models import SpecCache, aux_layer_ids, check_model, num_layers, vocabulary_size
 from spec_ext.models.eagle import EagleHead
 from spec_ext.policies import Policy
@@ -29,10 +29,10 @@ class HeadDrafter(Drafter):
 
     def __init__(self, head: EagleHead, policy: Policy):
         super().__init__(policy)
-        if policy.branching is not None or policy.grows_dynamic_tree or policy.uses_bonus_agreement:
+        if policy.branching is not None or policy.uses_bonus_agreement:
             raise ValueError(f"policy: {type(policy).__name__} with a feature head is not supported yet (a head "
-                             f"drafts chains and reports no bonus agreement; use auto, fixed, heuristic, confidence "
-                             f"or svip)")
+                             f"drafts chains and dynamic trees and reports no bonus agreement; use auto, fixed, "
+                             f"heuristic, confidence, svip or dynamictree)")
         self.head = head.eval()
 
     @property
@@ -95,15 +95,17 @@ class HeadDrafter(Drafter):
         width = config.target_hidden_size or self.head.hidden_size
         return width * (len(self.target_layers) if config.kind == "eagle3" else 1)
 
-    def _step(self, ids: Tensor, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def _step(self, ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor | None = None
+              ) -> tuple[Tensor, Tensor]:
         self.calls += 1
-        return self.head(self.embed(ids), hidden, positions, self.cache, target_head=self.target_head)
+        return self.head(self.embed(ids), hidden, positions, self.cache, mask, target_head=self.target_head)
 
     def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
         B = len(seqs)
         ids, features, pairs, pairs_t = self._pending
         positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
-        logits, hidden = self._step(ids, self.head.combine(features), positions)
+        combined = self.head.combine(features)
+        logits, hidden = self._step(ids, combined, positions)
         self.cache.advance(pairs, pairs_t)
         last = pairs_t - 1
         rows = torch.arange(B, device=self.device)
@@ -111,6 +113,8 @@ class HeadDrafter(Drafter):
         self._kept_t = self.cache.lengths - pairs_t + torch.tensor(self.real, device=self.device) \
             if pairs != self.real else self.cache.lengths
         logits, hidden = logits[rows, last], hidden[rows, last]
+        if self.policy.grows_dynamic_tree:
+            return self._dynamic_tree(logits, hidden, roots, combined[rows, last])
         state = {"hidden": hidden}
 
         def step(token: Tensor) -> tuple[Tensor, None]:
@@ -123,6 +127,23 @@ class HeadDrafter(Drafter):
         drafts, q, num_draft = draft_chain(self.policy, self.sampler, self.generator, logits, None, step,
                                            self.policy.plan())
         return Proposal(drafts, num_draft, q)
+
+    def _dynamic_tree(self, logits: Tensor, hidden: Tensor, roots: Tensor, root_input: Tensor) -> Proposal:
+        """EAGLE-2's tree: each level re-feeds the root (its token with the target's feature,
+        at its own position) and the tree so far, each node paired with its parent's output."""
+        B = len(roots)
+        last = {"out": hidden[:, None]}  # each node's output of the last pass (the root's: the catch-up's)
+
+        def refeed(tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
+            width = root_input.shape[-1]
+            from_parents = last["out"].gather(1, parents[:, 1:, None].expand(-1, -1, width))
+            hidden_in = torch.cat([root_input[:, None], from_parents], 1)
+            self.cache.rollback([x - 1 for x in self.cache.host_lengths])  # the root is re-fed with the tree
+            out, last["out"] = self._step(tokens.clamp_min(0), hidden_in, self.cache.lengths[:, None] + depth, mask)
+            self.cache.advance([1] * B)
+            return out
+
+        return grow_dynamic_tree(self.policy, logits, roots, refeed)
 
     def commit(self, outcome: Outcome) -> None:
         self.cache.rollback(self._kept, self._kept_t)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from spec_ext import ops
-from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, check_finite, draft_chain, pad_rows, prefill
+from spec_ext.drafters.base import (Drafter, Outcome, Proposal, Sampler, check_finite, draft_chain, grow_dynamic_tree,
+                                    pad_rows, prefill)
 from spec_ext.models import SpecCache, forward
 from spec_ext.ops import build_tree
 from spec_ext.policies import Policy
@@ -108,46 +108,20 @@ class ModelDrafter(Drafter):
                         self.mask, self.max_depth)
 
     def dynamic_tree(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
-        """EAGLE-2's tree (:class:`spec_ext.policies.DynamicTree`), grown per row: each level
-        re-feeds the tree so far with tree attention, the frontier's ``top_k`` children each
-        are scored by cumulative log-probability and the best ``top_k`` become the next
-        frontier; the best ``nodes`` are kept, in topological order. No host sync."""
+        """EAGLE-2's tree (:func:`~spec_ext.drafters.base.grow_dynamic_tree`), the tree so
+        far re-fed with tree attention at each level."""
         logits, _ = self._catch_up(seqs)
-        B, device = len(seqs), self.device
-        k = min(self.policy.top_k, logits.shape[-1])
-        rows = torch.arange(B, device=device)[:, None]
-        best = torch.log_softmax(logits.float(), -1).topk(k)
-        tokens = torch.cat([roots[:, None], best.indices], 1)
-        parents = torch.cat([torch.full((B, 1), -1, device=device), torch.zeros(B, k, dtype=torch.int64,
-                                                                                device=device)], 1)
-        scores = torch.cat([torch.zeros(B, 1, device=device), best.values], 1)
-        for _ in range(1, self.policy.depth):
-            n = tokens.shape[1]
-            frontier = torch.arange(n - k, n, device=device).expand(B, k)
-            depth, mask = ops.tree_mask(parents, validate=False)
+        B = len(seqs)
+
+        def refeed(tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
             self.cache.rollback([x - 1 for x in self.cache.host_lengths])  # the root is re-fed with the tree
             out = self.forward(tokens, self.cache.lengths[:, None] + depth, mask)
             self.cache.advance([1] * B)
-            logp = torch.log_softmax((out[0] if self.hidden else out)[rows, frontier].float(), -1)
-            children = logp.topk(k)  # [B, k frontier nodes, k children]
-            total = (scores[rows, frontier][..., None] + children.values).view(B, k * k)
-            chosen = total.topk(k).indices
-            tokens = torch.cat([tokens, children.indices.view(B, -1).gather(1, chosen)], 1)
-            parents = torch.cat([parents, frontier.gather(1, chosen // k)], 1)
-            scores = torch.cat([scores, total.gather(1, chosen)], 1)
-        # the best nodes; on a tie the shallower (a child equals its parent's score only at q = 1)
-        depth, _ = ops.tree_mask(parents, validate=False)
-        T = min(self.policy.nodes, tokens.shape[1])
-        key = (scores - 1e-6 * depth)[:, 1:]
-        kept = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=device),
-                          key.topk(T - 1).indices.sort(1).values + 1], 1)  # ascending: parents first
-        renumber = torch.full_like(parents, -1).scatter_(1, kept, torch.arange(T, device=device).expand(B, T))
-        kept_parents = renumber.gather(1, parents.gather(1, kept).clamp_min(0))
-        kept_parents[:, 0] = -1
-        depth, mask = ops.tree_mask(kept_parents, validate=False)
+            return out[0] if self.hidden else out
+
+        proposal = grow_dynamic_tree(self.policy, logits, roots, refeed)
         self.feeds(0)  # the cache holds the committed tokens up to the root: none of the tree
-        return Proposal(tokens.gather(1, kept), torch.full((B,), T - 1, device=device), None, kept_parents, depth,
-                        mask, self.policy.depth)
+        return proposal
 
     # ------------------------------------------------------------------ state
     def feeds(self, drafts: int, rows: Tensor | None = None, rows_host: list[bool] | None = None) -> None:
