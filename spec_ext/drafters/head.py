@@ -13,7 +13,8 @@ from spec_ext.policies import Policy
 
 
 class HeadDrafter(Drafter):
-    """Drafts a chain with ``head`` (the length policy says how far).
+    """Drafts a chain with ``head`` (the length policy says how far) or grows EAGLE-2's dynamic
+    tree (:class:`spec_ext.policies.DynamicTree`).
 
     State: the head's own :class:`SpecCache` holds one entry per committed position t < n
     (n + 1 committed tokens, x_n the root): the head's pass over (token x_{t+1}, the target's
