@@ -399,9 +399,9 @@ class CountHostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("policy", ["fixed", "tree"])
+@pytest.mark.parametrize("policy", ["fixed", "tree", "dynamictree"])
 def test_a_round_reads_the_host_once_on_any_device(greedy_pair, policy):
-    """The CPU-side guard of the GPU test below: Fixed and Tree read tensor values on the
+    """The CPU-side guard of the GPU test below: Fixed, Tree and DynamicTree read tensor values on the
     host once per round (what was emitted), plus a few on the prompt."""
     target, draft = greedy_pair
     ids = [[5, 17, 33, 8], [9, 4]]
@@ -419,7 +419,8 @@ def test_a_round_reads_the_host_once_on_any_device(greedy_pair, policy):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (counts the loop's host syncs)")
-@pytest.mark.parametrize("policy, with_draft", [("fixed", True), ("tree", True), ("ngram", True), ("ngram", False)])
+@pytest.mark.parametrize("policy, with_draft", [("fixed", True), ("tree", True), ("dynamictree", True), ("ngram", True),
+                                               ("ngram", False)])
 def test_a_round_syncs_with_the_host_about_once(greedy_pair, policy, with_draft):
     """Fixed, Tree and the text's rounds (alone and beside the draft) keep a round on the
     device: the host learns what was emitted once per round (plus the prefill's few), so the
@@ -528,8 +529,8 @@ def test_the_dynamic_tree_is_eagle2s_expansion_of_the_drafts_own_scores(greedy_p
             for path, score in frontier:
                 values, ids = logp(path).topk(policy.top_k)
                 children += [(path + (int(t),), score + float(v)) for v, t in zip(values, ids)]
+            nodes += children  # every child is a candidate (EAGLE-2 reranks them all)
             frontier = sorted(children, key=lambda c: -c[1])[:policy.top_k]
-            nodes += frontier
         expected = {path for path, _ in sorted(nodes, key=lambda c: (-c[1], len(c[0])))[:policy.nodes - 1]}
         tokens, parents = proposal.tokens[b].tolist(), proposal.parents[b].tolist()
         paths = {}
@@ -538,3 +539,27 @@ def test_the_dynamic_tree_is_eagle2s_expansion_of_the_drafts_own_scores(greedy_p
             paths[i] = paths.get(parents[i], ()) + (tokens[i],)
         assert set(paths.values()) == expected, b
     assert proposal.num_draft.tolist() == [policy.nodes - 1] * 2
+
+
+def test_a_confident_draft_never_leaves_a_kept_node_without_its_parent():
+    """A draft sure of its top token (log q = 0 exactly in float32) ties every child with its
+    parent: the kept tree must still hold every node's parent, before it (the review's case:
+    a tie-break of 1e-6 per level is lost below scores of -16)."""
+    from spec_ext.drafters.base import grow_dynamic_tree
+    from spec_ext.policies import DynamicTree
+    V, B = 12, 3
+    generator = torch.Generator().manual_seed(0)
+
+    def confident(n_rows):
+        logits = torch.randn(n_rows, V, generator=generator) - 40  # scores far below -16
+        logits[:, 0] = 60.0  # log q = 0 for token 0
+        return logits
+
+    def refeed(tokens, parents, depth, mask):
+        return confident(tokens.numel()).view(*tokens.shape, V)
+
+    policy = DynamicTree(depth=4, top_k=3, nodes=8)
+    proposal = grow_dynamic_tree(policy, confident(B), torch.zeros(B, dtype=torch.int64), refeed)
+    parents = proposal.parents.tolist()
+    for row in parents:
+        assert row[0] == -1 and all(0 <= p < i for i, p in enumerate(row) if i), row

@@ -296,8 +296,8 @@ def test_the_heads_dynamic_tree_is_eagle2s_expansion_of_its_own_scores(target, k
         for path, score in frontier:
             values, ids = logp(path).topk(policy.top_k)
             children += [(path + (int(t),), score + float(v)) for v, t in zip(values, ids)]
+        nodes += children  # every child is a candidate (EAGLE-2 reranks them all)
         frontier = sorted(children, key=lambda c: -c[1])[:policy.top_k]
-        nodes += frontier
     expected = {path for path, _ in sorted(nodes, key=lambda c: (-c[1], len(c[0])))[:policy.nodes - 1]}
     tokens, parents = seen[0]
     paths = {}

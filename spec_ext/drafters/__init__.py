@@ -2,7 +2,7 @@
 
 | drafter | drafts | state it keeps in step with the target |
 |---|---|---|
-| :class:`ModelDrafter` | a draft model's chain (length policies) or static top-k tree (``Tree``) | its KV cache |
+| :class:`ModelDrafter` | a draft model's chain (length policies), ``Tree`` or ``DynamicTree`` | its KV cache |
 | :class:`TextDrafter` | each row's own text: chains or trees of continuations (``NGram``) | an n-gram index per row |
 | :class:`TextFirst` | the text, and the draft model for the rows without a match | both |
 | :class:`HeadDrafter` | an EAGLE-1/3 head on the target's hidden states (chains, ``DynamicTree``) | its KV cache, features |

@@ -205,42 +205,49 @@ def draft_chain(policy: Policy, sampler: Sampler, generator, logits: Tensor, hid
 
 def grow_dynamic_tree(policy: Policy, logits: Tensor, roots: Tensor, refeed) -> Proposal:
     """EAGLE-2's tree (:class:`spec_ext.policies.DynamicTree`), grown per row on the device
-    (no host sync) from the root's logits [B,V]: each level the frontier's ``top_k`` children
-    are scored by cumulative log-probability and the best ``top_k`` of them become the next
-    frontier; ``refeed(tokens [B,n], parents [B,n], depth [B,n], mask)`` gives the drafter's
-    logits [B,n,V] at every node of the tree grown so far (node 0 the root). The best ``nodes`` are kept
-    in topological order, as deterministic drafts (the tree depends on no coin)."""
+    (no host sync) from the root's logits [B,V]. Each level the frontier's ``top_k`` children
+    are scored by cumulative log-probability; all of them are candidates, the best ``top_k``
+    become the next frontier. ``refeed(tokens [B,n], parents [B,n], depth [B,n], mask)``
+    gives the drafter's logits [B,n,V] at every node of the expanded tree (node 0 the root).
+    The best ``nodes`` candidates are kept (a stable sort: on a tie the earlier, so a node is
+    never kept without its parent, which scores at least as much and comes first), in
+    topological order, as deterministic drafts (the tree depends on no coin)."""
     B, device = logits.shape[0], logits.device
     k = min(policy.top_k, logits.shape[-1])
     rows = torch.arange(B, device=device)[:, None]
     best = torch.log_softmax(logits.float(), -1).topk(k)
+    first = torch.arange(1, k + 1, device=device).expand(B, k)
+    root_parent = torch.full((B, 1), -1, device=device)
+    # the expanded tree, re-fed each level: tokens, parents (positions in it), candidate ids
     tokens = torch.cat([roots[:, None], best.indices], 1)
-    parents = torch.cat([torch.full((B, 1), -1, device=device),
-                         torch.zeros(B, k, dtype=torch.int64, device=device)], 1)
-    scores = torch.cat([torch.zeros(B, 1, device=device), best.values], 1)
+    parents = torch.cat([root_parent, torch.zeros(B, k, dtype=torch.int64, device=device)], 1)
+    expanded = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=device), first], 1)
+    # every candidate: token, parent (candidate id), score
+    cand_tokens, cand_parents = tokens, parents.clone()
+    cand_scores = torch.cat([torch.zeros(B, 1, device=device), best.values], 1)
     for _ in range(1, policy.depth):
-        n = tokens.shape[1]
+        n, count = tokens.shape[1], cand_tokens.shape[1]
         frontier = torch.arange(n - k, n, device=device).expand(B, k)
         depth, mask = ops.tree_mask(parents, validate=False)
         logp = torch.log_softmax(refeed(tokens, parents, depth, mask)[rows, frontier].float(), -1)
         children = logp.topk(k)  # [B, k frontier nodes, k children]
-        total = (scores[rows, frontier][..., None] + children.values).view(B, k * k)
+        total = (cand_scores.gather(1, expanded[:, n - k:])[..., None] + children.values).view(B, k * k)
+        cand_tokens = torch.cat([cand_tokens, children.indices.view(B, -1)], 1)
+        cand_parents = torch.cat([cand_parents, expanded[:, n - k:].repeat_interleave(k, 1)], 1)
+        cand_scores = torch.cat([cand_scores, total], 1)
         chosen = total.topk(k).indices
         tokens = torch.cat([tokens, children.indices.view(B, -1).gather(1, chosen)], 1)
         parents = torch.cat([parents, frontier.gather(1, chosen // k)], 1)
-        scores = torch.cat([scores, total.gather(1, chosen)], 1)
-    # the best nodes; on a tie the shallower (a child equals its parent's score only at q = 1)
-    depth, _ = ops.tree_mask(parents, validate=False)
-    T = min(policy.nodes, tokens.shape[1])
-    key = (scores - 1e-6 * depth)[:, 1:]
-    kept = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=device),
-                      key.topk(T - 1).indices.sort(1).values + 1], 1)  # ascending: parents first
-    renumber = torch.full_like(parents, -1).scatter_(1, kept, torch.arange(T, device=device).expand(B, T))
-    kept_parents = renumber.gather(1, parents.gather(1, kept).clamp_min(0))
+        expanded = torch.cat([expanded, count + chosen], 1)
+    T = min(policy.nodes, cand_tokens.shape[1])
+    order = torch.sort(cand_scores[:, 1:], dim=1, descending=True, stable=True).indices[:, :T - 1] + 1
+    kept = torch.cat([torch.zeros(B, 1, dtype=torch.int64, device=device), order.sort(1).values], 1)
+    renumber = torch.full_like(cand_parents, -1).scatter_(1, kept, torch.arange(T, device=device).expand(B, T))
+    kept_parents = renumber.gather(1, cand_parents.gather(1, kept).clamp_min(0))
     kept_parents[:, 0] = -1
     depth, mask = ops.tree_mask(kept_parents, validate=False)
-    return Proposal(tokens.gather(1, kept), torch.full((B,), T - 1, device=device), None, kept_parents, depth, mask,
-                    policy.depth)
+    return Proposal(cand_tokens.gather(1, kept), torch.full((B,), T - 1, device=device), None, kept_parents, depth,
+                    mask, policy.depth)
 
 
 def pad_rows(rows: Sequence[Sequence[int]], value: int, device, left: bool = False) -> Tensor:

@@ -1,5 +1,6 @@
 """A draft model: a transformers causal LM with the target's tokenizer drafts a chain (as
-long as the length policy says) or a static top-k tree (the policy's ``branching``)."""
+long as the length policy says), a static top-k tree (the policy's ``branching``) or
+EAGLE-2's dynamic tree (``DynamicTree``)."""
 from __future__ import annotations
 
 import torch

@@ -3,9 +3,9 @@ policies by name.
 
 A policy decides how far a drafter goes each round (a *length rule*: ``plan`` and
 ``keep_drafting``) or what shape it grows (a static tree's ``branching``; the text's
-continuation trees of :class:`spec_ext.policies.NGram`). Three declared attributes say
-what else it needs, so no engine asks which class it is: ``branching`` (not None: a static
-tree the draft model grows), ``drafts_from_text`` (the drafts come from each row's own
+continuation trees of :class:`spec_ext.policies.NGram`). Declared attributes say what else
+it needs, so no engine asks which class it is: ``branching`` (not None: a static tree the
+draft model grows), ``grows_dynamic_tree`` (EAGLE-2's tree), ``drafts_from_text`` (the drafts come from each row's own
 text; a draft model, if given, drafts the rows without a match) and ``parallel`` (the
 parallel engine runs it: :class:`spec_ext.policies.PEARL` and its subclasses).
 

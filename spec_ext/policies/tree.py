@@ -1,4 +1,5 @@
-"""A static draft tree: the draft model grows it by top-k and the target verifies it in one pass."""
+"""Draft trees: a static shape grown by top-k (:class:`Tree`) and EAGLE-2's dynamic tree
+(:class:`DynamicTree`); the target verifies either in one pass."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -32,19 +33,19 @@ class Tree(Policy):
 
 @register
 class DynamicTree(Policy):
-    """EAGLE-2's dynamic draft tree, for any drafter that gives distributions: from the root,
-    every node on the frontier proposes its ``top_k`` most likely tokens; of those children
-    the ``top_k`` with the highest cumulative draft log-probability (the product of the
-    draft's probabilities along the path) form the next frontier, for ``depth`` levels; the
-    ``nodes`` best nodes by that score (the root included) are verified in one target
-    forward. A child never outscores its parent, so the kept nodes always hold their
+    """EAGLE-2's dynamic draft tree, grown by draft models and feature heads: from the root,
+    every node on the frontier proposes its ``top_k`` most likely tokens, each scored by its
+    cumulative draft log-probability (the product of the draft's probabilities along its
+    path); all of them are candidates and the best ``top_k`` form the next frontier, for
+    ``depth`` levels; the ``nodes`` best candidates (the root included) are verified in one
+    target forward. A child never outscores its parent, so the kept nodes hold their
     ancestors. Defaults as EAGLE-2's published runs: 6 levels, top-10, 60 tokens.
 
     Exact at every temperature: the tree is a deterministic function of the text (top-k of
     the draft's logits, no coin), so each child is a one-hot draft and siblings are distinct
     tokens: the multi-draft sampler accepts child x with probability residual(x) and, on a
     rejection, removes x from the residual (siblings without replacement), which leaves the
-    emitted token distributed as the target's (tests/test_decoding.py enumerates it).
+    emitted token distributed as the target's (tests chi-square it against the enumerated law).
     """
 
     grows_dynamic_tree = True
@@ -53,5 +54,5 @@ class DynamicTree(Policy):
         if depth < 1 or top_k < 1 or nodes < 2:
             raise ValueError(f"depth, top_k, nodes: need >= 1, >= 1 and >= 2, got {depth}, {top_k}, {nodes}")
         self.depth, self.top_k, self.nodes = depth, top_k, nodes
-        # the verification's width, and the draft's cache while it re-feeds the tree grown so far
-        self.max_draft = max(nodes - 1, top_k * depth)
+        # the verification's width, and the draft's cache while it re-feeds the expanded tree
+        self.max_draft = max(nodes - 1, top_k * (depth - 1) + 1)
