@@ -24,6 +24,6 @@ from spec_ext.policies.learned import (AdaLength, BranchPredictor, LearnedSpecBr
                                        draft_features, history_features)
 
 __all__ = ["POLICIES", "SVIP", "AdaLength", "Auto", "BranchHint", "BranchPredictor", "Confidence", "DynamicTree",
-           "Fixed",
-           "Heuristic", "LearnedSpecBranch", "NGram", "NGramIndex", "PEARL", "Policy", "ResidualMLP", "SpecBranch",
-           "SpecDecPP", "Tree", "continuation_tree", "draft_features", "history_features", "reference_occurrences", "register", "resolve"]
+           "Fixed", "Heuristic", "LearnedSpecBranch", "NGram", "NGramIndex", "PEARL", "Policy", "ResidualMLP",
+           "SpecBranch", "SpecDecPP", "Tree", "continuation_tree", "draft_features", "history_features",
+           "reference_occurrences", "register", "resolve"]
