@@ -92,15 +92,16 @@ def test_greedy_equals_the_target_with_a_head(model, kind):
     assert out.stats.draft_calls > 0
 
 
+@pytest.mark.parametrize("shape", ["dynamic", "static"])
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
-def test_greedy_equals_the_target_with_a_head_growing_dynamic_trees(model, kind):
-    from spec_ext.policies import DynamicTree
+def test_greedy_equals_the_target_with_a_head_growing_trees(model, kind, shape):
+    from spec_ext.policies import DynamicTree, Tree
     target = llama(V, 32, 4, seed=3, sharpen=3.0) if model == "llama" else \
         sharpened_model(model, vocab=V, num_hidden_layers=4)
     head = echo_head(target, kind, draft_vocab=10 if kind == "eagle3" else None, noise=0.01)
-    out = ragged_greedy_equals_target(target, head, PROMPTS + [[6]], DynamicTree(depth=3, top_k=3, nodes=8),
-                                      max_new=24)
+    policy = DynamicTree(depth=3, top_k=3, nodes=8) if shape == "dynamic" else Tree((2, 2, 1))
+    out = ragged_greedy_equals_target(target, head, PROMPTS + [[6]], policy, max_new=24)
     assert 0 < out.stats.accepted < out.stats.drafted, out.stats
 
 
@@ -111,16 +112,16 @@ def test_one_token_prompts_and_every_length_policy(target):
 
 
 # ---------------------------------------------------------------------------- sampling
-@pytest.mark.parametrize("temperature,top_k,tree", [(1.0, None, False), (0.7, 4, False), (1.0, None, True),
-                                                     (0.7, 4, True)])
+@pytest.mark.parametrize("temperature,top_k,tree", [(1.0, None, None), (0.7, 4, None), (1.0, None, "dynamic"),
+                                                     (0.7, 4, "dynamic"), (1.0, None, "static")])
 def test_sampling_follows_the_target_with_a_reduced_draft_vocabulary(temperature, top_k, tree):
     """A draft vocabulary of 5 of the 8 tokens (q is 0 off it), chains and dynamic trees:
     the first 3 tokens' joint law is the target's, by enumeration."""
-    from spec_ext.policies import DynamicTree
+    from spec_ext.policies import DynamicTree, Tree
     target = llama(VOCAB, 32, 4, seed=10, sharpen=3.0)
     head = echo_head(target, draft_vocab=5, noise=0.05, seed=4)
     n = 20_000
-    policy = DynamicTree(depth=2, top_k=3, nodes=6) if tree else Fixed(2)
+    policy = {None: Fixed(2), "dynamic": DynamicTree(depth=2, top_k=3, nodes=6), "static": Tree((2, 1))}[tree]
     out = spec_ext.generate(target, head, [PROMPT] * n, max_new_tokens=3, temperature=temperature, top_k=top_k,
                             eos_token_id=[], policy=policy, seed=7)
     assert out.stats.accepted > 0 and out.stats.accepted < out.stats.drafted

@@ -5,7 +5,7 @@
 | :class:`ModelDrafter` | a draft model's chain (length policies), ``Tree`` or ``DynamicTree`` | its KV cache |
 | :class:`TextDrafter` | each row's own text: chains or trees of continuations (``NGram``) | an n-gram index per row |
 | :class:`TextFirst` | the text, and the draft model for the rows without a match | both |
-| :class:`HeadDrafter` | an EAGLE-1/3 head on the target's hidden states: chains, ``DynamicTree`` | its KV cache |
+| :class:`HeadDrafter` | an EAGLE-1/3 head on the target's hidden states: chains or trees | its KV cache |
 
 A drafter returns a :class:`Proposal` (a chain or a tree, with the q each draft was drawn
 from, or None for deterministic drafts) and is told the :class:`Outcome`; the engine
@@ -47,7 +47,7 @@ def build(draft, policy: Policy) -> Drafter | None:
     if isinstance(draft, EagleHead):
         if policy.drafts_from_text or policy.parallel:
             raise ValueError(f"policy: {type(policy).__name__} with a feature head is not supported yet "
-                             f"(the head drafts chains and dynamic trees in the serial loop)")
+                             f"(the head drafts chains and trees in the serial loop)")
         return HeadDrafter(draft, policy)
     if policy.drafts_from_text:
         text = TextDrafter(policy)

@@ -11,6 +11,7 @@ top-k, top-p), :func:`pad_rows` and :func:`prefill`.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -19,6 +20,7 @@ from torch import Tensor
 
 from spec_ext import ops
 from spec_ext.models import check_model, check_pair, forward
+from spec_ext.ops import build_tree
 from spec_ext.policies import Policy
 
 
@@ -201,6 +203,33 @@ def draft_chain(policy: Policy, sampler: Sampler, generator, logits: Tensor, hid
             break
         logits, hidden = step(token)
     return drafts[:, :steps], None if q_all is None else q_all[:, :steps], num_draft
+
+
+def grow_static_tree(policy: Policy, logits: Tensor, roots: Tensor, refeed) -> Proposal:
+    """The policy's static tree (``branching[d]`` children per node at depth d), each level
+    the top-k of the drafter's logits after its parent: deterministic drafts. ``logits``
+    [B,V] are the root's; ``refeed(tokens [B,n], parents [B,n], depth [B,n], mask)`` gives the
+    drafter's logits [B,n,V] at every node of the tree grown so far (node 0 the root)."""
+    B, device = logits.shape[0], logits.device
+    parents, depth, mask, max_depth = _static_tree(tuple(policy.parents), device)
+    levels, branching = policy.levels, policy.branching
+    nodes = torch.zeros(B, len(policy.parents), dtype=torch.int64, device=device)
+    nodes[:, 0] = roots
+    nodes[:, levels[0]] = torch.topk(logits, branching[0], dim=-1).indices
+    for d in range(1, len(levels)):
+        n = levels[d - 1][-1] + 1  # the tree so far: nodes 0..n-1
+        tree_logits = refeed(nodes[:, :n], parents[:, :n].expand(B, n), depth[:, :n].expand(B, n), mask[:, :n])
+        nodes[:, levels[d]] = torch.topk(tree_logits[:, levels[d - 1]], branching[d], dim=-1).indices.reshape(B, -1)
+    return Proposal(nodes, torch.full((B,), nodes.shape[1] - 1, device=device), None, parents[0], depth[0], mask,
+                    max_depth)
+
+
+@functools.lru_cache(maxsize=32)
+def _static_tree(parents: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor, Tensor, int]:
+    """parents [1,T], depth [1,T], mask [1,T,W] on ``device`` and the depth of a static tree,
+    made once (building reads the tree on the host)."""
+    tree = build_tree(list(parents))
+    return tree.parents.to(device), tree.depth.to(device), tree.mask.to(device), tree.max_depth
 
 
 def grow_dynamic_tree(policy: Policy, logits: Tensor, roots: Tensor, refeed) -> Proposal:

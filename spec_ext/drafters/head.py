@@ -6,15 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain, grow_dynamic_tree
+from spec_ext.drafters.base import (Drafter, Outcome, Proposal, Sampler, draft_chain, grow_dynamic_tree,
+                                    grow_static_tree)
 from spec_ext.models import SpecCache, aux_layer_ids, check_model, num_layers, vocabulary_size
 from spec_ext.models.eagle import EagleHead
 from spec_ext.policies import Policy
 
 
 class HeadDrafter(Drafter):
-    """Drafts a chain with ``head`` (the length policy says how far) or grows EAGLE-2's dynamic
-    tree (:class:`spec_ext.policies.DynamicTree`).
+    """Drafts a chain with ``head`` (the length policy says how far), a static tree (``Tree``)
+    or EAGLE-2's dynamic tree (:class:`spec_ext.policies.DynamicTree`).
 
     State: the head's own :class:`SpecCache` holds one entry per committed position t < n
     (n + 1 committed tokens, x_n the root): the head's pass over (token x_{t+1}, the target's
@@ -30,10 +31,10 @@ class HeadDrafter(Drafter):
 
     def __init__(self, head: EagleHead, policy: Policy):
         super().__init__(policy)
-        if policy.branching is not None or policy.uses_bonus_agreement:
+        if policy.uses_bonus_agreement:
             raise ValueError(f"policy: {type(policy).__name__} with a feature head is not supported yet (a head "
-                             f"drafts chains and dynamic trees and reports no bonus agreement; use auto, fixed, "
-                             f"heuristic, confidence, svip or dynamictree)")
+                             f"reports no bonus agreement; use auto, fixed, heuristic, confidence, svip, tree or "
+                             f"dynamictree)")
         self.head = head.eval()
 
     @property
@@ -114,8 +115,8 @@ class HeadDrafter(Drafter):
         self._kept_t = self.cache.lengths - pairs_t + torch.tensor(self.real, device=self.device) \
             if pairs != self.real else self.cache.lengths
         logits, hidden = logits[rows, last], hidden[rows, last]
-        if self.policy.grows_dynamic_tree:
-            return self._dynamic_tree(logits, hidden, roots, combined[rows, last])
+        if self.policy.grows_dynamic_tree or self.policy.branching is not None:
+            return self._tree(logits, hidden, roots, combined[rows, last])
         state = {"hidden": hidden}
 
         def step(token: Tensor) -> tuple[Tensor, None]:
@@ -129,9 +130,10 @@ class HeadDrafter(Drafter):
                                            self.policy.plan())
         return Proposal(drafts, num_draft, q)
 
-    def _dynamic_tree(self, logits: Tensor, hidden: Tensor, roots: Tensor, root_input: Tensor) -> Proposal:
-        """EAGLE-2's tree: each level re-feeds the root (its token with the target's feature,
-        at its own position) and the tree so far, each node paired with its parent's output."""
+    def _tree(self, logits: Tensor, hidden: Tensor, roots: Tensor, root_input: Tensor) -> Proposal:
+        """A static tree (``Tree``) or EAGLE-2's (``DynamicTree``): each level re-feeds the root
+        (its token with the target's feature, at its own position) and the tree so far, each
+        node paired with its parent's output."""
         B = len(roots)
         last = {"out": hidden[:, None]}  # each node's output of the last pass (the root's: the catch-up's)
 
@@ -144,7 +146,8 @@ class HeadDrafter(Drafter):
             self.cache.advance([1] * B)
             return out
 
-        return grow_dynamic_tree(self.policy, logits, roots, refeed)
+        grow = grow_static_tree if self.policy.branching is not None else grow_dynamic_tree
+        return grow(self.policy, logits, roots, refeed)
 
     def commit(self, outcome: Outcome) -> None:
         self.cache.rollback(self._kept, self._kept_t)

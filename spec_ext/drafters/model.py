@@ -7,9 +7,8 @@ import torch
 from torch import Tensor
 
 from spec_ext.drafters.base import (Drafter, Outcome, Proposal, Sampler, check_finite, draft_chain, grow_dynamic_tree,
-                                    pad_rows, prefill)
+                                    grow_static_tree, pad_rows, prefill)
 from spec_ext.models import SpecCache, forward
-from spec_ext.ops import build_tree
 from spec_ext.policies import Policy
 
 
@@ -31,11 +30,6 @@ class ModelDrafter(Drafter):
         super().__init__(policy)
         self.model = model
         self.hidden = policy.uses_draft_hidden
-        if policy.branching is not None:
-            tree = build_tree(policy.parents)
-            device = model.device
-            self.parents, self.mask = tree.parents[0].to(device), tree.mask.to(device)
-            self.depth, self.max_depth = tree.depth[0].to(device), tree.max_depth
 
     def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None,
               features: Tensor | None = None) -> None:
@@ -88,40 +82,26 @@ class ModelDrafter(Drafter):
         return drafts, q, num_draft
 
     def tree(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
-        """The policy's static tree (``branching[d]`` children per node at depth d), each
-        level the top-k of the draft's logits after its parent: deterministic drafts."""
+        """The policy's static tree (:func:`~spec_ext.drafters.base.grow_static_tree`), the
+        tree so far re-fed with tree attention at each level."""
         logits, _ = self._catch_up(seqs)
-        B, levels, branching = len(seqs), self.policy.levels, self.policy.branching
-        T = len(self.policy.parents)
-        nodes = torch.zeros(B, T, dtype=torch.int64, device=self.device)
-        nodes[:, 0] = roots
-        nodes[:, levels[0]] = torch.topk(logits, branching[0], dim=-1).indices
-        for d in range(1, len(levels)):
-            n = levels[d - 1][-1] + 1  # the tree so far: nodes 0..n-1, root re-fed at its own position
-            self.cache.rollback([x - 1 for x in self.cache.host_lengths])
-            out = self.forward(nodes[:, :n], self.cache.lengths[:, None] + self.depth[:n], self.mask[:, :n])
-            self.cache.advance([1] * B)
-            tree_logits = out[0] if self.hidden else out
-            children = torch.topk(tree_logits[:, levels[d - 1]], branching[d], dim=-1).indices
-            nodes[:, levels[d]] = children.reshape(B, -1)
+        proposal = grow_static_tree(self.policy, logits, roots, self._refeed)
         self.feeds(0)  # the cache holds the committed tokens up to the root: none of the tree
-        return Proposal(nodes, torch.full((B,), T - 1, device=self.device), None, self.parents, self.depth,
-                        self.mask, self.max_depth)
+        return proposal
+
+    def _refeed(self, tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
+        """Logits [B,n,V] at every node of a tree re-fed after the committed tokens (the root,
+        the last committed token, at its own position again)."""
+        self.cache.rollback([x - 1 for x in self.cache.host_lengths])
+        out = self.forward(tokens, self.cache.lengths[:, None] + depth, mask)
+        self.cache.advance([1] * len(tokens))
+        return out[0] if self.hidden else out
 
     def dynamic_tree(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
-        """EAGLE-2's tree (:func:`~spec_ext.drafters.base.grow_dynamic_tree`), the tree so
-        far re-fed with tree attention at each level."""
+        """EAGLE-2's tree (:func:`~spec_ext.drafters.base.grow_dynamic_tree`)."""
         logits, _ = self._catch_up(seqs)
-        B = len(seqs)
-
-        def refeed(tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
-            self.cache.rollback([x - 1 for x in self.cache.host_lengths])  # the root is re-fed with the tree
-            out = self.forward(tokens, self.cache.lengths[:, None] + depth, mask)
-            self.cache.advance([1] * B)
-            return out[0] if self.hidden else out
-
-        proposal = grow_dynamic_tree(self.policy, logits, roots, refeed)
-        self.feeds(0)  # the cache holds the committed tokens up to the root: none of the tree
+        proposal = grow_dynamic_tree(self.policy, logits, roots, self._refeed)
+        self.feeds(0)
         return proposal
 
     # ------------------------------------------------------------------ state
