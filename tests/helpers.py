@@ -172,3 +172,27 @@ def assert_follows(samples: np.ndarray, joint: dict):
     keep = expected_bins > 0
     p_value = chisquare(observed_bins[keep], expected_bins[keep]).pvalue
     assert p_value > 1e-4, p_value
+
+
+# ------------------------------------------------------------------- draft trees
+def eagle2_paths(logp, policy) -> set[tuple[int, ...]]:
+    """The token paths EAGLE-2 keeps (``DynamicTree``), from ``logp(path)``: the drafter's
+    log-probabilities [V] after a path of tokens from the root, computed by the caller."""
+    frontier, nodes = [((), 0.0)], []
+    for _ in range(policy.depth):
+        children = []
+        for path, score in frontier:
+            values, ids = logp(path).topk(policy.top_k)
+            children += [(path + (int(t),), score + float(v)) for v, t in zip(values, ids)]
+        nodes += children  # every child is a candidate (EAGLE-2 reranks them all)
+        frontier = sorted(children, key=lambda c: -c[1])[:policy.top_k]
+    return {path for path, _ in sorted(nodes, key=lambda c: (-c[1], len(c[0])))[:policy.nodes - 1]}
+
+
+def tree_paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
+    """The token path from the root to every node of a tree (parents before children)."""
+    paths = {}
+    for i in range(1, len(tokens)):
+        assert 0 <= parents[i] < i, parents
+        paths[i] = paths.get(parents[i], ()) + (tokens[i],)
+    return set(paths.values())

@@ -11,8 +11,8 @@ from transformers import BloomConfig, BloomForCausalLM
 import spec_ext
 from spec_ext.engine import Sampler
 from spec_ext.policies import POLICIES
-from helpers import (PROMPT, VOCAB, assert_follows, exact_joint, hf_greedy, llama, make_policy, perturbed,
-                     ragged_greedy_equals_target)
+from helpers import (PROMPT, VOCAB, assert_follows, eagle2_paths, exact_joint, hf_greedy, llama, make_policy, perturbed,
+                     ragged_greedy_equals_target, tree_paths)
 
 POLICY_NAMES = sorted(POLICIES)
 
@@ -523,21 +523,7 @@ def test_the_dynamic_tree_is_eagle2s_expansion_of_the_drafts_own_scores(greedy_p
     for b, prompt in enumerate(prompts):
         def logp(path):
             return torch.log_softmax(draft(torch.tensor([prompt + list(path)])).logits[0, -1].float(), -1)
-        frontier, nodes = [((), 0.0)], []
-        for _ in range(policy.depth):
-            children = []
-            for path, score in frontier:
-                values, ids = logp(path).topk(policy.top_k)
-                children += [(path + (int(t),), score + float(v)) for v, t in zip(values, ids)]
-            nodes += children  # every child is a candidate (EAGLE-2 reranks them all)
-            frontier = sorted(children, key=lambda c: -c[1])[:policy.top_k]
-        expected = {path for path, _ in sorted(nodes, key=lambda c: (-c[1], len(c[0])))[:policy.nodes - 1]}
-        tokens, parents = proposal.tokens[b].tolist(), proposal.parents[b].tolist()
-        paths = {}
-        for i in range(1, len(tokens)):
-            assert 0 <= parents[i] < i
-            paths[i] = paths.get(parents[i], ()) + (tokens[i],)
-        assert set(paths.values()) == expected, b
+        assert tree_paths(proposal.tokens[b].tolist(), proposal.parents[b].tolist()) == eagle2_paths(logp, policy), b
     assert proposal.num_draft.tolist() == [policy.nodes - 1] * 2
 
 

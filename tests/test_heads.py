@@ -13,7 +13,8 @@ from spec_ext.drafters import HeadDrafter, Sampler
 from spec_ext.models import aux_layer_ids
 from spec_ext.models.eagle import EagleHead, HeadConfig, is_head_directory, load_head
 from spec_ext.policies import Fixed
-from helpers import PROMPT, VOCAB, assert_follows, exact_joint, llama, ragged_greedy_equals_target
+from helpers import (PROMPT, VOCAB, assert_follows, eagle2_paths, exact_joint, llama, ragged_greedy_equals_target,
+                     tree_paths)
 from test_architectures import sharpened_model
 
 V = 12  # a small vocabulary: random heads' drafts are accepted often enough to exercise the rollback
@@ -291,17 +292,4 @@ def test_the_heads_dynamic_tree_is_eagle2s_expansion_of_its_own_scores(target, k
                 cache.advance([1])
         return torch.log_softmax(logits[0, -1].float(), -1)
 
-    frontier, nodes = [((), 0.0)], []
-    for _ in range(policy.depth):
-        children = []
-        for path, score in frontier:
-            values, ids = logp(path).topk(policy.top_k)
-            children += [(path + (int(t),), score + float(v)) for v, t in zip(values, ids)]
-        nodes += children  # every child is a candidate (EAGLE-2 reranks them all)
-        frontier = sorted(children, key=lambda c: -c[1])[:policy.top_k]
-    expected = {path for path, _ in sorted(nodes, key=lambda c: (-c[1], len(c[0])))[:policy.nodes - 1]}
-    tokens, parents = seen[0]
-    paths = {}
-    for i in range(1, len(tokens)):
-        paths[i] = paths.get(parents[i], ()) + (tokens[i],)
-    assert set(paths.values()) == expected
+    assert tree_paths(*seen[0]) == eagle2_paths(logp, policy)
