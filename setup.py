@@ -76,7 +76,7 @@ setup(
     packages=find_packages(include=["spec_ext", "spec_ext.*"]) + ["spec_ext.kernels", "spec_ext._models"],
     package_dir={"spec_ext": "spec_ext", "spec_ext.kernels": "kernels", "spec_ext._models": "models"},
     package_data={"spec_ext": ["_build_info.json"],
-                  "spec_ext._models": ["*.json", "*/*.json", "*/*.safetensors"]},
+                  "spec_ext._models": ["*.json", "*/*.json", "*/*.safetensors", "*/*/*.json", "*/*/*.safetensors"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

@@ -48,6 +48,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spec_ext  # noqa: E402
+from spec_ext.models.eagle import load_head  # noqa: E402
 from spec_ext.ops.linear import ISA_VARIABLE  # noqa: E402
 from stdlib_data import code_prompts, read_text, split_files  # noqa: E402
 
@@ -56,7 +57,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 POLICIES = ["fixed", "auto", "heuristic", "confidence", "svip", "tree", "specdecpp", "adalength", "pearl",
             "specbranch", "learnedspecbranch"]
 SAME_WINDOW = "serial fixed k=PEARL's gamma"
-BEST_FIXED = "(best on validation)"  # the row every method is also compared with, pass by pass
+BEST_FIXED = "(best on validation)"
+DYNAMIC_SHAPE = (4, 4, 16)  # depth, top-k, nodes: EAGLE-2's defaults (6, 10, 60) verify too many nodes on 2 cores
+DYNAMIC_TREE = "dynamictree d={} k={} n={}".format(*DYNAMIC_SHAPE)
+HEAD = ROOT / "models" / "stdlib-head"  # the row every method is also compared with, pass by pass
 
 
 def policies(greedy: bool = True, batch: int = 1) -> dict:
@@ -64,10 +68,18 @@ def policies(greedy: bool = True, batch: int = 1) -> dict:
     decoding mode and batch size (benchmarks/train_policies.py) when that sweep exists."""
     chosen = {name: name for name in POLICIES}
     chosen["pearl"] = spec_ext.policies.PEARL()
+    chosen["fixed k=4"] = spec_ext.policies.Fixed(4)  # the k the heads' agreement is compared at
+    chosen[DYNAMIC_TREE] = spec_ext.policies.DynamicTree(*DYNAMIC_SHAPE)
     if (ROOT / "models" / "policies" / "validation.json").exists():
         k = best_fixed(greedy, batch)
         chosen[f"fixed k={k} {BEST_FIXED}"] = spec_ext.policies.Fixed(k)
     return chosen
+
+
+def head_rows() -> dict:
+    """Row name -> policy of the rows drafted by the feature head (--head)."""
+    from spec_ext.policies import DynamicTree, Fixed
+    return {"head fixed k=4": Fixed(4), "head auto": "auto", f"head {DYNAMIC_TREE}": DynamicTree(*DYNAMIC_SHAPE)}
 
 
 def ngram_rows(greedy: bool = True, batch: int = 1) -> dict:
@@ -211,7 +223,7 @@ def best_fixed(greedy: bool = True, batch: int = 1) -> int:
 
 
 def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, wanted=lambda method: True,
-               isas=(None,)):
+               isas=(None,), head=None):
     """Returns {method: dict(rates, ratios, stats, matches)} for one configuration; only the
     methods ``wanted`` accepts run, besides the target alone; with ``isas``, spec_ext's
     methods run once per forced skinny_linear path (names tagged " [avx2]" ...)."""
@@ -281,6 +293,14 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, want
                         rate = out.stats.tokens_per_s
                         record(f"spec_ext {SAME_WINDOW}{tag}", rate, rate / base, out.stats,
                                bool(torch.equal(out.sequences, alone)) if greedy else None)
+                for name, policy in (head_rows() if head is not None else {}).items():
+                    if not wanted(f"spec_ext {name}"):
+                        continue
+                    out = spec_ext.generate(target, head, ids, attention_mask=mask, max_new_tokens=n,
+                                            temperature=temperature, eos_token_id=[], pad_token_id=pad, policy=policy)
+                    rate = out.stats.tokens_per_s
+                    record(f"spec_ext {name}{tag}", rate, rate / base, out.stats,
+                           bool(torch.equal(out.sequences, alone)) if greedy else None)
                 for name, (policy, beside) in ngram_rows(greedy, batch).items():
                     if not wanted(f"spec_ext {name}"):
                         continue
@@ -320,8 +340,9 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, want
     return results
 
 
-def forward_costs(target, draft, prompt):
-    """Median ms of one decode forward (HF cache) of target and draft, 1 and 6 new tokens."""
+def forward_costs(target, draft, prompt, head=None):
+    """Median ms of one decode forward (HF cache) of target and draft, 1 and 6 new tokens; and
+    one draft step of the draft model (lean forward) and of the head, as spec_ext runs them."""
     costs = {}
     ids = torch.tensor([prompt])
     for name, model in (("target", target), ("draft", draft)):
@@ -332,6 +353,25 @@ def forward_costs(target, draft, prompt):
                 _, t = timed(lambda: model(ids[:, -width:], past_key_values=cache, use_cache=True))
                 times.append(t)
             costs[f"{name}_T{width}_ms"] = statistics.median(times) * 1e3
+    L = ids.shape[1]
+    step = torch.tensor([[L]])
+    with spec_ext.models.attention_implementation(draft):
+        cache = spec_ext.SpecCache.for_model(draft, 1, L + 1)
+        spec_ext.models.forward(draft, ids, cache, torch.arange(L)[None])
+        cache.advance([L])
+        times = [timed(lambda: spec_ext.models.forward(draft, ids[:, -1:], cache, step))[1] for _ in range(50)]
+    costs["draft_step_ms"] = statistics.median(times) * 1e3
+    if head is not None:
+        from spec_ext.drafters import HeadDrafter
+        drafter = HeadDrafter(head, spec_ext.policies.Fixed(1))
+        drafter.bind(target)
+        cache = spec_ext.SpecCache(head.num_layers, None, None, 1, L + 1, head.fc.weight.dtype, "cpu")
+        hidden = torch.randn(1, L, head.hidden_size, dtype=head.fc.weight.dtype)
+        head(drafter.embed(ids), hidden, torch.arange(L)[None], cache, target_head=drafter.target_head)
+        cache.advance([L])
+        times = [timed(lambda: head(drafter.embed(ids[:, -1:]), hidden[:, -1:], step, cache,
+                                    target_head=drafter.target_head))[1] for _ in range(50)]
+        costs["head_step_ms"] = statistics.median(times) * 1e3
     return costs
 
 
@@ -339,6 +379,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, default=ROOT / "models" / "stdlib-target")
     parser.add_argument("--draft", type=Path, default=ROOT / "models" / "stdlib-draft")
+    parser.add_argument("--head", type=Path, default=HEAD,
+                        help="a feature head for the target (its rows run when the folder exists)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=96)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -353,7 +395,7 @@ def main():
     parser.add_argument("--only", nargs="+", metavar="TEXT",
                         help="run only the methods whose row name contains one of these (the target alone always "
                         "runs: it is the baseline), e.g. --only 'fixed' specdecpp adalength")
-    parser.add_argument("--workloads", nargs="+", default=["heldout"], choices=["heldout", "grounded"],
+    parser.add_argument("--workloads", nargs="+", default=["heldout"], choices=["heldout", "grounded", "thirdparty"],
                         help="heldout: held-out file prefixes; grounded: a held-out function, then its first lines "
                         "again (a copy begins)")
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
@@ -364,8 +406,12 @@ def main():
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target, draft = load(args.target, args.dtype), load(args.draft, args.dtype)
+    head = None
+    if args.head is not None and args.head.exists():
+        head = load_head(args.head, target.dtype)
     prompts = {"heldout": lambda: code_prompts(tokenizer, "test", args.prompts, args.prompt_tokens, seed=0),
-               "grounded": lambda: grounded_prompts(tokenizer, "test", args.prompts, seed=0)}
+               "grounded": lambda: grounded_prompts(tokenizer, "test", args.prompts, seed=0),
+               "thirdparty": lambda: code_prompts(tokenizer, "thirdparty", args.prompts, args.prompt_tokens, seed=0)}
     prompts = {workload: prompts[workload]() for workload in args.workloads}
     pad = tokenizer.pad_token_id
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
@@ -383,7 +429,8 @@ def main():
     try:
         rows, histograms, costs = [], {}, {}
         for workload, group in prompts.items():
-            found = measure_configs(args, parser, target, draft, group, pad, commit, device, wanted, matched, workload)
+            found = measure_configs(args, parser, target, draft, group, pad, commit, device, wanted, matched, workload,
+                                    head)
             rows += found[0]
             histograms.update(found[1])
             costs = costs or found[2]
@@ -407,14 +454,15 @@ def write_matcher_cost(args, costs, commit, device):
     print(f"n-gram matcher at 32K tokens of history: {costs}")
 
 
-def measure_configs(args, parser, target, draft, prompts, pad, commit, device, wanted, matched, workload="heldout"):
+def measure_configs(args, parser, target, draft, prompts, pad, commit, device, wanted, matched, workload="heldout",
+                    head=None):
     rows, histograms = [], {}
     with torch.inference_mode():
-        costs = forward_costs(target, draft, prompts[0])
+        costs = forward_costs(target, draft, prompts[0], head)
         for config in args.configs:
             batch, temperature = int(config.split(":")[0]), float(config.split(":")[1])
             results = run_config(target, draft, prompts, batch, temperature, args.new_tokens, args.repeats, pad,
-                                 wanted, args.isas or (None,))
+                                 wanted, args.isas or (None,), head)
             if args.only and not matched:
                 parser.error(f"--only: {args.only} matched no method (names: {sorted(policies())}, "
                              "'HF assisted', 'fast_linear', 'lean forward')")
@@ -427,6 +475,7 @@ def measure_configs(args, parser, target, draft, prompts, pad, commit, device, w
                            vs_best_fixed=paired_ratio(r, reference),
                            mean_accepted=round(np.mean([s.mean_accepted for s in stats]), 3) if stats else "",
                            acceptance_rate=round(np.mean([s.acceptance_rate for s in stats]), 3) if stats else "",
+                           **agreement(sum((s.accepted_lengths for s in stats), [])),
                            target_calls=sum(s.target_calls for s in stats) if stats else "",
                            draft_calls=sum(s.draft_calls for s in stats) if stats else "",
                            rollback=sum(s.rollback for s in stats) if stats else "",
@@ -443,6 +492,17 @@ def measure_configs(args, parser, target, draft, prompts, pad, commit, device, w
     return rows, histograms, costs
 
 
+def agreement(lengths: list[int]) -> dict:
+    """The first draft's acceptance (rounds with at least one accepted) and the next three's
+    given the ones before them: a drafter's agreement curve (chains of fixed length)."""
+    if not lengths:
+        return dict(first_draft=0.0, conditional="")
+    at_least = [sum(n >= j for n in lengths) for j in range(5)]
+    return dict(first_draft=round(at_least[1] / at_least[0], 3),
+                conditional=" / ".join(f"{at_least[j + 1] / at_least[j]:.2f}" if at_least[j] else "-"
+                                       for j in range(1, 4)))
+
+
 def write_results(args, rows, histograms, costs, matched):
     for text in sorted(set(args.only or ()) - matched):
         print(f"--only: {text!r} matched no method", file=sys.stderr)
@@ -453,6 +513,9 @@ def write_results(args, rows, histograms, costs, matched):
         writer.writerows(rows)
     print(f"\nHF forward costs (ms; spec_ext runs the lean forward, see bench_forward.py): {costs}  "
           f"draft/target cost ratio (T=1): {costs['draft_T1_ms'] / costs['target_T1_ms']:.3f}")
+    if "head_step_ms" in costs:
+        print(f"one draft step as spec_ext runs it: draft model {costs['draft_step_ms']:.3f} ms, head "
+              f"{costs['head_step_ms']:.3f} ms (head/draft {costs['head_step_ms'] / costs['draft_step_ms']:.2f})")
     target_threads, draft_threads = spec_ext.engine.split_threads()
     print(f"serial methods: {torch.get_num_threads()} intra-op threads; PEARL (threads mode): {target_threads} for "
           f"the target, {draft_threads} for the draft; its gamma (median per config): "

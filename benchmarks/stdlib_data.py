@@ -6,7 +6,6 @@ tests never leak into training.
 """
 from __future__ import annotations
 
-import random
 import sysconfig
 from pathlib import Path
 
@@ -59,17 +58,24 @@ def read_text(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
 
 
+def thirdparty_files() -> list[Path]:
+    """Sources the bundled pair never saw: the click and jinja2 packages installed beside
+    torch (read from this environment, nothing downloaded)."""
+    import importlib.util
+    files = []
+    for package in ("click", "jinja2"):
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"the thirdparty workload reads the installed {package} package; it is not installed")
+        files += sorted(Path(spec.submodule_search_locations[0]).rglob("*.py"))
+    return files
+
+
 def code_prompts(tokenizer, split: str = "test", count: int = 16, prompt_tokens: int = 96,
                  seed: int = 0) -> list[list[int]]:
     """``count`` prompts of ``prompt_tokens`` tokens, each ending at a line break of a file
-    of ``split``, chosen deterministically by ``seed``."""
-    rng = random.Random(seed)
-    files = [f for f in split_files(split) if len(read_text(f)) > 4000]
-    prompts = []
-    while len(prompts) < count:
-        text = read_text(rng.choice(files))
-        cut = text.rfind("\n", 0, rng.randrange(2000, len(text) - 1000)) + 1
-        ids = tokenizer(text[:cut], add_special_tokens=False)["input_ids"]
-        if len(ids) >= prompt_tokens:
-            prompts.append(ids[-prompt_tokens:])
-    return prompts
+    of ``split`` (or of :func:`thirdparty_files` for ``"thirdparty"``), chosen
+    deterministically by ``seed``."""
+    from spec_ext.training.head import prompts_from_files
+    files = thirdparty_files() if split == "thirdparty" else split_files(split)
+    return prompts_from_files(tokenizer, files, count, prompt_tokens, seed)

@@ -1,10 +1,11 @@
-"""Command line: ``python -m spec_ext {generate,demo,backends}``.
+"""Command line: ``python -m spec_ext {generate,demo,backends,train-head}``.
 
   python -m spec_ext generate --target DIR --draft DIR --prompt "def f(" --policy auto
   python -m spec_ext generate --target DIR --prompt "..." --policy ngram   # drafts from the text, no draft
   python -m spec_ext demo          # the bundled pair: streamed completion + speed table
   python -m spec_ext backends      # which kernel backends this build can run
   python -m spec_ext backends --explain   # ... and what backend="auto" picks per device and op, and why
+  python -m spec_ext train-head --target DIR --out DIR --data DIR_OR_FILE ...   # an EAGLE-3 head for the target
 """
 from __future__ import annotations
 
@@ -62,6 +63,38 @@ def cmd_generate(args) -> None:
                             top_k=args.top_k, top_p=args.top_p, policy=args.policy, seed=args.seed,
                             streamer=_streamer(tokenizer), fast_linear=args.fast_linear)
     print("\n" + json.dumps(out.stats.as_dict(), indent=2))
+
+
+def data_files(paths: list[Path], pattern: str) -> list[Path]:
+    """The files named, and those under the directories named that match ``pattern``."""
+    files = []
+    for path in paths:
+        if path.is_dir():
+            files += sorted(p for p in path.rglob(pattern) if p.is_file())
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ValueError(f"--data: {path} does not exist")
+    if not files:
+        raise ValueError(f"--data: no files matching {pattern!r} under {', '.join(map(str, paths))}")
+    return files
+
+
+def cmd_train_head(args) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spec_ext.training.head import HeadTraining, train_head
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    files = data_files(args.data, args.glob)
+    validation = data_files(args.validation_data, args.glob) if args.validation_data else None
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+    settings = HeadTraining(sequences=args.sequences, steps=args.steps, batch=args.batch, ttt=args.ttt, lr=args.lr,
+                            draft_vocab=args.draft_vocab, layer_ids=tuple(args.layer_ids) if args.layer_ids else None,
+                            prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+    train_head(target, tokenizer, files, args.out, args.work or args.out / "work", settings, validation)
+    print(f"saved the head at {args.out} (speculators layout: vLLM and SGLang serve it)")
 
 
 def _tokens_per_s(fn, repeats: int) -> tuple[float, object]:
@@ -171,6 +204,27 @@ def parser() -> argparse.ArgumentParser:
     backends.add_argument("--explain", action="store_true",
                           help="also what backend='auto' picks on CPU and CUDA tensors for every op, and the "
                                "measurements behind it")
+    head = sub.add_parser("train-head", help="train an EAGLE-3 head for a target on its own continuations",
+                          formatter_class=defaults)
+    head.add_argument("--target", type=_model_folder, required=True, help="the target model's folder")
+    head.add_argument("--out", type=Path, required=True, help="where the head is saved (speculators layout)")
+    head.add_argument("--data", type=Path, nargs="+", required=True,
+                      help="text files, or directories of them, to cut prompts from")
+    head.add_argument("--validation-data", type=Path, nargs="+",
+                      help="held-out files for the printed agreement (default: --data, other prompts)")
+    head.add_argument("--glob", default="*", help="which files of a --data directory to read")
+    head.add_argument("--work", type=Path, help="cache and checkpoints, resumed on a rerun (default: OUT/work)")
+    head.add_argument("--sequences", type=_positive, default=1024, help="on-policy training sequences")
+    head.add_argument("--prompt-tokens", type=_positive, default=128, help="tokens of each prompt")
+    head.add_argument("--new-tokens", type=_positive, default=128, help="tokens the target continues each with")
+    head.add_argument("--steps", type=_positive, default=2000, help="optimiser steps")
+    head.add_argument("--batch", type=_positive, default=8, help="sequences per step")
+    head.add_argument("--ttt", type=_positive, default=3, help="training-time-test steps (the head unrolled)")
+    head.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (cosine to a tenth)")
+    head.add_argument("--draft-vocab", type=_positive,
+                      help="a draft vocabulary of this many most frequent tokens (default: the target's)")
+    head.add_argument("--layer-ids", type=int, nargs="+", help="target layers to tap (default: 2, L//2, L-3)")
+    head.add_argument("--threads", type=_positive, help="torch intra-op threads (default: torch's)")
     return top
 
 
@@ -184,6 +238,8 @@ def main(argv=None) -> None:
             args.target = args.target or bundled_path("stdlib-target")
             args.draft = args.draft or bundled_path("stdlib-draft")
             cmd_demo(args)
+        elif args.command == "train-head":
+            cmd_train_head(args)
         else:
             import spec_ext
             json.dump(spec_ext.backends(), sys.stdout, indent=2)

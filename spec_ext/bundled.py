@@ -1,4 +1,4 @@
-"""Where the bundled model pair (``stdlib-target``, ``stdlib-draft``) and the learned
+"""Where the bundled models (``stdlib-target``, ``stdlib-draft``, the head ``stdlib-head``) and the learned
 policies' predictors (``policies/*.safetensors``) are found.
 
 Looked up in this order: the folder named by the environment variable ``SPEC_EXT_MODELS``;

@@ -112,6 +112,27 @@ def test_one_token_prompts_and_every_length_policy(target):
         ragged_greedy_equals_target(target, head, [[7], [5, 1, 3, 8], [11]], policy, max_new=16)
 
 
+def test_streaming_and_the_accepted_lengths_of_every_round(target):
+    head = echo_head(target, draft_vocab=10, noise=0.01)
+
+    class Collect:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.flatten().tolist())
+
+        def end(self):
+            self.ended = True
+
+    streamer = Collect()
+    fast = spec_ext.accelerate(target, head, policy="fixed")
+    out = fast.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=40, eos_token_id=[], streamer=streamer)
+    assert streamer.ended and sum(streamer.chunks, []) == out[0].tolist()
+    stats = fast.last_stats
+    assert len(stats.accepted_lengths) == stats.rounds and sum(stats.accepted_lengths) == stats.accepted > 0
+
+
 # ---------------------------------------------------------------------------- sampling
 @pytest.mark.parametrize("temperature,top_k,tree", [(1.0, None, None), (0.7, 4, None), (1.0, None, "dynamic"),
                                                      (0.7, 4, "dynamic"), (1.0, None, "static")])
@@ -204,6 +225,16 @@ def test_a_head_made_for_another_target_is_refused_by_name(target, change, field
         head.layer_config.vocab_size = change["vocab"]
     with pytest.raises(ValueError, match=field):
         spec_ext.generate(target, head, PROMPTS, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("policy,why", [
+    (spec_ext.policies.PEARL(), "drafts while the target verifies"),
+    (spec_ext.policies.SpecBranch(), "drafts while the target verifies"),
+    (spec_ext.policies.NGram(), "text drafts run alone or beside a draft model"),
+])
+def test_policies_a_head_cannot_run_are_refused_saying_why(target, policy, why):
+    with pytest.raises(ValueError, match=f"policy: {type(policy).__name__} .*{why}"):
+        spec_ext.generate(target, random_head(target), PROMPTS, max_new_tokens=4, policy=policy)
 
 
 def test_bad_head_files_are_refused_by_name(tmp_path):

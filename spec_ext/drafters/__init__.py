@@ -45,9 +45,13 @@ def build(draft, policy: Policy) -> Drafter | None:
     if isinstance(draft, Drafter):
         return draft
     if isinstance(draft, EagleHead):
-        if policy.drafts_from_text or policy.parallel:
-            raise ValueError(f"policy: {type(policy).__name__} with a feature head is not supported yet "
-                             f"(the head drafts chains and trees in the serial loop)")
+        if policy.parallel:
+            raise ValueError(f"policy: {type(policy).__name__} drafts while the target verifies, but a feature "
+                             f"head's next drafts read the hidden states that very verification produces: it has "
+                             f"nothing to draft from in parallel (use a draft model for parallel drafting)")
+        if policy.drafts_from_text:
+            raise ValueError(f"policy: {type(policy).__name__} with a feature head is not supported yet (text "
+                             f"drafts run alone or beside a draft model)")
         return HeadDrafter(draft, policy)
     if policy.drafts_from_text:
         text = TextDrafter(policy)

@@ -101,17 +101,30 @@ class _Attention(nn.Module):
             self.k_norm = _Norm(self.head_dim, config.rms_norm_eps)
         self.scaling = self.head_dim ** -0.5
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache, index: int, tree_mask: Tensor | None) -> Tensor:
+    def project(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """q [B,Hq,T,D], k and v [B,Hkv,T,D] of ``x`` [B,T,width], rotated by ``rope``."""
         B, T, _ = x.shape
         shape = (B, T, -1, self.head_dim)
-        q, k, v = self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
+        q, k, v = (_linear(p, x).view(shape) for p in (self.q_proj, self.k_proj, self.v_proj))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = (_rotate(t.transpose(1, 2), cos, sin) for t in (q, k))
-        keys, values = cache.update(k, v.transpose(1, 2), index)
+        return q, k, v.transpose(1, 2)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache, index: int, tree_mask: Tensor | None) -> Tensor:
+        q, k, v = self.project(x, rope)
+        keys, values = cache.update(k, v, index)
         out = ops.tree_attention(q, keys, values, cache.lengths, tree_mask, self.scaling, validate=False)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return _linear(self.o_proj, out.transpose(1, 2).flatten(2))
+
+
+def _linear(layer: nn.Linear, x: Tensor) -> Tensor:
+    """F.linear while training; when drafting, spec_ext's skinny GEMM where it applies (CPU
+    float32, a few rows: several times MKL's speed there), as the draft model's layers run."""
+    if torch.is_grad_enabled() and layer.weight.requires_grad:
+        return layer(x)
+    return ops.skinny_linear(x, layer.weight, layer.bias, validate=False)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -127,7 +140,7 @@ class _Mlp(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return _linear(self.down_proj, F.silu(_linear(self.gate_proj, x)) * _linear(self.up_proj, x))
 
 
 class _Layer(nn.Module):
@@ -146,17 +159,21 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = _Norm(H, eps)
         self.mlp = _Mlp(config)
 
-    def forward(self, x: Tensor, rope, cache, index: int, tree_mask, embeds: Tensor | None = None,
-                norm_before_residual: bool = False) -> Tensor:
+    def inputs(self, x: Tensor, embeds: Tensor | None, norm_before_residual: bool) -> tuple[Tensor, Tensor]:
+        """What the attention reads, and the residual."""
         if self.joint:
             normed = self.hidden_norm(x)
-            residual = normed if norm_before_residual else x
-            inputs = torch.cat([self.input_layernorm(embeds), normed], -1)
-        else:
-            residual = x
-            inputs = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
-        x = residual + self.self_attn(inputs, rope, cache, index, tree_mask)
+            return torch.cat([self.input_layernorm(embeds), normed], -1), normed if norm_before_residual else x
+        return (self.input_layernorm(x) if hasattr(self, "input_layernorm") else x), x
+
+    def finish(self, residual: Tensor, attended: Tensor) -> Tensor:
+        x = residual + attended
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x: Tensor, rope, cache, index: int, tree_mask, embeds: Tensor | None = None,
+                norm_before_residual: bool = False) -> Tensor:
+        inputs, residual = self.inputs(x, embeds, norm_before_residual)
+        return self.finish(residual, self.self_attn(inputs, rope, cache, index, tree_mask))
 
 
 class EagleHead(nn.Module):
@@ -224,7 +241,7 @@ class EagleHead(nn.Module):
         elif self.config.fc_norm:
             features = torch.cat([norm(x) for norm, x in zip(self.fc_norm, features.chunk(len(self.fc_norm), -1))],
                                  -1)
-        return self.fc(features)
+        return _linear(self.fc, features)
 
     def forward(self, embeds: Tensor, hidden: Tensor, positions: Tensor, cache, tree_mask: Tensor | None = None,
                 target_head=None) -> tuple[Tensor, Tensor]:
@@ -235,13 +252,13 @@ class EagleHead(nn.Module):
         draft vocabulary; EAGLE-1: ``target_head``, the target's lm_head) and the hidden
         state to feed back [B,T,H]."""
         rope = self.rope(positions, embeds.dtype, cache.capacity)
-        x = self.fc(torch.cat([embeds, hidden], -1)) if self.config.kind == "eagle" else hidden
+        x = _linear(self.fc, torch.cat([embeds, hidden], -1)) if self.config.kind == "eagle" else hidden
         for index, layer in enumerate(self.layers):
             x = layer(x, rope, cache, index, tree_mask, embeds, self.config.norm_before_residual)
         if self.config.kind == "eagle":
             return target_head(x).float(), x
         normed = self.norm(x)
-        draft = self.lm_head(normed).float()
+        draft = _linear(self.lm_head, normed).float()
         logits = draft.new_full((*draft.shape[:-1], self.layer_config.vocab_size), float("-inf"))
         ids = torch.arange(draft.shape[-1], device=draft.device) + self.d2t
         logits[..., ids] = draft
