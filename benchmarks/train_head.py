@@ -41,6 +41,7 @@ def main():
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+    target.config._name_or_path = args.target.name  # the head's speculators_config.verifier, not this machine's path
     settings = HeadTraining(sequences=args.sequences, steps=args.steps, batch=args.batch, ttt=args.ttt, lr=args.lr,
                             draft_vocab=args.draft_vocab)
     started = time.perf_counter()

@@ -283,6 +283,24 @@ def test_the_command_line_takes_a_head_as_its_draft(tmp_path):
     assert out.sequences.tolist() == expected.tolist()
 
 
+def test_the_bundled_head_drafts_for_the_bundled_target():
+    """models/stdlib-head (made by benchmarks/train_head.py) loads as a head and decodes the
+    demo prompt exactly, most of its drafts accepted."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from spec_ext.__main__ import DEMO_PROMPT
+    from spec_ext.bundled import bundled_path
+    from spec_ext.drafters import load
+    target_dir = bundled_path("stdlib-target")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    head = load(bundled_path("stdlib-head"), target)
+    assert isinstance(head, EagleHead) and head.config.draft_vocab_size == 2048
+    ids = AutoTokenizer.from_pretrained(target_dir)(DEMO_PROMPT, return_tensors="pt").input_ids
+    out = spec_ext.generate(target, head, ids, max_new_tokens=32, eos_token_id=[], policy="fixed")
+    expected = target.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None)
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.acceptance_rate > 0.5, out.stats
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
 def test_the_heads_dynamic_tree_is_eagle2s_expansion_of_its_own_scores(target, kind):

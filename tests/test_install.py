@@ -26,6 +26,7 @@ def test_a_non_editable_install_runs_the_demo_from_another_folder(tmp_path):
     check = ("import spec_ext, spec_ext.kernels, spec_ext.bundled as b, spec_ext.policies as p; "
              f"assert spec_ext.__file__.startswith({str(site)!r}), spec_ext.__file__; "
              f"assert str(b.bundled_path('stdlib-target')).startswith({str(site)!r}); "
+             f"assert str(b.bundled_path('stdlib-head', 'model.safetensors')).startswith({str(site)!r}); "
              "p.SpecDecPP(); p.AdaLength(); p.LearnedSpecBranch(); print(spec_ext.backends()['cpu'])")
     out = subprocess.run([sys.executable, "-c", check], cwd=elsewhere, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
