@@ -9,8 +9,8 @@ import torch
 import spec_ext
 from spec_ext.policies import (PEARL, AdaLength, BranchHint, BranchPredictor, Fixed, LearnedSpecBranch, ResidualMLP,
                                SpecDecPP)
-from spec_ext.training import (asymmetric_l1, branch_classes, features_and_labels, simulated_batch_tokens_per_ms,
-                               simulated_tokens_per_ms, train_predictor)
+from spec_ext.training import (accepted_runs, asymmetric_l1, branch_classes, features_and_labels,
+                               simulated_batch_tokens_per_ms, simulated_tokens_per_ms, train_predictor)
 from helpers import hf_greedy, llama, perturbed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,15 +109,16 @@ def test_simulated_tokens_per_ms_replays_rounds_by_hand():
     accept = torch.tensor([[True, True, False, True, True, True, False, False, True, True]])
     # max_length 3 (rows stop at j + 3 > 10). Fixed 2: root 0 keeps 2 (+1) -> root 3 keeps 2 -> root 6
     # keeps 0 -> root 7 keeps 0 -> root 8 would pass the end. 4 rounds, 3+3+1+1 = 8 tokens, cost 4*12
+    runs = accepted_runs(accept.float(), 3)
     round_ms = [10.0, 11.0, 12.0, 13.0, 14.0, 15.0]
-    rate, mean = simulated_tokens_per_ms(accept, torch.full((1, 10), 2), round_ms, 3)
+    rate, mean = simulated_tokens_per_ms(runs, torch.full((1, 10), 2), round_ms, 3)
     assert (rate, mean) == (pytest.approx(8 / 48), 2.0)
     # lengths by root: root 0 drafts 1 (keeps 1) -> root 2 drafts 3 (keeps 0) -> root 3 drafts 3 (keeps 3)
     # -> root 7 drafts 1 (keeps 0): 2+1+4+1 = 8 tokens, cost 11+13+13+11
     lengths = torch.tensor([[1, 5, 3, 3, 5, 5, 5, 1, 5, 5]])
-    rate, mean = simulated_tokens_per_ms(accept, lengths, round_ms, 3)
+    rate, mean = simulated_tokens_per_ms(runs, lengths, round_ms, 3)
     assert (rate, mean) == (pytest.approx(8 / 48), 2.0)
-    rate, _ = simulated_tokens_per_ms(accept, lengths, [10.0, 20.0, 0.0, 30.0], 3)
+    rate, _ = simulated_tokens_per_ms(runs, lengths, [10.0, 20.0, 0.0, 30.0], 3)
     assert rate == pytest.approx(8 / 100)
 
 
@@ -133,18 +134,20 @@ def test_simulated_batch_tokens_per_ms_replays_a_batch_by_hand():
         costs.append((k, n))
         return 10.0 * n + k
 
-    rate, mean = simulated_batch_tokens_per_ms(accept, lambda rows, roots: 2, round_ms, 3, batch=2)
+    rate, mean = simulated_batch_tokens_per_ms(accepted_runs(accept.float(), 3), lambda rows, roots: 2, round_ms, 3,
+                                               batch=2)
     assert costs == [(2, 2)] * 4 + [(2, 1)] * 2
     assert (rate, mean) == (pytest.approx((8 + 9) / (4 * 22 + 2 * 12)), 2.0)
     # batch 1 is simulated_tokens_per_ms; the batch's choice sees its unfinished rows and their roots
     torch.manual_seed(0)
     accept, lengths = torch.rand(5, 40) < 0.6, torch.randint(1, 7, (5, 40))
+    runs = accepted_runs(accept.float(), 6)
     round_cost = [10.0 + 1.5 * k for k in range(7)]
-    assert simulated_batch_tokens_per_ms(accept, lambda rows, roots: int(lengths[rows, roots].max()),
+    assert simulated_batch_tokens_per_ms(runs, lambda rows, roots: int(lengths[rows, roots].max()),
                                          lambda k, n: round_cost[k], 6, batch=1) == \
-        simulated_tokens_per_ms(accept, lengths, round_cost, 6)
+        simulated_tokens_per_ms(runs, lengths, round_cost, 6)
     seen = []
-    simulated_batch_tokens_per_ms(accept, lambda rows, roots: seen.append(rows.tolist()) or 3,
+    simulated_batch_tokens_per_ms(runs, lambda rows, roots: seen.append(rows.tolist()) or 3,
                                   lambda k, n: 1.0, 6, batch=2)
     assert seen[0] == [0, 1] and [4] in seen and all(len(r) <= 2 for r in seen)
 

@@ -98,6 +98,11 @@ class Drafter:
     calls: int = 0
     model = None
     target_layers: tuple[int, ...] | None = None
+    # what ``uses_bonus_agreement`` policies need of the last round (see :meth:`bonus_agreement`):
+    # all_accepted [B] bool, whether each row accepted every draft; bonus_p [B,V] the target's
+    # distribution its last token came from (None when greedy); both None before the first round
+    all_accepted: Tensor | None = None
+    bonus_p: Tensor | None = None
 
     def __init__(self, policy: Policy):
         self.policy = policy
@@ -133,6 +138,41 @@ class Drafter:
 
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
         """Only ``rows`` (indices into the current batch; ``index`` the same on the device) go on."""
+
+    # ------------------------------------------------------------ bonus agreement
+    def remember_bonus(self, outcome: Outcome) -> None:
+        """(``uses_bonus_agreement`` policies) After a round: which rows accepted every draft
+        and the distribution their last token (the bonus) came from, for :meth:`bonus_agreement`."""
+        self.all_accepted = outcome.num_accepted == outcome.num_draft
+        rows = torch.arange(len(outcome.accepted), device=outcome.num_accepted.device)
+        self.bonus_p = None if outcome.p is None else outcome.p[rows, outcome.last]
+
+    def keep_bonus_rows(self, index: Tensor) -> None:
+        """:meth:`remember_bonus`'s state of the rows ``index`` [B'] only."""
+        if self.all_accepted is not None:
+            self.all_accepted = self.all_accepted[index]
+        if self.bonus_p is not None:
+            self.bonus_p = self.bonus_p[index]
+
+    def bonus_agreement(self, logits: Tensor, ids: Tensor, last: Tensor) -> Tensor:
+        """[B] bool (see :meth:`Policy.see_bonus_agreement`): rows whose last round accepted
+        every draft and whose drafter, at the last draft's position, agrees with the bonus
+        token. ``logits`` [B,T,V] are the drafter's catch-up over ``ids`` [B,T] (the tokens it
+        had not seen), ``ids[b, last[b]]`` the bonus: ``logits[b, last[b] - 1]`` is what the
+        drafter proposed for it. Greedy: its argmax is the bonus; sampling: a draw that agrees
+        with chance sum_x min(p, q) (p: the bonus's distribution, q: the drafter's, processed
+        by the sampler). A row whose catch-up holds the bonus alone (``last`` 0: it fed its
+        last draft while drafting) has no such logits: its agreement counts as broken."""
+        if self.all_accepted is None or not self.all_accepted.any():  # also the first round: no bonus yet
+            return torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
+        rows = torch.arange(len(ids), device=ids.device)
+        before = logits[rows, (last - 1).clamp_min(0)]
+        if self.sampler.greedy:
+            agreed = before.argmax(-1) == ids[rows, last]
+        else:
+            chance = torch.minimum(self.bonus_p, self.sampler.probs(before)).sum(-1)
+            agreed = torch.rand(chance.shape, device=chance.device, generator=self.generator) < chance
+        return agreed & self.all_accepted & (last >= 1)
 
 
 class Sampler:

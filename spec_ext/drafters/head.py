@@ -24,6 +24,11 @@ class HeadDrafter(Drafter):
     at the start of the next round; the draft steps past it use the head's own hidden state
     and are always rolled back (the accepted ones come back with the target's features).
 
+    Length policies that read the draft's hidden state (``uses_draft_hidden``: SpecDecPP) get
+    what the head's output layer read to make each draft's logits; those that read the bonus
+    agreement (``uses_bonus_agreement``: AdaLength) get it from the catch-up, whose pairs after
+    a round are its accepted drafts then the bonus, the one before the bonus predicting it.
+
     Example:
         >>> drafter = HeadDrafter(load_head("path/to/head"), spec_ext.policies.Auto())  # doctest: +SKIP
         >>> spec_ext.generate(target, drafter, ids)                                     # doctest: +SKIP
@@ -31,11 +36,8 @@ class HeadDrafter(Drafter):
 
     def __init__(self, head: EagleHead, policy: Policy):
         super().__init__(policy)
-        if policy.uses_bonus_agreement:
-            raise ValueError(f"policy: {type(policy).__name__} with a feature head is not supported yet (a head "
-                             f"reports no bonus agreement; use auto, fixed, heuristic, confidence, svip, tree or "
-                             f"dynamictree)")
         self.head = head.eval()
+        self.hidden = policy.uses_draft_hidden
 
     @property
     def proposer(self):
@@ -74,6 +76,7 @@ class HeadDrafter(Drafter):
     def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None,
               features: Tensor | None = None) -> None:
         self.sampler, self.generator, self.calls = sampler, generator, 0
+        self.all_accepted = self.bonus_p = None
         self.device = self.head.fc.weight.device
         B = len(seqs)
         self.cache = SpecCache(self.head.num_layers, None, None, B, capacity, self.head.fc.weight.dtype, self.device)
@@ -102,6 +105,14 @@ class HeadDrafter(Drafter):
         self.calls += 1
         return self.head(self.embed(ids), hidden, positions, self.cache, mask, target_head=self.target_head)
 
+    def _output_layer_input(self, hidden: Tensor) -> Tensor:
+        """What the head's output layer reads [..., H] (SpecDecPP's draft hidden state), from the
+        hidden state it feeds back [..., H]: EAGLE-3 feeds back its pre-norm state (unless
+        ``norm_output``) and its ``lm_head`` reads ``norm`` of it; EAGLE-1's target lm_head
+        reads the fed-back state itself."""
+        config = self.head.config
+        return self.head.norm(hidden) if config.kind == "eagle3" and not config.norm_output else hidden
+
     def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
         B = len(seqs)
         ids, features, pairs, pairs_t = self._pending
@@ -110,6 +121,8 @@ class HeadDrafter(Drafter):
         logits, hidden = self._step(ids, combined, positions)
         self.cache.advance(pairs, pairs_t)
         last = pairs_t - 1
+        if self.policy.uses_bonus_agreement:  # after a round: its accepted drafts, then the bonus at last
+            self.policy.see_bonus_agreement(self.bonus_agreement(logits, ids, last))
         rows = torch.arange(B, device=self.device)
         self._kept = [n - p + r for n, p, r in zip(self.cache.host_lengths, pairs, self.real)]
         self._kept_t = self.cache.lengths - pairs_t + torch.tensor(self.real, device=self.device) \
@@ -119,14 +132,15 @@ class HeadDrafter(Drafter):
             return self._tree(logits, hidden, roots, combined[rows, last])
         state = {"hidden": hidden}
 
-        def step(token: Tensor) -> tuple[Tensor, None]:
-            out, state["hidden"] = self._step(token.clamp_min(0)[:, None], state["hidden"][:, None],
-                                              self.cache.lengths[:, None])
-            state["hidden"] = state["hidden"][:, 0]
+        def step(token: Tensor) -> tuple[Tensor, Tensor | None]:
+            out, fed_back = self._step(token.clamp_min(0)[:, None], state["hidden"][:, None],
+                                       self.cache.lengths[:, None])
+            state["hidden"] = fed_back[:, 0]
             self.cache.advance([1] * B)
-            return out[:, 0], None
+            return out[:, 0], self._output_layer_input(state["hidden"]) if self.hidden else None
 
-        drafts, q, num_draft = draft_chain(self.policy, self.sampler, self.generator, logits, None, step,
+        drafts, q, num_draft = draft_chain(self.policy, self.sampler, self.generator, logits,
+                                           self._output_layer_input(hidden) if self.hidden else None, step,
                                            self.policy.plan())
         return Proposal(drafts, num_draft, q)
 
@@ -159,9 +173,12 @@ class HeadDrafter(Drafter):
         ids = outcome.tokens[:, :width].clamp_min(0)
         self._pending = ids, features, [a + 1 for a in outcome.accepted], outcome.num_accepted + 1
         self.real = [a + 1 for a in outcome.accepted]
+        if self.policy.uses_bonus_agreement:
+            self.remember_bonus(outcome)
 
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
         self.cache.keep_rows(rows)
         ids, features, pairs, pairs_t = self._pending
         self._pending = ids[index], features[index], [pairs[i] for i in rows], pairs_t[index]
         self.real = [self.real[i] for i in rows]
+        self.keep_bonus_rows(index)

@@ -37,9 +37,7 @@ class ModelDrafter(Drafter):
         self.device = self.model.device
         self.cache = SpecCache.for_model(self.model, len(seqs), capacity)
         self._carry: dict | None = None
-        # per row: did the last round accept every draft, and the distribution p its bonus came from
-        self.all_accepted = torch.zeros(len(seqs), dtype=torch.bool, device=self.device)
-        self.bonus_p: Tensor | None = None
+        self.all_accepted = self.bonus_p = None
 
     def prefill(self, rows: list[list[int]]) -> None:
         """Feed ``rows`` (ragged, from position 0) to the draft's cache in one forward: the
@@ -134,17 +132,13 @@ class ModelDrafter(Drafter):
         self._carry = dict(ids=outcome.tokens.gather(1, index).clamp_min(0), lengths=lengths,
                            last=outcome.num_accepted - fed_t)
         if self.policy.uses_bonus_agreement:
-            self.all_accepted = outcome.num_accepted == outcome.num_draft
-            rows_b = torch.arange(len(fed), device=self.device)
-            self.bonus_p = None if outcome.p is None else outcome.p[rows_b, outcome.last]
+            self.remember_bonus(outcome)
 
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
         self.cache.keep_rows(rows)
         if self._carry is not None:
             self._carry = {k: [v[i] for i in rows] if k == "lengths" else v[index] for k, v in self._carry.items()}
-        self.all_accepted = self.all_accepted[index]
-        if self.bonus_p is not None:
-            self.bonus_p = self.bonus_p[index]
+        self.keep_bonus_rows(index)
 
     def _catch_up(self, seqs: list[list[int]]) -> tuple[Tensor, Tensor | None]:
         """Feed the draft the committed tokens it has not seen (the carry, on the device; the
@@ -167,20 +161,3 @@ class ModelDrafter(Drafter):
             self.policy.see_bonus_agreement(self.bonus_agreement(logits, ids, last))
         rows = torch.arange(len(lengths), device=self.device)
         return logits[rows, last], None if hidden is None else hidden[rows, last]
-
-    def bonus_agreement(self, logits: Tensor, ids: Tensor, last: Tensor) -> Tensor:
-        """[B] bool: rows whose last round accepted every draft and whose draft, at the last
-        draft's position (logits [B,T,V] of the catch-up over ids [B,T]), agrees with the
-        bonus token (ids[b, last[b]]); see :meth:`Policy.see_bonus_agreement`."""
-        if not self.all_accepted.any():  # also the first round: no bonus yet
-            return self.all_accepted.clone()
-        rows = torch.arange(len(ids), device=self.device)
-        before = logits[rows, (last - 1).clamp_min(0)]
-        if self.sampler.greedy:
-            agreed = before.argmax(-1) == ids[rows, last]
-        else:
-            chance = torch.minimum(self.bonus_p, self.sampler.probs(before)).sum(-1)
-            agreed = torch.rand(chance.shape, device=self.device, generator=self.generator) < chance
-        # a row that drafted less than the batch fed its last draft while drafting (the
-        # catch-up has only its bonus): its agreement is not known and counts as broken
-        return agreed & self.all_accepted & (last >= 1)

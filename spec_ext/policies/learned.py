@@ -1,12 +1,12 @@
 """Learned policies: predictors that choose draft lengths and branch points.
 
-* :class:`SpecDecPP` (SpecDec++): a residual MLP on the draft's last hidden state (plus
-  three numbers of the distribution q it produced: log max q, entropy, top-1 minus top-2,
-  see :func:`draft_features`) predicts the probability that the token drafted from q is
-  accepted; drafting stops once the predicted probability that some draft of the round is
-  rejected, 1 - prod(accept), exceeds ``threshold``. Deciding costs no extra draft forward;
-  on CPU in float32 each draft step's decision is one call of the fused kernel
-  :func:`spec_ext.ops.acceptance_head`.
+* :class:`SpecDecPP` (SpecDec++): a residual MLP on the draft's last hidden state (a feature
+  head's: what its output layer reads) plus three numbers of the distribution q it produced
+  (log max q, entropy, top-1 minus top-2, see :func:`draft_features`) predicts the
+  probability that the token drafted from q is accepted; drafting stops once the predicted
+  probability that some draft of the round is rejected, 1 - prod(accept), exceeds
+  ``threshold``. Deciding costs no extra draft forward; on CPU in float32 each draft step's
+  decision is one call of the fused kernel :func:`spec_ext.ops.acceptance_head`.
 * :class:`AdaLength` (AdaEAGLE's length predictor): a residual MLP on [target input
   embedding of the round's root token; target last hidden state that produced it; the
   row's recent history (:func:`history_features`)] predicts how many drafts the target
@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from spec_ext import ops
 from spec_ext.bundled import bundled_path
+from spec_ext.models.eagle import EagleHead
 from spec_ext.policies.base import Policy, register
 from spec_ext.policies.parallel import BranchHint, SpecBranch
 
@@ -201,15 +202,19 @@ class SpecDecPP(Policy):
             raise ValueError(f"max_draft: must be >= 1, got {self.max_draft}")
 
     def bind(self, target, draft) -> None:
-        if not hasattr(getattr(draft, "config", None), "hidden_size"):
-            raise ValueError(f"policy: SpecDecPP reads a draft model's hidden state; this drafter "
-                             f"({type(draft).__name__}) has no draft causal LM")
-        _check_width(self._predictor, draft.config.hidden_size + DRAFT_EXTRA_FEATURES,
-                     "the draft's hidden state and draft_features", "SpecDecPP")
-        self._predictor.to(draft.device)
+        if isinstance(draft, EagleHead):
+            width, device = draft.hidden_size, draft.fc.weight.device
+            what = "the head's hidden state and draft_features"
+        elif hasattr(getattr(draft, "config", None), "hidden_size"):
+            width, what, device = draft.config.hidden_size, "the draft's hidden state and draft_features", draft.device
+        else:
+            raise ValueError(f"policy: SpecDecPP reads a draft model's or a feature head's hidden state; this "
+                             f"drafter ({type(draft).__name__}) has neither")
+        _check_width(self._predictor, width + DRAFT_EXTRA_FEATURES, what, "SpecDecPP")
+        self._predictor.to(device)
         self._weights = self._predictor.weights()
         # one fused call per draft step where the kernel runs (float32 on CPU), else torch ops
-        self._fused = (draft.device.type == "cpu" and ops.registered("acceptance_head", "CPU")
+        self._fused = (device.type == "cpu" and ops.registered("acceptance_head", "CPU")
                        and all(t.dtype == torch.float32 for t in self._weights))
 
     def _accept(self, probs: Tensor, hidden: Tensor, column: int) -> Tensor:

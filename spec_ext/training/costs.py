@@ -10,6 +10,8 @@ import torch
 from tqdm import tqdm
 
 from spec_ext.engine import generate
+from spec_ext.models import SpecCache
+from spec_ext.models.eagle import EagleHead
 from spec_ext.policies import AdaLength, Fixed, SpecDecPP
 from spec_ext.training.replay import MAX_LENGTH
 
@@ -40,14 +42,15 @@ def round_costs(target, draft, prompts, new_tokens, repeats, fast_linear, batch=
 def decision_ms(predictors, target, draft, batch=1, repeats=300) -> dict:
     """Median ms of the learned policies' own work for ``batch`` rows: SpecDecPP's per draft
     step (features and head), AdaLength's per round (embedding, history and predictor). Each
-    call follows a draft forward, as in the loop: after one, small ops run 2-3x slower than
-    back to back."""
+    call follows a draft forward (``draft``: a causal LM or an :class:`EagleHead`), as in the
+    loop: after one, small ops run 2-3x slower than back to back."""
     specdecpp, adalength = SpecDecPP(predictors["specdecpp"]), AdaLength(predictors["adalength"])
     for policy in (specdecpp, adalength):
         policy.bind(target, draft)
         policy.start(batch, greedy=True)
-    probs = torch.softmax(torch.randn(batch, draft.config.vocab_size) * 4, -1)
-    token, draft_hidden = probs.argmax(-1), torch.randn(batch, draft.config.hidden_size)
+    vocab, width, draft_step = _draft_step(target, draft, batch)
+    probs = torch.softmax(torch.randn(batch, vocab) * 4, -1)
+    token, draft_hidden = probs.argmax(-1), torch.randn(batch, width)
     target_hidden = torch.randn(batch, target.config.hidden_size)
     agreed = torch.ones(batch, dtype=torch.bool)
     calls = dict(specdecpp_per_draft=lambda: specdecpp.keep_drafting(1, probs, token, draft_hidden),
@@ -59,9 +62,25 @@ def decision_ms(predictors, target, draft, batch=1, repeats=300) -> dict:
         for name, call in calls.items():
             times = []
             for _ in range(repeats):
-                draft(token[:, None])
+                draft_step(token)
                 started = time.perf_counter()
                 call()
                 times.append(time.perf_counter() - started)
             costs[name] = round(1e3 * statistics.median(times[repeats // 10:]), 4)
     return costs
+
+
+def _draft_step(target, draft, batch: int):
+    """(vocabulary size, hidden width, step): ``step(token [batch])`` runs one draft forward of
+    a token per row, as the loop does between decisions: a causal LM's, or a head's over a
+    cache of its own (one token at position 0, the pair's feature random; nothing kept)."""
+    if not isinstance(draft, EagleHead):
+        return draft.config.vocab_size, draft.config.hidden_size, lambda token: draft(token[:, None])
+    weight = draft.fc.weight
+    cache = SpecCache(draft.num_layers, None, None, batch, 1, weight.dtype, weight.device)
+    embed = draft.embed_tokens if draft.embed_tokens is not None else target.get_input_embeddings()
+    hidden = torch.randn(batch, 1, draft.hidden_size, dtype=weight.dtype, device=weight.device)
+    positions = torch.zeros(batch, 1, dtype=torch.int64, device=weight.device)
+    target_head = target.get_output_embeddings()
+    return draft.layer_config.vocab_size, draft.hidden_size, lambda token: draft(
+        embed(token[:, None]), hidden, positions, cache, target_head=target_head)
