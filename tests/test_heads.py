@@ -106,6 +106,24 @@ def test_greedy_equals_the_target_with_a_head_growing_trees(model, kind, shape):
     assert 0 < out.stats.accepted < out.stats.drafted, out.stats
 
 
+@pytest.mark.parametrize("own_embeddings", [False, True])
+@torch.no_grad()
+def test_a_head_over_the_unpadded_vocabulary_drafts_for_a_padded_target(own_embeddings):
+    """A target whose vocabulary is padded (V + 6 rows) and a head made for its V tokens: the
+    drafts map into the target's ids, and tokens past the head's own embedding reach it as 0."""
+    target = llama(V + 6, 32, 4, seed=7, sharpen=3.0)  # its text holds tokens past V (12, ...)
+    head = echo_head(target, draft_vocab=10, noise=0.01)
+    kept = torch.arange(10)  # draft ids below V
+    head.d2t.zero_()
+    head.lm_head.weight.copy_(target.get_output_embeddings().weight[kept])
+    head.layer_config.vocab_size = V
+    if own_embeddings:
+        head.embed_tokens = torch.nn.Embedding(V, head.hidden_size)
+        head.embed_tokens.weight.copy_(target.get_input_embeddings().weight[:V])
+    out = ragged_greedy_equals_target(target, head, PROMPTS, Fixed(3), max_new=24)
+    assert 0 < out.stats.accepted < out.stats.drafted, out.stats
+
+
 def test_one_token_prompts_and_every_length_policy(target):
     head = echo_head(target, draft_vocab=10, noise=0.01)
     for policy in ("auto", "fixed", "heuristic", "confidence", "svip"):
@@ -215,14 +233,15 @@ def test_the_layers_named_are_the_layers_tapped(target):
 @pytest.mark.parametrize("change,field", [
     (dict(layer_ids=(1, 2, 9)), "eagle_aux_hidden_state_layer_ids"),
     (dict(hidden=48), "target_hidden_size"),
-    (dict(vocab=V + 9), "transformer_layer_config.vocab_size"),
+    (dict(vocab=V + 9), "d2t: the head drafts token ids beyond the target's 12"),
 ])
 def test_a_head_made_for_another_target_is_refused_by_name(target, change, field):
     head = random_head(target, layer_ids=change.get("layer_ids"))
     if "hidden" in change:
         head.config.target_hidden_size = change["hidden"]
-    if "vocab" in change:
+    if "vocab" in change:  # a head over a larger vocabulary that drafts tokens the target does not have
         head.layer_config.vocab_size = change["vocab"]
+        head.d2t[-1] = change["vocab"] - len(head.d2t)
     with pytest.raises(ValueError, match=field):
         spec_ext.generate(target, head, PROMPTS, max_new_tokens=4)
 

@@ -62,10 +62,14 @@ class HeadDrafter(Drafter):
             if head.hidden_size != hidden:
                 raise ValueError(f"transformer_layer_config.hidden_size: {head.hidden_size}, the target's is {hidden}")
             self.target_layers = (L,)
-        if head.layer_config.vocab_size != vocabulary_size(target):
-            raise ValueError(f"transformer_layer_config.vocab_size: the head maps into {head.layer_config.vocab_size} "
-                             f"tokens, the target has {vocabulary_size(target)}")
+        # the head's vocabulary and the target's may differ by padding (as a draft model's may):
+        # its drafts must be target tokens, and a token its own embedding lacks reaches it as 0
+        self.vocab_size = vocabulary_size(target)
+        if config.kind == "eagle3" and int((torch.arange(len(head.d2t)) + head.d2t.cpu()).max()) >= self.vocab_size:
+            raise ValueError(f"d2t: the head drafts token ids beyond the target's {self.vocab_size} "
+                             f"(transformer_layer_config.vocab_size {head.layer_config.vocab_size})")
         own = head.embed_tokens
+        self.own_vocab = own.num_embeddings if own is not None and own.num_embeddings < self.vocab_size else None
         self.embed = own if own is not None else target.get_input_embeddings()
         self.target_head = target.get_output_embeddings()
         if own is None and self.embed.weight.shape[1] != head.hidden_size:
@@ -103,7 +107,10 @@ class HeadDrafter(Drafter):
     def _step(self, ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor | None = None
               ) -> tuple[Tensor, Tensor]:
         self.calls += 1
-        return self.head(self.embed(ids), hidden, positions, self.cache, mask, target_head=self.target_head)
+        if self.own_vocab is not None:
+            ids = ids.masked_fill(ids >= self.own_vocab, 0)
+        return self.head(self.embed(ids), hidden, positions, self.cache, mask, target_head=self.target_head,
+                         vocab_size=self.vocab_size)
 
     def _output_layer_input(self, hidden: Tensor) -> Tensor:
         """What the head's output layer reads [..., H] (SpecDecPP's draft hidden state), from the

@@ -244,13 +244,13 @@ class EagleHead(nn.Module):
         return _linear(self.fc, features)
 
     def forward(self, embeds: Tensor, hidden: Tensor, positions: Tensor, cache, tree_mask: Tensor | None = None,
-                target_head=None) -> tuple[Tensor, Tensor]:
+                target_head=None, vocab_size: int | None = None) -> tuple[Tensor, Tensor]:
         """One draft forward of T tokens per row over the head's ``cache``: ``embeds`` [B,T,H]
         the tokens' embeddings, ``hidden`` [B,T,H] what each is paired with (:meth:`combine`d
         target features, or the head's own output of the step before), ``positions`` [B,T].
-        Returns logits [B,T,V] float32 over the target's vocabulary (EAGLE-3: -inf off the
-        draft vocabulary; EAGLE-1: ``target_head``, the target's lm_head) and the hidden
-        state to feed back [B,T,H]."""
+        Returns logits [B,T,V] float32 over the target's vocabulary of ``vocab_size`` tokens
+        (default: the layer config's; EAGLE-3: -inf off the draft vocabulary; EAGLE-1:
+        ``target_head``, the target's lm_head) and the hidden state to feed back [B,T,H]."""
         rope = self.rope(positions, embeds.dtype, cache.capacity)
         x = _linear(self.fc, torch.cat([embeds, hidden], -1)) if self.config.kind == "eagle" else hidden
         for index, layer in enumerate(self.layers):
@@ -259,7 +259,7 @@ class EagleHead(nn.Module):
             return target_head(x).float(), x
         normed = self.norm(x)
         draft = _linear(self.lm_head, normed).float()
-        logits = draft.new_full((*draft.shape[:-1], self.layer_config.vocab_size), float("-inf"))
+        logits = draft.new_full((*draft.shape[:-1], vocab_size or self.layer_config.vocab_size), float("-inf"))
         ids = torch.arange(draft.shape[-1], device=draft.device) + self.d2t
         logits[..., ids] = draft
         return logits, normed if self.config.norm_output else x
