@@ -76,10 +76,19 @@ def policies(greedy: bool = True, batch: int = 1) -> dict:
     return chosen
 
 
-def head_rows() -> dict:
-    """Row name -> policy of the rows drafted by the feature head (--head)."""
-    from spec_ext.policies import DynamicTree, Fixed
-    return {"head fixed k=4": Fixed(4), "head auto": "auto", f"head {DYNAMIC_TREE}": DynamicTree(*DYNAMIC_SHAPE)}
+def head_rows(head_dir: Path, greedy: bool = True, batch: int = 1) -> dict:
+    """Row name -> policy of the rows drafted by the feature head in ``head_dir``; with its
+    predictors (``train_policies.py --head``), the learned policies and the best fixed k that
+    its validation replay chose for the decoding mode and batch size."""
+    from spec_ext.policies import AdaLength, DynamicTree, Fixed, SpecDecPP
+    rows = {"head fixed k=4": Fixed(4), "head auto": "auto", f"head {DYNAMIC_TREE}": DynamicTree(*DYNAMIC_SHAPE)}
+    predictors = head_dir / "policies"
+    if (predictors / "validation.json").exists():
+        k = best_fixed(greedy, batch, predictors / "validation.json")
+        rows |= {f"head fixed k={k} {BEST_FIXED}": Fixed(k),
+                 "head specdecpp": SpecDecPP(predictors / "specdecpp.safetensors"),
+                 "head adalength": AdaLength(predictors / "adalength.safetensors")}
+    return rows
 
 
 def ngram_rows(greedy: bool = True, batch: int = 1) -> dict:
@@ -210,10 +219,10 @@ def paired_ratio(result: dict, reference: dict | None) -> float | str:
     return round(statistics.median(a / b for a, b in zip(result["rates"], reference["rates"])), 3)
 
 
-def best_fixed(greedy: bool = True, batch: int = 1) -> int:
-    """The fixed k the validation replay chose for greedy decoding or for sampling, at batch 1
-    or (batch > 1) for batches."""
-    sweep = ROOT / "models" / "policies" / "validation.json"
+def best_fixed(greedy: bool = True, batch: int = 1, sweep: Path = ROOT / "models" / "policies" / "validation.json"
+               ) -> int:
+    """The fixed k the validation replay (``sweep``: the draft model's by default) chose for
+    greedy decoding or for sampling, at batch 1 or (batch > 1) for batches."""
     if not sweep.exists():
         return 4
     report = json.loads(sweep.read_text())
@@ -223,7 +232,7 @@ def best_fixed(greedy: bool = True, batch: int = 1) -> int:
 
 
 def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, wanted=lambda method: True,
-               isas=(None,), head=None):
+               isas=(None,), head=None, head_dir: Path = HEAD):
     """Returns {method: dict(rates, ratios, stats, matches)} for one configuration; only the
     methods ``wanted`` accepts run, besides the target alone; with ``isas``, spec_ext's
     methods run once per forced skinny_linear path (names tagged " [avx2]" ...)."""
@@ -293,7 +302,7 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, want
                         rate = out.stats.tokens_per_s
                         record(f"spec_ext {SAME_WINDOW}{tag}", rate, rate / base, out.stats,
                                bool(torch.equal(out.sequences, alone)) if greedy else None)
-                for name, policy in (head_rows() if head is not None else {}).items():
+                for name, policy in (head_rows(head_dir, greedy, batch) if head is not None else {}).items():
                     if not wanted(f"spec_ext {name}"):
                         continue
                     out = spec_ext.generate(target, head, ids, attention_mask=mask, max_new_tokens=n,
@@ -462,7 +471,7 @@ def measure_configs(args, parser, target, draft, prompts, pad, commit, device, w
         for config in args.configs:
             batch, temperature = int(config.split(":")[0]), float(config.split(":")[1])
             results = run_config(target, draft, prompts, batch, temperature, args.new_tokens, args.repeats, pad,
-                                 wanted, args.isas or (None,), head)
+                                 wanted, args.isas or (None,), head, args.head)
             if args.only and not matched:
                 parser.error(f"--only: {args.only} matched no method (names: {sorted(policies())}, "
                              "'HF assisted', 'fast_linear', 'lean forward')")

@@ -196,3 +196,16 @@ def tree_paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
         assert 0 <= parents[i] < i, parents
         paths[i] = paths.get(parents[i], ()) + (tokens[i],)
     return set(paths.values())
+
+
+class CollectingStreamer:
+    """A streamer (HF's put/end protocol) that keeps every chunk it is given."""
+
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True

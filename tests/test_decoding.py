@@ -11,8 +11,8 @@ from transformers import BloomConfig, BloomForCausalLM
 import spec_ext
 from spec_ext.engine import Sampler
 from spec_ext.policies import POLICIES
-from helpers import (PROMPT, VOCAB, assert_follows, eagle2_paths, exact_joint, hf_greedy, llama, make_policy, perturbed,
-                     ragged_greedy_equals_target, tree_paths)
+from helpers import (CollectingStreamer, PROMPT, VOCAB, assert_follows, eagle2_paths, exact_joint, hf_greedy, llama,
+                     make_policy, perturbed, ragged_greedy_equals_target, tree_paths)
 
 POLICY_NAMES = sorted(POLICIES)
 
@@ -171,17 +171,7 @@ def test_seed_makes_sampling_reproducible(greedy_pair):
 def test_streamer_receives_every_token(greedy_pair):
     target, draft = greedy_pair
 
-    class Collect:
-        def __init__(self):
-            self.chunks, self.ended = [], False
-
-        def put(self, value):
-            self.chunks.append(value.flatten().tolist())
-
-        def end(self):
-            self.ended = True
-
-    streamer = Collect()
+    streamer = CollectingStreamer()
     out = spec_ext.generate(target, draft, [[5, 6]], max_new_tokens=10, eos_token_id=[], streamer=streamer)
     assert streamer.ended and sum(streamer.chunks, []) == out.sequences[0].tolist()
 

@@ -13,8 +13,8 @@ from spec_ext.drafters import HeadDrafter, Sampler
 from spec_ext.models import aux_layer_ids
 from spec_ext.models.eagle import EagleHead, HeadConfig, is_head_directory, load_head
 from spec_ext.policies import Fixed
-from helpers import (PROMPT, VOCAB, assert_follows, eagle2_paths, exact_joint, llama, ragged_greedy_equals_target,
-                     tree_paths)
+from helpers import (CollectingStreamer, PROMPT, VOCAB, assert_follows, eagle2_paths, exact_joint, llama,
+                     ragged_greedy_equals_target, tree_paths)
 from test_architectures import sharpened_model
 
 V = 12  # a small vocabulary: random heads' drafts are accepted often enough to exercise the rollback
@@ -132,18 +132,7 @@ def test_one_token_prompts_and_every_length_policy(target):
 
 def test_streaming_and_the_accepted_lengths_of_every_round(target):
     head = echo_head(target, draft_vocab=10, noise=0.01)
-
-    class Collect:
-        def __init__(self):
-            self.chunks, self.ended = [], False
-
-        def put(self, value):
-            self.chunks.append(value.flatten().tolist())
-
-        def end(self):
-            self.ended = True
-
-    streamer = Collect()
+    streamer = CollectingStreamer()
     fast = spec_ext.accelerate(target, head, policy="fixed")
     out = fast.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=40, eos_token_id=[], streamer=streamer)
     assert streamer.ended and sum(streamer.chunks, []) == out[0].tolist()
