@@ -198,7 +198,7 @@ def dataset(target, draft, sequences, start, max_length, batch=32, step_grid=Fal
     """:func:`features_and_labels` of ``sequences`` in batches, plus AdaLength's inputs per mode."""
     generator = torch.Generator().manual_seed(0)
     parts = [features_and_labels(target, draft, sequences[i:i + batch], start, max_length, generator, step_grid)
-             for i in range(0, len(sequences), batch)]
+             for i in tqdm(range(0, len(sequences), batch), desc="features and labels", leave=False)]
     data = {k: torch.cat([p[k] for p in parts]) for k in parts[0] if k != "sequence"}
     for mode in ("greedy", "sampling"):  # AdaLength's input in each mode
         data[f"adalength_in_{mode}"] = torch.cat([data["adalength_x"], data[f"adalength_history_{mode}"]], -1)
