@@ -65,7 +65,7 @@ def cmd_generate(args) -> None:
     print("\n" + json.dumps(out.stats.as_dict(), indent=2))
 
 
-def data_files(paths: list[Path], pattern: str) -> list[Path]:
+def data_files(paths: list[Path], pattern: str, option: str = "--data") -> list[Path]:
     """The files named, and those under the directories named that match ``pattern``."""
     files = []
     for path in paths:
@@ -74,9 +74,9 @@ def data_files(paths: list[Path], pattern: str) -> list[Path]:
         elif path.is_file():
             files.append(path)
         else:
-            raise ValueError(f"--data: {path} does not exist")
+            raise ValueError(f"{option}: {path} does not exist")
     if not files:
-        raise ValueError(f"--data: no files matching {pattern!r} under {', '.join(map(str, paths))}")
+        raise ValueError(f"{option}: no files matching {pattern!r} under {', '.join(map(str, paths))}")
     return files
 
 
@@ -87,7 +87,7 @@ def cmd_train_head(args) -> None:
     from spec_ext.training.head import HeadTraining, train_head
     torch.set_num_threads(args.threads or torch.get_num_threads())
     files = data_files(args.data, args.glob)
-    validation = data_files(args.validation_data, args.glob) if args.validation_data else None
+    validation = data_files(args.validation_data, args.glob, "--validation-data") if args.validation_data else None
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
     settings = HeadTraining(sequences=args.sequences, steps=args.steps, batch=args.batch, ttt=args.ttt, lr=args.lr,

@@ -11,9 +11,10 @@ from transformers import PreTrainedTokenizerFast
 import spec_ext
 from spec_ext.__main__ import main as cli
 from spec_ext.models import SpecCache
-from spec_ext.models.eagle import load_head
-from spec_ext.training.head import (HeadTraining, agreement, frequent_tokens, initial_head, prompts_from_files,
-                                    tap_features, train_head, unroll)
+from spec_ext.models.eagle import EagleHead, HeadConfig, _linear, load_head
+from spec_ext.training import head as head_training
+from spec_ext.training.head import (HeadTraining, _losses, agreement, frequent_tokens, initial_head,
+                                    prompts_from_files, tap_features, train_head, unroll)
 from helpers import llama
 from test_architectures import sharpened_model
 
@@ -58,14 +59,19 @@ def cached_chain(head, embed, tokens, features, t, steps):
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family,layers", [("llama", 1), ("qwen3", 1), ("llama", 2)])
 @pytest.mark.parametrize("norm_output,norm_before_residual", [(False, False), (True, True)])
 @torch.no_grad()
-def test_unrolled_training_forward_is_the_drafting_forward(family, norm_output, norm_before_residual):
+def test_unrolled_training_forward_is_the_drafting_forward(family, layers, norm_output, norm_before_residual):
     target = sharpened_model(family)
     tokens = torch.randint(3, 61, (2, 12), generator=torch.Generator().manual_seed(1))
     features, _ = tap_features(target, tokens, (0, 1, 2), path=None)
     head = initial_head(target, (0, 1, 2), frequent_tokens(tokens, 40, 61))
+    if layers > 1:  # a deeper head: plain decoder layers after the first
+        deeper = EagleHead(HeadConfig("eagle3", dict(head.config.layer, num_hidden_layers=layers),
+                                      head.config.draft_vocab_size, (0, 1, 2), head.config.target_hidden_size))
+        deeper.load_state_dict(head.state_dict(), strict=False)
+        head = deeper
     head.config.norm_output, head.config.norm_before_residual = norm_output, norm_before_residual
     for p in head.parameters():  # away from the initialisation's zeros and identities
         p.add_(0.05 * torch.randn_like(p))
@@ -181,6 +187,36 @@ def test_agreement_counts_runs_of_agreeing_drafts():
     assert result["accepted_per_round"] == pytest.approx(sum(runs) / len(runs))
 
 
+def test_gradients_pass_frozen_layers():
+    """A frozen layer of a head being fine-tuned still carries the gradient to its input (the
+    drafting kernel has no backward: it is taken only where no gradient is asked for)."""
+    layer = torch.nn.Linear(8, 5).requires_grad_(False)
+    x = torch.randn(3, 8, requires_grad=True)
+    _linear(layer, x).square().sum().backward()
+    expected = x.detach().requires_grad_()
+    torch.nn.functional.linear(expected, layer.weight, layer.bias).square().sum().backward()
+    torch.testing.assert_close(x.grad, expected.grad)
+
+
+def test_agreement_from_the_losses_per_step(monkeypatch):
+    """first, conditional and accepted per round from hand-made agreements of 3 steps at 6
+    roots (runs 0, 1, 2, 3, 3, 1), and the roots before from_position left out by _losses."""
+    agree = torch.tensor([[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 0], [1, 0, 0, 1, 1, 1]]).bool()[:, None]
+    exists = torch.ones(3, 1, 6, dtype=torch.bool)
+    monkeypatch.setattr(head_training, "_losses", lambda *args: (None, list(agree), exists))
+    result = agreement(None, None, None, (torch.zeros(1, 8),) * 3, steps=3)
+    assert result["positions"] == 6 and result["first"] == pytest.approx(5 / 6)
+    assert result["conditional"] == pytest.approx([3 / 5, 2 / 3])
+    assert result["accepted_per_round"] == pytest.approx((0 + 1 + 2 + 3 + 3 + 1) / 6)
+    monkeypatch.undo()
+    target = llama(WORDS + 1, 32, 2, seed=1)
+    tokens = torch.randint(1, WORDS + 1, (2, 16), generator=torch.Generator().manual_seed(0))
+    features, last = tap_features(target, tokens, (0, 1, 2), path=None)
+    _, _, exists = _losses(initial_head(target, (0, 1, 2)), target.get_input_embeddings(),
+                           target.get_output_embeddings(), (tokens, features, last), 3, from_position=5)
+    assert not exists[:, :, :5].any() and exists[:, :, 5:16 - 1 - 2].all()
+
+
 def test_train_head_refusals(tmp_path):
     target = llama(WORDS + 1, 32, 2, seed=0)
     tokenizer, files = word_tokenizer(), word_files(tmp_path)
@@ -188,6 +224,10 @@ def test_train_head_refusals(tmp_path):
         train_head(target, tokenizer, files, tmp_path / "h", tmp_path / "w", small_settings(layer_ids=(0, 5)))
     with pytest.raises(ValueError, match="data"):
         train_head(target, tokenizer, [], tmp_path / "h", tmp_path / "w", small_settings())
+    with pytest.raises(ValueError, match="batch: 8 sequences per step, more than the 4"):
+        train_head(target, tokenizer, files, tmp_path / "h", tmp_path / "w", small_settings(sequences=4, batch=8))
+    with pytest.raises(ValueError, match="prompt_tokens: 5000 tokens"):
+        prompts_from_files(tokenizer, files, 2, 5000)
 
 
 def test_cli_names_the_bad_argument(tmp_path, capsys):
@@ -195,4 +235,9 @@ def test_cli_names_the_bad_argument(tmp_path, capsys):
     llama(WORDS + 1, 32, 2, seed=0).save_pretrained(target)
     with pytest.raises(SystemExit) as exit_:
         cli(["train-head", "--target", str(target), "--out", str(tmp_path / "h"), "--data", str(tmp_path / "nothing")])
-    assert exit_.value.code == 2 and "--data" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "--data: " in capsys.readouterr().err
+    files = word_files(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        cli(["train-head", "--target", str(target), "--out", str(tmp_path / "h"), "--data", str(files[0]),
+             "--validation-data", str(tmp_path / "nothing")])
+    assert exit_.value.code == 2 and "--validation-data: " in capsys.readouterr().err

@@ -65,8 +65,9 @@ class HeadDrafter(Drafter):
         # the head's vocabulary and the target's may differ by padding (as a draft model's may):
         # its drafts must be target tokens, and a token its own embedding lacks reaches it as 0
         self.vocab_size = vocabulary_size(target)
-        if config.kind == "eagle3" and int((torch.arange(len(head.d2t)) + head.d2t.cpu()).max()) >= self.vocab_size:
-            raise ValueError(f"d2t: the head drafts token ids beyond the target's {self.vocab_size} "
+        drafted = torch.arange(len(head.d2t)) + head.d2t.cpu() if config.kind == "eagle3" else None
+        if drafted is not None and (int(drafted.max()) >= self.vocab_size or int(drafted.min()) < 0):
+            raise ValueError(f"d2t: the head drafts token ids outside the target's {self.vocab_size} "
                              f"(transformer_layer_config.vocab_size {head.layer_config.vocab_size})")
         own = head.embed_tokens
         self.own_vocab = own.num_embeddings if own is not None and own.num_embeddings < self.vocab_size else None

@@ -122,7 +122,7 @@ class _Attention(nn.Module):
 def _linear(layer: nn.Linear, x: Tensor) -> Tensor:
     """F.linear while training; when drafting, spec_ext's skinny GEMM where it applies (CPU
     float32, a few rows: several times MKL's speed there), as the draft model's layers run."""
-    if torch.is_grad_enabled() and layer.weight.requires_grad:
+    if torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad):  # the kernel has no backward
         return layer(x)
     return ops.skinny_linear(x, layer.weight, layer.bias, validate=False)
 

@@ -69,12 +69,17 @@ def prompts_from_files(tokenizer, files: list[Path], count: int, prompt_tokens: 
     if not texts:
         raise ValueError(f"data: no file of more than {min_chars} characters among {len(files)}")
     prompts = []
-    while len(prompts) < count:
+    for _ in range(100 * count):
+        if len(prompts) == count:
+            break
         text = rng.choice(texts)
         cut = text.rfind("\n", 0, rng.randrange(min_chars // 2, len(text) - min_chars // 4)) + 1
         ids = tokenizer(text[:cut], add_special_tokens=False)["input_ids"]
         if len(ids) >= prompt_tokens:
             prompts.append(ids[-prompt_tokens:])
+    if len(prompts) < count:
+        raise ValueError(f"prompt_tokens: {prompt_tokens} tokens before a line break are rare in these files "
+                         f"({len(prompts)} of {count} prompts in {100 * count} cuts); use shorter prompts or longer files")
     return prompts
 
 
@@ -255,6 +260,17 @@ def agreement(head: EagleHead, embed, target_head, data: tuple[Tensor, Tensor, T
                 accepted_per_round=float(at_least[1:].sum()), positions=count)
 
 
+def _fingerprint(target, files: list[Path], *numbers: int) -> str:
+    """A short hash of the target's config, the files (paths, sizes, times) and ``numbers``."""
+    import hashlib
+    digest = hashlib.sha256(target.config.to_json_string(use_diff=False).encode())
+    for f in files:
+        stat = Path(f).stat()
+        digest.update(f"{f}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    digest.update(repr(numbers).encode())
+    return digest.hexdigest()[:12]
+
+
 def _lr(step: int, settings: HeadTraining) -> float:
     if step < settings.warmup:
         return settings.lr * (step + 1) / settings.warmup
@@ -279,6 +295,8 @@ def train_head(target, tokenizer, files: list[Path], out: str | Path, work: str 
     target = target.float().eval()
     for parameter in target.parameters():
         parameter.requires_grad_(False)
+    if settings.sequences < settings.batch:
+        raise ValueError(f"batch: {settings.batch} sequences per step, more than the {settings.sequences} sequences")
     layer_ids = tuple(sorted(settings.layer_ids or aux_layer_ids(target)))
     bad = [k for k in layer_ids if not 0 <= k <= num_layers(target)]
     if bad:
@@ -287,11 +305,12 @@ def train_head(target, tokenizer, files: list[Path], out: str | Path, work: str 
     for split, count, seed, source in (("train", settings.sequences, settings.seed, files),
                                        ("validation", settings.validation_sequences, settings.seed + 1,
                                         validation_files or files)):
+        # cached under a name that changes with anything that changes them: target, files, seed, sizes
+        key = _fingerprint(target, source, seed, count, settings.prompt_tokens, settings.new_tokens)
         prompts = prompts_from_files(tokenizer, source, count, settings.prompt_tokens, seed)
-        sequences = continuations(target, prompts, settings.new_tokens, True, 64,
-                                  work / f"{split}_{count}x{settings.prompt_tokens}+{settings.new_tokens}.pt")
+        sequences = continuations(target, prompts, settings.new_tokens, True, 64, work / f"{split}_{key}.pt")
         features, last = tap_features(target, sequences, tuple(layer_ids),
-                                      work / f"{split}_{count}_features_{'-'.join(map(str, layer_ids))}.safetensors")
+                                      work / f"{split}_{key}_features_{'-'.join(map(str, layer_ids))}.safetensors")
         data[split] = (sequences, features, last)
     vocab = target.config.get_text_config().vocab_size
     draft_ids = None
