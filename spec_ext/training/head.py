@@ -79,7 +79,8 @@ def prompts_from_files(tokenizer, files: list[Path], count: int, prompt_tokens: 
             prompts.append(ids[-prompt_tokens:])
     if len(prompts) < count:
         raise ValueError(f"prompt_tokens: {prompt_tokens} tokens before a line break are rare in these files "
-                         f"({len(prompts)} of {count} prompts in {100 * count} cuts); use shorter prompts or longer files")
+                         f"({len(prompts)} of {count} prompts in {100 * count} cuts); use shorter prompts or longer "
+                         f"files")
     return prompts
 
 
