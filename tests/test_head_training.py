@@ -59,7 +59,7 @@ def cached_chain(head, embed, tokens, features, t, steps):
     return out
 
 
-@pytest.mark.parametrize("family,layers", [("llama", 1), ("qwen3", 1), ("llama", 2)])
+@pytest.mark.parametrize("family,layers", [("llama", 1), ("qwen3", 1), ("llama", 2), ("gpt2", 1), ("gemma2", 1)])
 @pytest.mark.parametrize("norm_output,norm_before_residual", [(False, False), (True, True)])
 @torch.no_grad()
 def test_unrolled_training_forward_is_the_drafting_forward(family, layers, norm_output, norm_before_residual):

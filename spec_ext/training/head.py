@@ -120,7 +120,7 @@ def initial_head(target, layer_ids: tuple[int, ...], draft_ids: Tensor | None = 
     keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings", "vocab_size",
             "attention_bias", "hidden_act", "tie_word_embeddings")
-    layer = {k: v for k, v in text.to_dict().items() if k in keys and v is not None}
+    layer = {k: v for k in keys if (v := getattr(text, k, None)) is not None}  # attribute maps: GPT-2's n_embd
     layer.update(model_type=family, num_hidden_layers=1)
     layer.setdefault("num_key_value_heads", text.num_attention_heads)
     layer.setdefault("rms_norm_eps", getattr(text, "layer_norm_eps", 1e-6))
