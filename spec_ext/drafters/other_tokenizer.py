@@ -1,0 +1,289 @@
+"""A draft model with another tokenizer than the target's (Timor et al., ICML 2025, arXiv 2502.05202).
+
+Two lossless modes; either way the target verifies as usual, so the output law is the
+target's at every temperature:
+
+* ``"tli"`` (token-level intersection): the draft's logits restricted to the tokens whose
+  bytes are a target token's (:mod:`spec_ext.vocab`), its law renormalised over them; a
+  draft is a TARGET id and the q handed to the verifier is that law pushed onto the target's
+  ids [B,K,Vt] (the map is one-to-one, so the push is a scatter), processed by the same
+  :class:`Sampler` the target is: rejection sampling stays exact.
+* ``"slem"`` (string-level exact match): the draft drafts freely (greedily) in its own
+  vocabulary; the text of its drafts is re-tokenised by the target's tokenizer and handed
+  over as deterministic drafts (q None). Only target tokens whose text is settled are
+  proposed: the last one, whose boundary could still move with more text, is dropped.
+* ``"auto"``: ``"tli"`` when the draft vocabulary covers at least ``MIN_SHARE`` of the
+  prompts' target tokens (by frequency), else ``"slem"``; :attr:`mode_used` says which ran.
+
+The draft's own context is the committed text (the target's tokens decoded, special tokens
+skipped) as the draft's tokenizer tokenises it. Per row the drafter keeps the draft tokens
+its KV cache holds and the character offset where each starts; before each round only a
+tail window is re-tokenised, from a token a few back that starts a word (so the window
+tokenises as it does inside the text), the cache is rolled back to the first token that
+differs from what it holds (a boundary that moved, a rejected draft) and the rest is fed.
+
+Chains only, with every length policy (:func:`~spec_ext.drafters.base.draft_chain`); trees,
+parallel policies and text drafts are refused with a ValueError for now.
+
+Example:
+    >>> drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(4), mode="tli")  # doctest: +SKIP
+    >>> spec_ext.generate(target, drafter, ids, max_new_tokens=64)                          # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, check_finite, draft_chain, pad_rows
+from spec_ext.models import SpecCache, attention_implementation, check_pair, forward, vocabulary_size
+from spec_ext.policies import Policy
+from spec_ext.vocab import VocabMap, vocab_map
+
+MODES = ("tli", "slem", "auto")
+MIN_SHARE = 0.2  # below this share of the target's tokens (by frequency) TLI warns, and auto picks SLEM
+BACK = 2  # draft tokens re-tokenised at least, before the committed text's end
+SCAN = 16  # draft tokens further back searched for a word start where the window may begin
+
+
+class OtherTokenizerDrafter(Drafter):
+    """Drafts with ``model``, a causal LM whose tokenizer ``tokenizer`` is not the target's
+    ``target_tokenizer``, under ``policy`` (a chain length policy), in ``mode`` (see the
+    module docstring). Both tokenizers must be fast (tokenizers-library) tokenizers."""
+
+    def __init__(self, model, tokenizer, target_tokenizer, policy: Policy, mode: str = "auto"):
+        super().__init__(policy)
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+        if policy.branching is not None or policy.grows_dynamic_tree:
+            raise ValueError(f"policy: {type(policy).__name__} drafts a tree; a draft with another tokenizer drafts "
+                             f"chains only for now (use a chain length policy, e.g. Fixed or Auto)")
+        if policy.parallel or policy.drafts_from_text:
+            raise ValueError(f"policy: {type(policy).__name__} is not supported with a draft of another tokenizer "
+                             f"(chain length policies only)")
+        self.model, self.tokenizer, self.target_tokenizer, self.mode = model, tokenizer, target_tokenizer, mode
+        self.vocab: VocabMap = vocab_map(tokenizer, target_tokenizer)
+        self.hidden = policy.uses_draft_hidden
+        self.mode_used: str | None = None
+        # the special tokens the draft's tokenizer puts before a text (its BOS), fed once per row
+        plain = tokenizer("a", add_special_tokens=False).input_ids
+        full = tokenizer("a", add_special_tokens=True).input_ids
+        self.lead = full[:full.index(plain[0])] if plain and plain[0] in full else []
+        # a row whose context would be empty (no lead, no text yet) is fed this one token
+        self.filler = next((t for t in (tokenizer.bos_token_id, tokenizer.eos_token_id) if t is not None), 0)
+
+    def bind(self, target) -> None:
+        check_pair(target, self.model)
+        self.target_size, self.draft_size = vocabulary_size(target), vocabulary_size(self.model)
+        self.map = self.vocab.padded(self.draft_size, self.target_size)
+        if self.mode != "slem" and self.map.shared == 0:
+            raise ValueError("draft: its tokenizer shares no token with the target's; token-level intersection "
+                             "cannot propose anything (use mode='slem')")
+
+    # ------------------------------------------------------------------ state
+    def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None,
+              features: Tensor | None = None) -> None:
+        if not hasattr(self, "map"):
+            raise ValueError("draft: bind(target) must come before start (spec_ext.generate calls both)")
+        self.sampler, self.generator, self.calls = sampler, generator, 0
+        self.device = self.model.device
+        share = self.map.share_by_frequency([t for s in seqs for t in s])
+        self.mode_used = self.mode if self.mode != "auto" else ("tli" if share >= MIN_SHARE else "slem")
+        if self.mode_used == "tli" and share < MIN_SHARE:
+            warnings.warn(f"draft: its vocabulary covers {share:.0%} of the prompts' target tokens (by frequency); "
+                          f"token-level intersection will rarely be accepted (try mode='slem')", stacklevel=3)
+        B = len(seqs)
+        self.text = [""] * B  # the committed text of each row (special tokens skipped)
+        self.read = [0] * B  # target tokens the text holds
+        self.dids: list[list[int]] = [[] for _ in range(B)]  # draft tokens in the cache, per row
+        self.starts: list[list[int]] = [[] for _ in range(B)]  # where each aligned draft token starts in the text
+        self.aligned = [0] * B  # dids[:aligned] tokenise text (past the lead); the rest are fed drafts
+        self.moved = 0  # draft tokens of the committed text re-tokenised otherwise (a boundary that moved)
+        self._decode(seqs)
+        longest = max(map(len, self.tokenizer(self.text, add_special_tokens=False).input_ids))
+        self.cache = SpecCache.for_model(self.model, B, len(self.lead) + longest + 2 * capacity + 16)
+
+    def _decode(self, seqs: list[list[int]]) -> None:
+        """Bring each row's text up to its committed target tokens (the last characters held
+        back while they are an incomplete UTF-8 sequence)."""
+        decode = self.target_tokenizer.decode
+        for b, ids in enumerate(seqs):
+            if len(ids) == self.read[b]:
+                continue
+            # decode a window of a few tokens before the new ones and keep what it adds
+            # (decoders strip a first token's space or join words: both windows alike)
+            back = max(0, self.read[b] - 4)
+            old = decode(ids[back:self.read[b]], skip_special_tokens=True)
+            new = decode(ids[back:], skip_special_tokens=True)
+            if not new.startswith(old):  # a decoder that is not incremental here: start the row over
+                self.text[b], self.read[b], self.aligned[b] = decode(ids, skip_special_tokens=True), len(ids), 0
+                continue
+            if new.endswith("\ufffd"):
+                continue  # an incomplete character: wait for its other bytes
+            self.text[b] += new[len(old):]
+            self.read[b] = len(ids)
+
+    def _window(self, b: int) -> tuple[int, int]:
+        """(j, s): re-tokenise row b's text from character s on, replacing its draft tokens from
+        j on. s starts a word (a token at a word start tokenises as it does inside the text)."""
+        lead, aligned, starts, text = len(self.lead), self.aligned[b], self.starts[b], self.text[b]
+        for i in range(aligned - 1 - BACK, max(lead, aligned - 1 - BACK - SCAN) - 1, -1):
+            s = starts[i - lead]
+            if s >= len(text):
+                continue
+            if s == 0 or text[s].isspace() or text[s - 1].isspace():
+                return i, s
+        return lead, 0
+
+    def _sync(self) -> tuple[Tensor, Tensor | None]:
+        """Re-tokenise each row's tail, roll the draft cache back to the first token that
+        differs and feed the rest (at least the last token). Returns the draft's logits
+        [B,Vd] after each row's last token (and its hidden state [B,H], for policies that read it)."""
+        B = len(self.text)
+        self.aligned_before = list(self.aligned)
+        windows = [self._window(b) for b in range(B)]
+        encoded = self.tokenizer([self.text[b][s:] for b, (_, s) in enumerate(windows)], add_special_tokens=False,
+                                 return_offsets_mapping=True)
+        keep, feed = [], []
+        for b, (j, s) in enumerate(windows):
+            ids, offsets = encoded["input_ids"][b], encoded["offset_mapping"][b]
+            old = self.dids[b]
+            new = (old[:j] if old else self.lead) + ids
+            self.starts[b] = self.starts[b][:j - len(self.lead)] + [s + o[0] for o in offsets]
+            self.aligned[b] = len(new)
+            if not new:  # no lead and no text yet: the filler, replaced once there is text
+                new, self.aligned[b] = [self.filler], 0
+            c = 0
+            while c < min(len(old), len(new)) and old[c] == new[c]:
+                c += 1
+            self.moved += max(0, min(self.aligned_before[b], len(old)) - c)
+            c = min(c, len(new) - 1)  # feed the last token again: its logits propose the first draft
+            self.dids[b] = new
+            keep.append(c)
+            feed.append(new[c:])
+        self.cache.rollback(keep)
+        self._reserve(max(k + len(f) for k, f in zip(keep, feed)) + self.policy.max_draft + 2)
+        ids = pad_rows(feed, 0, self.device)
+        positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
+        out = self._forward(ids, positions)
+        logits, hidden = out if self.hidden else (out, None)
+        if self.calls == 1:
+            check_finite(logits, "draft")
+        self.cache.advance([len(f) for f in feed])
+        rows, last = torch.arange(B, device=self.device), torch.tensor([len(f) - 1 for f in feed], device=self.device)
+        return logits[rows, last], None if hidden is None else hidden[rows, last]
+
+    def _reserve(self, length: int) -> None:
+        """Grow the draft cache (keeping what it holds) so that a row can hold ``length`` tokens."""
+        cache = self.cache
+        if length <= cache.capacity:
+            return
+        capacity = max(length, 2 * cache.capacity)
+        buffer = cache.buffer
+        grown = buffer.new_zeros(*buffer.shape[:3], capacity, buffer.shape[4])
+        grown[:, :, :, :cache.capacity] = buffer
+        cache.capacity = capacity
+        cache._set_buffer(grown)
+
+    def _forward(self, ids: Tensor, positions: Tensor):
+        """The draft's logits [B,T,Vd] over its own vocabulary (and hidden states [B,T,H])."""
+        self.calls += 1
+        return forward(self.model, ids, self.cache, positions, None, self.hidden)
+
+    # ------------------------------------------------------------------ rounds
+    def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
+        self._decode(seqs)
+        if self.policy.uses_bonus_agreement:  # not computed across tokenizers: counts as broken
+            self.policy.see_bonus_agreement(torch.zeros(len(seqs), dtype=torch.bool, device=self.device))
+        # the draft's logits over its own vocabulary, whatever an enclosing generate pads them to
+        with attention_implementation(self.model, fast_linear="auto"):
+            logits, hidden = self._sync()
+            if self.mode_used == "tli":
+                return self._tli(logits, hidden)
+            return self._slem(logits, hidden)
+
+    def _chain(self, logits: Tensor, hidden: Tensor | None, sampler: Sampler, budget: list[int], to_draft=None,
+               to_logits=None):
+        """:func:`draft_chain` over the draft's cache: ``to_draft`` maps a proposed token to
+        the draft id fed, ``to_logits`` the draft's logits to those proposed from. Each row's
+        fed tokens are appended to its draft tokens (unaligned: the next sync replaces them)."""
+        B, fed = len(self.text), []
+
+        def step(token: Tensor) -> tuple[Tensor, Tensor | None]:
+            ids = token if to_draft is None else to_draft(token)
+            fed.append(ids)
+            out = self._forward(ids[:, None], self.cache.lengths[:, None])
+            self.cache.advance([1] * B)
+            out_logits, out_hidden = (out[0][:, 0], out[1][:, 0]) if self.hidden else (out[:, 0], None)
+            return (out_logits if to_logits is None else to_logits(out_logits)), out_hidden
+
+        first = logits if to_logits is None else to_logits(logits)
+        drafts, q, num_draft = draft_chain(self.policy, sampler, self.generator, first, hidden, step, budget)
+        if fed:
+            for b, row in enumerate(torch.stack(fed, 1).tolist()):
+                self.dids[b] += row
+        return drafts, q, num_draft
+
+    def _tli(self, logits: Tensor, hidden: Tensor | None) -> Proposal:
+        """Token-level intersection: drafts are target ids drawn from the draft's law on the
+        shared tokens, with that law (pushed onto the target's vocabulary) as q [B,K,Vt]."""
+        d2t, t2d = self.map.draft_to_target.to(self.device), self.map.target_to_draft.to(self.device)
+        shared = (d2t >= 0).nonzero().squeeze(1)  # [S] draft ids
+        targets = d2t[shared]  # [S] their target ids
+
+        def to_target(draft_logits: Tensor) -> Tensor:
+            """[B,Vd] -> [B,Vt]: the shared tokens' logits at their target ids, -inf elsewhere."""
+            out = draft_logits.new_full((draft_logits.shape[0], self.target_size), float("-inf"))
+            out[:, targets] = draft_logits[:, shared]
+            return out
+
+        drafts, q, num_draft = self._chain(logits, hidden, self.sampler, self.policy.plan(),
+                                           to_draft=lambda token: t2d[token].clamp_min(0), to_logits=to_target)
+        return Proposal(drafts, num_draft, q)
+
+    def _slem(self, logits: Tensor, hidden: Tensor | None) -> Proposal:
+        """String-level exact match: the draft's greedy chain, decoded, re-tokenised by the
+        target's tokenizer; the settled target tokens are deterministic drafts."""
+        budget = self.policy.plan()
+        drafts, _, num_draft = self._chain(logits, hidden, Sampler(0.0), [k + 1 for k in budget])
+        counts, rows = num_draft.tolist(), drafts.tolist()
+        decode = self.tokenizer.decode
+        texts = []
+        for b, (row, n) in enumerate(zip(rows, counts)):
+            context = self.dids[b][max(len(self.lead), self.aligned[b] - 4):self.aligned[b]]
+            old = decode(context, skip_special_tokens=True)
+            new = decode(context + row[:n], skip_special_tokens=True)
+            texts.append(new[len(old):].rstrip("\ufffd") if new.startswith(old) else "")
+        proposals = [self._retokenise(b, text)[:k] for b, (text, k) in enumerate(zip(texts, budget))]
+        tokens = pad_rows([p or [-1] for p in proposals], -1, self.device)
+        return Proposal(tokens, torch.tensor([len(p) for p in proposals], device=self.device))
+
+    def _retokenise(self, b: int, text: str) -> list[int]:
+        """The target tokens of ``text`` written after row b's committed text, the last
+        dropped (more text could still move its boundary). The text is tokenised from the
+        committed text's last word on, so it tokenises as it would in place; where a token
+        would straddle the end of the committed text, ``text`` alone."""
+        if not text:
+            return []
+        committed = self.text[b]
+        start = max((committed.rfind(c) for c in " \n\t"), default=-1)
+        start = max(start, 0, len(committed) - 64)
+        encoded = self.target_tokenizer(committed[start:] + text, add_special_tokens=False,
+                                        return_offsets_mapping=True)
+        end = len(committed) - start
+        ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+        first = next((i for i, (s, e) in enumerate(offsets) if s >= end and e > s), len(ids))
+        if any(e > end for s, e in offsets[:first]):
+            ids, first = self.target_tokenizer(text, add_special_tokens=False).input_ids, 0
+        return ids[first:-1]
+
+    def commit(self, outcome: Outcome) -> None:
+        """Nothing to do here: the next round re-tokenises the committed text's tail and rolls
+        the draft cache back to the first draft token that differs."""
+
+    def keep_rows(self, rows: list[int], index: Tensor) -> None:
+        self.cache.keep_rows(rows)
+        for name in ("text", "read", "dids", "starts", "aligned"):
+            values = getattr(self, name)
+            setattr(self, name, [values[i] for i in rows])

@@ -1,0 +1,266 @@
+"""A draft model with another tokenizer than the target's (issue 41): the vocabulary map by
+bytes, and OtherTokenizerDrafter's two modes (TLI, SLEM) exact in greedy and sampled
+decoding. Every tokenizer is made here (the tokenizers library, no downloads); the models
+are tiny Llamas, trained for a few seconds on the same small text where a test needs drafts
+that are accepted."""
+import copy
+import functools
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+import spec_ext
+from spec_ext.drafters.other_tokenizer import OtherTokenizerDrafter
+from spec_ext.engine import Sampler
+from spec_ext.policies import Auto, Fixed, SVIP
+from spec_ext.vocab import token_keys, vocab_map
+from helpers import assert_follows, exact_joint, llama
+
+TEXT = ("the cat sat on the mat. the dog sat on the log. a cat and a dog ran to the mat, and the cat sat. "
+        "then the dog ran to the log and sat on it. café au lait, naïve cat. ") * 8
+SPECIALS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2 (the tiny Llamas' pad, bos, eos)
+
+
+def wrap(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def byte_level(vocab_size: int) -> PreTrainedTokenizerFast:
+    """GPT-2 style byte-level BPE trained on TEXT (256 byte tokens, 3 specials, the rest merges)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return wrap(tok)
+
+
+def sentencepiece(merges: int) -> PreTrainedTokenizerFast:
+    """SentencePiece style: Metaspace (``▁``) pre-tokenizer and BPE with byte fallback
+    (``<0x00>``..``<0xFF>`` after the specials), trained on TEXT."""
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    trained.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=40 + merges, special_tokens=SPECIALS))
+    learned = trained.get_vocab()
+    ordered = SPECIALS + [f"<0x{b:02X}>" for b in range(256)]
+    ordered += [t for t, _ in sorted(learned.items(), key=lambda item: item[1]) if t not in SPECIALS]
+    merge_list = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+                  for m in __import__("json").loads(trained.to_str())["model"]["merges"]]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(ordered)}, merge_list, unk_token="<pad>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(), decoders.Metaspace(prepend_scheme="first")])
+    tok.add_special_tokens(SPECIALS)
+    return wrap(tok)
+
+
+def word_level(words: list[str]) -> PreTrainedTokenizerFast:
+    """Word-level: ``words`` in this order after the specials (unknown words: ``<pad>``)."""
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(SPECIALS + words)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(SPECIALS)
+    return wrap(tok)
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizer(name: str) -> PreTrainedTokenizerFast:
+    return {"bytes300": lambda: byte_level(300), "bytes280": lambda: byte_level(280),
+            "chars": lambda: byte_level(262),  # nearly characters: the draft's boundaries move as text comes
+            "sp": lambda: sentencepiece(60)}[name]()
+
+
+@functools.lru_cache(maxsize=None)
+def trained(name: str, seed: int):
+    """A 2-layer Llama over ``tokenizer(name)`` trained on TEXT for a few seconds: it continues
+    the text, so a draft and a target trained so agree often."""
+    tok = tokenizer(name)
+    model = llama(len(tok), 64, 2, seed=seed, max_positions=512).train()
+    ids = torch.tensor(tok(TEXT).input_ids)
+    optimiser = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(120):
+        starts = torch.randint(0, len(ids) - 49, (16,), generator=generator)
+        batch = torch.stack([ids[s:s + 48] for s in starts.tolist()])
+        loss = model(input_ids=batch, labels=batch).loss
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+    return model.eval()
+
+
+PROMPTS = ["the cat sat on", "a dog ran to the", "then the", "café au lait, na"]
+
+
+def ragged(tok, prompts):
+    """Left-padded ids and attention mask of ``prompts`` under ``tok`` (no special tokens)."""
+    rows = [tok(p, add_special_tokens=False).input_ids for p in prompts]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return rows, ids, mask
+
+
+def greedy_equal(target, drafter, prompts, target_tok, max_new=24):
+    """spec_ext with ``drafter`` on the ragged batch equals target.generate row by row."""
+    rows, ids, mask = ragged(target_tok, prompts)
+    out = spec_ext.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=max_new, eos_token_id=[],
+                            pad_token_id=0)
+    for b, row in enumerate(rows):
+        expected = target.generate(torch.tensor([row]), max_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(row):].tolist()
+        assert out.sequences[b, ids.shape[1]:].tolist() == expected, f"row {b}"
+    return out
+
+
+# ------------------------------------------------------------------ the map
+def hand_byte_level():
+    vocab = {"<s>": 0, "</s>": 1, "a": 2, "b": 3, "Ġ": 4, "Ġa": 5, "ab": 6, "Ã": 7, "©": 8, "Ã©": 9}
+    tok = Tokenizer(models.BPE(vocab, [("Ġ", "a"), ("a", "b"), ("Ã", "©")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+def hand_sentencepiece():
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<0x61>": 3, "a": 4, "b": 5, "▁": 6, "▁a": 7, "ba": 8, "<0xC3>": 9,
+             "<0xA9>": 10, "é": 11, "<0x20>": 12}
+    tok = Tokenizer(models.BPE(vocab, [("▁", "a"), ("b", "a")], unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def test_the_map_by_bytes_matches_a_hand_written_expectation():
+    target, draft = hand_byte_level(), hand_sentencepiece()
+    assert token_keys(target)[5] == ("bytes", b" a", False) and token_keys(target)[9] == ("bytes", "é".encode(), False)
+    assert token_keys(draft)[3] == ("bytes", b"a", True) and token_keys(draft)[0] == ("added", "<unk>", False)
+    m = vocab_map(draft, target)
+    # draft: <unk> (no such target token), <s>, </s> (by content), <0x61> (the same bytes as "a": "a" is kept),
+    # a, b, ▁ (a space: Ġ), ▁a (Ġa), ba (none), <0xC3> (Ã: byte 0xC3), <0xA9> (©: byte 0xA9), é (Ã©: its 2 bytes),
+    # <0x20> (a space like ▁, which is kept over the byte-fallback token)
+    assert m.draft_to_target.tolist() == [-1, 0, 1, -1, 2, 3, 4, 5, -1, 7, 8, 9, -1]
+    assert m.target_to_draft.tolist() == [1, 2, 4, 5, 6, 7, -1, 9, 10, 11]
+    assert m.shared == 9
+    assert m.share_by_frequency([[2, 2, 6, 5]]) == 0.75 and m.share_by_frequency([]) == 0.0
+    assert vocab_map(draft, target) is m  # cached
+    padded = m.padded(16, 8)  # a draft model of 16 rows, a target model of 8 (ids 8, 9 dropped)
+    assert padded.draft_to_target.tolist()[9:] == [7, -1, -1, -1, -1, -1, -1]
+    assert padded.target_to_draft.tolist() == [1, 2, 4, 5, 6, 7, -1, 9]
+
+
+def test_word_level_and_real_shaped_pairs_share_what_they_should():
+    words = word_level(["the", "cat", "sat", "dog"])
+    other = word_level(["dog", "sat", "mat"])
+    m = vocab_map(other, words)
+    assert m.draft_to_target.tolist() == [0, 1, 2, 6, 5, -1]
+    big, small, sp = tokenizer("bytes300"), tokenizer("bytes280"), tokenizer("sp")
+    assert vocab_map(small, big).shared == len(small)  # fewer merges of the same training: a subset
+    ids = big(TEXT).input_ids
+    assert vocab_map(sp, big).share_by_frequency(ids) > 0.5
+
+
+def test_a_slow_tokenizer_or_a_bad_mode_is_refused_by_name():
+    with pytest.raises(ValueError, match="target_tokenizer"):
+        vocab_map(tokenizer("sp"), object())
+    with pytest.raises(ValueError, match="mode"):
+        OtherTokenizerDrafter(trained("sp", 1), tokenizer("sp"), tokenizer("bytes300"), Fixed(3), mode="x")
+    with pytest.raises(ValueError, match="policy"):
+        OtherTokenizerDrafter(trained("sp", 1), tokenizer("sp"), tokenizer("bytes300"), spec_ext.policies.Tree())
+
+
+# ------------------------------------------------------------------ greedy equality
+@pytest.mark.parametrize("mode", ["tli", "slem"])
+@pytest.mark.parametrize("draft_name,policy", [("sp", Fixed(4)), ("bytes280", Auto()), ("sp", SVIP())])
+def test_greedy_equals_the_target_on_a_ragged_batch(mode, draft_name, policy):
+    target, draft = trained("bytes300", 0), trained(draft_name, 1)
+    drafter = OtherTokenizerDrafter(draft, tokenizer(draft_name), tokenizer("bytes300"), copy.deepcopy(policy),
+                                    mode=mode)
+    out = greedy_equal(target, drafter, PROMPTS, tokenizer("bytes300"))
+    assert drafter.mode_used == mode
+    assert out.stats.accepted > 0 and out.stats.draft_calls > 0
+
+
+def test_boundaries_that_move_roll_the_draft_cache_back_and_stay_exact():
+    """The target writes nearly a character per token; the draft's word-sized tokens merge as
+    each arrives ("Ġc" then "Ġca" then "Ġcat"): its cache is rolled back where they do."""
+    target, draft = trained("chars", 0), trained("bytes300", 1)
+    for mode in ("tli", "slem"):
+        drafter = OtherTokenizerDrafter(draft, tokenizer("bytes300"), tokenizer("chars"), Fixed(3), mode=mode)
+        out = greedy_equal(target, drafter, PROMPTS, tokenizer("chars"), max_new=30)
+        assert drafter.moved > 0 and out.stats.accepted > 0, (mode, drafter.moved, out.stats)
+    # the other way: a draft of nearly characters for a target of words
+    target, draft = trained("bytes300", 0), trained("chars", 1)
+    for mode in ("tli", "slem"):
+        drafter = OtherTokenizerDrafter(draft, tokenizer("chars"), tokenizer("bytes300"), Fixed(6), mode=mode)
+        out = greedy_equal(target, drafter, PROMPTS, tokenizer("bytes300"), max_new=20)
+        assert out.stats.accepted > 0, (mode, out.stats)
+
+
+# ------------------------------------------------------------------ the permuted-vocabulary guard
+WORDS = ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l"]
+
+
+def permuted_pair(seed: int):
+    """A word-level target and the same model under a shuffled vocabulary: draft id d is
+    target id perm[d], its embedding and lm_head rows moved along."""
+    target_tok = word_level(WORDS)
+    order = torch.randperm(len(WORDS), generator=torch.Generator().manual_seed(seed))
+    draft_words = [WORDS[i] for i in order.tolist()]
+    draft_tok = word_level(draft_words)
+    target = llama(len(target_tok), 32, 2, seed=seed, sharpen=2.0)
+    perm = torch.tensor([target_tok.convert_tokens_to_ids(t) for t in draft_tok.convert_ids_to_tokens(
+        list(range(len(draft_tok))))])
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight[perm])
+        draft.lm_head.weight.copy_(target.lm_head.weight[perm])
+    return target, target_tok, draft, draft_tok, perm
+
+
+def test_a_permuted_vocabulary_is_accepted_always_greedy_and_sampled():
+    target, target_tok, draft, draft_tok, perm = permuted_pair(3)
+    m = vocab_map(draft_tok, target_tok)
+    assert torch.equal(m.draft_to_target, perm)
+    prompts = ["a b c", "d e f g h", "l"]
+    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(4), mode="tli")
+    out = greedy_equal(target, drafter, prompts, target_tok, max_new=20)
+    assert out.stats.accepted == out.stats.drafted > 0
+    _, ids, mask = ragged(target_tok, prompts * 20)
+    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(4), mode="tli")
+    out = spec_ext.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=16, temperature=1.0,
+                            eos_token_id=[], seed=0)
+    assert out.stats.acceptance_rate > 0.97, out.stats.as_dict()
+
+
+# ------------------------------------------------------------------ the sampling law
+LAW_WORDS = ["a", "b", "c", "d", "e"]  # with the 3 specials: a target vocabulary of 8 (helpers.VOCAB)
+
+
+@pytest.mark.parametrize("mode,draft_kind,temperature,top_k", [
+    ("tli", "permuted", 1.0, None), ("tli", "other", 1.0, None), ("tli", "other", 0.7, 5), ("slem", "other", 1.0, None)])
+def test_sampling_follows_the_targets_law_by_enumeration(mode, draft_kind, temperature, top_k):
+    target_tok = word_level(LAW_WORDS)
+    target = llama(len(target_tok), 32, 2, seed=10, sharpen=3.0)
+    if draft_kind == "permuted":
+        draft_tok = word_level(LAW_WORDS[::-1])
+        perm = torch.tensor(target_tok.convert_tokens_to_ids(draft_tok.convert_ids_to_tokens(list(range(8)))))
+        draft = copy.deepcopy(target)
+        with torch.no_grad():
+            draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight[perm])
+            draft.lm_head.weight.copy_(target.lm_head.weight[perm])
+    else:  # shares a, c, e and the specials; lacks b, d; has words of its own
+        draft_tok = word_level(["e", "x", "a", "y", "c", "z"])
+        draft = llama(len(draft_tok), 32, 1, seed=12, sharpen=3.0)
+    prompt = [3, 4, 5]  # "a b c"
+    n = 4000
+    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(3), mode=mode)
+    out = spec_ext.generate(target, drafter, [prompt] * n, max_new_tokens=3, temperature=temperature, top_k=top_k,
+                            eos_token_id=[], seed=7)
+    assert_follows(out.sequences[:, len(prompt):].numpy(), exact_joint(target, Sampler(temperature, top_k, None),
+                                                                       prompt=prompt))
+    assert out.stats.accepted > 0
+    if draft_kind == "permuted":
+        assert out.stats.acceptance_rate > 0.97, out.stats.as_dict()
