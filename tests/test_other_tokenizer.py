@@ -51,7 +51,8 @@ def sentencepiece(merges: int) -> PreTrainedTokenizerFast:
                   for m in __import__("json").loads(trained.to_str())["model"]["merges"]]
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(ordered)}, merge_list, unk_token="<pad>", byte_fallback=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
-    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(), decoders.Metaspace(prepend_scheme="first")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])  # Llama-2's
     tok.add_special_tokens(SPECIALS)
     return wrap(tok)
 
