@@ -17,7 +17,7 @@ from spec_ext.drafters.other_tokenizer import OtherTokenizerDrafter
 from spec_ext.engine import Sampler
 from spec_ext.policies import Auto, Fixed, SVIP
 from spec_ext.vocab import token_keys, vocab_map
-from helpers import assert_follows, exact_joint, llama
+from helpers import assert_follows, exact_joint, llama, ragged_greedy_equals_target
 
 TEXT = ("the cat sat on the mat. the dog sat on the log. a cat and a dog ran to the mat, and the cat sat. "
         "then the dog ran to the log and sat on it. café au lait, naïve cat. ") * 8
@@ -104,15 +104,10 @@ def ragged(tok, prompts):
 
 
 def greedy_equal(target, drafter, prompts, target_tok, max_new=24):
-    """spec_ext with ``drafter`` on the ragged batch equals target.generate row by row."""
-    rows, ids, mask = ragged(target_tok, prompts)
-    out = spec_ext.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=max_new, eos_token_id=[],
-                            pad_token_id=0)
-    for b, row in enumerate(rows):
-        expected = target.generate(torch.tensor([row]), max_new_tokens=max_new, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)[0, len(row):].tolist()
-        assert out.sequences[b, ids.shape[1]:].tolist() == expected, f"row {b}"
-    return out
+    """spec_ext with ``drafter`` on the left-padded batch equals target.generate row by row,
+    with an EOS that ends row 0 early (the other rows go on: rows drop out of the drafter)."""
+    rows = [target_tok(p, add_special_tokens=False).input_ids for p in prompts]
+    return ragged_greedy_equals_target(target, drafter, rows, policy=drafter.policy, max_new=max_new)
 
 
 # ------------------------------------------------------------------ the map
