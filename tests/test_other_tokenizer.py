@@ -6,7 +6,6 @@ that are accepted."""
 import copy
 import functools
 
-import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -15,9 +14,9 @@ from transformers import PreTrainedTokenizerFast
 import spec_ext
 from spec_ext.drafters.other_tokenizer import OtherTokenizerDrafter
 from spec_ext.engine import Sampler
-from spec_ext.policies import Auto, Fixed, SVIP
+from spec_ext.policies import Auto, Fixed, SVIP, resolve
 from spec_ext.vocab import token_keys, vocab_map
-from helpers import assert_follows, exact_joint, llama, ragged_greedy_equals_target
+from helpers import assert_follows, exact_joint, llama, make_policy, ragged_greedy_equals_target
 
 TEXT = ("the cat sat on the mat. the dog sat on the log. a cat and a dog ran to the mat, and the cat sat. "
         "then the dog ran to the log and sat on it. café au lait, naïve cat. ") * 8
@@ -167,13 +166,28 @@ def test_a_slow_tokenizer_or_a_bad_mode_is_refused_by_name():
         OtherTokenizerDrafter(trained("sp", 1), tokenizer("sp"), tokenizer("bytes300"), spec_ext.policies.Tree())
 
 
+def test_a_draft_that_covers_little_of_the_prompts_warns_and_auto_picks_slem():
+    target_tok, draft_tok = word_level(["the", "cat", "sat", "dog"]), word_level(["dog", "mat"])
+    target, draft = llama(len(target_tok), 32, 1, seed=0), llama(len(draft_tok), 32, 1, seed=1)
+    ids = [target_tok("the cat sat the cat dog", add_special_tokens=False).input_ids]
+    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(2), mode="tli")
+    with pytest.warns(UserWarning, match="covers 17% of the prompts' target tokens"):
+        spec_ext.generate(target, drafter, ids, max_new_tokens=4)
+    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(2), mode="auto")
+    spec_ext.generate(target, drafter, ids, max_new_tokens=4)
+    assert drafter.mode_used == "slem"
+
+
 # ------------------------------------------------------------------ greedy equality
 @pytest.mark.parametrize("mode", ["tli", "slem"])
-@pytest.mark.parametrize("draft_name,policy", [("sp", Fixed(4)), ("bytes280", Auto()), ("sp", SVIP())])
+@pytest.mark.parametrize("draft_name,policy", [("sp", Fixed(4)), ("bytes280", Auto()), ("sp", SVIP()),
+                                               ("sp", "specdecpp"), ("bytes280", "adalength")])
 def test_greedy_equals_the_target_on_a_ragged_batch(mode, draft_name, policy):
+    """Every kind of length policy: fixed, adaptive on the host (Auto), on the draft's
+    distribution (SVIP), on the draft's hidden state (SpecDecPP), on the target's (AdaLength)."""
     target, draft = trained("bytes300", 0), trained(draft_name, 1)
-    drafter = OtherTokenizerDrafter(draft, tokenizer(draft_name), tokenizer("bytes300"), copy.deepcopy(policy),
-                                    mode=mode)
+    policy = resolve(make_policy(policy, target, draft)) if isinstance(policy, str) else copy.deepcopy(policy)
+    drafter = OtherTokenizerDrafter(draft, tokenizer(draft_name), tokenizer("bytes300"), policy, mode=mode)
     out = greedy_equal(target, drafter, PROMPTS, tokenizer("bytes300"))
     assert drafter.mode_used == mode
     assert out.stats.accepted > 0 and out.stats.draft_calls > 0
@@ -228,7 +242,9 @@ def test_a_permuted_vocabulary_is_accepted_always_greedy_and_sampled():
     drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(4), mode="tli")
     out = spec_ext.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=16, temperature=1.0,
                             eos_token_id=[], seed=0)
-    assert out.stats.acceptance_rate > 0.97, out.stats.as_dict()
+    # p and q agree up to the draft's rounding (its linear layers may take another kernel); the
+    # special tokens the target samples are in the draft's text too (shared by content)
+    assert out.stats.acceptance_rate > 0.99, out.stats.as_dict()
 
 
 # ------------------------------------------------------------------ the sampling law
@@ -259,4 +275,4 @@ def test_sampling_follows_the_targets_law_by_enumeration(mode, draft_kind, tempe
                                                                        prompt=prompt))
     assert out.stats.accepted > 0
     if draft_kind == "permuted":
-        assert out.stats.acceptance_rate > 0.97, out.stats.as_dict()
+        assert out.stats.acceptance_rate > 0.99, out.stats.as_dict()

@@ -15,8 +15,9 @@ target's at every temperature:
 * ``"auto"``: ``"tli"`` when the draft vocabulary covers at least ``MIN_SHARE`` of the
   prompts' target tokens (by frequency), else ``"slem"``; :attr:`mode_used` says which ran.
 
-The draft's own context is the committed text (the target's tokens decoded, special tokens
-skipped) as the draft's tokenizer tokenises it. Per row the drafter keeps the draft tokens
+The draft's own context is the committed text (the target's tokens decoded; a special token
+written as its content where the draft has a special token of that content, else left out)
+as the draft's tokenizer tokenises it. Per row the drafter keeps the draft tokens
 its KV cache holds and the character offset where each starts; before each round only a
 tail window is re-tokenised, from a token a few back that starts a word (so the window
 tokenises as it does inside the text), the cache is rolled back to the first token that
@@ -77,6 +78,12 @@ class OtherTokenizerDrafter(Drafter):
         check_pair(target, self.model)
         self.target_size, self.draft_size = vocabulary_size(target), vocabulary_size(self.model)
         self.map = self.vocab.padded(self.draft_size, self.target_size)
+        # the target's special tokens the draft has no token for (by content) are left out of
+        # the text; the others are written as their content, which the draft's tokenizer reads
+        # back as its own special token
+        specials = {i for i, t in self.target_tokenizer.added_tokens_decoder.items() if t.special}
+        self.unshared_specials = {i for i in specials if i >= len(self.map.target_to_draft) or
+                                  self.map.target_to_draft[i] < 0}
         if self.mode != "slem" and self.map.shared == 0:
             raise ValueError("draft: its tokenizer shares no token with the target's; token-level intersection "
                              "cannot propose anything (use mode='slem')")
@@ -94,7 +101,7 @@ class OtherTokenizerDrafter(Drafter):
             warnings.warn(f"draft: its vocabulary covers {share:.0%} of the prompts' target tokens (by frequency); "
                           f"token-level intersection will rarely be accepted (try mode='slem')", stacklevel=3)
         B = len(seqs)
-        self.text = [""] * B  # the committed text of each row (special tokens skipped)
+        self.text = [""] * B  # the committed text of each row (see the module docstring)
         self.read = [0] * B  # target tokens the text holds
         self.dids: list[list[int]] = [[] for _ in range(B)]  # draft tokens in the cache, per row
         self.starts: list[list[int]] = [[] for _ in range(B)]  # where each aligned draft token starts in the text
@@ -107,17 +114,20 @@ class OtherTokenizerDrafter(Drafter):
     def _decode(self, seqs: list[list[int]]) -> None:
         """Bring each row's text up to its committed target tokens (the last characters held
         back while they are an incomplete UTF-8 sequence)."""
-        decode = self.target_tokenizer.decode
+        skip = self.unshared_specials
+
+        def decode(ids: list[int]) -> str:
+            return self.target_tokenizer.decode([t for t in ids if t not in skip], skip_special_tokens=False)
+
         for b, ids in enumerate(seqs):
             if len(ids) == self.read[b]:
                 continue
             # decode a window of a few tokens before the new ones and keep what it adds
             # (decoders strip a first token's space or join words: both windows alike)
             back = max(0, self.read[b] - 4)
-            old = decode(ids[back:self.read[b]], skip_special_tokens=True)
-            new = decode(ids[back:], skip_special_tokens=True)
+            old, new = decode(ids[back:self.read[b]]), decode(ids[back:])
             if not new.startswith(old):  # a decoder that is not incremental here: start the row over
-                self.text[b], self.read[b], self.aligned[b] = decode(ids, skip_special_tokens=True), len(ids), 0
+                self.text[b], self.read[b], self.aligned[b] = decode(ids), len(ids), 0
                 continue
             if new.endswith("\ufffd"):
                 continue  # an incomplete character: wait for its other bytes
