@@ -5,6 +5,7 @@ are tiny Llamas, trained for a few seconds on the same small text where a test n
 that are accepted."""
 import copy
 import functools
+import json
 
 import pytest
 import torch
@@ -47,8 +48,9 @@ def sentencepiece(merges: int) -> PreTrainedTokenizerFast:
     ordered = SPECIALS + [f"<0x{b:02X}>" for b in range(256)]
     ordered += [t for t, _ in sorted(learned.items(), key=lambda item: item[1]) if t not in SPECIALS]
     merge_list = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
-                  for m in __import__("json").loads(trained.to_str())["model"]["merges"]]
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(ordered)}, merge_list, unk_token="<pad>", byte_fallback=True))
+                  for m in json.loads(trained.to_str())["model"]["merges"]]
+    vocab = {t: i for i, t in enumerate(ordered)}
+    tok = Tokenizer(models.BPE(vocab, merge_list, unk_token="<pad>", byte_fallback=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])  # Llama-2's
@@ -134,7 +136,8 @@ def test_the_map_by_bytes_matches_a_hand_written_expectation():
     assert token_keys(draft)[3] == ("bytes", b"a", True) and token_keys(draft)[0] == ("added", "<unk>", False)
     m = vocab_map(draft, target)
     # draft: <unk> (no such target token), <s>, </s> (by content), <0x61> (the same bytes as "a": "a" is kept),
-    # a, b, ▁ (a space: Ġ), ▁a (Ġa), ba (none), <0xC3> (Ã: byte 0xC3), <0xA9> (©: byte 0xA9), é (Ã©: its 2 bytes),
+    # a, b, ▁ (a space: Ġ), ▁a (Ġa), ba (none), <0xC3> (Ã: byte 0xC3), <0xA9> (©: byte 0xA9),
+    # é (Ã©: its 2 bytes),
     # <0x20> (a space like ▁, which is kept over the byte-fallback token)
     assert m.draft_to_target.tolist() == [-1, 0, 1, -1, 2, 3, 4, 5, -1, 7, 8, 9, -1]
     assert m.target_to_draft.tolist() == [1, 2, 4, 5, 6, 7, -1, 9, 10, 11]
@@ -252,7 +255,8 @@ LAW_WORDS = ["a", "b", "c", "d", "e"]  # with the 3 specials: a target vocabular
 
 
 @pytest.mark.parametrize("mode,draft_kind,temperature,top_k", [
-    ("tli", "permuted", 1.0, None), ("tli", "other", 1.0, None), ("tli", "other", 0.7, 5), ("slem", "other", 1.0, None)])
+    ("tli", "permuted", 1.0, None), ("tli", "other", 1.0, None), ("tli", "other", 0.7, 5),
+    ("slem", "other", 1.0, None)])
 def test_sampling_follows_the_targets_law_by_enumeration(mode, draft_kind, temperature, top_k):
     target_tok = word_level(LAW_WORDS)
     target = llama(len(target_tok), 32, 2, seed=10, sharpen=3.0)

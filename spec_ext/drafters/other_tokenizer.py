@@ -107,6 +107,10 @@ class OtherTokenizerDrafter(Drafter):
         self.starts: list[list[int]] = [[] for _ in range(B)]  # where each aligned draft token starts in the text
         self.aligned = [0] * B  # dids[:aligned] tokenise text (past the lead); the rest are fed drafts
         self.moved = 0  # draft tokens of the committed text re-tokenised otherwise (a boundary that moved)
+        shared = (self.map.draft_to_target >= 0).nonzero().squeeze(1)
+        # [S] the shared draft ids, [S] their target ids, [Vt] the target -> draft map, on the device once
+        self._tables = tuple(t.to(self.device) for t in (shared, self.map.draft_to_target[shared],
+                                                          self.map.target_to_draft))
         self._decode(seqs)
         longest = max(map(len, self.tokenizer(self.text, add_special_tokens=False).input_ids))
         self.cache = SpecCache.for_model(self.model, B, len(self.lead) + longest + 2 * capacity + 16)
@@ -238,9 +242,7 @@ class OtherTokenizerDrafter(Drafter):
     def _tli(self, logits: Tensor, hidden: Tensor | None) -> Proposal:
         """Token-level intersection: drafts are target ids drawn from the draft's law on the
         shared tokens, with that law (pushed onto the target's vocabulary) as q [B,K,Vt]."""
-        d2t, t2d = self.map.draft_to_target.to(self.device), self.map.target_to_draft.to(self.device)
-        shared = (d2t >= 0).nonzero().squeeze(1)  # [S] draft ids
-        targets = d2t[shared]  # [S] their target ids
+        shared, targets, t2d = self._tables
 
         def to_target(draft_logits: Tensor) -> Tensor:
             """[B,Vd] -> [B,Vt]: the shared tokens' logits at their target ids, -inf elsewhere."""
