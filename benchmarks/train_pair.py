@@ -66,10 +66,10 @@ def encode_split(tokenizer, split: str, work: Path) -> torch.Tensor:
     return torch.load(path).long()
 
 
-def make_model(shape: dict, tokenizer):
+def make_model(shape: dict, tokenizer, vocab_size: int = VOCAB_SIZE):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=2048,
+    config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=2048,
                          tie_word_embeddings=True, bos_token_id=tokenizer.eos_token_id,
                          eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.eos_token_id, **shape)
@@ -92,8 +92,9 @@ def lr_at(step: int, steps: int, peak: float, warmup: int = 200) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))))
 
 
-def train(name: str, model, tokens, steps: int, args, work: Path, teacher=None):
-    """Next-token training (teacher=None) or distillation from the teacher's logits."""
+def train(name: str, model, tokens, steps: int, args, work: Path, teacher=None, stream_seed: int | None = None):
+    """Next-token training (teacher=None) or distillation from the teacher's logits.
+    ``stream_seed``: the data order's seed (default ``STREAM_SEEDS[name]``), plus ``args.seed``."""
     ckpt = work / f"{name}.ckpt"
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.1)
@@ -107,7 +108,8 @@ def train(name: str, model, tokens, steps: int, args, work: Path, teacher=None):
         return model
     log = open(work / f"{name}.log", "a")
     model.train()
-    data = batches(tokens, args.batch, args.seq, seed=STREAM_SEEDS[name] + args.seed, start_step=step)
+    stream_seed = STREAM_SEEDS[name] if stream_seed is None else stream_seed
+    data = batches(tokens, args.batch, args.seq, seed=stream_seed + args.seed, start_step=step)
     bar = tqdm(total=steps, initial=step, desc=f"train {name}", mininterval=10)
     started, ema = time.time(), None
     while step < steps:
@@ -117,7 +119,7 @@ def train(name: str, model, tokens, steps: int, args, work: Path, teacher=None):
             group["lr"] = lr_at(step, steps, args.lr)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             logits = model(input_ids=inputs).logits.float()
-            hard = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), labels.reshape(-1))
+            hard = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
             if teacher is None:
                 loss = hard
             else:
