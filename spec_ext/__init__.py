@@ -17,7 +17,8 @@ _LAZY = {name: "spec_ext.ops" for name in _KERNELS}
 _LAZY |= {name: "spec_ext.engine" for name in ("generate", "accelerate", "Output", "Stats", "PeerError", "serve_draft",
                                                "shutdown")}
 _LAZY["SpecCache"] = "spec_ext.models"
-_SUBPACKAGES = ("drafters", "engine", "models", "ops", "policies", "training")
+_LAZY["Grammar"] = "spec_ext.processing"
+_SUBPACKAGES = ("drafters", "engine", "models", "ops", "policies", "processing", "training")
 
 __all__ = [*_LAZY, *_SUBPACKAGES]
 

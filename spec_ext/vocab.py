@@ -154,7 +154,7 @@ class VocabMap:
                         fit(self.target_to_draft, target_size, draft_size))
 
 
-def _fingerprint(tokenizer, name: str) -> str:
+def fingerprint(tokenizer, name: str) -> str:
     """A hash of everything that decides ``token_keys``: the tokenizer's JSON (vocabulary,
     added tokens, pre-tokenizer, decoder) and its size."""
     text = _fast(tokenizer, name).to_str() + f"|{len(tokenizer)}"
@@ -168,7 +168,7 @@ def vocab_map(draft_tokenizer, target_tokenizer) -> VocabMap:
     """The :class:`VocabMap` of a draft tokenizer and a target tokenizer (computed once per
     pair of tokenizers, cached by a hash of both). ``ValueError`` naming the argument when
     one is not a fast tokenizer."""
-    key = (_fingerprint(draft_tokenizer, "draft_tokenizer"), _fingerprint(target_tokenizer, "target_tokenizer"))
+    key = (fingerprint(draft_tokenizer, "draft_tokenizer"), fingerprint(target_tokenizer, "target_tokenizer"))
     if key not in _MAPS:
         if len(_MAPS) >= 16:
             _MAPS.pop(next(iter(_MAPS)))

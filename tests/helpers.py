@@ -209,3 +209,20 @@ class CollectingStreamer:
 
     def end(self):
         self.ended = True
+
+
+# ------------------------------------------------------------------- tokenizers
+def byte_tokenizer(merges=(("a", "b"), ("c", "a"), ("ab", "c"))):
+    """A byte-level BPE tokenizer made here: every byte a token, then ``merges``; id 0 the
+    EOS (and pad) "<eos>"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<eos>": 0}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=list(merges)))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<eos>")

@@ -145,11 +145,12 @@ def test_stats_as_dict():
     from spec_ext.engine import Stats
     stats = Stats(target_calls=5, draft_calls=12, rounds=8, drafted=20, accepted=13, matched=3, text_drafted=7,
                   text_accepted=4, new_tokens=21,
-                  discarded=2, wall_time=0.123456, accepted_lengths=[1, 2], draft_lengths=[3, 3],
+                  discarded=2, wall_time=0.123456, processing_time=0.012345, accepted_lengths=[1, 2],
+                  draft_lengths=[3, 3],
                   row_rounds=[5, 3], row_matched=[2, 1], row_drafted=[12, 8], row_accepted=[9, 4])
     assert stats.as_dict() == dict(target_calls=5, draft_calls=12, rounds=8, drafted=20, accepted=13,
                                    rollback=20 - 13 + 2, mean_accepted=1.625, acceptance_rate=0.65, discarded=2,
-                                   new_tokens=21, wall_time=0.1235, tokens_per_s=round(21 / 0.123456, 2), matched=3,
+                                   new_tokens=21, wall_time=0.1235, processing_time=0.0123, tokenizer_mode="", tokens_per_s=round(21 / 0.123456, 2), matched=3,
                                    text_drafted=7, text_accepted=4,
                                    per_row=dict(rounds=[5, 3], matched=[2, 1], drafted=[12, 8], accepted=[9, 4]))
     json.dumps(stats.as_dict())  # what the CLI prints
@@ -346,8 +347,8 @@ def test_generation_config_max_length_counts_the_prompt_like_hf(greedy_pair):
         fast.generate(prompts, do_sample=False, pad_token_id=0)
 
 
-@pytest.mark.parametrize("name,value", [("repetition_penalty", 3.0), ("no_repeat_ngram_size", 2), ("num_beams", 4),
-                                        ("bad_words_ids", [[7]]), ("min_new_tokens", 5)])
+@pytest.mark.parametrize("name,value", [("num_beams", 4), ("forced_eos_token_id", 3), ("penalty_alpha", 0.6),
+                                        ("exponential_decay_length_penalty", (4, 1.5))])
 def test_generation_config_settings_that_hf_would_apply_are_refused_by_name(greedy_pair, name, value):
     target, draft = (copy.deepcopy(m) for m in greedy_pair)
     setattr(target.generation_config, name, value)

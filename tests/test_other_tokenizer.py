@@ -280,3 +280,38 @@ def test_sampling_follows_the_targets_law_by_enumeration(mode, draft_kind, tempe
     assert out.stats.accepted > 0
     if draft_kind == "permuted":
         assert out.stats.acceptance_rate > 0.99, out.stats.as_dict()
+
+
+# ------------------------------------------------------------------ through generate and accelerate
+def test_generate_and_accelerate_take_the_tokenizers():
+    """HF's spelling per call (tokenizer=, assistant_tokenizer=) and accelerate's once per model:
+    greedy equal to target.generate, drafts accepted, the stats naming the mode that ran."""
+    target_tok, draft_tok = tokenizer("bytes300"), tokenizer("sp")
+    target, draft = trained("bytes300", 0), trained("sp", 1)
+    _, ids, mask = ragged(target_tok, PROMPTS)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=[],
+                               pad_token_id=0)
+    for mode in ("auto", "tli", "slem"):
+        fast = spec_ext.accelerate(target, draft, policy="fixed", tokenizer=target_tok, draft_tokenizer=draft_tok,
+                                   tokenizer_mode=mode)
+        got = fast.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=[],
+                            pad_token_id=0)
+        assert torch.equal(got, expected), mode
+        assert fast.last_stats.tokenizer_mode == ("tli" if mode == "auto" else mode)
+        assert fast.last_stats.accepted > 0
+    out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[],
+                            pad_token_id=0, policy="fixed", tokenizer=target_tok, assistant_tokenizer=draft_tok)
+    assert torch.equal(out.sequences, expected) and out.stats.tokenizer_mode == "tli"
+    # the same tokenizer on both sides: the plain drafter
+    same = spec_ext.generate(target, target, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=[],
+                             pad_token_id=0, tokenizer=target_tok, assistant_tokenizer=target_tok)
+    assert same.stats.tokenizer_mode == ""
+
+
+def test_pairs_without_tokenizers_are_refused_by_name():
+    target, draft = trained("bytes300", 0), llama(300 + 600, 32, 2, seed=1)
+    with pytest.raises(ValueError, match="draft: its vocabulary has 900 tokens and the target's 300, further apart "
+                                         "than padding .*assistant_tokenizer"):
+        spec_ext.generate(target, draft, [[5, 6]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="assistant_tokenizer: needs the target's tokenizer too"):
+        spec_ext.generate(target, draft, [[5, 6]], max_new_tokens=4, assistant_tokenizer=tokenizer("sp"))

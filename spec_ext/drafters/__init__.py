@@ -6,6 +6,7 @@
 | :class:`TextDrafter` | each row's own text: chains or trees of continuations (``NGram``) | an n-gram index per row |
 | :class:`TextFirst` | the text, and the draft model for the rows without a match | both |
 | :class:`HeadDrafter` | an EAGLE-1/3 head on the target's hidden states: chains or trees | its KV cache |
+| :class:`OtherTokenizerDrafter` | a draft model with another tokenizer: chains of target ids (TLI, SLEM) | its tokens of the text, its KV cache |
 
 A drafter returns a :class:`Proposal` (a chain or a tree, with the q each draft was drawn
 from, or None for deterministic drafts) and is told the :class:`Outcome`; the engine
@@ -19,6 +20,7 @@ from spec_ext.drafters.model import ModelDrafter
 from spec_ext.drafters.text import TextDrafter
 from spec_ext.drafters.text_first import TextFirst
 from spec_ext.drafters.head import HeadDrafter
+from spec_ext.drafters.other_tokenizer import OtherTokenizerDrafter
 from spec_ext.models.eagle import EagleHead, is_head_directory, load_head
 from spec_ext.policies import Policy
 
@@ -59,5 +61,5 @@ def build(draft, policy: Policy) -> Drafter | None:
     return None if draft is None else ModelDrafter(draft, policy)
 
 
-__all__ = ["Drafter", "HeadDrafter", "ModelDrafter", "Outcome", "Proposal", "Sampler", "TextDrafter", "TextFirst",
+__all__ = ["Drafter", "HeadDrafter", "ModelDrafter", "OtherTokenizerDrafter", "Outcome", "Proposal", "Sampler", "TextDrafter", "TextFirst",
            "build", "check_finite", "load", "pad_rows", "prefill"]

@@ -22,6 +22,7 @@ from spec_ext import ops
 from spec_ext.models import check_model, check_pair, forward
 from spec_ext.ops import build_tree
 from spec_ext.policies import Policy
+from spec_ext.processing import Positions
 
 
 @dataclass
@@ -176,17 +177,40 @@ class Drafter:
 
 
 class Sampler:
-    """Temperature, top-k and top-p (HF semantics), applied identically to p and q."""
+    """How logits become a token, applied identically to p and q: the call's logits processors
+    (``processors``, :class:`spec_ext.processing.Processors`, None when there are none:
+    they read each position's prefix, so callers hand them the positions) and, when sampling,
+    HF's warpers in HF's order: temperature, top-k, top-p, min-p, typical-p, epsilon and eta
+    cutoffs (HF semantics, one token kept at least)."""
 
-    def __init__(self, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None):
+    def __init__(self, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 min_p: float | None = None, typical_p: float | None = None, epsilon_cutoff: float | None = None,
+                 eta_cutoff: float | None = None, processors=None):
         if temperature is None or temperature < 0:
             raise ValueError(f"temperature: must be >= 0, got {temperature}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k: must be >= 1, got {top_k}")
         if top_p is not None and not 0 < top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+        if min_p is not None and not 0 <= min_p <= 1:
+            raise ValueError(f"min_p: must be in [0, 1], got {min_p}")
+        for name, value in (("typical_p", typical_p), ("epsilon_cutoff", epsilon_cutoff), ("eta_cutoff", eta_cutoff)):
+            if value is not None and not 0 <= value <= 1:
+                raise ValueError(f"{name}: must be in [0, 1], got {value}")
         self.greedy = temperature == 0
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.min_p, self.typical_p, self.epsilon_cutoff, self.eta_cutoff = min_p, typical_p, epsilon_cutoff, eta_cutoff
+        self.processors = processors if processors else None
+
+    @property
+    def settings(self) -> dict:
+        """The warper settings (picklable: the parallel engine's draft side rebuilds the sampler from them)."""
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                    typical_p=self.typical_p, epsilon_cutoff=self.epsilon_cutoff, eta_cutoff=self.eta_cutoff)
+
+    def process(self, logits: Tensor, positions, check: bool = False) -> Tensor:
+        """``logits`` [B,T,V] through the processors at ``positions`` (unchanged without any)."""
+        return logits if self.processors is None else self.processors.apply(logits, positions, check)
 
     def probs(self, logits: Tensor) -> Tensor:
         x = logits.float() / self.temperature
@@ -198,6 +222,18 @@ class Sampler:
             tail = torch.softmax(ordered, -1).cumsum(-1) <= 1 - self.top_p
             tail[..., -1] = False
             x = x.masked_fill(tail.scatter(-1, index, tail), float("-inf"))
+        if self.min_p is not None:
+            p = torch.softmax(x, -1)
+            x = x.masked_fill(p < self.min_p * p.amax(-1, keepdim=True), float("-inf"))
+        if self.typical_p is not None and self.typical_p < 1:
+            x = _typical(x, self.typical_p)
+        for name, cutoff in (("epsilon", self.epsilon_cutoff), ("eta", self.eta_cutoff)):
+            if cutoff is not None and 0 < cutoff < 1:
+                p = torch.softmax(x, -1)
+                if name == "eta":  # HF: min(eta, sqrt(eta) * exp(-entropy))
+                    entropy = -(p * torch.log_softmax(x, -1)).nansum(-1, keepdim=True)
+                    cutoff = torch.clamp_max(cutoff ** 0.5 * torch.exp(-entropy), cutoff)
+                x = x.masked_fill((p < cutoff) & (x < x.amax(-1, keepdim=True)), float("-inf"))
         return torch.softmax(x, -1)
 
     def propose(self, logits: Tensor, generator=None) -> tuple[Tensor, Tensor | None]:
@@ -207,6 +243,18 @@ class Sampler:
             return logits.argmax(-1), None
         q = self.probs(logits)
         return torch.multinomial(q, 1, generator=generator).squeeze(1), q
+
+
+def _typical(x: Tensor, mass: float) -> Tensor:
+    """HF's typical-p: keep the tokens whose surprisal is closest to the entropy, up to ``mass``."""
+    log_p = torch.log_softmax(x, -1)
+    entropy = -(log_p.exp() * log_p).nansum(-1, keepdim=True)
+    distance, order = torch.sort((-log_p - entropy).abs(), -1)
+    cumulative = x.gather(-1, order).softmax(-1).cumsum(-1)
+    last = (cumulative < mass).sum(-1, keepdim=True).clamp_max(x.shape[-1] - 1)
+    drop = distance > distance.gather(-1, last)
+    drop[..., 0] = False
+    return x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
 
 
 def draft_chain(policy: Policy, sampler: Sampler, generator, logits: Tensor, hidden: Tensor | None, step,
@@ -227,6 +275,8 @@ def draft_chain(policy: Policy, sampler: Sampler, generator, logits: Tensor, hid
     going = torch.ones(B, dtype=torch.bool, device=device)
     adaptive, steps = policy.adaptive, 0
     for n in range(1, kmax + 1):
+        if sampler.processors is not None:
+            logits = sampler.process(logits[:, None], Positions.after(drafts[:, :n - 1]))[:, 0]
         token, q = sampler.propose(logits, generator)
         if forced is not None:
             token = torch.where(forced_rows, forced[:, n - 1], token)
@@ -245,23 +295,41 @@ def draft_chain(policy: Policy, sampler: Sampler, generator, logits: Tensor, hid
     return drafts[:, :steps], None if q_all is None else q_all[:, :steps], num_draft
 
 
-def grow_static_tree(policy: Policy, logits: Tensor, roots: Tensor, refeed) -> Proposal:
+def grow_static_tree(policy: Policy, logits: Tensor, roots: Tensor, refeed, sampler: Sampler | None = None
+                     ) -> Proposal:
     """The policy's static tree (``branching[d]`` children per node at depth d), each level
     the top-k of the drafter's logits after its parent: deterministic drafts. ``logits``
     [B,V] are the root's; ``refeed(tokens [B,n], parents [B,n], depth [B,n], mask)`` gives the
-    drafter's logits [B,n,V] at every node of the tree grown so far (node 0 the root)."""
+    drafter's logits [B,n,V] at every node of the tree grown so far (node 0 the root); the
+    ``sampler``'s processors, if any, act on them (each node's prefix its path)."""
     B, device = logits.shape[0], logits.device
     parents, depth, mask, max_depth = _static_tree(tuple(policy.parents), device)
     levels, branching = policy.levels, policy.branching
     nodes = torch.zeros(B, len(policy.parents), dtype=torch.int64, device=device)
     nodes[:, 0] = roots
-    nodes[:, levels[0]] = torch.topk(logits, branching[0], dim=-1).indices
+    nodes[:, levels[0]] = torch.topk(_process_root(sampler, logits), branching[0], dim=-1).indices
     for d in range(1, len(levels)):
         n = levels[d - 1][-1] + 1  # the tree so far: nodes 0..n-1
         tree_logits = refeed(nodes[:, :n], parents[:, :n].expand(B, n), depth[:, :n].expand(B, n), mask[:, :n])
+        tree_logits = _process_tree(sampler, tree_logits, nodes[:, :n], parents[:, :n], depth[:, :n], d)
         nodes[:, levels[d]] = torch.topk(tree_logits[:, levels[d - 1]], branching[d], dim=-1).indices.reshape(B, -1)
     return Proposal(nodes, torch.full((B,), nodes.shape[1] - 1, device=device), None, parents[0], depth[0], mask,
                     max_depth)
+
+
+def _process_root(sampler: Sampler | None, logits: Tensor) -> Tensor:
+    """The root's logits [B,V] through the sampler's processors (a tree grows from them)."""
+    if sampler is None or sampler.processors is None:
+        return logits
+    return sampler.process(logits[:, None], Positions.after(logits.new_zeros(len(logits), 0, dtype=torch.int64)))[:, 0]
+
+
+def _process_tree(sampler: Sampler | None, logits: Tensor, tokens: Tensor, parents: Tensor, depth: Tensor,
+                  max_depth: int) -> Tensor:
+    """A tree's logits [B,n,V] through the sampler's processors, each node's prefix its path."""
+    if sampler is None or sampler.processors is None:
+        return logits
+    return sampler.process(logits, Positions.tree(tokens, parents, depth, max_depth))
 
 
 @functools.lru_cache(maxsize=32)
@@ -272,7 +340,8 @@ def _static_tree(parents: tuple[int, ...], device: torch.device) -> tuple[Tensor
     return tree.parents.to(device), tree.depth.to(device), tree.mask.to(device), tree.max_depth
 
 
-def grow_dynamic_tree(policy: Policy, logits: Tensor, roots: Tensor, refeed) -> Proposal:
+def grow_dynamic_tree(policy: Policy, logits: Tensor, roots: Tensor, refeed, sampler: Sampler | None = None
+                      ) -> Proposal:
     """EAGLE-2's tree (:class:`spec_ext.policies.DynamicTree`), grown per row on the device
     (no host sync) from the root's logits [B,V]. Each level the frontier's ``top_k`` children
     are scored by cumulative log-probability; all of them are candidates, the best ``top_k``
@@ -284,6 +353,7 @@ def grow_dynamic_tree(policy: Policy, logits: Tensor, roots: Tensor, refeed) -> 
     B, device = logits.shape[0], logits.device
     k = min(policy.top_k, logits.shape[-1])
     rows = torch.arange(B, device=device)[:, None]
+    logits = _process_root(sampler, logits)
     best = torch.log_softmax(logits.float(), -1).topk(k)
     first = torch.arange(1, k + 1, device=device).expand(B, k)
     root_parent = torch.full((B, 1), -1, device=device)
@@ -294,11 +364,12 @@ def grow_dynamic_tree(policy: Policy, logits: Tensor, roots: Tensor, refeed) -> 
     # every candidate: token, parent (candidate id), score
     cand_tokens, cand_parents = tokens, parents.clone()
     cand_scores = torch.cat([torch.zeros(B, 1, device=device), best.values], 1)
-    for _ in range(1, policy.depth):
+    for level in range(1, policy.depth):
         n, count = tokens.shape[1], cand_tokens.shape[1]
         frontier = torch.arange(n - k, n, device=device).expand(B, k)
         depth, mask = ops.tree_mask(parents, validate=False)
-        logp = torch.log_softmax(refeed(tokens, parents, depth, mask)[rows, frontier].float(), -1)
+        tree_logits = _process_tree(sampler, refeed(tokens, parents, depth, mask), tokens, parents, depth, level)
+        logp = torch.log_softmax(tree_logits[rows, frontier].float(), -1)
         children = logp.topk(k)  # [B, k frontier nodes, k children]
         total = (cand_scores.gather(1, expanded[:, n - k:])[..., None] + children.values).view(B, k * k)
         cand_tokens = torch.cat([cand_tokens, children.indices.view(B, -1)], 1)

@@ -169,7 +169,7 @@ class HeadDrafter(Drafter):
             return out
 
         grow = grow_static_tree if self.policy.branching is not None else grow_dynamic_tree
-        return grow(self.policy, logits, roots, refeed)
+        return grow(self.policy, logits, roots, refeed, self.sampler)
 
     def commit(self, outcome: Outcome) -> None:
         self.cache.rollback(self._kept, self._kept_t)

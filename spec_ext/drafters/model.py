@@ -83,7 +83,7 @@ class ModelDrafter(Drafter):
         """The policy's static tree (:func:`~spec_ext.drafters.base.grow_static_tree`), the
         tree so far re-fed with tree attention at each level."""
         logits, _ = self._catch_up(seqs)
-        proposal = grow_static_tree(self.policy, logits, roots, self._refeed)
+        proposal = grow_static_tree(self.policy, logits, roots, self._refeed, self.sampler)
         self.feeds(0)  # the cache holds the committed tokens up to the root: none of the tree
         return proposal
 
@@ -98,7 +98,7 @@ class ModelDrafter(Drafter):
     def dynamic_tree(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
         """EAGLE-2's tree (:func:`~spec_ext.drafters.base.grow_dynamic_tree`)."""
         logits, _ = self._catch_up(seqs)
-        proposal = grow_dynamic_tree(self.policy, logits, roots, self._refeed)
+        proposal = grow_dynamic_tree(self.policy, logits, roots, self._refeed, self.sampler)
         self.feeds(0)
         return proposal
 

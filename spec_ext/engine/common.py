@@ -27,6 +27,8 @@ class Stats:
     new_tokens: int = 0
     discarded: int = 0  # drafts thrown away unverified (parallel methods draft ahead)
     wall_time: float = 0.0
+    processing_time: float = 0.0  # in the logits processors and the grammar (spec_ext.processing)
+    tokenizer_mode: str = ""  # a draft of another tokenizer: "tli" or "slem" (what ran)
     accepted_lengths: list[int] = field(default_factory=list, repr=False)
     draft_lengths: list[int] = field(default_factory=list, repr=False)
     row_rounds: list[int] = field(default_factory=list, repr=False)
@@ -57,6 +59,7 @@ class Stats:
                     drafted=self.drafted, accepted=self.accepted, rollback=self.rollback,
                     mean_accepted=round(self.mean_accepted, 4), acceptance_rate=round(self.acceptance_rate, 4),
                     discarded=self.discarded, new_tokens=self.new_tokens, wall_time=round(self.wall_time, 4),
+                    processing_time=round(self.processing_time, 4), tokenizer_mode=self.tokenizer_mode,
                     tokens_per_s=round(self.tokens_per_s, 2), matched=self.matched,
                     text_drafted=self.text_drafted, text_accepted=self.text_accepted,
                     per_row=dict(rounds=self.row_rounds, matched=self.row_matched, drafted=self.row_drafted,
@@ -96,6 +99,8 @@ class Rows:
     row's tokens so far (``seqs``), its new tokens, the rows still going (``active``) and
     the stats."""
 
+    stop = None  # spec_ext.processing.stop.StopStrings: rows also end where a stop string completes
+
     def __init__(self, prompts: list[list[int]], max_new_tokens: int, eos: set[int], streamer=None):
         self.seqs = [list(p) for p in prompts]
         self.new: list[list[int]] = [[] for _ in prompts]
@@ -113,6 +118,9 @@ class Rows:
             if tok in self.eos:
                 emitted = emitted[:n + 1]
                 break
+        stopped = self.stop is not None and (cut := self.stop.cut(r, self.new[r], emitted)) is not None
+        if stopped:
+            emitted = emitted[:cut]
         self.seqs[r] += emitted
         self.new[r] += emitted
         self.stats.rounds += 1
@@ -130,7 +138,7 @@ class Rows:
         self.stats.row_accepted[r] += num_accepted
         if self.streamer is not None:
             self.streamer.put(torch.tensor(emitted))
-        return len(self.new[r]) < self.max_new and not (emitted and emitted[-1] in self.eos)
+        return len(self.new[r]) < self.max_new and not (emitted and emitted[-1] in self.eos) and not stopped
 
     def finish(self) -> Stats:
         self.stats.new_tokens = sum(map(len, self.new))

@@ -10,13 +10,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from spec_ext.drafters import Drafter, Sampler, build, load, pad_rows
+from spec_ext.drafters import Drafter, OtherTokenizerDrafter, Sampler, build, load, pad_rows
 from spec_ext.engine.common import Output, Stats, prompt_rows
 from spec_ext.engine.parallel import ParallelEngine
 from spec_ext.engine.serial import SerialEngine
+from spec_ext.engine.settings import SETTINGS, make_processors, resolve_settings, stop_strings
 from spec_ext.engine.tensor_parallel import channel
 from spec_ext.models import attention_implementation, check_model, split_size, vocabulary_size
+from spec_ext.models.eagle import EagleHead
 from spec_ext.policies import Policy, resolve
+from spec_ext.vocab import fingerprint
 
 
 def _check_fast_linear(fast_linear) -> None:
@@ -26,15 +29,11 @@ def _check_fast_linear(fast_linear) -> None:
 
 # generation_config fields that change what HF's generate computes and that spec_ext does
 # not implement, with the values that change nothing: any other value is refused by name
-NEUTRAL = {"repetition_penalty": (1.0,), "encoder_repetition_penalty": (1.0,), "no_repeat_ngram_size": (0,),
-           "encoder_no_repeat_ngram_size": (0,), "num_beams": (1,), "num_beam_groups": (1,),
-           "diversity_penalty": (0.0,), "bad_words_ids": (), "force_words_ids": (), "constraints": (),
-           "sequence_bias": (), "suppress_tokens": ((), []), "begin_suppress_tokens": ((), []),
-           "forced_bos_token_id": (), "forced_eos_token_id": (), "min_length": (0,), "min_new_tokens": (0,),
-           "typical_p": (1.0,), "epsilon_cutoff": (0.0,), "eta_cutoff": (0.0,), "min_p": (0.0,), "top_h": (),
-           "penalty_alpha": (), "guidance_scale": (1.0,), "renormalize_logits": (False,),
-           "exponential_decay_length_penalty": (), "num_return_sequences": (1,), "stop_strings": (),
-           "max_time": (), "watermarking_config": (), "prompt_lookup_num_tokens": (), "dola_layers": (),
+NEUTRAL = {"encoder_repetition_penalty": (1.0,), "encoder_no_repeat_ngram_size": (0,), "num_beams": (1,),
+           "num_beam_groups": (1,), "diversity_penalty": (0.0,), "force_words_ids": (), "constraints": (),
+           "forced_bos_token_id": (), "forced_eos_token_id": (), "top_h": (), "penalty_alpha": (),
+           "guidance_scale": (1.0,), "exponential_decay_length_penalty": (), "max_time": (),
+           "watermarking_config": (), "prompt_lookup_num_tokens": (), "dola_layers": (),
            "return_dict_in_generate": (False,), "output_scores": (False,), "output_logits": (False,)}
 
 
@@ -47,6 +46,30 @@ def check_generation_config(model) -> None:
         if value is not None and value not in neutral:
             raise ValueError(f"generation_config.{name}={value!r}: not supported by spec_ext (HF's generate would "
                              f"apply it); set target.generation_config.{name} = None to decode without it")
+
+
+def _check_tokenizer(tokenizer, target) -> None:
+    """The tokenizer must be the target's: no more tokens than its logits have columns."""
+    if tokenizer is None:
+        return
+    if not hasattr(tokenizer, "convert_ids_to_tokens"):
+        raise ValueError(f"tokenizer: expected a transformers tokenizer, got {type(tokenizer).__name__}")
+    if len(tokenizer) > vocabulary_size(target):
+        raise ValueError(f"tokenizer: has {len(tokenizer)} tokens but the target's vocabulary has "
+                         f"{vocabulary_size(target)}: pass the target's own tokenizer")
+
+
+def _healed(target, tokenizer, input_ids, attention_mask):
+    """HF's token healing of the prompts (``target.heal_tokens``): unpadded tensor prompts only."""
+    if tokenizer is None:
+        raise ValueError("token_healing: needs the target's tokenizer (pass tokenizer=)")
+    if not isinstance(input_ids, Tensor):
+        raise ValueError("token_healing: needs input_ids as a [B, L] tensor")
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError("token_healing: supported for prompts without padding (HF re-tokenises the healed "
+                         "prompts and keeps the old attention mask)")
+    healed = target.heal_tokens(input_ids, tokenizer)
+    return healed, None
 
 
 def token_ids(value, name: str) -> list[int]:
@@ -70,6 +93,25 @@ def _policy(draft, policy: str | Policy) -> Policy:
     raise ValueError(f"policy: a Drafter brings its own policy ({draft.policy!r}); leave policy at its default")
 
 
+# vocabulary sizes this far apart count as one tokenizer's embedding table padded (Qwen2.5-0.5B's 151936 beside
+# Qwen2.5-7B's 152064); further apart, a pair without tokenizers is refused
+PADDING = 512
+
+
+def _across_tokenizers(draft, policy: Policy, tokenizer, draft_tokenizer, mode: str):
+    """``draft`` as an :class:`OtherTokenizerDrafter` when it is a causal LM with a tokenizer of
+    its own (``draft_tokenizer``, not the target's ``tokenizer``); else ``draft`` as it is."""
+    if draft_tokenizer is None:
+        return draft
+    if tokenizer is None:
+        raise ValueError("assistant_tokenizer: needs the target's tokenizer too (pass tokenizer=)")
+    if isinstance(draft, (Drafter, EagleHead)) or draft is None:
+        raise ValueError("assistant_tokenizer: applies to a draft causal LM (not a Drafter, a head or None)")
+    if fingerprint(draft_tokenizer, "assistant_tokenizer") == fingerprint(tokenizer, "tokenizer"):
+        return draft  # one tokenizer: the plain drafter
+    return OtherTokenizerDrafter(draft, draft_tokenizer, tokenizer, policy, mode)
+
+
 def _drafter(target, draft, policy: Policy) -> Drafter | None:
     """Check the models and make the drafter for ``draft`` (None: the draft runs on another rank)."""
     drafter = build(draft, policy)
@@ -84,6 +126,13 @@ def _drafter(target, draft, policy: Policy) -> Drafter | None:
         check_model(target, "target")
     else:
         drafter.bind(target)
+        if drafter.model is not None and not isinstance(drafter, OtherTokenizerDrafter):
+            vt, vd = vocabulary_size(target), vocabulary_size(drafter.model)
+            if abs(vt - vd) > PADDING:
+                raise ValueError(f"draft: its vocabulary has {vd} tokens and the target's {vt}, further apart than "
+                                 f"padding ({PADDING}): most likely another tokenizer. Pass the target's tokenizer "
+                                 f"and the draft's (tokenizer=..., assistant_tokenizer=...) to draft across "
+                                 f"tokenizers")
     if distributed and split_size(target) > 1:
         raise ValueError("policy: PEARL(mode='distributed') with a tensor-parallel target: transformers' tensor "
                          "parallelism takes the whole default process group (WORLD_SIZE == tp_size), so no rank "
@@ -114,7 +163,9 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | list[int] | Tensor | None = None, pad_token_id: int | None = None,
              policy: str | Policy = "auto", seed: int | None = None, streamer=None,
-             fast_linear: bool = False) -> Output:
+             fast_linear: bool = False, tokenizer=None, grammar=None, logits_processor=None,
+             prefix_allowed_tokens_fn=None, assistant_tokenizer=None, tokenizer_mode: str = "auto",
+             **settings) -> Output:
     """Speculative decoding of ``target`` with ``draft``: greedy output equals the
     target's own greedy output; sampled output follows the target's distribution.
 
@@ -138,6 +189,24 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
             ``target.generate`` where two tokens tie to within that rounding. The draft
             takes skinny_linear wherever it applies, whatever this says: its rounding
             changes only which tokens are proposed, never the output.
+        tokenizer: the target's tokenizer (for ``grammar``, ``stop_strings`` and ``assistant_tokenizer``).
+        assistant_tokenizer, tokenizer_mode: the draft's tokenizer, when it is not the target's
+            (HF's name): the draft proposes across tokenizers (:class:`spec_ext.drafters.OtherTokenizerDrafter`),
+            ``"tli"`` (its law on the shared tokens), ``"slem"`` (its text re-tokenised) or
+            ``"auto"`` (TLI when the shared tokens cover 20% of the prompts'); exact either way;
+            ``stats.tokenizer_mode`` says which ran.
+        grammar: a :class:`spec_ext.Grammar`, or one per prompt (None for a free row): the new
+            text follows it; EOS is forced when it completes.
+        logits_processor, prefix_allowed_tokens_fn: HF's contract; called at every verified
+            and drafted position with that position's own ``input_ids`` (the padded prompt,
+            the committed tokens, the drafts before it), grouped by length: a processor must
+            read a row's state from its ``input_ids`` alone (no state kept between calls).
+        **settings: HF's generation settings by name (else the target's generation_config):
+            repetition_penalty, no_repeat_ngram_size, bad_words_ids, min_length,
+            min_new_tokens, sequence_bias, suppress_tokens, begin_suppress_tokens; when
+            sampling min_p, typical_p, epsilon_cutoff, eta_cutoff and num_return_sequences;
+            stop_strings and token_healing (with ``tokenizer``). Each applies to every
+            verified position and to the drafts, so the output is HF's with the same settings.
     Returns:
         Output(sequences [B, L + new] as HF generate returns them, padded with
         ``pad_token_id`` after EOS; stats). A target split by transformers' tensor
@@ -152,9 +221,19 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     if isinstance(draft, (str, Path)):
         draft = load(draft, target)
     policy = _policy(draft, policy)
-    drafter = _drafter(target, draft, policy)
+    drafter = _drafter(target, _across_tokenizers(draft, policy, tokenizer, assistant_tokenizer, tokenizer_mode),
+                       policy)
     draft = None if drafter is None else drafter.model
+    across = isinstance(drafter, OtherTokenizerDrafter)
     _check_fast_linear(fast_linear)
+    check_generation_config(target)
+    eos_ids = token_ids(eos_token_id if eos_token_id is not None else target.generation_config.eos_token_id,
+                        "eos_token_id")
+    call = resolve_settings(target, settings, eos_ids, logits_processor, prefix_allowed_tokens_fn,
+                   (temperature or 0) > 0)
+    _check_tokenizer(tokenizer, target)
+    if call.token_healing:
+        input_ids, attention_mask = _healed(target, tokenizer, input_ids, attention_mask)
     prompts = prompt_rows(input_ids, attention_mask)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be a positive int, got {max_new_tokens!r}")
@@ -163,26 +242,39 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     if limit is not None and longest + max_new_tokens > limit:
         raise ValueError(f"input_ids: a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds "
                          f"the target's max_position_embeddings ({limit})")
-    if streamer is not None and len(prompts) != 1:
-        raise ValueError(f"streamer: supported for batch size 1 only (like HF streamers), got {len(prompts)} rows")
-    check_generation_config(target)
+    if streamer is not None and len(prompts) * call.num_return_sequences != 1:
+        raise ValueError(f"streamer: supported for batch size 1 only (like HF streamers), got "
+                         f"{len(prompts) * call.num_return_sequences} rows")
     if target.training and getattr(target.config, "attention_dropout", 0.0):
         raise ValueError(f"target: in train mode with attention_dropout={target.config.attention_dropout}; "
                          "spec_ext decodes without dropout (HF's generate would apply it): call target.eval()")
-    eos_ids = token_ids(eos_token_id if eos_token_id is not None else target.generation_config.eos_token_id,
-                        "eos_token_id")
     eos = set(eos_ids)
     if pad_token_id is None:
         pad_token_id = target.generation_config.pad_token_id
         if pad_token_id is None:  # as HF: the first EOS id
             pad_token_id = eos_ids[0] if eos_ids else 0
     pad_token_id = token_ids(pad_token_id, "pad_token_id")[0]
+    head = input_ids.to(target.device) if isinstance(input_ids, Tensor) else \
+        pad_rows(prompts, pad_token_id, target.device, left=True)
+    n = call.num_return_sequences
+    if n > 1:  # as HF: row b's copies are rows b*n .. b*n+n-1
+        prompts, head = [p for p in prompts for _ in range(n)], head.repeat_interleave(n, 0)
+        call.processor.batch_ids = [b // n for b in range(len(prompts))]
     generator = None
     if seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(seed)
     policy.bind(target, None if drafter is None else drafter.proposer)
     models = [m for m in (target, draft) if m is not None]
-    sampler = Sampler(temperature, top_k, top_p)
+    processors = make_processors(call, prompts, max(map(vocabulary_size, models[:1] if across else models)),
+                                 tokenizer, grammar,
+                                 vocabulary_size(target))
+    if processors is not None:
+        if policy.parallel:
+            raise ValueError(f"{', '.join(processors.names)}: not supported with {type(policy).__name__}, whose "
+                             f"drafts run ahead of the verification whose tokens these settings read")
+        processors.start(head.tolist(), prompts, head.shape[1] + max_new_tokens + policy.max_draft + 2,
+                         target.device)
+    sampler = Sampler(temperature, top_k, top_p, **call.warpers, processors=processors)
     split = channel(target)  # a tensor-parallel target: the leading rank runs the loop, the others follow
     if split is not None and not split.leading:
         return split.follow(target)
@@ -192,19 +284,24 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
                                   fast_linear)
         else:
             loop = SerialEngine(target, drafter, prompts, max_new_tokens, sampler, eos, policy, generator, streamer)
+        loop.stop = stop_strings(call, tokenizer, head.tolist())
         if streamer is not None:
             streamer.put(torch.tensor([prompts[0]]))
         # the draft's rounding changes only which tokens are proposed, never the output
-        with attention_implementation(*models, fast_linear=[fast_linear, fast_linear or "auto"][:len(models)],
+        # a draft of another tokenizer keeps its own vocabulary (its drafter maps it to the target's)
+        fitted = models[:1] if across else models
+        with attention_implementation(*fitted, fast_linear=[fast_linear, fast_linear or "auto"][:len(fitted)],
                                       vocab_size=vocabulary_size(target)):
             stats = loop.run()
-    warn_if_unrelated(target, draft, stats)
+    if across:
+        stats.tokenizer_mode = drafter.mode_used
+    else:
+        warn_if_unrelated(target, draft, stats)
     if streamer is not None:
         streamer.end()
-    head = input_ids.to(target.device) if isinstance(input_ids, Tensor) else \
-        pad_rows(prompts, pad_token_id, target.device, left=True)
     tail = pad_rows(loop.new, pad_token_id, target.device)
     stats.wall_time = time.perf_counter() - started
+    stats.processing_time = 0.0 if processors is None else processors.seconds
     output = Output(torch.cat([head, tail], 1), stats)
     if split is not None:
         split.finish(output)
@@ -212,19 +309,23 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
 
 
 _HF_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",
-            "eos_token_id", "pad_token_id", "streamer", "seed"}
+            "eos_token_id", "pad_token_id", "streamer", "seed", "tokenizer", "grammar", "logits_processor",
+            "prefix_allowed_tokens_fn", "assistant_tokenizer", *SETTINGS}
 
 
 class Accelerated:
     """The target model with a speculative ``generate``; every other attribute is the
     target's. ``last_stats`` holds the stats of the latest call."""
 
-    def __init__(self, target, draft, policy: str | Policy = "auto", fast_linear: bool = False):
+    def __init__(self, target, draft, policy: str | Policy = "auto", fast_linear: bool = False, tokenizer=None,
+                 draft_tokenizer=None, tokenizer_mode: str = "auto"):
         if isinstance(draft, (str, Path)):
             draft = load(draft, target)
         self._target, self._draft, self._policy = target, draft, _policy(draft, policy)
         self._fast_linear = fast_linear
-        _drafter(target, draft, self._policy)
+        self._tokenizers = dict(tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer, tokenizer_mode=tokenizer_mode)
+        _drafter(target, _across_tokenizers(draft, self._policy, tokenizer, draft_tokenizer, tokenizer_mode),
+                 self._policy)
         _check_fast_linear(fast_linear)
         self.last_stats: Stats | None = None
 
@@ -236,9 +337,12 @@ class Accelerated:
 
     def generate(self, input_ids=None, attention_mask=None, max_new_tokens: int | None = None, do_sample=None,
                  temperature=None, top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, streamer=None,
-                 seed=None, **unsupported) -> Tensor:
+                 seed=None, tokenizer=None, grammar=None, logits_processor=None, prefix_allowed_tokens_fn=None,
+                 assistant_tokenizer=None, **settings) -> Tensor:
         """HF-style generate (see :func:`generate`); returns the sequences tensor.
+        ``tokenizer`` / ``assistant_tokenizer`` default to those given to :func:`accelerate`.
         Unknown arguments raise ``ValueError`` rather than being ignored."""
+        unsupported = {k: v for k, v in settings.items() if k not in SETTINGS}
         if unsupported:
             raise ValueError(f"{', '.join(sorted(unsupported))}: not supported by spec_ext's generate "
                              f"(supported: {', '.join(sorted(_HF_ARGS))})")
@@ -262,17 +366,24 @@ class Accelerated:
             top_k = config.top_k if top_k is None else top_k
             top_p = config.top_p if top_p is None else top_p
         out = generate(self._target, self._draft, input_ids, attention_mask, max_new_tokens, temperature, top_k,
-                       top_p, eos_token_id, pad_token_id, self._policy, seed, streamer, self._fast_linear)
+                       top_p, eos_token_id, pad_token_id, self._policy, seed, streamer, self._fast_linear,
+                       tokenizer=tokenizer or self._tokenizers["tokenizer"], grammar=grammar,
+                       logits_processor=logits_processor, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+                       assistant_tokenizer=assistant_tokenizer or self._tokenizers["assistant_tokenizer"],
+                       tokenizer_mode=self._tokenizers["tokenizer_mode"], **settings)
         self.last_stats = out.stats
         return out.sequences
 
 
-def accelerate(target, draft, policy: str | Policy = "auto", fast_linear: bool = False) -> Accelerated:
+def accelerate(target, draft, policy: str | Policy = "auto", fast_linear: bool = False, tokenizer=None,
+               draft_tokenizer=None, tokenizer_mode: str = "auto") -> Accelerated:
     """Wrap ``target`` so that ``.generate(...)`` runs speculative decoding with ``draft``
-    (``fast_linear``: see :func:`generate`).
+    (``fast_linear``: see :func:`generate`; ``tokenizer`` and ``draft_tokenizer``: the
+    target's and the draft's, for a draft of another tokenizer, set once for every call;
+    ``tokenizer_mode``: see :func:`generate`).
 
     Example:
         >>> fast = accelerate(target, draft, policy="fixed")            # doctest: +SKIP
         >>> fast.generate(input_ids, max_new_tokens=64)                 # doctest: +SKIP
     """
-    return Accelerated(target, draft, policy, fast_linear)
+    return Accelerated(target, draft, policy, fast_linear, tokenizer, draft_tokenizer, tokenizer_mode)

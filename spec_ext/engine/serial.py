@@ -20,6 +20,7 @@ from spec_ext.drafters import Drafter, Outcome, Proposal, prefill
 from spec_ext.engine.common import Rows, Stats
 from spec_ext.models import SpecCache, forward
 from spec_ext.policies import Policy
+from spec_ext.processing import Positions
 
 
 class SerialEngine(Rows):
@@ -67,6 +68,7 @@ class SerialEngine(Rows):
         """One target forward over the roots and the proposal, the sampler, the round's host
         sync, and the target cache's commit (a chain keeps a prefix, a tree its path)."""
         B = len(self.active)
+        nodes = proposal.tokens
         if proposal.is_tree:
             nodes = proposal.tokens.clone()
             nodes[:, 0] = self.roots
@@ -75,6 +77,10 @@ class SerialEngine(Rows):
             ids = torch.cat([self.roots[:, None], proposal.tokens.clamp_min(0)], 1)
             positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
         logits, hidden, features = self._target(ids, positions, proposal.mask)
+        if self.sampler.processors is not None:  # each position's prefix: the row's text, then its path
+            logits = self.sampler.process(logits, Positions.tree(nodes, proposal.parents, proposal.depth,
+                                                                 proposal.max_depth) if proposal.is_tree else
+                                          Positions.chain(proposal.tokens, proposal.num_draft), check=True)
         p = None if self.sampler.greedy else self.sampler.probs(logits)
         # the loop builds the verification's inputs itself: no input checks (they cost 2.7% of
         # a greedy call at batch 1 on CPU); the models' logits were checked on the prompt
@@ -125,6 +131,8 @@ class SerialEngine(Rows):
         while self.active:
             proposal = self.drafter.propose([self.seqs[r] for r in self.active], self.roots)
             outcome = self.verify(proposal)
+            if self.sampler.processors is not None:
+                self.sampler.processors.commit(outcome.tokens, outcome.num_accepted + 1, outcome.committed)
             self.policy.observe(outcome.drafted, outcome.accepted)
             self.drafter.commit(outcome)
             from_text = proposal.from_text or [False] * len(self.active)
@@ -135,6 +143,8 @@ class SerialEngine(Rows):
                 self.cache.keep_rows(keep)
                 self.drafter.keep_rows(keep, index)
                 self.policy.keep_rows(keep)
+                if self.sampler.processors is not None:
+                    self.sampler.processors.keep_rows(keep, index)
                 self.roots = self.roots[index]
                 self.active = [self.active[i] for i in keep]
         self.stats.draft_calls = self.drafter.calls

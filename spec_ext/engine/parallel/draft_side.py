@@ -86,7 +86,7 @@ class DraftSide:
         check_model(self.draft, "draft")  # on its own rank the target's generate call cannot check it
         self.link.send(Hello())
         self.start, self.device = start, self.draft.device
-        self.sampler = Sampler(start.temperature, start.top_k, start.top_p)
+        self.sampler = Sampler(**start.sampling)
         self.generator = torch.Generator(device=self.device).manual_seed(start.seed)
         B, k = len(start.prompts), start.branches
         self.drafter.start([[]] * (B * k), start.capacity, self.sampler, self.generator)

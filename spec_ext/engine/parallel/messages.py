@@ -11,9 +11,7 @@ from spec_ext.policies import BranchHint
 @dataclass
 class Start:
     prompts: list[list[int]]
-    temperature: float
-    top_k: int | None
-    top_p: float | None
+    sampling: dict       # the sampler's warper settings (Sampler.settings)
     seed: int
     capacity: int
     lookahead: int

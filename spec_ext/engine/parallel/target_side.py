@@ -107,7 +107,7 @@ class ParallelEngine(Rows):
     def _run(self, link):
         device = "cpu" if self.generator is None else self.generator.device  # a CUDA generator draws on CUDA
         seed = int(torch.randint(0, 2 ** 62, (1,), generator=self.generator, device=device))
-        link.send(Start(self.prompts, self.sampler.temperature, self.sampler.top_k, self.sampler.top_p, seed,
+        link.send(Start(self.prompts, self.sampler.settings, seed,
                          self.capacity, self.policy.lookahead, self.policy.branches, self.fast_linear or "auto",
                          vocabulary_size(self.target)))
         while not isinstance(link.get(), Hello):

@@ -1,0 +1,349 @@
+"""HF's logits processors, applied at every verified and drafted position with that position's
+own prefix, in the order of transformers' ``_get_logits_processor``, batched over rows and
+positions on the device.
+
+A row's prefix, as HF's ``input_ids`` holds it: the prompt as given (left padding included;
+ragged prompts given as lists are left-padded with the pad id to the longest), the tokens
+committed since, then the position's path of drafts (:class:`Positions`). The repetition
+penalty ignores the padding, as HF does with an attention mask; the n-gram, sequence-bias
+and length rules read it, as HF does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from time import perf_counter as _clock
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from spec_ext.processing.positions import Positions
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Settings:
+    """The processor settings of one call (HF's names and meanings). ``eos`` the EOS ids the
+    length rules ban; ``logits_processor`` HF-contract callables ``(input_ids [N,L], scores
+    [N,V]) -> scores``; ``prefix_allowed_tokens_fn(batch_id, input_ids [L]) -> list[int]``;
+    ``batch_ids`` each row's batch id for it (rows repeated by ``num_return_sequences``
+    share one)."""
+    sequence_bias: dict[tuple[int, ...], float] = field(default_factory=dict)
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+    min_length: int = 0
+    min_new_tokens: int = 0
+    prefix_allowed_tokens_fn: Callable | None = None
+    suppress_tokens: list[int] = field(default_factory=list)
+    begin_suppress_tokens: list[int] = field(default_factory=list)
+    logits_processor: list = field(default_factory=list)
+    eos: list[int] = field(default_factory=list)
+    batch_ids: list[int] = field(default_factory=list)
+
+    @property
+    def active(self) -> list[str]:
+        """The names of the settings that change anything, in HF's order."""
+        names = [name for name, on in (
+            ("sequence_bias", self.sequence_bias), ("repetition_penalty", self.repetition_penalty != 1.0),
+            ("no_repeat_ngram_size", self.no_repeat_ngram_size > 0), ("bad_words_ids", self.bad_words),
+            ("min_length", self.min_length > 0 and self.eos), ("min_new_tokens", self.min_new_tokens > 0 and self.eos),
+            ("prefix_allowed_tokens_fn", self.prefix_allowed_tokens_fn is not None),
+            ("suppress_tokens", self.suppress_tokens), ("begin_suppress_tokens", self.begin_suppress_tokens))
+            if on]
+        return names + ["logits_processor"] * bool(self.logits_processor)
+
+    @property
+    def bad_words(self) -> dict[tuple[int, ...], float]:
+        """bad_words_ids as -inf biases; a bad word that is exactly one EOS id is dropped, as in HF."""
+        return {tuple(w): NEG_INF for w in self.bad_words_ids if not (len(w) == 1 and w[0] in self.eos)}
+
+
+def _hf_classes() -> dict[str, type]:
+    """The HF processor class of each built-in setting: a user processor of that class
+    replaces the setting's in its place (HF's ``_merge_criteria_processor_list``)."""
+    from transformers import generation as g
+    return {"sequence_bias": g.SequenceBiasLogitsProcessor, "repetition_penalty": g.RepetitionPenaltyLogitsProcessor,
+            "no_repeat_ngram_size": g.NoRepeatNGramLogitsProcessor, "bad_words_ids": g.NoBadWordsLogitsProcessor,
+            "min_length": g.MinLengthLogitsProcessor, "min_new_tokens": g.MinNewTokensLengthLogitsProcessor,
+            "prefix_allowed_tokens_fn": g.PrefixConstrainedLogitsProcessor,
+            "suppress_tokens": g.SuppressTokensLogitsProcessor,
+            "begin_suppress_tokens": g.SuppressTokensAtBeginLogitsProcessor}
+
+
+class Processors:
+    """The processors of one generate call and the state they read: each row's prefix as
+    HF's ``input_ids`` holds it (host lists and a device buffer), the tokens each row has seen
+    (the repetition penalty) and, with a grammar, each row's matcher. The engine calls
+    :meth:`start`, then per round :meth:`apply` on the target's logits, :meth:`commit` with
+    what it kept and :meth:`keep_rows`; drafters call :meth:`apply` on their own logits
+    (the state is the committed text; the drafts so far are the positions' paths).
+
+    Example:
+        >>> processors = Processors(Settings(repetition_penalty=1.1), width=V)    # doctest: +SKIP
+        >>> processors.start([[5, 6, 7]], [[5, 6, 7]], capacity=64, device="cpu")  # doctest: +SKIP
+        >>> logits = processors.apply(logits, Positions.chain(drafts, num_draft))  # doctest: +SKIP
+    """
+
+    def __init__(self, settings: Settings, width: int, grammar=None):
+        self.settings, self.width, self.grammar = settings, width, grammar
+        self.steps = self._steps()
+        self.seconds = 0.0  # time spent in apply and commit (the stats' processing time)
+
+    def __bool__(self) -> bool:
+        return bool(self.steps)
+
+    @property
+    def names(self) -> list[str]:
+        """What this applies (for error messages)."""
+        return self.settings.active + ["grammar"] * (self.grammar is not None)
+
+    def _steps(self) -> list[Callable]:
+        """HF's order; a user processor of a built-in's class takes its place, the others follow;
+        the grammar (a processor the user would append) comes last."""
+        s = self.settings
+        builtin = {"sequence_bias": self._sequence_bias(s.sequence_bias),
+                   "repetition_penalty": self._repetition_penalty, "no_repeat_ngram_size": self._no_repeat_ngram,
+                   "bad_words_ids": self._sequence_bias(s.bad_words), "min_length": self._min_length,
+                   "min_new_tokens": self._min_new_tokens, "prefix_allowed_tokens_fn": self._prefix_allowed,
+                   "suppress_tokens": self._suppress, "begin_suppress_tokens": self._begin_suppress}
+        classes, user = _hf_classes(), list(s.logits_processor)
+        steps = []
+        for name in s.active:
+            if name == "logits_processor":
+                continue
+            custom = next((p for p in user if type(p) is classes[name]), None)
+            steps.append(builtin[name] if custom is None else self._user(custom))
+            if custom is not None:
+                user.remove(custom)
+        steps += [self._user(p) for p in user]
+        if self.grammar is not None:
+            steps.append(self._grammar)
+        return steps
+
+    # ------------------------------------------------------------------ state
+    def start(self, rows: list[list[int]], real: list[list[int]], capacity: int, device) -> None:
+        """``rows`` each row's prompt as HF's input_ids holds it (padding included), all of
+        one width; ``real`` the same without padding; ``capacity`` the most tokens a row reaches."""
+        self.rows = [list(r) for r in rows]
+        self.prompt_width = len(rows[0])
+        self.device = device
+        self.history = torch.full((len(rows), capacity), -1, dtype=torch.int64, device=device)
+        self.history[:, :self.prompt_width] = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.lengths = torch.full((len(rows),), self.prompt_width, dtype=torch.int64, device=device)
+        self.seen = torch.zeros(len(rows), self.width + 1, dtype=torch.bool, device=device)
+        for b, r in enumerate(real):
+            self.seen[b, torch.tensor(r, dtype=torch.int64).clamp(0, self.width)] = True
+        self.batch_ids = self.settings.batch_ids or list(range(len(rows)))
+        if self.grammar is not None:
+            self.grammar.start(len(rows))
+
+    def commit(self, tokens: Tensor, counts: Tensor, committed: list[list[int]]) -> None:
+        """Each row kept ``tokens[b, :counts[b]]`` ([B,W] and [B] on the device; ``committed``
+        the same on the host)."""
+        start = _clock()
+        W = tokens.shape[1]
+        columns = (self.lengths[:, None] + torch.arange(W, device=self.device)).clamp_max(self.history.shape[1] - 1)
+        keep = torch.arange(W, device=self.device)[None, :] < counts[:, None]
+        self.history.scatter_(1, columns, torch.where(keep, tokens, self.history.gather(1, columns)))
+        self.lengths += counts
+        self.seen.scatter_(1, torch.where(keep, tokens.clamp(0, self.width), self.width), True)
+        for row, new in zip(self.rows, committed):
+            row += new
+        if self.grammar is not None:
+            self.grammar.commit(committed)
+        self.seconds += _clock() - start
+
+    def keep_rows(self, rows: list[int], index: Tensor) -> None:
+        self.rows = [self.rows[i] for i in rows]
+        self.batch_ids = [self.batch_ids[i] for i in rows]
+        self.history, self.lengths, self.seen = self.history[index], self.lengths[index], self.seen[index]
+        if self.grammar is not None:
+            self.grammar.keep_rows(rows)
+
+    # ------------------------------------------------------------------ applying
+    def apply(self, logits: Tensor, positions: Positions, check: bool = True) -> Tensor:
+        """The processed scores [B,T,V] float32 of ``logits`` [B,T,V] at ``positions``. With
+        ``check``, a valid position left without a legal token raises ``ValueError`` naming the
+        settings (one host sync); without, such a row becomes uniform (drafts only: the
+        target's check then names the settings)."""
+        start = _clock()
+        scores = logits.float().clone()
+        self._context = _Context(self, positions, scores.shape[-1])
+        for step in self.steps:
+            scores = step(scores, self._context)
+        dead = torch.isneginf(scores.amax(-1)) & positions.valid
+        if check:
+            if bool(dead.any()):
+                b, t = dead.nonzero()[0].tolist()
+                raise ValueError(f"{', '.join(self.names)}: leave no legal next token after "
+                                 f"{self._context.host_prefix(b, t)[-8:]} (row {self.batch_ids[b]}, the last "
+                                 f"tokens of its prefix)")
+        else:
+            scores = torch.where(dead[..., None], torch.zeros_like(scores), scores)
+        self.seconds += _clock() - start
+        return scores
+
+    def _sequence_bias(self, biases: dict[tuple[int, ...], float]):
+        if not biases:
+            return None
+        single = {k[0]: v for k, v in biases.items() if len(k) == 1}
+        groups: dict[int, list] = {}
+        for key, value in biases.items():
+            if len(key) > 1:
+                groups.setdefault(len(key) - 1, []).append((key, value))
+
+        tables: dict = {}  # per (device, V): the single-token bias [V] and each group's prefixes, tokens, biases
+
+        def prepare(V: int, device) -> tuple:
+            """(A draft's logits may be narrower than the target's: what it cannot emit is left out.)"""
+            bias = torch.zeros(V, device=device)
+            ones = {t: v for t, v in single.items() if t < V}
+            if ones:
+                bias[list(ones)] = torch.tensor(list(ones.values()), device=device)
+            multi = []
+            for m, group in groups.items():
+                group = [(k, v) for k, v in group if k[-1] < V]
+                if group:
+                    multi.append((torch.tensor([k[:-1] for k, _ in group], device=device),
+                                  torch.tensor([k[-1] for k, _ in group], device=device),
+                                  torch.tensor([v for _, v in group], device=device), m))
+            return bias, multi
+
+        def apply(scores: Tensor, ctx: _Context) -> Tensor:
+            key = (scores.device, scores.shape[-1])
+            if key not in tables:
+                tables[key] = prepare(scores.shape[-1], scores.device)
+            single_bias, multi = tables[key]
+            bias = single_bias.expand_as(scores).clone()
+            for prefixes, last, values, m in multi:  # prefixes [G, m]
+                matched = (ctx.tail(m)[:, :, None, :] == prefixes).all(-1)  # [B,T,G]
+                bias.index_add_(2, last, torch.where(matched, values, 0.0))
+            return scores + bias
+        return apply
+
+    def _repetition_penalty(self, scores: Tensor, ctx: _Context) -> Tensor:
+        B, T, V = scores.shape
+        seen = self.seen[:, None, :V + 1].expand(B, T, V + 1).clone()
+        seen.scatter_(2, torch.where(ctx.positions.path >= 0, ctx.positions.path.clamp_max(V), V), True)
+        penalty = self.settings.repetition_penalty
+        return torch.where(seen[..., :V], torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+
+    def _no_repeat_ngram(self, scores: Tensor, ctx: _Context) -> Tensor:
+        """Ban each token that would complete an n-gram already in the prefix: the windows that
+        end in the committed tokens, then those that end in the position's path."""
+        n, (B, T, V) = self.settings.no_repeat_ngram_size, scores.shape
+        suffix = ctx.tail(n - 1)  # [B,T,n-1]
+        banned = torch.zeros(B, T, V + 1, dtype=torch.bool, device=scores.device)
+        longest = max(map(len, self.rows))  # the host copy: no sync
+        if longest >= n:
+            windows = self.history[:, :longest].unfold(1, n, 1)  # [B, H, n]
+            ends = torch.arange(n, longest + 1, device=scores.device)
+            inside = ends[None, :] <= self.lengths[:, None]  # [B, H]
+            matched = (windows[:, None, :, :n - 1] == suffix[:, :, None, :]).all(-1) & inside[:, None, :]
+            banned.scatter_(2, torch.where(matched, windows[:, None, :, -1].clamp_max(V), V), True)
+        D = ctx.positions.path.shape[-1]
+        if D:
+            windows = ctx.tail(n - 1 + D).unfold(-1, n, 1)  # [B,T,D,n]: window k ends at path column k
+            in_path = torch.arange(D, device=scores.device) >= D - ctx.positions.depth[..., None]
+            matched = (windows[..., :n - 1] == suffix[:, :, None, :]).all(-1) & in_path & (windows >= 0).all(-1)
+            banned.scatter_(2, torch.where(matched, windows[..., -1].clamp_max(V), V), True)
+        banned &= (ctx.length >= n)[..., None]
+        return scores.masked_fill(banned[..., :V], NEG_INF)
+
+    def _ban_eos(self, scores: Tensor, where: Tensor) -> Tensor:
+        eos = [e for e in self.settings.eos if e < scores.shape[-1]]
+        scores[..., eos] = torch.where(where[..., None], NEG_INF, scores[..., eos])
+        return scores
+
+    def _min_length(self, scores: Tensor, ctx: _Context) -> Tensor:
+        return self._ban_eos(scores, ctx.length < self.settings.min_length)
+
+    def _min_new_tokens(self, scores: Tensor, ctx: _Context) -> Tensor:
+        return self._ban_eos(scores, ctx.length - self.prompt_width < self.settings.min_new_tokens)
+
+    def _suppress(self, scores: Tensor, ctx: _Context) -> Tensor:
+        scores[..., [t for t in self.settings.suppress_tokens if t < scores.shape[-1]]] = NEG_INF
+        return scores
+
+    def _begin_suppress(self, scores: Tensor, ctx: _Context) -> Tensor:
+        ids = [t for t in self.settings.begin_suppress_tokens if t < scores.shape[-1]]
+        scores[..., ids] = torch.where((ctx.length == self.prompt_width)[..., None], NEG_INF, scores[..., ids])
+        return scores
+
+    def _prefix_allowed(self, scores: Tensor, ctx: _Context) -> Tensor:
+        """HF's PrefixConstrainedLogitsProcessor, one call of the function per valid position."""
+        b_idx, t_idx = ctx.valid_index
+        mask = torch.full((len(b_idx), scores.shape[-1]), NEG_INF, device=scores.device)
+        for i, (b, t) in enumerate(zip(b_idx, t_idx)):
+            batch_id = self.batch_ids[b]
+            allowed = self.settings.prefix_allowed_tokens_fn(
+                batch_id, torch.tensor(ctx.host_prefix(b, t), device=scores.device))
+            if len(allowed) == 0:
+                raise ValueError(f"prefix_allowed_tokens_fn: returned an empty list for batch ID {batch_id}: "
+                                 f"the constraint is unsatisfiable")
+            mask[i, allowed] = 0
+        picked = scores[b_idx, t_idx] + mask
+        picked = torch.where(torch.isneginf(picked.amax(-1, keepdim=True)), mask, picked)
+        scores[b_idx, t_idx] = picked
+        return scores
+
+    def _user(self, processor):
+        """A processor with HF's contract, called once per prefix length over every valid
+        position whose prefix has that length (its rows in batch order)."""
+        def apply(scores: Tensor, ctx: _Context) -> Tensor:
+            by_length: dict[int, list[tuple[int, int]]] = {}
+            for b, t in zip(*ctx.valid_index):
+                by_length.setdefault(len(ctx.host_prefix(b, t)), []).append((b, t))
+            for group in by_length.values():
+                b_idx, t_idx = [g[0] for g in group], [g[1] for g in group]
+                ids = torch.tensor([ctx.host_prefix(b, t) for b, t in group], device=scores.device)
+                scores[b_idx, t_idx] = processor(ids, scores[b_idx, t_idx]).to(scores.dtype)
+            return scores
+        return apply
+
+    def _grammar(self, scores: Tensor, ctx: _Context) -> Tensor:
+        allowed = self.grammar.allowed(ctx.host_paths(), scores.shape[-1]).to(scores.device)  # [B,T,V] bool
+        return scores.masked_fill(~allowed & ctx.positions.valid[..., None], NEG_INF)
+
+
+class _Context:
+    """What the steps read of one :meth:`Processors.apply` call, each computed once on demand."""
+
+    def __init__(self, processors: Processors, positions: Positions, vocab: int):
+        self.p, self.positions = processors, positions
+        self.length = processors.lengths[:, None] + positions.depth  # [B,T]: HF's input_ids.shape[-1]
+        self._paths: list[list[list[int]]] | None = None
+        self._valid: tuple[list[int], list[int]] | None = None
+
+    def tail(self, m: int) -> Tensor:
+        """[B,T,m] the last m tokens of each position's prefix, right-aligned, -1 before its start."""
+        path, depth = self.positions.path, self.positions.depth
+        B, T, D = path.shape
+        back = torch.arange(m - 1, -1, -1, device=path.device)  # column c holds the token back[c] from the end
+        from_path = back < depth[..., None]
+        path_token = path.gather(2, (D - 1 - back).clamp_min(0).expand(B, T, m)) if D else path.new_full((B, T, m), -1)
+        column = self.p.lengths[:, None, None] - 1 - (back - depth[..., None])
+        history = self.p.history.gather(1, column.clamp_min(0).view(B, -1)).view(B, T, m)
+        return torch.where(from_path, path_token, torch.where(column >= 0, history, -1))
+
+    @property
+    def valid_index(self) -> tuple[list[int], list[int]]:
+        if self._valid is None:
+            b, t = self.positions.valid.nonzero(as_tuple=True)
+            self._valid = b.tolist(), t.tolist()
+        return self._valid
+
+    def host_paths(self) -> list[list[list[int] | None]]:
+        """Each position's path on the host (None for positions that are not valid)."""
+        if self._paths is None:
+            path, depth = self.positions.path.tolist(), self.positions.depth.tolist()
+            valid = self.positions.valid.tolist()
+            self._paths = [[p[len(p) - d:] if ok else None for p, d, ok in zip(pr, dr, vr)]
+                           for pr, dr, vr in zip(path, depth, valid)]
+        return self._paths
+
+    def host_prefix(self, b: int, t: int) -> list[int]:
+        return self.p.rows[b] + self.host_paths()[b][t]
+
