@@ -16,7 +16,7 @@ $(VENV)/.deps: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch>=2.11" "transformers>=5.17" tokenizers safetensors numpy scipy tqdm \
-		matplotlib pytest hypothesis ninja setuptools wheel accelerate
+		matplotlib pytest hypothesis ninja setuptools wheel accelerate llguidance
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(SOURCES)
