@@ -30,6 +30,7 @@ from transformers.generation import LogitsProcessor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spec_ext  # noqa: E402
+from spec_ext.bundled import bundled_path  # noqa: E402
 from spec_ext.policies import Fixed  # noqa: E402
 from stdlib_data import code_prompts, read_text, split_files  # noqa: E402
 
@@ -88,7 +89,7 @@ def main():
     parser.add_argument("--name", default="constrained_cpu")
     args = parser.parse_args()
     torch.manual_seed(0)
-    target_dir, draft_dir = spec_ext.bundled.bundled_path("stdlib-target"), spec_ext.bundled.bundled_path("stdlib-draft")
+    target_dir, draft_dir = bundled_path("stdlib-target"), bundled_path("stdlib-draft")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()

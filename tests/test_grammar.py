@@ -60,6 +60,11 @@ def oracle_law(target, tokenizer, temperature: float) -> dict:
     return law
 
 
+def unpack(bits, V):
+    """[B,T,W] int32 bitmask -> [B,T,V] bool."""
+    return ((bits[..., None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten(-2)[..., :V]
+
+
 def test_grammar_masks_match_the_oracle(tokenizer, models_):
     """The matcher's masks at every reachable prefix, walked as a tree, are the oracle's sets."""
     from spec_ext.processing import Matchers
@@ -71,13 +76,13 @@ def test_grammar_masks_match_the_oracle(tokenizer, models_):
     while frontier:
         frontier = [p + [t] for p in frontier for t in oracle_allowed(tokenizer, p, V) if t != EOS]
         prefixes += frontier
-    allowed = matchers.allowed([prefixes], V)[0]
+    allowed = unpack(matchers.bitmask([prefixes]), V)[0]
     for prefix, row in zip(prefixes, allowed):
         assert sorted(row.nonzero().flatten().tolist()) == sorted(oracle_allowed(tokenizer, prefix, V)), prefix
     # a path that leaves the grammar allows everything (the target rejects before it), and the walk rolled back
-    bad = matchers.allowed([[[tokenizer.convert_tokens_to_ids("c"), tokenizer.convert_tokens_to_ids("c")]]], V)
+    bad = unpack(matchers.bitmask([[[tokenizer.convert_tokens_to_ids("c"), tokenizer.convert_tokens_to_ids("c")]]]), V)
     assert bool(bad.all())
-    assert torch.equal(matchers.allowed([prefixes], V)[0], allowed)
+    assert torch.equal(unpack(matchers.bitmask([prefixes]), V)[0], allowed)
 
 
 @pytest.mark.parametrize("policy,temperature", [("fixed", 1.0), ("tree", 1.0), ("dynamictree", 0.7),
@@ -128,11 +133,11 @@ class LLGuidanceProcessor(LogitsProcessor):
         return scores
 
 
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["abc", "ca"]}},
-          "required": ["a", "b"], "additionalProperties": False}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"enum": ["abc", "ca"]}},
+          "required": ["a", "b"], "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
 
 
-@pytest.mark.parametrize("policy", ["fixed", "tree", "dynamictree", "ngram", "svip"])
+@pytest.mark.parametrize("policy", ["fixed", "tree", "dynamictree", "ngram", "svip", "heuristic", "confidence"])
 def test_grammar_greedy_equals_hf(tokenizer, models_, policy):
     target, draft = models_
     prompts = [[1, 70, 71], [1], [1, 80, 81, 82, 83]]
@@ -141,17 +146,17 @@ def test_grammar_greedy_equals_hf(tokenizer, models_, policy):
     ids = torch.tensor([[EOS] * (L - len(p)) + p for p in prompts])
     mask = (ids != EOS).long()
     hf_processor = LLGuidanceProcessor(grammars, tokenizer, target.config.vocab_size, L)
-    expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=EOS,
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, eos_token_id=EOS,
                                pad_token_id=EOS, logits_processor=[hf_processor])
     fast = spec_ext.accelerate(target, draft, policy=policy)
-    got = fast.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=EOS,
+    got = fast.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, eos_token_id=EOS,
                         pad_token_id=EOS, tokenizer=tokenizer, grammar=grammars)
     assert torch.equal(got, expected)
     texts = [text_of(tokenizer, r[L:]) for r in got.tolist()]
-    assert re.fullmatch("(ab|c)+b", texts[0]) or len(got[0, L:].nonzero()) == 20
-    if EOS in got[1, L:].tolist():
-        parsed = json.loads(texts[1])
-        assert set(parsed) == {"a", "b"} and parsed["b"] in ("abc", "ca")
+    assert re.fullmatch("(ab|c)+b", texts[0]) or EOS not in got[0, L:].tolist()
+    assert EOS in got[1, L:].tolist(), "the JSON object completes within max_new_tokens"
+    parsed = json.loads(texts[1])
+    assert set(parsed) == {"a", "b"} and parsed["b"] in ("abc", "ca")
     assert fast.last_stats.accepted > 0
 
 

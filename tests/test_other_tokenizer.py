@@ -315,3 +315,18 @@ def test_pairs_without_tokenizers_are_refused_by_name():
         spec_ext.generate(target, draft, [[5, 6]], max_new_tokens=4)
     with pytest.raises(ValueError, match="assistant_tokenizer: needs the target's tokenizer too"):
         spec_ext.generate(target, draft, [[5, 6]], max_new_tokens=4, assistant_tokenizer=tokenizer("sp"))
+
+
+def test_a_draft_of_another_tokenizer_under_hf_settings():
+    """TLI drafts are target ids processed like the target's: exact under the settings."""
+    target_tok, draft_tok = tokenizer("bytes300"), tokenizer("sp")
+    target, draft = trained("bytes300", 0), trained("sp", 1)
+    _, ids, mask = ragged(target_tok, PROMPTS)
+    settings = dict(repetition_penalty=1.3, no_repeat_ngram_size=3)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=[],
+                               pad_token_id=0, **settings)
+    fast = spec_ext.accelerate(target, draft, policy="fixed", tokenizer=target_tok, draft_tokenizer=draft_tok)
+    got = fast.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=[],
+                        pad_token_id=0, **settings)
+    assert torch.equal(got, expected)
+    assert fast.last_stats.accepted > 0 and fast.last_stats.tokenizer_mode == "tli"

@@ -14,7 +14,7 @@ from helpers import PROMPT, VOCAB, assert_follows, byte_tokenizer, llama, make_p
 
 PROMPTS = [[1, 5, 9, 11, 3, 7, 12], [1, 4, 4], [1, 2, 8, 9, 30, 31, 32, 33, 5, 6]]
 MAX_NEW = 24
-POLICIES = ["fixed", "auto", "tree", "dynamictree", "ngram", "svip"]
+POLICIES = ["fixed", "auto", "tree", "dynamictree", "ngram", "heuristic", "confidence"]
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,7 @@ def settings_cases(target):
         "sequence_bias": dict(sequence_bias={(row0[4],): -4.0, tuple(row0[1:3]): -9.0, (17,): 2.5}),
         "min_length": dict(min_length=20, eos_token_id=row0[2]),
         "min_new_tokens": dict(min_new_tokens=14, eos_token_id=row0[2]),
+        "min_new_tokens_over_min_length": dict(min_new_tokens=4, min_length=40, eos_token_id=row0[2]),
         "suppress_tokens": dict(suppress_tokens=[row0[1], row1[3]]),
         "begin_suppress_tokens": dict(begin_suppress_tokens=[row0[0], row1[0]]),
         "all": dict(repetition_penalty=1.2, no_repeat_ngram_size=3, bad_words_ids=[row0[3:5]],
@@ -66,8 +67,8 @@ def eos_of(settings, free):
 
 
 @pytest.mark.parametrize("name", ["repetition_penalty", "repetition_reward", "no_repeat_ngram_size", "bad_words_ids",
-                                  "sequence_bias", "min_length", "min_new_tokens", "suppress_tokens",
-                                  "begin_suppress_tokens", "all"])
+                                  "sequence_bias", "min_length", "min_new_tokens", "min_new_tokens_over_min_length",
+                                  "suppress_tokens", "begin_suppress_tokens", "all"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_greedy_equals_hf_with_setting(pair, name, policy):
     target, draft = pair
@@ -103,6 +104,21 @@ def test_drafts_are_processed_like_the_target(pair, name, policy):
         assert out.stats.mean_accepted > 0.97 * 4
 
 
+@pytest.mark.parametrize("policy", ["fixed", "dynamictree"])
+def test_settings_with_a_feature_head(policy):
+    from test_heads import echo_head
+    target = llama(61, 32, 4, seed=3, sharpen=3.0)
+    head = echo_head(target, "eagle3", draft_vocab=40, noise=0.01)
+    ids, mask = padded(PROMPTS)
+    settings = dict(repetition_penalty=1.3, no_repeat_ngram_size=3, bad_words_ids=[[7, 8]], min_new_tokens=3)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=[],
+                               pad_token_id=0, **settings)
+    out = spec_ext.generate(target, head, ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=[],
+                            pad_token_id=0, policy=policy, **settings)
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.accepted > 0
+
+
 def test_accelerate_reads_the_generation_config(pair):
     """Settings in the target's generation_config apply as in HF's generate; an argument wins."""
     target, draft = pair
@@ -133,7 +149,7 @@ def allow_even_after_odd(batch_id, input_ids):
     return list(range(0, 97, 2)) if last % 2 else list(range(batch_id % 2, 97, 2 - batch_id % 2))
 
 
-@pytest.mark.parametrize("policy", ["fixed", "tree", "ngram"])
+@pytest.mark.parametrize("policy", ["fixed", "tree", "ngram", "confidence"])
 def test_user_processors_and_prefix_fn_equal_hf(pair, policy):
     target, draft = pair
     eos = free_run(target)[0][6]
@@ -147,6 +163,29 @@ def test_user_processors_and_prefix_fn_equal_hf(pair, policy):
         out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos,
                                 pad_token_id=0, policy=policy, **kw)
         assert torch.equal(out.sequences, expected), kw
+
+
+@pytest.mark.parametrize("policy", ["fixed", "tree", "ngram", "heuristic"])
+def test_prefix_fn_that_allows_nothing_off_its_constraint(pair, policy):
+    """GENRE's pattern: the function walks a trie of allowed continuations and returns [] off it.
+    Drafts off the trie are processed (and rejected) without an error; HF's output results."""
+    target, draft = pair
+    ids, mask = padded(PROMPTS)
+    width = ids.shape[1]
+    free = free_run(target)
+    eos = 96
+    allowed_texts = [free[0][:5] + [eos], free[0][:2] + [40, 41, eos], [44, 45, eos]]
+
+    def trie(batch_id, input_ids):
+        done = input_ids[width:].tolist()
+        return sorted({t[len(done)] for t in allowed_texts if t[:len(done)] == done and len(t) > len(done)})
+
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos,
+                               pad_token_id=0, prefix_allowed_tokens_fn=trie)
+    out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=eos,
+                            pad_token_id=0, policy=policy, prefix_allowed_tokens_fn=trie)
+    assert torch.equal(out.sequences, expected)
+    assert (expected[:, width:] == eos).any(1).all()
 
 
 def test_user_processor_sees_each_position_prefix(pair):
@@ -166,6 +205,7 @@ def test_user_processor_sees_each_position_prefix(pair):
         for end in range(ids.shape[1], len(row)):
             assert row[:end] in seen
     assert all(len(s) >= ids.shape[1] and s[:ids.shape[1]] in map(tuple, ids.tolist()) for s in seen)
+    assert all(t >= 0 for s in seen for t in s), "no call sees a padded draft"
 
 
 # ------------------------------------------------------------------ sampling laws
@@ -204,8 +244,12 @@ SAMPLING = {
 }
 
 
-@pytest.mark.parametrize("policy", ["fixed", "tree", "dynamictree"])
-@pytest.mark.parametrize("name", list(SAMPLING))
+SAMPLING_CASES = [(name, "fixed") for name in SAMPLING]
+SAMPLING_CASES += [("repetition_penalty", "tree"), ("no_repeat_ngram", "tree"), ("penalty_top_k_min_p", "tree"),
+                   ("bad_words", "dynamictree"), ("typical_p", "dynamictree")]
+
+
+@pytest.mark.parametrize("name,policy", SAMPLING_CASES)
 def test_sampling_follows_hf_processors(sampling_pair, name, policy):
     target, draft = sampling_pair
     settings, oracle = SAMPLING[name]
@@ -269,6 +313,9 @@ def test_refusals(pair):
 
     with pytest.raises(ValueError, match="xgrammar's HF LogitsProcessor keeps state"):
         spec_ext.generate(target, draft, ids, attention_mask=mask, logits_processor=[Stateful()])
+    with pytest.raises(ValueError, match="PrefixConstrainedLogitsProcessor is not supported .* prefix_allowed_tokens_fn"):
+        spec_ext.generate(target, draft, ids, attention_mask=mask, logits_processor=[
+            g.PrefixConstrainedLogitsProcessor(allow_even_after_odd, 1)])
     with pytest.raises(ValueError, match="stop_strings: needs the target's tokenizer"):
         spec_ext.generate(target, draft, ids, attention_mask=mask, stop_strings=["ab"])
 

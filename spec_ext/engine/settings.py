@@ -53,8 +53,9 @@ def resolve_settings(target, settings: dict, eos: list[int], logits_processor, p
     s.no_repeat_ngram_size = _count(get["no_repeat_ngram_size"], "no_repeat_ngram_size")
     if get["bad_words_ids"] is not None:
         s.bad_words_ids = _id_lists(get["bad_words_ids"], "bad_words_ids")
-    s.min_length = _count(get["min_length"], "min_length")
     s.min_new_tokens = _count(get["min_new_tokens"], "min_new_tokens")
+    # as HF (_prepare_generated_length): min_new_tokens, when set, replaces min_length
+    s.min_length = 0 if get["min_new_tokens"] is not None else _count(get["min_length"], "min_length")
     s.suppress_tokens = _ids(get["suppress_tokens"], "suppress_tokens")
     s.begin_suppress_tokens = _ids(get["begin_suppress_tokens"], "begin_suppress_tokens")
     if logits_processor is not None:
@@ -146,13 +147,26 @@ def _sequence_bias(value) -> dict[tuple[int, ...], float]:
 
 
 def _processors(value) -> list:
-    """A LogitsProcessorList (or list) of HF-contract processors; a stateful one is refused."""
+    """A LogitsProcessorList (or list) of HF-contract processors; those that keep state between
+    calls or depend on a row's index in the batch are refused by name."""
+    from transformers import generation as g
     processors = list(value) if isinstance(value, (list, tuple)) else [value]
+    row_dependent = {g.PrefixConstrainedLogitsProcessor: "pass prefix_allowed_tokens_fn= instead",
+                     g.ClassifierFreeGuidanceLogitsProcessor: "it pairs rows by their index in the batch",
+                     g.UnbatchedClassifierFreeGuidanceLogitsProcessor: "it runs the model on its own cache"}
     for p in processors:
         if not callable(p):
             raise ValueError(f"logits_processor: {p!r} is not callable (input_ids, scores) -> scores")
-        if type(p).__module__.startswith("xgrammar"):
-            raise ValueError("logits_processor: xgrammar's HF LogitsProcessor keeps state between calls (it "
-                             "consumes the last token of each call), which no speculative decoding can honour; "
-                             "pass grammar=spec_ext.Grammar... instead")
+        module = type(p).__module__.split(".")[0]
+        if module in ("xgrammar", "llguidance", "outlines"):
+            raise ValueError(f"logits_processor: {module}'s HF LogitsProcessor keeps state between calls (it "
+                             f"consumes the last token of each call), which no speculative decoding can honour; "
+                             f"pass grammar=spec_ext.Grammar... instead")
+        if type(p) in row_dependent:
+            raise ValueError(f"logits_processor: {type(p).__name__} is not supported under speculation: spec_ext "
+                             f"calls processors on the positions of each prefix length, in varying batches; "
+                             f"{row_dependent[type(p)]}")
+        if isinstance(p, g.RepetitionPenaltyLogitsProcessor) and hasattr(p.prompt_ignore_length, "shape"):
+            raise ValueError("logits_processor: a RepetitionPenaltyLogitsProcessor with a per-row "
+                             "prompt_ignore_length depends on the batch; pass repetition_penalty= instead")
     return processors

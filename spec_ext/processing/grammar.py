@@ -100,42 +100,46 @@ class Matchers:
     def start(self, rows: int) -> None:
         self.matchers = [None if p is None else p.deep_copy() for p in self.prototypes]
 
-    def commit(self, committed: list[list[int]]) -> None:
-        for matcher, tokens in zip(self.matchers, committed):
-            if matcher is not None:
-                matcher.consume_tokens(tokens)
+    def commit(self, committed: list[list[int]], eos: set[int]) -> None:
+        """Each row kept ``committed[b]`` (up to its first EOS, not consumed: the row ends there)."""
+        for b, (matcher, tokens) in enumerate(zip(self.matchers, committed)):
+            if matcher is None:
+                continue
+            end = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+            if not matcher.consume_tokens(tokens[:end]):
+                raise ValueError(f"grammar: row {b}: {matcher.get_error()}")
 
     def keep_rows(self, rows: list[int]) -> None:
         self.matchers = [self.matchers[i] for i in rows]
 
-    def allowed(self, paths: list[list[list[int] | None]], vocab: int) -> Tensor:
-        """[B,T,vocab] bool: the tokens each position may take after its path (``paths[b][t]``,
-        None: not a position to mask; such positions, and those whose path leaves the grammar,
-        allow every token: the target never reaches them). Each row's paths are walked in
-        lexicographic order, a trie's depth-first order: a shared prefix is consumed once."""
+    def bitmask(self, paths: list[list[list[int] | None]]) -> Tensor:
+        """[B,T,ceil(V/32)] int32 (CPU): the tokens each position may take after its path
+        (``paths[b][t]``; None: a position not to mask; such positions, and those whose path
+        leaves the grammar, allow every token: the target never reaches them). Each row's
+        paths are walked in lexicographic order, a trie's depth-first order: a shared prefix
+        is consumed once, and the matcher is rolled back to the committed text after."""
         fill = _llguidance().torch.fill_next_token_bitmask
         B, T = len(paths), len(paths[0])
-        words = (self.vocab + 31) // 32
-        bits = torch.full((B * T, words), -1, dtype=torch.int32)
+        bits = torch.full((B * T, (self.vocab + 31) // 32), -1, dtype=torch.int32)
         for b, (matcher, row) in enumerate(zip(self.matchers, paths)):
             if matcher is None:
                 continue
+            if matcher.is_error():
+                raise ValueError(f"grammar: row {b}: {matcher.get_error()}")
             consumed: list[int] = []
-            for path, t in sorted((p, t) for t, p in enumerate(row) if p is not None):
-                common = 0
-                while common < min(len(consumed), len(path)) and consumed[common] == path[common]:
-                    common += 1
-                if len(consumed) > common:
-                    matcher.rollback(len(consumed) - common)
-                    del consumed[common:]
-                if len(path) > common:
-                    consumed += path[common:common + matcher.try_consume_tokens(path[common:])]
-                if len(consumed) == len(path):
-                    fill(matcher, bits, b * T + t)
-            if consumed:
-                matcher.rollback(len(consumed))
-        shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((bits[..., None] >> shifts) & 1).bool().view(B, T, words * 32)
-        if vocab <= words * 32:
-            return allowed[..., :vocab]
-        return torch.cat([allowed, allowed.new_zeros(B, T, vocab - words * 32)], -1)
+            try:
+                for path, t in sorted((p, t) for t, p in enumerate(row) if p is not None):
+                    common = 0
+                    while common < min(len(consumed), len(path)) and consumed[common] == path[common]:
+                        common += 1
+                    if len(consumed) > common:
+                        matcher.rollback(len(consumed) - common)
+                        del consumed[common:]
+                    if len(path) > common:
+                        consumed += path[common:common + matcher.try_consume_tokens(path[common:])]
+                    if len(consumed) == len(path):
+                        fill(matcher, bits, b * T + t)
+            finally:
+                if consumed:
+                    matcher.rollback(len(consumed))
+        return bits.view(B, T, -1)

@@ -89,6 +89,7 @@ class Processors:
     def __init__(self, settings: Settings, width: int, grammar=None):
         self.settings, self.width, self.grammar = settings, width, grammar
         self.steps = self._steps()
+        self._masks: dict = {}
         self.seconds = 0.0  # time spent in apply and commit (the stats' processing time)
 
     def __bool__(self) -> bool:
@@ -152,7 +153,7 @@ class Processors:
         for row, new in zip(self.rows, committed):
             row += new
         if self.grammar is not None:
-            self.grammar.commit(committed)
+            self.grammar.commit(committed, set(self.settings.eos))
         self.seconds += _clock() - start
 
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
@@ -165,25 +166,39 @@ class Processors:
     # ------------------------------------------------------------------ applying
     def apply(self, logits: Tensor, positions: Positions, check: bool = True) -> Tensor:
         """The processed scores [B,T,V] float32 of ``logits`` [B,T,V] at ``positions``. With
-        ``check``, a valid position left without a legal token raises ``ValueError`` naming the
-        settings (one host sync); without, such a row becomes uniform (drafts only: the
-        target's check then names the settings)."""
+        ``check`` (verification), a position the verification can reach (every draft on its
+        path allowed) left without a legal token raises ``ValueError`` naming the settings (one
+        host sync); without (drafts), such a position becomes uniform: the verification of the
+        same prefix then raises."""
         start = _clock()
         scores = logits.float().clone()
-        self._context = _Context(self, positions, scores.shape[-1])
+        ctx = _Context(self, positions)
         for step in self.steps:
-            scores = step(scores, self._context)
-        dead = torch.isneginf(scores.amax(-1)) & positions.valid
+            scores = step(scores, ctx)
+        dead = torch.isneginf(scores.amax(-1))
         if check:
-            if bool(dead.any()):
-                b, t = dead.nonzero()[0].tolist()
+            problem = (dead | ctx.empty) & positions.reachable(scores) & ctx.callable
+            if bool(problem.any()):
+                b, t = problem.nonzero()[0].tolist()
+                if bool(ctx.empty[b, t]):
+                    raise ValueError(f"prefix_allowed_tokens_fn: returned an empty list for batch ID "
+                                     f"{self.batch_ids[b]}: the constraint is unsatisfiable")
                 raise ValueError(f"{', '.join(self.names)}: leave no legal next token after "
-                                 f"{self._context.host_prefix(b, t)[-8:]} (row {self.batch_ids[b]}, the last "
-                                 f"tokens of its prefix)")
+                                 f"{ctx.host_prefix(b, t)[-8:]} (row {self.batch_ids[b]}, the last tokens of its "
+                                 f"prefix)")
         else:
-            scores = torch.where(dead[..., None], torch.zeros_like(scores), scores)
+            scores = scores.masked_fill(dead[..., None], 0.0)
         self.seconds += _clock() - start
         return scores
+
+    def _token_mask(self, ids: list[int], V: int, device) -> Tensor:
+        """[V] bool, True at ``ids`` (those below V), made once per device and width."""
+        key = (tuple(ids), V, device)
+        if key not in self._masks:
+            mask = torch.zeros(V, dtype=torch.bool)
+            mask[[t for t in ids if t < V]] = True
+            self._masks[key] = mask.to(device)
+        return self._masks[key]
 
     def _sequence_bias(self, biases: dict[tuple[int, ...], float]):
         if not biases:
@@ -252,41 +267,43 @@ class Processors:
         banned &= (ctx.length >= n)[..., None]
         return scores.masked_fill(banned[..., :V], NEG_INF)
 
-    def _ban_eos(self, scores: Tensor, where: Tensor) -> Tensor:
-        eos = [e for e in self.settings.eos if e < scores.shape[-1]]
-        scores[..., eos] = torch.where(where[..., None], NEG_INF, scores[..., eos])
-        return scores
+    def _ban(self, scores: Tensor, ids: list[int], where: Tensor | None = None) -> Tensor:
+        banned = self._token_mask(ids, scores.shape[-1], scores.device)
+        return scores.masked_fill(banned if where is None else banned & where[..., None], NEG_INF)
 
     def _min_length(self, scores: Tensor, ctx: _Context) -> Tensor:
-        return self._ban_eos(scores, ctx.length < self.settings.min_length)
+        return self._ban(scores, self.settings.eos, ctx.length < self.settings.min_length)
 
     def _min_new_tokens(self, scores: Tensor, ctx: _Context) -> Tensor:
-        return self._ban_eos(scores, ctx.length - self.prompt_width < self.settings.min_new_tokens)
+        return self._ban(scores, self.settings.eos, ctx.length - self.prompt_width < self.settings.min_new_tokens)
 
     def _suppress(self, scores: Tensor, ctx: _Context) -> Tensor:
-        scores[..., [t for t in self.settings.suppress_tokens if t < scores.shape[-1]]] = NEG_INF
-        return scores
+        return self._ban(scores, self.settings.suppress_tokens)
 
     def _begin_suppress(self, scores: Tensor, ctx: _Context) -> Tensor:
-        ids = [t for t in self.settings.begin_suppress_tokens if t < scores.shape[-1]]
-        scores[..., ids] = torch.where((ctx.length == self.prompt_width)[..., None], NEG_INF, scores[..., ids])
-        return scores
+        return self._ban(scores, self.settings.begin_suppress_tokens, ctx.length == self.prompt_width)
 
     def _prefix_allowed(self, scores: Tensor, ctx: _Context) -> Tensor:
-        """HF's PrefixConstrainedLogitsProcessor, one call of the function per valid position."""
+        """HF's PrefixConstrainedLogitsProcessor, one call of the function per position that
+        may reach user code. An empty list bans everything there; it raises (as in HF) only
+        where the verification can reach (see :meth:`apply`)."""
         b_idx, t_idx = ctx.valid_index
-        mask = torch.full((len(b_idx), scores.shape[-1]), NEG_INF, device=scores.device)
+        if not b_idx:
+            return scores
+        mask = torch.full((len(b_idx), scores.shape[-1]), NEG_INF)
+        empty = []
         for i, (b, t) in enumerate(zip(b_idx, t_idx)):
-            batch_id = self.batch_ids[b]
             allowed = self.settings.prefix_allowed_tokens_fn(
-                batch_id, torch.tensor(ctx.host_prefix(b, t), device=scores.device))
+                self.batch_ids[b], torch.tensor(ctx.host_prefix(b, t), device=scores.device))
             if len(allowed) == 0:
-                raise ValueError(f"prefix_allowed_tokens_fn: returned an empty list for batch ID {batch_id}: "
-                                 f"the constraint is unsatisfiable")
+                empty.append(i)
             mask[i, allowed] = 0
+        mask = mask.to(scores.device)
         picked = scores[b_idx, t_idx] + mask
         picked = torch.where(torch.isneginf(picked.amax(-1, keepdim=True)), mask, picked)
         scores[b_idx, t_idx] = picked
+        if empty:
+            ctx.empty[[b_idx[i] for i in empty], [t_idx[i] for i in empty]] = True
         return scores
 
     def _user(self, processor):
@@ -304,17 +321,27 @@ class Processors:
         return apply
 
     def _grammar(self, scores: Tensor, ctx: _Context) -> Tensor:
-        allowed = self.grammar.allowed(ctx.host_paths(), scores.shape[-1]).to(scores.device)  # [B,T,V] bool
-        return scores.masked_fill(~allowed & ctx.positions.valid[..., None], NEG_INF)
+        bits = self.grammar.bitmask(ctx.host_paths()).to(scores.device, non_blocking=True)  # [B,T,W] int32
+        shifts = torch.arange(32, dtype=torch.int32, device=scores.device)
+        allowed = ((bits[..., None] >> shifts) & 1).bool().flatten(-2)
+        V = scores.shape[-1]
+        if V > allowed.shape[-1]:  # logits columns past the tokenizer's: never legal
+            allowed = torch.cat([allowed, allowed.new_zeros(*allowed.shape[:-1], V - allowed.shape[-1])], -1)
+        return scores.masked_fill(~allowed[..., :V], NEG_INF)
 
 
 class _Context:
     """What the steps read of one :meth:`Processors.apply` call, each computed once on demand."""
 
-    def __init__(self, processors: Processors, positions: Positions, vocab: int):
+    def __init__(self, processors: Processors, positions: Positions):
         self.p, self.positions = processors, positions
         self.length = processors.lengths[:, None] + positions.depth  # [B,T]: HF's input_ids.shape[-1]
-        self._paths: list[list[list[int]]] | None = None
+        # the positions user code and the grammar see: valid ones not past an EOS among their drafts
+        eos = processors._token_mask(processors.settings.eos, processors.width + 1, positions.path.device)
+        past_eos = eos[positions.path.clamp(0, processors.width)] & (positions.path >= 0)
+        self.callable = positions.valid & ~past_eos.any(-1)
+        self.empty = torch.zeros_like(positions.valid)  # positions where prefix_allowed_tokens_fn allowed nothing
+        self._paths: list[list[list[int] | None]] | None = None
         self._valid: tuple[list[int], list[int]] | None = None
 
     def tail(self, m: int) -> Tensor:
@@ -331,15 +358,15 @@ class _Context:
     @property
     def valid_index(self) -> tuple[list[int], list[int]]:
         if self._valid is None:
-            b, t = self.positions.valid.nonzero(as_tuple=True)
+            b, t = self.callable.nonzero(as_tuple=True)
             self._valid = b.tolist(), t.tolist()
         return self._valid
 
     def host_paths(self) -> list[list[list[int] | None]]:
-        """Each position's path on the host (None for positions that are not valid)."""
+        """Each position's path on the host (None for positions user code does not see)."""
         if self._paths is None:
             path, depth = self.positions.path.tolist(), self.positions.depth.tolist()
-            valid = self.positions.valid.tolist()
+            valid = self.callable.tolist()
             self._paths = [[p[len(p) - d:] if ok else None for p, d, ok in zip(pr, dr, vr)]
                            for pr, dr, vr in zip(path, depth, valid)]
         return self._paths
