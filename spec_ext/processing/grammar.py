@@ -99,25 +99,39 @@ class Matchers:
 
     def start(self, rows: int) -> None:
         self.matchers = [None if p is None else p.deep_copy() for p in self.prototypes]
+        # per row: the draft tokens its matcher holds past the committed text (kept between
+        # calls, so a chain's next draft step consumes one token), and the masks computed for
+        # paths since the last commit (the verification reuses the draft steps')
+        self.consumed: list[list[int]] = [[] for _ in range(rows)]
+        self.masks: list[dict] = [{} for _ in range(rows)]
+
+    def _back_to_committed(self, b: int) -> None:
+        if self.consumed[b]:
+            self.matchers[b].rollback(len(self.consumed[b]))
+            self.consumed[b] = []
 
     def commit(self, committed: list[list[int]], eos: set[int]) -> None:
         """Each row kept ``committed[b]`` (up to its first EOS, not consumed: the row ends there)."""
         for b, (matcher, tokens) in enumerate(zip(self.matchers, committed)):
             if matcher is None:
                 continue
+            self._back_to_committed(b)
+            self.masks[b] = {}
             end = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
             if not matcher.consume_tokens(tokens[:end]):
                 raise ValueError(f"grammar: row {b}: {matcher.get_error()}")
 
     def keep_rows(self, rows: list[int]) -> None:
         self.matchers = [self.matchers[i] for i in rows]
+        self.consumed = [self.consumed[i] for i in rows]
+        self.masks = [self.masks[i] for i in rows]
 
     def bitmask(self, paths: list[list[list[int] | None]]) -> Tensor:
         """[B,T,ceil(V/32)] int32 (CPU): the tokens each position may take after its path
         (``paths[b][t]``; None: a position not to mask; such positions, and those whose path
         leaves the grammar, allow every token: the target never reaches them). Each row's
-        paths are walked in lexicographic order, a trie's depth-first order: a shared prefix
-        is consumed once, and the matcher is rolled back to the committed text after."""
+        paths are walked in lexicographic order, a trie's depth-first order, from where the
+        last walk stopped: a shared prefix is consumed once, a mask computed once per commit."""
         fill = _llguidance().torch.fill_next_token_bitmask
         B, T = len(paths), len(paths[0])
         bits = torch.full((B * T, (self.vocab + 31) // 32), -1, dtype=torch.int32)
@@ -126,9 +140,13 @@ class Matchers:
                 continue
             if matcher.is_error():
                 raise ValueError(f"grammar: row {b}: {matcher.get_error()}")
-            consumed: list[int] = []
+            consumed, masks = self.consumed[b], self.masks[b]
             try:
                 for path, t in sorted((p, t) for t, p in enumerate(row) if p is not None):
+                    key = tuple(path)
+                    if key in masks:
+                        bits[b * T + t] = masks[key]
+                        continue
                     common = 0
                     while common < min(len(consumed), len(path)) and consumed[common] == path[common]:
                         common += 1
@@ -139,7 +157,8 @@ class Matchers:
                         consumed += path[common:common + matcher.try_consume_tokens(path[common:])]
                     if len(consumed) == len(path):
                         fill(matcher, bits, b * T + t)
-            finally:
-                if consumed:
-                    matcher.rollback(len(consumed))
+                        masks[key] = bits[b * T + t].clone()
+            except BaseException:
+                self._back_to_committed(b)
+                raise
         return bits.view(B, T, -1)

@@ -89,6 +89,12 @@ class Processors:
     def __init__(self, settings: Settings, width: int, grammar=None):
         self.settings, self.width, self.grammar = settings, width, grammar
         self.steps = self._steps()
+        s = settings
+        self.in_place = s.prefix_allowed_tokens_fn is not None or bool(s.logits_processor)
+        # whether a position can be left without a legal token (a bias alone is finite)
+        self.can_ban = self.in_place or grammar is not None or any(
+            (s.no_repeat_ngram_size, s.bad_words, s.min_length and s.eos, s.min_new_tokens and s.eos,
+             s.suppress_tokens, s.begin_suppress_tokens, NEG_INF in s.sequence_bias.values()))
         self._masks: dict = {}
         self.seconds = 0.0  # time spent in apply and commit (the stats' processing time)
 
@@ -171,14 +177,17 @@ class Processors:
         host sync); without (drafts), such a position becomes uniform: the verification of the
         same prefix then raises."""
         start = _clock()
-        scores = logits.float().clone()
+        scores = logits.float()
+        if self.in_place:  # user code and the prefix function write into the scores
+            scores = scores.clone()
         ctx = _Context(self, positions)
         for step in self.steps:
             scores = step(scores, ctx)
-        dead = torch.isneginf(scores.amax(-1))
-        if check:
-            problem = (dead | ctx.empty) & positions.reachable(scores) & ctx.callable
-            if bool(problem.any()):
+        if self.can_ban:
+            dead = torch.isneginf(scores.amax(-1))
+            if not check:
+                scores = scores.masked_fill(dead[..., None], 0.0)
+            elif bool((problem := (dead | ctx.empty) & positions.reachable(scores) & ctx.callable).any()):
                 b, t = problem.nonzero()[0].tolist()
                 if bool(ctx.empty[b, t]):
                     raise ValueError(f"prefix_allowed_tokens_fn: returned an empty list for batch ID "
@@ -186,8 +195,6 @@ class Processors:
                 raise ValueError(f"{', '.join(self.names)}: leave no legal next token after "
                                  f"{ctx.host_prefix(b, t)[-8:]} (row {self.batch_ids[b]}, the last tokens of its "
                                  f"prefix)")
-        else:
-            scores = scores.masked_fill(dead[..., None], 0.0)
         self.seconds += _clock() - start
         return scores
 
@@ -336,13 +343,27 @@ class _Context:
     def __init__(self, processors: Processors, positions: Positions):
         self.p, self.positions = processors, positions
         self.length = processors.lengths[:, None] + positions.depth  # [B,T]: HF's input_ids.shape[-1]
-        # the positions user code and the grammar see: valid ones not past an EOS among their drafts
-        eos = processors._token_mask(processors.settings.eos, processors.width + 1, positions.path.device)
-        past_eos = eos[positions.path.clamp(0, processors.width)] & (positions.path >= 0)
-        self.callable = positions.valid & ~past_eos.any(-1)
-        self.empty = torch.zeros_like(positions.valid)  # positions where prefix_allowed_tokens_fn allowed nothing
+        self._callable: Tensor | None = None
+        self._empty: Tensor | None = None
         self._paths: list[list[list[int] | None]] | None = None
         self._valid: tuple[list[int], list[int]] | None = None
+
+    @property
+    def callable(self) -> Tensor:
+        """[B,T] bool: the positions user code and the grammar see: valid ones with no EOS among their drafts."""
+        if self._callable is None:
+            p, path = self.p, self.positions.path
+            eos = p._token_mask(p.settings.eos, p.width + 1, path.device)
+            past_eos = (eos[path.clamp(0, p.width)] & (path >= 0)).any(-1)
+            self._callable = self.positions.valid & ~past_eos
+        return self._callable
+
+    @property
+    def empty(self) -> Tensor:
+        """[B,T] bool: positions where prefix_allowed_tokens_fn allowed nothing."""
+        if self._empty is None:
+            self._empty = torch.zeros_like(self.positions.valid)
+        return self._empty
 
     def tail(self, m: int) -> Tensor:
         """[B,T,m] the last m tokens of each position's prefix, right-aligned, -1 before its start."""
