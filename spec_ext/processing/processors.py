@@ -139,9 +139,11 @@ class Processors:
         self.history = torch.full((len(rows), capacity), -1, dtype=torch.int64, device=device)
         self.history[:, :self.prompt_width] = torch.tensor(rows, dtype=torch.int64, device=device)
         self.lengths = torch.full((len(rows),), self.prompt_width, dtype=torch.int64, device=device)
-        self.seen = torch.zeros(len(rows), self.width + 1, dtype=torch.bool, device=device)
-        for b, r in enumerate(real):
-            self.seen[b, torch.tensor(r, dtype=torch.int64).clamp(0, self.width)] = True
+        # each row's distinct seen tokens (the prompt without padding, then what it commits) on the
+        # host, and on the device [B,S] padded with the row's first one (a duplicate changes nothing)
+        self.seen_sets = [{t for t in r if 0 <= t < self.width} or {0} for r in real]
+        self.seen_lists = [sorted(x) for x in self.seen_sets]
+        self.seen = self._seen_tensor()
         self.batch_ids = self.settings.batch_ids or list(range(len(rows)))
         if self.grammar is not None:
             self.grammar.start(len(rows))
@@ -155,17 +157,32 @@ class Processors:
         keep = torch.arange(W, device=self.device)[None, :] < counts[:, None]
         self.history.scatter_(1, columns, torch.where(keep, tokens, self.history.gather(1, columns)))
         self.lengths += counts
-        self.seen.scatter_(1, torch.where(keep, tokens.clamp(0, self.width), self.width), True)
+        grown = False
+        for seen, order, new in zip(self.seen_sets, self.seen_lists, committed):
+            for t in new:
+                if t not in seen and 0 <= t < self.width:
+                    seen.add(t)
+                    order.append(t)
+                    grown = True
+        if grown and self.settings.repetition_penalty != 1.0:
+            self.seen = self._seen_tensor()
         for row, new in zip(self.rows, committed):
             row += new
         if self.grammar is not None:
             self.grammar.commit(committed, set(self.settings.eos))
         self.seconds += _clock() - start
 
+    def _seen_tensor(self) -> Tensor:
+        longest = max(map(len, self.seen_lists))
+        return torch.tensor([r + r[:1] * (longest - len(r)) for r in self.seen_lists], dtype=torch.int64,
+                            device=self.device)
+
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
         self.rows = [self.rows[i] for i in rows]
         self.batch_ids = [self.batch_ids[i] for i in rows]
         self.history, self.lengths, self.seen = self.history[index], self.lengths[index], self.seen[index]
+        self.seen_sets = [self.seen_sets[i] for i in rows]
+        self.seen_lists = [self.seen_lists[i] for i in rows]
         if self.grammar is not None:
             self.grammar.keep_rows(rows)
 
@@ -246,11 +263,18 @@ class Processors:
         return apply
 
     def _repetition_penalty(self, scores: Tensor, ctx: _Context) -> Tensor:
+        """HF's gather/scatter over the tokens seen: the row's (kept as they commit) and the path's."""
         B, T, V = scores.shape
-        seen = self.seen[:, None, :V + 1].expand(B, T, V + 1).clone()
-        seen.scatter_(2, torch.where(ctx.positions.path >= 0, ctx.positions.path.clamp_max(V), V), True)
+        path = ctx.positions.path
+        path = torch.where(path >= 0, path, self.seen[:, None, :1])  # no path token there: a duplicate
+        ids = torch.cat([self.seen[:, None, :].expand(B, T, -1), path], -1)
+        narrow = V < self.width  # logits narrower than the widest model's: ids past them go to a dummy column
+        if narrow:
+            scores, ids = torch.nn.functional.pad(scores, (0, 1)), ids.clamp_max(V)
+        picked = scores.gather(-1, ids)
         penalty = self.settings.repetition_penalty
-        return torch.where(seen[..., :V], torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+        scores = scores.scatter(-1, ids, torch.where(picked < 0, picked * penalty, picked / penalty))
+        return scores[..., :V] if narrow else scores
 
     def _no_repeat_ngram(self, scores: Tensor, ctx: _Context) -> Tensor:
         """Ban each token that would complete an n-gram already in the prefix: the windows that
