@@ -1,7 +1,7 @@
 """Speculation under HF's logits settings, on the bundled pair, batch 1 greedy, side by side in one run:
 
-* ``grammar``: held-out stdlib files cut just before a ``def`` line; the grammar (a regular
-  expression) asks for the def line and a one-line docstring. The target alone runs HF's
+* ``grammar``: held-out stdlib files cut at the start of a ``def`` line; the grammar (a
+  regular expression) asks for the def line (indented up to 8 spaces) and a one-line docstring. The target alone runs HF's
   generate with llguidance's masks as an HF logits processor (a stateful one, as a user
   would write for plain decoding); spec_ext runs the same grammar through ``grammar=``.
   Reported: tokens/s, the speed-up (median of per-prompt ratios), accepted drafts per
@@ -36,7 +36,7 @@ from stdlib_data import code_prompts, read_text, split_files  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-DEF_DOCSTRING = (r'def [a-z_][a-z0-9_]{0,40}\([^()\n]{0,80}\)( -> [A-Za-z_][A-Za-z0-9_.\[\], ]{0,40})?:\n'
+DEF_DOCSTRING = (r' {0,8}def [a-z_][a-z0-9_]{0,40}\([^()\n]{0,80}\)( -> [A-Za-z_][A-Za-z0-9_.\[\], ]{0,40})?:\n'
                  r' {4,12}"""[^"\n]{1,120}"""\n')
 
 
@@ -65,12 +65,12 @@ class GrammarForPlainDecoding(LogitsProcessor):
 
 
 def def_prompts(tokenizer, count: int, prompt_tokens: int = 192) -> list[list[int]]:
-    """Held-out files cut at the indentation of a ``def`` line (every ``count``-th one, spread over the files)."""
+    """Held-out files cut at the start of a ``def`` line (every ``count``-th one, spread over the files)."""
     cuts = []
     for path in split_files("test"):
         text = read_text(path)
-        for match in re.finditer(r"^([ \t]*)def ", text, re.M):
-            cuts.append(text[:match.start() + len(match.group(1))])
+        for match in re.finditer(r"^ {0,8}def ", text, re.M):
+            cuts.append(text[:match.start()])
     step = max(1, len(cuts) // count)
     return [tokenizer(text, add_special_tokens=False).input_ids[-prompt_tokens:] for text in cuts[::step][:count]]
 
