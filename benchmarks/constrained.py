@@ -21,7 +21,6 @@ import csv
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,6 +32,7 @@ import spec_ext  # noqa: E402
 from spec_ext.bundled import bundled_path  # noqa: E402
 from spec_ext.policies import Fixed  # noqa: E402
 from stdlib_data import code_prompts, read_text, split_files  # noqa: E402
+from e2e import timed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -73,12 +73,6 @@ def def_prompts(tokenizer, count: int, prompt_tokens: int = 192) -> list[list[in
             cuts.append(text[:match.start()])
     step = max(1, len(cuts) // count)
     return [tokenizer(text, add_special_tokens=False).input_ids[-prompt_tokens:] for text in cuts[::step][:count]]
-
-
-def timed(fn):
-    started = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - started
 
 
 def main():
@@ -140,9 +134,16 @@ def main():
     measure("no settings", held_out, 128, {}, {}, False)
     measure("repetition_penalty=1.1", held_out, 128, dict(repetition_penalty=1.1), dict(repetition_penalty=1.1),
             False)
+    write_rows(args.name, rows)
+
+
+def write_rows(name: str, rows: list[dict], comment: str = "") -> None:
+    """benchmarks/results/<name>.csv: ``rows`` (floats to 4 places) after a ``# comment`` line, if any."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"{args.name}.csv"
+    out = RESULTS / f"{name}.csv"
     with out.open("w", newline="") as f:
+        if comment:
+            f.write(f"# {comment}\n")
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         for row in rows:

@@ -16,10 +16,8 @@ Writes benchmarks/results/<name>.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,9 +29,9 @@ from spec_ext.bundled import bundled_path  # noqa: E402
 from spec_ext.policies import Fixed  # noqa: E402
 from spec_ext.vocab import vocab_map  # noqa: E402
 from stdlib_data import code_prompts  # noqa: E402
+from constrained import write_rows  # noqa: E402
+from e2e import timed  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 
 
 def load(name: str):
@@ -41,12 +39,6 @@ def load(name: str):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # every method generates exactly --new-tokens
     return model, AutoTokenizer.from_pretrained(path)
-
-
-def timed(fn):
-    started = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - started
 
 
 def main():
@@ -105,15 +97,7 @@ def main():
                              identical=f"{r['identical']}/{r['runs']}"))
         for row in rows[-len(per) - 1:]:
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"{args.name}.csv"
-    with out.open("w", newline="") as f:
-        f.write(f"# shared tokens {share.shared} of the target's {len(tokenizer)}\n")
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
-    print(f"wrote {out}")
+    write_rows(args.name, rows, f"shared tokens {share.shared} of the target's {len(tokenizer)}")
 
 
 if __name__ == "__main__":

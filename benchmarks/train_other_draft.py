@@ -60,7 +60,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stdlib_data import read_text, split_files  # noqa: E402
-from train_pair import DRAFT, STREAM_SEEDS, encode_split, export, make_model, train  # noqa: E402
+from train_pair import (DRAFT, STREAM_SEEDS, add_training_arguments, encode_split, export, make_model,  # noqa: E402
+                        train)
 
 NAME = "stdlib-draft-sp"
 VOCAB_SIZE = 3000
@@ -241,14 +242,7 @@ def main():
     parser.add_argument("--prepend-scheme", choices=("never", "first", "always"), default="never",
                         help="Metaspace's dummy-prefix rule (see the module docstring)")
     parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--checkpoint-every", type=int, default=100)
-    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
-                        help="bf16 autocast for the matmuls (weights and optimizer stay fp32)")
+    add_training_arguments(parser)
     parser.add_argument("--eval-chars", type=int, default=200_000,
                         help="held-out characters the report's perplexities are measured on")
     args = parser.parse_args()

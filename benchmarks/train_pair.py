@@ -187,12 +187,8 @@ def export(model, tokenizer, path: Path):
     model.float()
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", type=Path, default=Path(__file__).resolve().parent / ".train_work")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "models")
-    parser.add_argument("--target-steps", type=int, default=2000)
-    parser.add_argument("--draft-steps", type=int, default=2000)
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The optimisation settings ``train`` reads (shared with train_other_draft.py)."""
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -201,6 +197,15 @@ def main():
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
                         help="bf16 autocast for the matmuls (weights and optimizer stay fp32)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=Path(__file__).resolve().parent / ".train_work")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "models")
+    parser.add_argument("--target-steps", type=int, default=2000)
+    parser.add_argument("--draft-steps", type=int, default=2000)
+    add_training_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
