@@ -200,3 +200,20 @@ def test_ebnf_grammar(tokenizer, models_):
         text = text_of(tokenizer, row)
         assert re.fullmatch(r"(ab|c)(,(ab|c))*", text) or (EOS not in row and re.fullmatch(r"(ab|c)(,(ab|c))*,?a?",
                                                                                            text)), text
+
+
+@pytest.mark.parametrize("policy", ["fixed", "dynamictree"])
+def test_grammar_with_a_feature_head(tokenizer, models_, policy):
+    """A head's drafts are masked like a draft model's (chains, trees): greedy equals HF's."""
+    from test_heads import echo_head
+    target, _ = models_
+    head = echo_head(target, "eagle3", noise=0.01)
+    grammar = Grammar.regex("(ab|c)+b")
+    ids = torch.tensor([[1, 70, 71]])
+    hf_processor = LLGuidanceProcessor([grammar], tokenizer, target.config.vocab_size, ids.shape[1])
+    expected = target.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=EOS, pad_token_id=EOS,
+                               logits_processor=[hf_processor])
+    out = spec_ext.generate(target, head, ids, max_new_tokens=24, eos_token_id=EOS, pad_token_id=EOS,
+                            tokenizer=tokenizer, grammar=grammar, policy=policy)
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.accepted > 0
