@@ -15,14 +15,28 @@ same-tokenizer draft on the same corpus. Stages (each checkpointed; rerunning re
      ``decode(encode(text)) == text`` is asserted on every held-out file.
   2. the draft, a Llama of ``train_pair.DRAFT``'s shape (about 1.5M parameters with this
      vocabulary), trained with next-token cross-entropy on the training split in its own tokens
-     (no distillation: the vocabularies differ); batch, sequence length, learning rate and its
-     schedule, bf16 autocast and checkpointing are ``train_pair``'s (its ``train``).
-  3. the export (bf16 safetensors + tokenizer) to ``--out/stdlib-draft-sp`` and
+     (no logit distillation: the vocabularies differ; see stage 3); batch, sequence length,
+     learning rate and its schedule, bf16 autocast and checkpointing are ``train_pair``'s (its ``train``).
+  3. distillation, sequence-level (the issue's recipe for a draft of another tokenizer: the
+     logits cannot be matched across vocabularies, the target's text can): the bundled target
+     (float32) writes greedy continuations (``--distill-new-tokens`` 96) of
+     ``--distill-continuations`` (768) prompts of 96 target tokens cut from the training split
+     (``stdlib_data.code_prompts``), HF ``generate`` in batches of 64, cached after each batch
+     in the work folder; each prompt + continuation is decoded to text and re-tokenised by the
+     draft's tokenizer, and the draft is fine-tuned with cross-entropy on the continuation's
+     tokens only (the prompt's masked), each step half a batch of those and half a batch of
+     ordinary training windows (against forgetting), the two losses averaged;
+     ``--distill-steps`` (300) at ``--distill-lr`` (5e-4, warmup a tenth, cosine to a tenth),
+     checkpointed. ``--distill-continuations 0`` skips the stage (the undistilled draft).
+  4. the export (bf16 safetensors + tokenizer) to ``--out/stdlib-draft-sp`` and
      ``report.json`` beside it: held-out bits per byte of UTF-8 text (comparable across
      tokenizers) of this draft, of the bundled draft and of the bundled target on the same text;
      characters per token of both tokenizers; the vocabulary map against the target's tokenizer
      (``spec_ext.vocab``: shared tokens, the target's tokens covered by frequency); one-token
-     decode cost; parameters, steps, training minutes.
+     decode cost; parameters, steps, training minutes; the distillation's settings and minutes;
+     greedy agreement with the target (``agreement``: teacher-forced on the target's greedy
+     continuations of 64 held-out prompts, per token and per character) of this draft, of it
+     before distillation and of the bundled draft.
 
 The prepend scheme: ``--prepend-scheme never`` (the default: Gemma's choice, no dummy-prefix
 ``▁``) round-trips every text exactly, and a tail re-tokenised from a word start gives the
@@ -39,6 +53,9 @@ training step costs 0.34 s of CPU (15 steps at 1 thread got a core to themselves
 wall); the smoke runs, niced against the two test runs, saw 0.97-1.35 s/step. The report ~1 min
 (the target's held-out pass is most of it). The default 2000 steps (the bundled draft's) so take
 ~8-11 min of training on a quiet machine, ~13 min in all; on a machine shared as above ~35-45 min.
+The distillation (niced beside a test run, 2026-12-02): the 768 continuations 12.4 min (~200
+target tokens/s at batch 64), the 300 fine-tuning steps ~1.6 s/step (~8 min), the held-out
+continuations for the agreement ~1 min.
 
     python benchmarks/train_other_draft.py                     # models/stdlib-draft-sp
     python benchmarks/train_other_draft.py --steps 20 --work /tmp/sp-work --out /tmp/sp-out  # smoke run
@@ -46,6 +63,7 @@ wall); the smoke runs, niced against the two test runs, saw 0.97-1.35 s/step. Th
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -60,8 +78,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stdlib_data import read_text, split_files  # noqa: E402
-from train_pair import (DRAFT, STREAM_SEEDS, add_training_arguments, encode_split, export, make_model,  # noqa: E402
-                        train)
+from train_pair import (DRAFT, STREAM_SEEDS, add_training_arguments, batches, encode_split, export,  # noqa: E402
+                        lr_at, make_model, train)
 
 NAME = "stdlib-draft-sp"
 VOCAB_SIZE = 3000
@@ -170,6 +188,151 @@ def decode_ms(models: dict, context: int = 200, repeats: int = 30) -> dict[str, 
     return {name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}
 
 
+# ------------------------------------------------------------------ stage 3: distillation
+@torch.no_grad()
+def target_continuations(target, target_tokenizer, split: str, count: int, prompt_tokens: int, new_tokens: int,
+                         path: Path, batch: int = 64, seed: int = 0, desc: str = "continuations") -> list[str]:
+    """The target's greedy continuations of ``count`` prompts of ``split`` (``code_prompts``,
+    ``prompt_tokens`` tokens each ending at a line break), ``new_tokens`` each (EOS does not
+    stop them), generated ``batch`` at a time with HF ``generate`` and cached at ``path``
+    after each batch (a rerun resumes). Returns [(prompt text, continuation text)] as
+    strings: the target's tokens decoded, so that any tokenizer can re-read them."""
+    from stdlib_data import code_prompts
+
+    done = torch.load(path) if path.exists() else dict(prompts=[], continuations=[])
+    prompts = code_prompts(target_tokenizer, split, count, prompt_tokens, seed=seed)
+    eos = target.generation_config.eos_token_id
+    target.generation_config.eos_token_id = None  # exactly new_tokens each
+    target.eval()
+    bar = tqdm(total=count, initial=len(done["continuations"]), desc=desc)
+    for start in range(len(done["continuations"]), count, batch):
+        ids = torch.tensor(prompts[start:start + batch])
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                              pad_token_id=target_tokenizer.eos_token_id)
+        done["prompts"] += ids.tolist()
+        done["continuations"] += out[:, ids.shape[1]:].tolist()
+        torch.save(done, path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)
+        bar.update(len(ids))
+    bar.close()
+    target.generation_config.eos_token_id = eos
+    pairs = []
+    for prompt, continuation in zip(done["prompts"][:count], done["continuations"][:count]):
+        text = target_tokenizer.decode(prompt + continuation, clean_up_tokenization_spaces=False)
+        head = target_tokenizer.decode(prompt, clean_up_tokenization_spaces=False)
+        assert text.startswith(head)
+        # a continuation that stops inside a character: drop the partial character
+        pairs.append((head, text[len(head):].rstrip("\ufffd")))
+    return pairs
+
+
+def continuation_ids(tokenizer, head: str, tail: str) -> tuple[list[int], int]:
+    """(the tokens of ``head + tail``, where the tail's tokens start): the tokens past the
+    common prefix of the whole text's and the head's alone (a token across the boundary is
+    the tail's)."""
+    ids = tokenizer(head + tail, add_special_tokens=False).input_ids
+    own = tokenizer(head, add_special_tokens=False).input_ids
+    start = next((i for i, (a, b) in enumerate(zip(ids, own)) if a != b), min(len(ids), len(own)))
+    return ids, start
+
+
+def distill(draft, tokenizer, pairs: list[tuple[str, str]], train_tokens: torch.Tensor, args, work: Path):
+    """Sequence-level distillation (issue 41's recipe for a draft of another tokenizer): the
+    target's greedy text re-tokenised by the draft's tokenizer is what the draft must
+    predict. Each step: half a batch of those sequences (cross-entropy on the continuation's
+    tokens only, the prompt's masked) and half a batch of ordinary training windows (against
+    forgetting), the two losses averaged; ``args.distill_steps`` steps at ``args.distill_lr``
+    (warmup, then cosine to a tenth), checkpointed at ``work/draft_sp_distill.ckpt``."""
+    eos = tokenizer.eos_token_id
+    rows, labels = [], []
+    for head, tail in pairs:
+        ids, start = continuation_ids(tokenizer, head, tail)
+        cut = max(0, len(ids) - (args.seq + 1))  # too long: the prompt's first tokens go
+        ids, start = ids[cut:], max(1, start - cut)
+        rows.append(ids + [eos] * (args.seq + 1 - len(ids)))
+        labels.append([-100] * start + ids[start:] + [-100] * (args.seq + 1 - len(ids)))
+    rows, labels = torch.tensor(rows), torch.tensor(labels)
+    half = args.batch // 2
+    steps = args.distill_steps
+    ckpt = work / "draft_sp_distill.ckpt"
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=args.distill_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    step = 0
+    if ckpt.exists():
+        state = torch.load(ckpt)
+        draft.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+    if step >= steps:
+        return draft
+    # the data order, replayed from step 0 so that a resumed run sees the same batches
+    generator = torch.Generator().manual_seed(args.seed + 41)
+    order = torch.cat([torch.randperm(len(rows), generator=generator)
+                       for _ in range(math.ceil(steps * half / len(rows)) + 1)])
+    corpus = batches(train_tokens, half, args.seq, seed=STREAM_SEEDS["draft"] + args.seed + 41, start_step=step)
+    log = open(work / "draft_sp_distill.log", "a")
+    draft.train()
+    bar = tqdm(total=steps, initial=step, desc="distill draft_sp", mininterval=10)
+    ema = None
+    while step < steps:
+        pick = order[step * half:(step + 1) * half]
+        chunk, target_labels = rows[pick], labels[pick]
+        plain = next(corpus)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, steps, args.distill_lr, warmup=max(1, steps // 10))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            logits = draft(input_ids=chunk[:, :-1]).logits.float()
+            soft = F.cross_entropy(logits.flatten(0, 1), target_labels[:, 1:].flatten(), ignore_index=-100)
+            logits = draft(input_ids=plain[:, :-1]).logits.float()
+            hard = F.cross_entropy(logits.flatten(0, 1), plain[:, 1:].flatten())
+            loss = 0.5 * (soft + hard)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        ema = (soft.item(), hard.item()) if ema is None else \
+            (0.95 * ema[0] + 0.05 * soft.item(), 0.95 * ema[1] + 0.05 * hard.item())
+        bar.update(1)
+        bar.set_postfix(ce_target=f"{ema[0]:.3f}", ce_corpus=f"{ema[1]:.3f}")
+        if step % 25 == 0 or step == steps:
+            print(json.dumps(dict(step=step, ce_target_text=round(ema[0], 4), ce_corpus=round(ema[1], 4))),
+                  file=log, flush=True)
+        if step % args.checkpoint_every == 0 or step == steps:
+            torch.save(dict(model=draft.state_dict(), optimizer=optimizer.state_dict(), step=step),
+                       ckpt.with_suffix(".tmp"))
+            os.replace(ckpt.with_suffix(".tmp"), ckpt)
+    bar.close()
+    return draft
+
+
+@torch.no_grad()
+def agreement(model, tokenizer, pairs: list[tuple[str, str]], batch: int = 16) -> dict:
+    """How often the model's greedy next token is the one the target's greedy text has next,
+    teacher-forced on ``pairs`` (held-out prompts and the target's greedy continuations) in
+    the model's own tokens, over the continuation's tokens: per token, and per character
+    (each token weighs the characters it adds to the decoded text), which compares
+    tokenizers. For the target's own tokenizer this is top-1 agreement with the target."""
+    model.eval()
+    eos = tokenizer.eos_token_id
+    hits = tokens = hit_chars = chars = 0
+    for i in range(0, len(pairs), batch):
+        group = [continuation_ids(tokenizer, head, tail) for head, tail in pairs[i:i + batch]]
+        width = max(len(ids) for ids, _ in group)
+        chunk = torch.tensor([ids + [eos] * (width - len(ids)) for ids, _ in group])
+        predicted = model(input_ids=chunk).logits.argmax(-1)
+        for row, ((ids, start), (head, _)) in enumerate(zip(group, pairs[i:i + batch])):
+            # a token across the boundary weighs the continuation's characters only
+            lengths = [max(len(head), len(tokenizer.decode(ids[:j], clean_up_tokenization_spaces=False)))
+                       for j in range(max(1, start), len(ids) + 1)]
+            for j, width_chars in zip(range(max(1, start), len(ids)), torch.tensor(lengths).diff().tolist()):
+                hit = int(predicted[row, j - 1]) == ids[j]
+                hits += hit
+                tokens += 1
+                hit_chars += hit * width_chars
+                chars += width_chars
+    return dict(per_token=hits / tokens, per_char=hit_chars / chars, tokens=tokens, chars=chars)
+
+
 def report(draft, tokenizer, target_dir: Path, draft_dir: Path, args, train_seconds: float,
            round_trip: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -245,6 +408,15 @@ def main():
     add_training_arguments(parser)
     parser.add_argument("--eval-chars", type=int, default=200_000,
                         help="held-out characters the report's perplexities are measured on")
+    parser.add_argument("--distill-continuations", type=int, default=768,
+                        help="the target's greedy continuations of training prompts the draft is then fine-tuned "
+                             "on (stage 3; 0: no distillation)")
+    parser.add_argument("--distill-prompt-tokens", type=int, default=96, help="target tokens per prompt")
+    parser.add_argument("--distill-new-tokens", type=int, default=96, help="target tokens per continuation")
+    parser.add_argument("--distill-steps", type=int, default=300)
+    parser.add_argument("--distill-lr", type=float, default=5e-4)
+    parser.add_argument("--agreement-prompts", type=int, default=64,
+                        help="held-out prompts whose target continuations the report's agreement is measured on")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -277,11 +449,66 @@ def main():
         seconds += time.time() - started
         seconds_file.write_text(f"{seconds:.1f}\n")
 
+    undistilled = copy.deepcopy(draft)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+    target_tokenizer = AutoTokenizer.from_pretrained(args.target)
+    distillation = None
+    if args.distill_continuations > 0:
+        timings = args.work / "draft_sp_distill.seconds"
+        spent = json.loads(timings.read_text()) if timings.exists() else dict(generation=0.0, finetune=0.0)
+        cache = args.work / (f"continuations_train_{args.distill_continuations}x"
+                             f"{args.distill_prompt_tokens}+{args.distill_new_tokens}.pt")
+        started = time.time()
+        complete = cache.exists() and len(torch.load(cache)["continuations"]) >= args.distill_continuations
+        pairs = target_continuations(target, target_tokenizer, "train", args.distill_continuations,
+                                     args.distill_prompt_tokens, args.distill_new_tokens, cache)
+        if not complete:
+            spent["generation"] += time.time() - started
+            timings.write_text(json.dumps(spent) + "\n")
+        started = time.time()
+        complete = (args.work / "draft_sp_distill.ckpt").exists() and \
+            torch.load(args.work / "draft_sp_distill.ckpt")["step"] >= args.distill_steps
+        draft = distill(draft, tokenizer, pairs, train_tokens, args, args.work)
+        if not complete:
+            spent["finetune"] += time.time() - started
+            timings.write_text(json.dumps(spent) + "\n")
+        log = [json.loads(line) for line in (args.work / "draft_sp_distill.log").read_text().splitlines()]
+        distillation = dict(
+            recipe="sequence-level: the target's greedy continuations of training prompts, decoded and re-tokenised "
+                   "by the draft's tokenizer; cross-entropy on the continuation's tokens (the prompt's masked), "
+                   "each step half such sequences, half ordinary training windows, the two losses averaged",
+            continuations=args.distill_continuations, split="train", prompt_tokens=args.distill_prompt_tokens,
+            new_tokens=args.distill_new_tokens, generation="HF generate, greedy, float32, batch 64",
+            steps=args.distill_steps, lr=args.distill_lr, schedule="warmup a tenth, cosine to a tenth",
+            batch=f"{args.batch // 2} continuations + {args.batch // 2} windows of {args.seq}",
+            minutes_generation=spent["generation"] / 60, minutes_finetune=spent["finetune"] / 60,
+            final_ce_target_text=log[-1]["ce_target_text"], final_ce_corpus=log[-1]["ce_corpus"])
+
     out = args.out / NAME
     export(draft, tokenizer, out)
     draft = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(out)
     result = report(draft, tokenizer, args.target, args.draft, args, seconds, round_trip)
+    if distillation is not None:
+        result["distillation"] = distillation
+    if args.agreement_prompts > 0:
+        held_out = target_continuations(target, target_tokenizer, "test", args.agreement_prompts,
+                                        args.distill_prompt_tokens, args.distill_new_tokens,
+                                        args.work / f"continuations_test_{args.agreement_prompts}x"
+                                                    f"{args.distill_prompt_tokens}+{args.distill_new_tokens}.pt",
+                                        desc="held-out continuations")
+        rates = {"draft_sp": agreement(draft, tokenizer, held_out)}
+        if distillation is not None:
+            rates["draft_sp_undistilled"] = agreement(undistilled.float(), tokenizer, held_out)
+        if args.draft.exists():
+            rates["draft"] = agreement(AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32),
+                                       AutoTokenizer.from_pretrained(args.draft), held_out)
+        result["agreement_with_target"] = dict(
+            text=f"the target's greedy continuations ({args.distill_new_tokens} target tokens) of "
+                 f"{args.agreement_prompts} held-out test prompts of {args.distill_prompt_tokens} tokens, "
+                 f"teacher-forced: how often each model's greedy next token is the text's next token in its own "
+                 f"tokens (per token, and per character: each token weighs the characters it adds)",
+            **rates)
     (out / "report.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
