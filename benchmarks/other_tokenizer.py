@@ -2,7 +2,7 @@
 
 The second draft, ``models/stdlib-draft-sp`` (``python benchmarks/train_other_draft.py``: a
 SentencePiece-style tokenizer of 3000 tokens and a draft of the bundled draft's shape trained
-on it, not distilled), drafts through :class:`spec_ext.drafters.OtherTokenizerDrafter` in
+on it, then on the target's re-tokenised greedy continuations), drafts through :class:`spec_ext.drafters.OtherTokenizerDrafter` in
 both modes (token-level intersection, string-level exact match); the bundled draft (the
 target's tokenizer, distilled from the target) drafts as usual. Held-out stdlib prompts,
 greedy, batch 1 and batch 8; tokens/s against the target alone (HF generate) in the same
