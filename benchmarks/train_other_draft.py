@@ -79,7 +79,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stdlib_data import read_text, split_files  # noqa: E402
 from train_pair import (DRAFT, STREAM_SEEDS, add_training_arguments, batches, encode_split, export,  # noqa: E402
-                        lr_at, make_model, train)
+                        lr_at, make_model, resume, train)
 
 NAME = "stdlib-draft-sp"
 VOCAB_SIZE = 3000
@@ -256,12 +256,7 @@ def distill(draft, tokenizer, pairs: list[tuple[str, str]], train_tokens: torch.
     steps = args.distill_steps
     ckpt = work / "draft_sp_distill.ckpt"
     optimizer = torch.optim.AdamW(draft.parameters(), lr=args.distill_lr, betas=(0.9, 0.95), weight_decay=0.1)
-    step = 0
-    if ckpt.exists():
-        state = torch.load(ckpt)
-        draft.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
+    step = resume(ckpt, draft, optimizer)
     if step >= steps:
         return draft
     # the data order, replayed from step 0 so that a resumed run sees the same batches

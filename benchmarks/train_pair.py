@@ -92,18 +92,23 @@ def lr_at(step: int, steps: int, peak: float, warmup: int = 200) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))))
 
 
+def resume(ckpt: Path, model, optimizer) -> int:
+    """The step a checkpoint was written at, its model and optimizer state loaded (0: no checkpoint)."""
+    if not ckpt.exists():
+        return 0
+    state = torch.load(ckpt)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return state["step"]
+
+
 def train(name: str, model, tokens, steps: int, args, work: Path, teacher=None, stream_seed: int | None = None):
     """Next-token training (teacher=None) or distillation from the teacher's logits.
     ``stream_seed``: the data order's seed (default ``STREAM_SEEDS[name]``), plus ``args.seed``."""
     ckpt = work / f"{name}.ckpt"
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.1)
-    step = 0
-    if ckpt.exists():
-        state = torch.load(ckpt)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
+    step = resume(ckpt, model, optimizer)
     if step >= steps:
         return model
     log = open(work / f"{name}.log", "a")
