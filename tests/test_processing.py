@@ -363,3 +363,19 @@ def test_token_healing_equals_hf():
     assert torch.equal(got, expected)
     with pytest.raises(ValueError, match="token_healing: needs the target's tokenizer"):
         fast.generate(ids, token_healing=True)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "gemma2", "qwen3"])
+def test_settings_on_other_architectures(kind):
+    """The HF-modules path (gpt2, gemma2) and the lean one (qwen3) under the settings: HF's output."""
+    from test_architectures import sharpened_model
+    target = sharpened_model(kind)
+    draft = perturbed(target, 0.01, seed=1)
+    ids, mask = padded(PROMPTS)
+    settings = dict(repetition_penalty=1.3, no_repeat_ngram_size=2, suppress_tokens=[5], min_new_tokens=4)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=[],
+                               pad_token_id=0, **settings)
+    out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=MAX_NEW, eos_token_id=[],
+                            pad_token_id=0, policy="fixed", **settings)
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.accepted > 0
