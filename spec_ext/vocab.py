@@ -29,6 +29,7 @@ import functools
 import hashlib
 import json
 import re
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -154,11 +155,21 @@ class VocabMap:
                         fit(self.target_to_draft, target_size, draft_size))
 
 
+_FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> (its size, its hash)
+
+
 def fingerprint(tokenizer, name: str) -> str:
     """A hash of everything that decides ``token_keys``: the tokenizer's JSON (vocabulary,
-    added tokens, pre-tokenizer, decoder) and its size."""
-    text = _fast(tokenizer, name).to_str() + f"|{len(tokenizer)}"
-    return hashlib.sha256(text.encode()).hexdigest()
+    added tokens, pre-tokenizer, decoder) and its size; kept per tokenizer object while its
+    size stays (serialising a large vocabulary takes tens of milliseconds)."""
+    backend = _fast(tokenizer, name)
+    kept = _FINGERPRINTS.get(tokenizer)
+    if kept is not None and kept[0] == len(tokenizer):
+        return kept[1]
+    text = backend.to_str() + f"|{len(tokenizer)}"
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    _FINGERPRINTS[tokenizer] = (len(tokenizer), digest)
+    return digest
 
 
 _MAPS: dict[tuple[str, str], VocabMap] = {}  # (draft hash, target hash) -> map; a few pairs per process

@@ -61,5 +61,5 @@ def build(draft, policy: Policy) -> Drafter | None:
     return None if draft is None else ModelDrafter(draft, policy)
 
 
-__all__ = ["Drafter", "HeadDrafter", "ModelDrafter", "OtherTokenizerDrafter", "Outcome", "Proposal", "Sampler", "TextDrafter", "TextFirst",
-           "build", "check_finite", "load", "pad_rows", "prefill"]
+__all__ = ["Drafter", "HeadDrafter", "ModelDrafter", "OtherTokenizerDrafter", "Outcome", "Proposal", "Sampler",
+           "TextDrafter", "TextFirst", "build", "check_finite", "load", "pad_rows", "prefill"]

@@ -194,7 +194,9 @@ class Sampler:
             raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
         if min_p is not None and not 0 <= min_p <= 1:
             raise ValueError(f"min_p: must be in [0, 1], got {min_p}")
-        for name, value in (("typical_p", typical_p), ("epsilon_cutoff", epsilon_cutoff), ("eta_cutoff", eta_cutoff)):
+        if typical_p is not None and not 0 < typical_p <= 1:
+            raise ValueError(f"typical_p: must be in (0, 1], got {typical_p}")
+        for name, value in (("epsilon_cutoff", epsilon_cutoff), ("eta_cutoff", eta_cutoff)):
             if value is not None and not 0 <= value <= 1:
                 raise ValueError(f"{name}: must be in [0, 1], got {value}")
         self.greedy = temperature == 0

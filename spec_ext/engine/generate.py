@@ -230,7 +230,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     eos_ids = token_ids(eos_token_id if eos_token_id is not None else target.generation_config.eos_token_id,
                         "eos_token_id")
     call = resolve_settings(target, settings, eos_ids, logits_processor, prefix_allowed_tokens_fn,
-                   (temperature or 0) > 0)
+                            sampling=(temperature or 0) > 0)
     _check_tokenizer(tokenizer, target)
     if call.token_healing:
         input_ids, attention_mask = _healed(target, tokenizer, input_ids, attention_mask)
@@ -264,9 +264,9 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     if seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(seed)
     policy.bind(target, None if drafter is None else drafter.proposer)
-    models = [m for m in (target, draft) if m is not None]
-    processors = make_processors(call, prompts, max(map(vocabulary_size, models[:1] if across else models)),
-                                 tokenizer, grammar,
+    # a draft of another tokenizer keeps its own vocabulary (its drafter maps it to the target's)
+    fitted = [m for m in (target, None if across else draft) if m is not None]
+    processors = make_processors(call, prompts, max(map(vocabulary_size, fitted)), tokenizer, grammar,
                                  vocabulary_size(target))
     if processors is not None:
         if policy.parallel:
@@ -288,8 +288,6 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         if streamer is not None:
             streamer.put(torch.tensor([prompts[0]]))
         # the draft's rounding changes only which tokens are proposed, never the output
-        # a draft of another tokenizer keeps its own vocabulary (its drafter maps it to the target's)
-        fitted = models[:1] if across else models
         with attention_implementation(*fitted, fast_linear=[fast_linear, fast_linear or "auto"][:len(fitted)],
                                       vocab_size=vocabulary_size(target)):
             stats = loop.run()

@@ -39,7 +39,7 @@ class CallSettings:
 
 
 def resolve_settings(target, settings: dict, eos: list[int], logits_processor, prefix_allowed_tokens_fn,
-            sampling: bool) -> CallSettings:
+                     sampling: bool) -> CallSettings:
     """The call's settings (``settings`` by HF's names, else ``target.generation_config``'s),
     each checked by name."""
     check_names(settings)
