@@ -25,6 +25,7 @@ Example:
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import json
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["VocabMap", "token_keys", "vocab_map"]
+__all__ = ["PrefixIndex", "VocabMap", "prefix_index", "token_keys", "vocab_map"]
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -211,3 +212,47 @@ def _build(draft_tokenizer, target_tokenizer) -> VocabMap:
         if t is not None:
             d2t[d], t2d[t] = t, d
     return VocabMap(d2t, t2d)
+
+
+@dataclass(frozen=True)
+class PrefixIndex:
+    """One vocabulary's ordinary tokens by their bytes, to find every token whose bytes begin
+    with given bytes (token healing: the draft's next token must spell the text its context
+    left out). ``token_bytes[i]``: token i's bytes (None for added and special tokens, and
+    for ids whose bytes cannot be read); ``rank`` [V] int64: each id's place in the
+    tokens sorted by bytes (``len(token_bytes)`` for the None ones, which no range holds);
+    ``spelled``: the tokens' bytes, joined, are the text (byte-level BPE, SentencePiece style);
+    False where the decoder writes the spaces between tokens (word-level, WordPiece)."""
+    token_bytes: tuple[bytes | None, ...]
+    rank: Tensor
+    spelled: bool
+    _sorted: tuple[bytes, ...]
+
+    def bounds(self, prefix: bytes) -> tuple[int, int]:
+        """(lo, hi): the ranks of the tokens whose bytes begin with ``prefix`` are lo..hi-1."""
+        lo = bisect.bisect_left(self._sorted, prefix)
+        trimmed = prefix.rstrip(b"\xff")  # every bytes that begin with prefix sort below its successor
+        if not trimmed:
+            return lo, len(self._sorted)
+        return lo, bisect.bisect_left(self._sorted, trimmed[:-1] + bytes([trimmed[-1] + 1]), lo)
+
+
+_PREFIXES: dict[str, PrefixIndex] = {}  # tokenizer hash -> index; a few per process
+
+
+def prefix_index(tokenizer, name: str = "tokenizer") -> PrefixIndex:
+    """The :class:`PrefixIndex` of ``tokenizer``'s vocabulary (computed once per tokenizer,
+    cached by its hash)."""
+    key = fingerprint(tokenizer, name)
+    if key not in _PREFIXES:
+        if len(_PREFIXES) >= 16:
+            _PREFIXES.pop(next(iter(_PREFIXES)))
+        token_bytes = tuple(k[1] if k is not None and k[0] == "bytes" else None for k in token_keys(tokenizer, name))
+        order = sorted((b, i) for i, b in enumerate(token_bytes) if b is not None)
+        rank = torch.full((len(token_bytes),), len(token_bytes), dtype=torch.int64)
+        for r, (_, i) in enumerate(order):
+            rank[i] = r
+        style, _ = _style(json.loads(_fast(tokenizer, name).to_str()))
+        _PREFIXES[key] = PrefixIndex(token_bytes, rank, style in ("byte_level", "metaspace"),
+                                     tuple(b for b, _ in order))
+    return _PREFIXES[key]

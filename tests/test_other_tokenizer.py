@@ -16,7 +16,7 @@ import spec_ext
 from spec_ext.drafters.other_tokenizer import OtherTokenizerDrafter
 from spec_ext.engine import Sampler
 from spec_ext.policies import Auto, Fixed, SVIP, resolve
-from spec_ext.vocab import token_keys, vocab_map
+from spec_ext.vocab import prefix_index, token_keys, vocab_map
 from helpers import assert_follows, exact_joint, llama, make_policy, ragged_greedy_equals_target
 
 TEXT = ("the cat sat on the mat. the dog sat on the log. a cat and a dog ran to the mat, and the cat sat. "
@@ -297,11 +297,11 @@ def test_generate_and_accelerate_take_the_tokenizers():
         got = fast.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=[],
                             pad_token_id=0)
         assert torch.equal(got, expected), mode
-        assert fast.last_stats.tokenizer_mode == ("tli" if mode == "auto" else mode)
+        assert fast.last_stats.tokenizer_mode == ("slem" if mode == "auto" else mode)  # auto: see test_auto_...
         assert fast.last_stats.accepted > 0
     out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[],
                             pad_token_id=0, policy="fixed", tokenizer=target_tok, assistant_tokenizer=draft_tok)
-    assert torch.equal(out.sequences, expected) and out.stats.tokenizer_mode == "tli"
+    assert torch.equal(out.sequences, expected) and out.stats.tokenizer_mode == "slem"
     # the same tokenizer on both sides: the plain drafter
     same = spec_ext.generate(target, target, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=[],
                              pad_token_id=0, tokenizer=target_tok, assistant_tokenizer=target_tok)
@@ -318,15 +318,74 @@ def test_pairs_without_tokenizers_are_refused_by_name():
 
 
 def test_a_draft_of_another_tokenizer_under_hf_settings():
-    """TLI drafts are target ids processed like the target's: exact under the settings."""
+    """TLI drafts are target ids processed like the target's, SLEM's are checked by the
+    target's processed logits: exact under the settings either way."""
     target_tok, draft_tok = tokenizer("bytes300"), tokenizer("sp")
     target, draft = trained("bytes300", 0), trained("sp", 1)
     _, ids, mask = ragged(target_tok, PROMPTS)
     settings = dict(repetition_penalty=1.3, no_repeat_ngram_size=3)
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=[],
                                pad_token_id=0, **settings)
-    fast = spec_ext.accelerate(target, draft, policy="fixed", tokenizer=target_tok, draft_tokenizer=draft_tok)
-    got = fast.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=[],
-                        pad_token_id=0, **settings)
-    assert torch.equal(got, expected)
-    assert fast.last_stats.accepted > 0 and fast.last_stats.tokenizer_mode == "tli"
+    for mode in ("tli", "slem"):
+        fast = spec_ext.accelerate(target, draft, policy="fixed", tokenizer=target_tok, draft_tokenizer=draft_tok,
+                                   tokenizer_mode=mode)
+        got = fast.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=[],
+                            pad_token_id=0, **settings)
+        assert torch.equal(got, expected), mode
+        assert fast.last_stats.accepted > 0 and fast.last_stats.tokenizer_mode == mode
+
+
+# ------------------------------------------------------------------ token healing and auto
+@pytest.mark.parametrize("name", ["bytes300", "sp", "chars"])
+def test_the_prefix_index_finds_every_token_that_begins_with_given_bytes(name):
+    tok = tokenizer(name)
+    index = prefix_index(tok)
+    keys = token_keys(tok)
+    assert index.spelled
+    for prefix in [b"", b" ", b" c", b"ca", b"\xc3", "é".encode(), b"the", b"\xff", b"zzz"]:
+        lo, hi = index.bounds(prefix)
+        found = {i for i in range(len(tok)) if lo <= int(index.rank[i]) < hi}
+        expected = {i for i, k in enumerate(keys) if k is not None and k[0] == "bytes" and k[1].startswith(prefix)}
+        assert found == expected, prefix
+    assert not prefix_index(word_level(["a", "b"])).spelled  # the decoder writes its spaces
+
+
+def test_token_healing_drafts_across_the_committed_texts_end():
+    """A target of nearly characters cuts words anywhere; the draft's word-sized tokens then
+    end its context mid-word ("Ġc" of "Ġcat"). Healed (the last token left out, the first
+    draft token beginning with its bytes) its drafts are accepted more, and stay exact."""
+    target, draft = trained("chars", 0), trained("bytes300", 1)
+    accepted = {}
+    for heal in (True, False):
+        drafter = OtherTokenizerDrafter(draft, tokenizer("bytes300"), tokenizer("chars"), Fixed(4), mode="slem")
+        if not heal:
+            drafter._left_out = lambda *args: None
+        out = greedy_equal(target, drafter, PROMPTS * 2, tokenizer("chars"), max_new=30)
+        accepted[heal] = out.stats.mean_accepted
+    assert accepted[True] > accepted[False] + 0.3, accepted
+
+
+@pytest.mark.parametrize("target_name,draft_name,temperature", [("chars", "bytes300", 0.0), ("bytes300", "sp", 0.0),
+                                                                ("permuted", "permuted", 1.0)])
+def test_auto_runs_the_mode_that_accepts_more(target_name, draft_name, temperature):
+    """Each mode alone, then auto: after its probe rounds auto runs the mode whose drafts
+    were accepted more (SLEM on greedy pairs of other vocabularies, TLI where one
+    vocabulary is the other's permutation, sampled)."""
+    if target_name == "permuted":
+        target, target_tok, draft, draft_tok, _ = permuted_pair(3)
+        prompts = ["a b c", "d e f g h", "l"] * 2
+    else:
+        target, draft = trained(target_name, 0), trained(draft_name, 1)
+        target_tok, draft_tok, prompts = tokenizer(target_name), tokenizer(draft_name), PROMPTS * 2
+    _, ids, mask = ragged(target_tok, prompts)
+    measured = {}
+    for mode in ("tli", "slem", "auto"):
+        drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(4), mode=mode)
+        out = spec_ext.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=60, eos_token_id=[],
+                                temperature=temperature, seed=0)
+        measured[mode] = out.stats.mean_accepted
+    better = max(("tli", "slem"), key=measured.get)
+    assert abs(measured["tli"] - measured["slem"]) > 0.5, measured  # a choice that matters
+    rounds = drafter.rounds_by_mode
+    assert drafter.mode_used == better and min(rounds.values()) >= 3, (measured, rounds)
+    assert rounds[better] >= 3 * rounds["slem" if better == "tli" else "tli"], (measured, rounds)
