@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 import spec_ext
 from spec_ext.drafters.other_tokenizer import OtherTokenizerDrafter
 from spec_ext.engine import Sampler
-from spec_ext.policies import Auto, Fixed, SVIP, resolve
+from spec_ext.policies import SVIP, Auto, DynamicTree, Fixed, NGram, Tree, resolve
 from spec_ext.vocab import prefix_index, token_keys, vocab_map
 from helpers import assert_follows, exact_joint, llama, make_policy, ragged_greedy_equals_target
 
@@ -165,8 +165,8 @@ def test_a_slow_tokenizer_or_a_bad_mode_is_refused_by_name():
         vocab_map(tokenizer("sp"), object())
     with pytest.raises(ValueError, match="mode"):
         OtherTokenizerDrafter(trained("sp", 1), tokenizer("sp"), tokenizer("bytes300"), Fixed(3), mode="x")
-    with pytest.raises(ValueError, match="policy"):
-        OtherTokenizerDrafter(trained("sp", 1), tokenizer("sp"), tokenizer("bytes300"), spec_ext.policies.Tree())
+    with pytest.raises(ValueError, match="policy: PEARL drafts beside the verification"):
+        OtherTokenizerDrafter(trained("sp", 1), tokenizer("sp"), tokenizer("bytes300"), spec_ext.policies.PEARL())
 
 
 def test_a_draft_that_covers_little_of_the_prompts_warns_and_auto_picks_slem():
@@ -184,10 +184,13 @@ def test_a_draft_that_covers_little_of_the_prompts_warns_and_auto_picks_slem():
 # ------------------------------------------------------------------ greedy equality
 @pytest.mark.parametrize("mode", ["tli", "slem"])
 @pytest.mark.parametrize("draft_name,policy", [("sp", Fixed(4)), ("bytes280", Auto()), ("sp", SVIP()),
-                                               ("sp", "specdecpp"), ("bytes280", "adalength")])
+                                               ("sp", "specdecpp"), ("bytes280", "adalength"),
+                                               ("sp", Tree((3, 2, 1))), ("bytes280", DynamicTree(4, 4, 16))])
 def test_greedy_equals_the_target_on_a_ragged_batch(mode, draft_name, policy):
     """Every kind of length policy: fixed, adaptive on the host (Auto), on the draft's
-    distribution (SVIP), on the draft's hidden state (SpecDecPP), on the target's (AdaLength)."""
+    distribution (SVIP), on the draft's hidden state (SpecDecPP), on the target's (AdaLength);
+    and trees, static and EAGLE-2's (TLI: target ids grown from the shared tokens' logits;
+    SLEM: each path's text re-tokenised, the paths merged)."""
     target, draft = trained("bytes300", 0), trained(draft_name, 1)
     policy = resolve(make_policy(policy, target, draft)) if isinstance(policy, str) else copy.deepcopy(policy)
     drafter = OtherTokenizerDrafter(draft, tokenizer(draft_name), tokenizer("bytes300"), policy, mode=mode)
@@ -254,10 +257,15 @@ def test_a_permuted_vocabulary_is_accepted_always_greedy_and_sampled():
 LAW_WORDS = ["a", "b", "c", "d", "e"]  # with the 3 specials: a target vocabulary of 8 (helpers.VOCAB)
 
 
-@pytest.mark.parametrize("mode,draft_kind,temperature,top_k", [
-    ("tli", "permuted", 1.0, None), ("tli", "other", 1.0, None), ("tli", "other", 0.7, 5),
-    ("slem", "other", 1.0, None)])
-def test_sampling_follows_the_targets_law_by_enumeration(mode, draft_kind, temperature, top_k):
+@pytest.mark.parametrize("mode,draft_kind,temperature,top_k,policy", [
+    ("tli", "permuted", 1.0, None, "fixed"), ("tli", "other", 1.0, None, "fixed"), ("tli", "other", 0.7, 5, "fixed"),
+    ("slem", "other", 1.0, None, "fixed"), ("tli", "other", 1.0, None, "tree"), ("slem", "other", 1.0, None, "tree"),
+    ("tli", "other", 1.0, None, "dynamictree"), ("auto", "other", 1.0, None, "ngram"),
+    ("tli", "other", 1.0, None, "ngramtree")])
+def test_sampling_follows_the_targets_law_by_enumeration(mode, draft_kind, temperature, top_k, policy):
+    """Chains, trees (deterministic: the policy's top-k or EAGLE-2's tree of either mode) and
+    the text's drafts beside the draft (NGram: chains with the draft's q on the rows without
+    a match, one-hot on the others; trees)."""
     target_tok = word_level(LAW_WORDS)
     target = llama(len(target_tok), 32, 2, seed=10, sharpen=3.0)
     if draft_kind == "permuted":
@@ -272,12 +280,19 @@ def test_sampling_follows_the_targets_law_by_enumeration(mode, draft_kind, tempe
         draft = llama(len(draft_tok), 32, 1, seed=12, sharpen=3.0)
     prompt = [3, 4, 5]  # "a b c"
     n = 4000
-    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(3), mode=mode)
+    policy = {"fixed": Fixed(3), "tree": Tree((2, 2)), "dynamictree": DynamicTree(3, 2, 6),
+              "ngram": NGram(n_min=1, tree=False), "ngramtree": NGram(n_min=1, tree=True)}[policy]
+    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, policy, mode=mode)
+    if policy.drafts_from_text:  # "a b c" + 3: a row whose last token occurred before has a match
+        drafter = spec_ext.drafters.TextFirst(spec_ext.drafters.TextDrafter(policy), drafter)
+        prompt = [3, 4, 3]
     out = spec_ext.generate(target, drafter, [prompt] * n, max_new_tokens=3, temperature=temperature, top_k=top_k,
-                            eos_token_id=[], seed=7)
+                            eos_token_id=[], seed=7, policy=policy)
     assert_follows(out.sequences[:, len(prompt):].numpy(), exact_joint(target, Sampler(temperature, top_k, None),
                                                                        prompt=prompt))
     assert out.stats.accepted > 0
+    if policy.drafts_from_text:  # both kinds of row, both accepted
+        assert 0 < out.stats.text_accepted < out.stats.accepted, out.stats.as_dict()
     if draft_kind == "permuted":
         assert out.stats.acceptance_rate > 0.99, out.stats.as_dict()
 
@@ -389,3 +404,25 @@ def test_auto_runs_the_mode_that_accepts_more(target_name, draft_name, temperatu
     rounds = drafter.rounds_by_mode
     assert drafter.mode_used == better and min(rounds.values()) >= 3, (measured, rounds)
     assert rounds[better] >= 3 * rounds["slem" if better == "tli" else "tli"], (measured, rounds)
+
+
+# ------------------------------------------------------------------ beside the text's drafts
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("mode", ["tli", "slem"])
+def test_beside_ngram_drafts_greedy_equals_the_target(mode, tree):
+    """NGram with a draft of another tokenizer (generate's policy="ngram" with the two
+    tokenizers): rows with a match draft from their text, the others from the draft, in one
+    verification; greedy equal to target.generate on a ragged batch, both kinds accepted."""
+    target, draft = trained("bytes300", 0), trained("sp", 1)
+    target_tok, draft_tok = tokenizer("bytes300"), tokenizer("sp")
+    prompts = ["the cat sat on the mat. the dog sat on", "café au lait", "then the dog ran to the log and sat on it. "
+               "then the dog ran", "a cat and"]
+    _, ids, mask = ragged(target_tok, prompts)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=[],
+                               pad_token_id=0)
+    out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=30, eos_token_id=[],
+                            pad_token_id=0, policy=NGram(tree=tree), tokenizer=target_tok,
+                            assistant_tokenizer=draft_tok, tokenizer_mode=mode)
+    assert torch.equal(out.sequences, expected)
+    assert 0 < out.stats.text_accepted < out.stats.accepted and out.stats.draft_calls > 0, out.stats.as_dict()
+    assert out.stats.tokenizer_mode == mode

@@ -4,9 +4,9 @@
 |---|---|---|
 | :class:`ModelDrafter` | a draft model's chain (length policies), ``Tree`` or ``DynamicTree`` | its KV cache |
 | :class:`TextDrafter` | each row's own text: chains or trees of continuations (``NGram``) | an n-gram index per row |
-| :class:`TextFirst` | the text, and the draft model for the rows without a match | both |
+| :class:`TextFirst` | the text, and the draft model (either tokenizer) for the rows without a match | both |
 | :class:`HeadDrafter` | an EAGLE-1/3 head on the target's hidden states: chains or trees | its KV cache |
-| :class:`OtherTokenizerDrafter` | a draft model with another tokenizer: chains of target ids (TLI, SLEM) | its tokens of the text, its KV cache |
+| :class:`OtherTokenizerDrafter` | a draft model with another tokenizer: chains or trees of target ids (TLI, SLEM) | its tokens of the text, its KV cache |
 
 A drafter returns a :class:`Proposal` (a chain or a tree, with the q each draft was drawn
 from, or None for deterministic drafts) and is told the :class:`Outcome`; the engine

@@ -41,11 +41,14 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, check_finite, draft_chain, pad_rows
+from spec_ext.drafters.base import (Drafter, Outcome, Proposal, Sampler, check_finite, draft_chain, grow_dynamic_tree,
+                                    grow_static_tree, pad_rows)
+from spec_ext.drafters.text import tree_proposal
 from spec_ext.models import SpecCache, attention_implementation, check_pair, forward, vocabulary_size
-from spec_ext.policies import Policy
+from spec_ext.policies import Policy, continuation_tree
 from spec_ext.vocab import PrefixIndex, VocabMap, prefix_index, vocab_map
 
 MODES = ("tli", "slem", "auto")
@@ -58,19 +61,18 @@ SCAN = 16  # draft tokens further back searched for a word start where the windo
 
 class OtherTokenizerDrafter(Drafter):
     """Drafts with ``model``, a causal LM whose tokenizer ``tokenizer`` is not the target's
-    ``target_tokenizer``, under ``policy`` (a chain length policy), in ``mode`` (see the
+    ``target_tokenizer``, under ``policy`` (a chain length policy or a tree; beside the text's
+    drafts, :class:`~spec_ext.drafters.TextFirst` asks it for chains), in ``mode`` (see the
     module docstring). Both tokenizers must be fast (tokenizers-library) tokenizers."""
 
     def __init__(self, model, tokenizer, target_tokenizer, policy: Policy, mode: str = "auto"):
         super().__init__(policy)
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
-        if policy.branching is not None or policy.grows_dynamic_tree:
-            raise ValueError(f"policy: {type(policy).__name__} drafts a tree; a draft with another tokenizer drafts "
-                             f"chains only for now (use a chain length policy, e.g. Fixed or Auto)")
-        if policy.parallel or policy.drafts_from_text:
-            raise ValueError(f"policy: {type(policy).__name__} is not supported with a draft of another tokenizer "
-                             f"(chain length policies only)")
+        if policy.parallel:
+            raise ValueError(f"policy: {type(policy).__name__} drafts beside the verification, from a draft that "
+                             f"shares the target's tokens; a draft with another tokenizer runs with serial policies "
+                             f"(chains, trees, NGram beside it)")
         self.model, self.tokenizer, self.target_tokenizer, self.mode = model, tokenizer, target_tokenizer, mode
         self.vocab: VocabMap = vocab_map(tokenizer, target_tokenizer)
         self.prefixes: PrefixIndex = prefix_index(tokenizer, "draft_tokenizer")
@@ -107,7 +109,7 @@ class OtherTokenizerDrafter(Drafter):
         self.share = share = self.map.share_by_frequency([t for s in seqs for t in s])
         self.rounds_by_mode = {"tli": 0, "slem": 0}
         self.tally = {"tli": [0, 0], "slem": [0, 0]}  # (rows, accepted drafts) of the rounds in each mode
-        self.current = None
+        self.current, self._own = None, None  # this round's mode, and its rows (None: all) beside the text's
         if self.mode == "tli" and share < MIN_SHARE:
             warnings.warn(f"draft: its vocabulary covers {share:.0%} of the prompts' target tokens (by frequency); "
                           f"token-level intersection will rarely be accepted (try mode='slem')", stacklevel=3)
@@ -202,7 +204,7 @@ class OtherTokenizerDrafter(Drafter):
             feed.append(new[c:])
             healed.append(left_out)
         self.cache.rollback(keep)
-        self._reserve(max(k + len(f) for k, f in zip(keep, feed)) + self.policy.max_draft + 3)
+        self._reserve(max(k + len(f) for k, f in zip(keep, feed)))
         ids = pad_rows(feed, 0, self.device)
         positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
         out = self._forward(ids, positions)
@@ -237,23 +239,64 @@ class OtherTokenizerDrafter(Drafter):
         cache.capacity = capacity
         cache._set_buffer(grown)
 
-    def _forward(self, ids: Tensor, positions: Tensor):
+    def _forward(self, ids: Tensor, positions: Tensor, mask: Tensor | None = None):
         """The draft's logits [B,T,Vd] over its own vocabulary (and hidden states [B,T,H])."""
         self.calls += 1
-        return forward(self.model, ids, self.cache, positions, None, self.hidden)
+        return forward(self.model, ids, self.cache, positions, mask, self.hidden)
 
     # ------------------------------------------------------------------ rounds
     def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
+        if self.policy.branching is None and not self.policy.grows_dynamic_tree:
+            drafts, q, num_draft = self.chain(seqs)
+            return Proposal(drafts, num_draft, q)
+        self._begin(seqs)
+        with attention_implementation(self.model, fast_linear="auto"):
+            if self.current == "tli":
+                return self._tli_tree(self._sync()[0], roots)
+            logits, _, healed = self._sync(heal=True)
+            return self._slem_tree(logits, healed)
+
+    def chain(self, seqs: list[list[int]], budget: list[int] | None = None, forced: Tensor | None = None,
+              forced_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
+        """A chain per row of up to ``budget[b]`` target tokens (None: the policy's ``plan()``),
+        where the policy's ``keep_drafting`` says. ``forced`` [B,k] replaces the drafts of
+        ``forced_rows`` [B] bool (the text's drafts beside this drafter: its next round
+        re-tokenises whatever the target commits, so nothing is fed for them). Returns drafts
+        [B,K] of target ids (-1 padded), the q [B,K,Vt] each was drawn from (None when
+        deterministic) and num_draft [B]."""
+        self._begin(seqs)
+        budget = self.policy.plan() if budget is None else budget
+        with attention_implementation(self.model, fast_linear="auto"):
+            if self.current == "tli":
+                drafts, q, num_draft = self._tli(*self._sync()[:2], budget)
+            else:
+                (drafts, num_draft), q = self._slem(*self._sync(heal=True), budget), None
+        if forced is not None:
+            width = max(drafts.shape[1], forced.shape[1])
+            drafts = torch.where(forced_rows[:, None], F.pad(forced, (0, width - forced.shape[1]), value=-1),
+                                 F.pad(drafts, (0, width - drafts.shape[1]), value=-1))
+            num_draft = torch.where(forced_rows, (forced >= 0).sum(1), num_draft)
+            if q is not None:
+                q = F.pad(q, (0, 0, 0, width - q.shape[1]))
+            self._own = (~forced_rows).tolist()
+        return drafts, q, num_draft
+
+    def feeds(self, drafts: int, rows: Tensor | None = None, rows_host: list[bool] | None = None) -> None:
+        """(Beside the text's drafts) ``rows_host``: the rows whose drafts are this drafter's
+        (None: every row); nothing else to keep: the next round re-tokenises the text."""
+        self._own = rows_host
+
+    def skip(self) -> None:
+        """(Beside the text's drafts) a round without this drafter: nothing to do."""
+        self.current = None
+
+    def _begin(self, seqs: list[list[int]]) -> None:
+        """Bring the rows' texts up to ``seqs`` and choose the round's mode."""
         self._decode(seqs)
         if self.policy.uses_bonus_agreement:  # not computed across tokenizers: counts as broken
             self.policy.see_bonus_agreement(torch.zeros(len(seqs), dtype=torch.bool, device=self.device))
-        # the draft's logits over its own vocabulary, whatever an enclosing generate pads them to
-        with attention_implementation(self.model, fast_linear="auto"):
-            self.current = self._choose()
-            self.rounds_by_mode[self.current] += 1
-            if self.current == "tli":
-                return self._tli(*self._sync()[:2])
-            return self._slem(*self._sync(heal=True))
+        self.current, self._own = self._choose(), None
+        self.rounds_by_mode[self.current] += 1
 
     @property
     def mode_used(self) -> str | None:
@@ -279,12 +322,104 @@ class OtherTokenizerDrafter(Drafter):
         best, behind = ("tli", "slem") if mean["tli"] >= mean["slem"] else ("slem", "tli")
         return behind if n % REPROBE == 0 else best
 
+    def _to_target(self, draft_logits: Tensor) -> Tensor:
+        """[...,Vd] -> [...,Vt]: the shared tokens' logits at their target ids, -inf elsewhere."""
+        shared, targets, _ = self._tables
+        out = draft_logits.new_full((*draft_logits.shape[:-1], self.target_size), float("-inf"))
+        out[..., targets] = draft_logits[..., shared]
+        return out
+
+    def _tli(self, logits: Tensor, hidden: Tensor | None, budget: list[int]):
+        """Token-level intersection: drafts are target ids drawn from the draft's law on the
+        shared tokens, with that law (pushed onto the target's vocabulary) as q [B,K,Vt]."""
+        t2d = self._tables[2]
+        return self._chain(logits, hidden, self.sampler, budget, to_draft=lambda token: t2d[token].clamp_min(0),
+                           to_logits=self._to_target)
+
+    def _tli_tree(self, logits: Tensor, roots: Tensor) -> Proposal:
+        """The policy's tree of target ids grown from the draft's logits on the shared tokens
+        (a static tree's top-k or EAGLE-2's scores), re-fed to the draft as its own ids."""
+        t2d, context_last = self._tables[2], self._context_last()
+
+        def refeed(tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
+            ids = t2d[tokens.clamp_min(0)].clamp_min(0)
+            ids[:, 0] = context_last
+            return self._to_target(self._refeed(ids, depth, mask))
+
+        grow = grow_static_tree if self.policy.branching is not None else grow_dynamic_tree
+        return grow(self.policy, self._to_target(logits), roots, refeed, self.sampler)
+
+    def _slem(self, logits: Tensor, hidden: Tensor | None, healed: list[bytes | None], budget: list[int]):
+        """String-level exact match: the draft's greedy chain (its first token beginning with
+        the bytes its context left out, where ``healed`` has them), its text re-tokenised by
+        the target's tokenizer: deterministic drafts [B,K] and num_draft [B]."""
+        steps = [k + (r is not None) for k, r in zip(budget, healed)]
+        drafts, _, num_draft = self._chain(self._heal(logits, healed), hidden, Sampler(0.0), steps)
+        texts = [self._text_of(b, row[:n], left_out)
+                 for b, (row, n, left_out) in enumerate(zip(drafts.tolist(), num_draft.tolist(), healed))]
+        proposals = [ids[:k] for ids, k in zip(self._retokenise(texts), budget)]
+        tokens = pad_rows([p or [-1] for p in proposals], -1, self.device)
+        return tokens, torch.tensor([len(p) for p in proposals], device=self.device)
+
+    def _slem_tree(self, logits: Tensor, healed: list[bytes | None]) -> Proposal:
+        """The policy's tree grown in the draft's vocabulary (healed as the chain is); each
+        root-to-leaf path's text re-tokenised by the target's tokenizer, the paths merged
+        into one tree of target tokens with as many nodes as the draft's
+        (:func:`~spec_ext.policies.continuation_tree`, the most shared nodes kept)."""
+        grow = grow_static_tree if self.policy.branching is not None else grow_dynamic_tree
+        tree = grow(self.policy, self._heal(logits, healed), self._context_last(),
+                    lambda tokens, parents, depth, mask: self._refeed(tokens, depth, mask))
+        B, T = tree.tokens.shape
+        tokens, parents = tree.tokens.tolist(), tree.parents.expand(B, T).tolist()
+        rows, texts = [], []
+        for b in range(B):
+            inner = set(parents[b][1:])
+            for leaf in range(1, T):
+                if leaf in inner or tokens[b][leaf] < 0:
+                    continue
+                path, node = [], leaf
+                while node > 0:
+                    path.append(tokens[b][node])
+                    node = parents[b][node]
+                rows.append(b)
+                texts.append(self._text_of(b, path[::-1], healed[b]))
+        paths = [[] for _ in range(B)]
+        for b, ids in zip(rows, self._retokenise(texts, rows)):
+            paths[b].append(ids)
+        trees = [continuation_tree(p, T) for p in paths]
+        return tree_proposal(trees, self.device, from_text=[False] * B)[0]
+
+    def _heal(self, logits: Tensor, healed: list[bytes | None]) -> Tensor:
+        """``logits`` [B,Vd] with every token that does not begin with row b's left-out
+        bytes ``healed[b]`` at -inf (rows with None as they are)."""
+        if all(left_out is None for left_out in healed):
+            return logits
+        everything = (-1, len(self.prefixes.token_bytes) + 1)
+        lo, hi = torch.tensor([everything if r is None else self.prefixes.bounds(r) for r in healed],
+                              device=self.device).T
+        allowed = (self._rank >= lo[:, None]) & (self._rank < hi[:, None])
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    def _context_last(self) -> Tensor:
+        """[B] the last draft token of each row's context (a tree's root, re-fed in place)."""
+        return torch.tensor([ids[-1] for ids in self.dids], device=self.device)
+
+    def _refeed(self, ids: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
+        """The draft's logits [B,n,Vd] at every node of a tree of draft ids (node 0 the
+        context's last token, at its own position again; the cache keeps the context)."""
+        self.cache.rollback([x - 1 for x in self.cache.host_lengths])
+        self._reserve(max(self.cache.host_lengths) + ids.shape[1])
+        out = self._forward(ids, self.cache.lengths[:, None] + depth, mask)
+        self.cache.advance([1] * len(ids))
+        return out[0] if self.hidden else out
+
     def _chain(self, logits: Tensor, hidden: Tensor | None, sampler: Sampler, budget: list[int], to_draft=None,
                to_logits=None):
         """:func:`draft_chain` over the draft's cache: ``to_draft`` maps a proposed token to
         the draft id fed, ``to_logits`` the draft's logits to those proposed from. Each row's
         fed tokens are appended to its draft tokens (unaligned: the next sync replaces them)."""
         B, fed = len(self.text), []
+        self._reserve(max(self.cache.host_lengths) + max(budget))
 
         def step(token: Tensor) -> tuple[Tensor, Tensor | None]:
             ids = token if to_draft is None else to_draft(token)
@@ -300,40 +435,6 @@ class OtherTokenizerDrafter(Drafter):
             for b, row in enumerate(torch.stack(fed, 1).tolist()):
                 self.dids[b] += row
         return drafts, q, num_draft
-
-    def _tli(self, logits: Tensor, hidden: Tensor | None) -> Proposal:
-        """Token-level intersection: drafts are target ids drawn from the draft's law on the
-        shared tokens, with that law (pushed onto the target's vocabulary) as q [B,K,Vt]."""
-        shared, targets, t2d = self._tables
-
-        def to_target(draft_logits: Tensor) -> Tensor:
-            """[B,Vd] -> [B,Vt]: the shared tokens' logits at their target ids, -inf elsewhere."""
-            out = draft_logits.new_full((draft_logits.shape[0], self.target_size), float("-inf"))
-            out[:, targets] = draft_logits[:, shared]
-            return out
-
-        drafts, q, num_draft = self._chain(logits, hidden, self.sampler, self.policy.plan(),
-                                           to_draft=lambda token: t2d[token].clamp_min(0), to_logits=to_target)
-        return Proposal(drafts, num_draft, q)
-
-    def _slem(self, logits: Tensor, hidden: Tensor | None, healed: list[bytes | None]) -> Proposal:
-        """String-level exact match: the draft's greedy chain (its first token beginning with
-        the bytes its context left out, where ``healed`` has them), its text re-tokenised by
-        the target's tokenizer; the settled target tokens are deterministic drafts."""
-        budget = self.policy.plan()
-        if any(left_out is not None for left_out in healed):
-            everything = (-1, len(self.prefixes.token_bytes) + 1)
-            lo, hi = torch.tensor([everything if r is None else self.prefixes.bounds(r) for r in healed],
-                                  device=self.device).T
-            allowed = (self._rank >= lo[:, None]) & (self._rank < hi[:, None])
-            logits = logits.masked_fill(~allowed, float("-inf"))
-        steps = [k + (r is not None) for k, r in zip(budget, healed)]
-        drafts, _, num_draft = self._chain(logits, hidden, Sampler(0.0), steps)
-        texts = [self._text_of(b, row[:n], left_out)
-                 for b, (row, n, left_out) in enumerate(zip(drafts.tolist(), num_draft.tolist(), healed))]
-        proposals = [ids[:k] for ids, k in zip(self._retokenise(texts), budget)]
-        tokens = pad_rows([p or [-1] for p in proposals], -1, self.device)
-        return Proposal(tokens, torch.tensor([len(p) for p in proposals], device=self.device))
 
     def _text_of(self, b: int, tokens: list[int], left_out: bytes | None) -> str:
         """The text draft ``tokens`` add after row b's committed text: their bytes (less the
@@ -362,38 +463,42 @@ class OtherTokenizerDrafter(Drafter):
         except UnicodeDecodeError as error:  # a character cut by the chain's end: up to it
             return data[:error.start].decode()
 
-    def _retokenise(self, texts: list[str]) -> list[list[int]]:
-        """The target tokens of each row's ``texts[b]`` written after its committed text (one
-        tokenizer call for the batch). A text is tokenised from the committed text's last word
-        on, so it tokenises as it would in place; where a token would straddle the end of the
-        committed text, ``texts[b]`` alone."""
+    def _retokenise(self, texts: list[str], rows: list[int] | None = None) -> list[list[int]]:
+        """The target tokens of each ``texts[i]`` written after row ``rows[i]``'s committed text
+        (``rows`` None: text i is row i's), in one tokenizer call. A text is tokenised from the
+        committed text's last word on, so it tokenises as it would in place; where a token
+        would straddle the end of the committed text, the text alone."""
+        rows = range(len(texts)) if rows is None else rows
         heads = []
-        for b, text in enumerate(texts):
+        for b, text in zip(rows, texts):
             committed = self.text[b] if text else ""
             start = max((committed.rfind(c) for c in " \n\t"), default=-1)
             heads.append(committed[max(start, 0, len(committed) - 64):])
         encoded = self.target_tokenizer([h + t for h, t in zip(heads, texts)], add_special_tokens=False,
                                         return_offsets_mapping=True)
         out, alone = [], []
-        for b, (head, ids, offsets) in enumerate(zip(heads, encoded["input_ids"], encoded["offset_mapping"])):
+        for i, (head, ids, offsets) in enumerate(zip(heads, encoded["input_ids"], encoded["offset_mapping"])):
             end = len(head)
-            first = next((i for i, (s, e) in enumerate(offsets) if s >= end and e > s), len(ids))
+            first = next((j for j, (s, e) in enumerate(offsets) if s >= end and e > s), len(ids))
             if any(e > end for _, e in offsets[:first]):
-                alone.append(b)
+                alone.append(i)
             out.append(ids[first:])
         if alone:
-            retried = self.target_tokenizer([texts[b] for b in alone], add_special_tokens=False).input_ids
-            for b, ids in zip(alone, retried):
-                out[b] = ids
+            retried = self.target_tokenizer([texts[i] for i in alone], add_special_tokens=False).input_ids
+            for i, ids in zip(alone, retried):
+                out[i] = ids
         return out
 
     def commit(self, outcome: Outcome) -> None:
         """Counts the round's accepted drafts for its mode (``"auto"`` compares them); the
         next round re-tokenises the committed text's tail and rolls the draft cache back to
         the first draft token that differs."""
+        if self.current is None:  # a round of the text's drafts alone
+            return
+        own = outcome.accepted if self._own is None else [a for a, mine in zip(outcome.accepted, self._own) if mine]
         tally = self.tally[self.current]
-        tally[0] += len(outcome.accepted)
-        tally[1] += sum(outcome.accepted)
+        tally[0] += len(own)
+        tally[1] += sum(own)
 
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
         self.cache.keep_rows(rows)

@@ -8,18 +8,21 @@ from torch import Tensor
 
 from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler
 from spec_ext.drafters.model import ModelDrafter
+from spec_ext.drafters.other_tokenizer import OtherTokenizerDrafter
 from spec_ext.drafters.text import TextDrafter, tree_proposal
 
 
 class TextFirst(Drafter):
     """Each row drafts from its text (:class:`TextDrafter`); in a round where some row has
-    no match, the draft model (:class:`ModelDrafter`) drafts ``policy.draft_k`` tokens for
-    those rows. Chains: the draft model's steps are fed the text's drafts on the matched
-    rows, so its cache keeps what the target accepts there too; their q is one-hot.
+    no match, the draft model (:class:`ModelDrafter`, or :class:`OtherTokenizerDrafter` for
+    a draft of another tokenizer) drafts ``policy.draft_k`` tokens for those rows. Chains:
+    the draft model's steps are fed the text's drafts on the matched rows, so its cache
+    keeps what the target accepts there too (a draft of another tokenizer re-tokenises the
+    committed text each round instead); their q is one-hot.
     Trees: the model's rows are chains among the text's trees, verified with the q they
     were drawn from, the text's rows as deterministic trees."""
 
-    def __init__(self, text: TextDrafter, model: ModelDrafter):
+    def __init__(self, text: TextDrafter, model: ModelDrafter | OtherTokenizerDrafter):
         super().__init__(text.policy)
         self.text, self.model_drafter = text, model
         self.model = model.model
@@ -27,6 +30,9 @@ class TextFirst(Drafter):
     @property
     def calls(self) -> int:
         return self.model_drafter.calls
+
+    def bind(self, target) -> None:
+        self.model_drafter.bind(target)
 
     def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None,
               features: Tensor | None = None) -> None:

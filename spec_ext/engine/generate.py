@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from spec_ext.drafters import Drafter, OtherTokenizerDrafter, Sampler, build, load, pad_rows
+from spec_ext.drafters import Drafter, OtherTokenizerDrafter, Sampler, TextDrafter, TextFirst, build, load, pad_rows
 from spec_ext.engine.common import Output, Stats, prompt_rows
 from spec_ext.engine.parallel import ParallelEngine
 from spec_ext.engine.serial import SerialEngine
@@ -109,7 +109,14 @@ def _across_tokenizers(draft, policy: Policy, tokenizer, draft_tokenizer, mode: 
         raise ValueError("assistant_tokenizer: applies to a draft causal LM (not a Drafter, a head or None)")
     if fingerprint(draft_tokenizer, "assistant_tokenizer") == fingerprint(tokenizer, "tokenizer"):
         return draft  # one tokenizer: the plain drafter
-    return OtherTokenizerDrafter(draft, draft_tokenizer, tokenizer, policy, mode)
+    drafter = OtherTokenizerDrafter(draft, draft_tokenizer, tokenizer, policy, mode)
+    return TextFirst(TextDrafter(policy), drafter) if policy.drafts_from_text else drafter
+
+
+def _across(drafter: Drafter | None) -> OtherTokenizerDrafter | None:
+    """The drafter's draft of another tokenizer (alone or beside the text's drafts), if any."""
+    inner = getattr(drafter, "model_drafter", drafter)
+    return inner if isinstance(inner, OtherTokenizerDrafter) else None
 
 
 def _drafter(target, draft, policy: Policy) -> Drafter | None:
@@ -126,7 +133,7 @@ def _drafter(target, draft, policy: Policy) -> Drafter | None:
         check_model(target, "target")
     else:
         drafter.bind(target)
-        if drafter.model is not None and not isinstance(drafter, OtherTokenizerDrafter):
+        if drafter.model is not None and _across(drafter) is None:
             vt, vd = vocabulary_size(target), vocabulary_size(drafter.model)
             if abs(vt - vd) > PADDING:
                 raise ValueError(f"draft: its vocabulary has {vd} tokens and the target's {vt}, further apart than "
@@ -224,7 +231,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     drafter = _drafter(target, _across_tokenizers(draft, policy, tokenizer, assistant_tokenizer, tokenizer_mode),
                        policy)
     draft = None if drafter is None else drafter.model
-    across = isinstance(drafter, OtherTokenizerDrafter)
+    across = _across(drafter)
     _check_fast_linear(fast_linear)
     check_generation_config(target)
     eos_ids = token_ids(eos_token_id if eos_token_id is not None else target.generation_config.eos_token_id,
@@ -265,7 +272,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         generator = torch.Generator(device=target.device).manual_seed(seed)
     policy.bind(target, None if drafter is None else drafter.proposer)
     # a draft of another tokenizer keeps its own vocabulary (its drafter maps it to the target's)
-    fitted = [m for m in (target, None if across else draft) if m is not None]
+    fitted = [m for m in (target, None if across is not None else draft) if m is not None]
     processors = make_processors(call, prompts, max(map(vocabulary_size, fitted)), tokenizer, grammar,
                                  vocabulary_size(target))
     if processors is not None:
@@ -291,8 +298,8 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         with attention_implementation(*fitted, fast_linear=[fast_linear, fast_linear or "auto"][:len(fitted)],
                                       vocab_size=vocabulary_size(target)):
             stats = loop.run()
-    if across:
-        stats.tokenizer_mode = drafter.mode_used
+    if across is not None:
+        stats.tokenizer_mode = across.mode_used or ""
     else:
         warn_if_unrelated(target, draft, stats)
     if streamer is not None:
