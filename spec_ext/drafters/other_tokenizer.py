@@ -29,8 +29,11 @@ tail window is re-tokenised, from a token a few back that starts a word (so the 
 tokenises as it does inside the text), the cache is rolled back to the first token that
 differs from what it holds (a boundary that moved, a rejected draft) and the rest is fed.
 
-Chains only, with every length policy (:func:`~spec_ext.drafters.base.draft_chain`); trees,
-parallel policies and text drafts are refused with a ValueError for now.
+Chains with every length policy (:func:`~spec_ext.drafters.base.draft_chain`); trees (a
+static tree's top-k, EAGLE-2's dynamic tree: of target ids under TLI, of draft tokens whose
+paths' texts are re-tokenised and merged under SLEM); beside the text's drafts (``NGram``,
+through :class:`~spec_ext.drafters.TextFirst`). Parallel policies (PEARL, SpecBranch) are
+refused with a ValueError.
 
 Example:
     >>> drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(4), mode="tli")  # doctest: +SKIP
@@ -180,11 +183,10 @@ class OtherTokenizerDrafter(Drafter):
         B = len(self.text)
         aligned_before = list(self.aligned)
         windows = [self._window(b) for b in range(B)]
-        encoded = self.tokenizer([self.text[b][s:] for b, (_, s) in enumerate(windows)], add_special_tokens=False,
-                                 return_offsets_mapping=True)
+        encoded = _encode(self.tokenizer, [self.text[b][s:] for b, (_, s) in enumerate(windows)])
         keep, feed, healed = [], [], []
         for b, (j, s) in enumerate(windows):
-            ids, offsets = encoded["input_ids"][b], encoded["offset_mapping"][b]
+            ids, offsets = encoded[b].ids, encoded[b].offsets
             old = self.dids[b]
             new = (old[:j] if old else self.lead) + ids
             starts = self.starts[b][:j - len(self.lead)] + [s + o[0] for o in offsets]
@@ -474,19 +476,17 @@ class OtherTokenizerDrafter(Drafter):
             committed = self.text[b] if text else ""
             start = max((committed.rfind(c) for c in " \n\t"), default=-1)
             heads.append(committed[max(start, 0, len(committed) - 64):])
-        encoded = self.target_tokenizer([h + t for h, t in zip(heads, texts)], add_special_tokens=False,
-                                        return_offsets_mapping=True)
+        encoded = _encode(self.target_tokenizer, [h + t for h, t in zip(heads, texts)])
         out, alone = [], []
-        for i, (head, ids, offsets) in enumerate(zip(heads, encoded["input_ids"], encoded["offset_mapping"])):
-            end = len(head)
+        for i, (head, encoding) in enumerate(zip(heads, encoded)):
+            ids, offsets, end = encoding.ids, encoding.offsets, len(head)
             first = next((j for j, (s, e) in enumerate(offsets) if s >= end and e > s), len(ids))
             if any(e > end for _, e in offsets[:first]):
                 alone.append(i)
             out.append(ids[first:])
         if alone:
-            retried = self.target_tokenizer([texts[i] for i in alone], add_special_tokens=False).input_ids
-            for i, ids in zip(alone, retried):
-                out[i] = ids
+            for i, encoding in zip(alone, _encode(self.target_tokenizer, [texts[i] for i in alone])):
+                out[i] = encoding.ids
         return out
 
     def commit(self, outcome: Outcome) -> None:
@@ -505,3 +505,9 @@ class OtherTokenizerDrafter(Drafter):
         for name in ("text", "read", "dids", "starts", "aligned"):
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in rows])
+
+
+def _encode(tokenizer, texts: list[str]) -> list:
+    """``tokenizer``'s encodings of ``texts`` without special tokens (``.ids``, ``.offsets``
+    in characters), by its tokenizers-library backend at once: the rounds' hot path."""
+    return tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
