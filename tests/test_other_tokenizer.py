@@ -260,8 +260,9 @@ LAW_WORDS = ["a", "b", "c", "d", "e"]  # with the 3 specials: a target vocabular
 @pytest.mark.parametrize("mode,draft_kind,temperature,top_k,policy", [
     ("tli", "permuted", 1.0, None, "fixed"), ("tli", "other", 1.0, None, "fixed"), ("tli", "other", 0.7, 5, "fixed"),
     ("slem", "other", 1.0, None, "fixed"), ("tli", "other", 1.0, None, "tree"), ("slem", "other", 1.0, None, "tree"),
-    ("tli", "other", 1.0, None, "dynamictree"), ("auto", "other", 1.0, None, "ngram"),
-    ("tli", "other", 1.0, None, "ngramtree")])
+    ("tli", "other", 1.0, None, "dynamictree"), ("tli", "other", 1.0, None, "ngram"),
+    ("slem", "other", 1.0, None, "ngram"), ("tli", "other", 1.0, None, "ngramtree"),
+    ("slem", "other", 1.0, None, "ngramtree")])
 def test_sampling_follows_the_targets_law_by_enumeration(mode, draft_kind, temperature, top_k, policy):
     """Chains, trees (deterministic: the policy's top-k or EAGLE-2's tree of either mode) and
     the text's drafts beside the draft (NGram: chains with the draft's q on the rows without
@@ -357,7 +358,7 @@ def test_the_prefix_index_finds_every_token_that_begins_with_given_bytes(name):
     index = prefix_index(tok)
     keys = token_keys(tok)
     assert index.spelled
-    for prefix in [b"", b" ", b" c", b"ca", b"\xc3", "é".encode(), b"the", b"\xff", b"zzz"]:
+    for prefix in [b"", b" ", b" c", b"ca", b"\xc3", "é".encode(), b"the", b"\xff", b"a\xff", b"\xfe\xff", b"zzz"]:
         lo, hi = index.bounds(prefix)
         found = {i for i in range(len(tok)) if lo <= int(index.rank[i]) < hi}
         expected = {i for i, k in enumerate(keys) if k is not None and k[0] == "bytes" and k[1].startswith(prefix)}
@@ -426,3 +427,40 @@ def test_beside_ngram_drafts_greedy_equals_the_target(mode, tree):
     assert torch.equal(out.sequences, expected)
     assert 0 < out.stats.text_accepted < out.stats.accepted and out.stats.draft_calls > 0, out.stats.as_dict()
     assert out.stats.tokenizer_mode == mode
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_beside_ngram_slem_chains_shorter_than_draft_k(seed, tree):
+    """Word-level SLEM drafts often re-tokenise to fewer than ``draft_k`` target tokens (a
+    special token ends the draft's text): the model's rows carry what it drafted, at batch 1
+    (the whole batch short) and on a ragged batch whose rows end at an EOS."""
+    target_tok, draft_tok = word_level(LAW_WORDS), word_level(["e", "x", "a", "y", "c", "z"])
+    target = llama(len(target_tok), 32, 2, seed=10, sharpen=3.0)
+    draft = llama(len(draft_tok), 32, 1, seed=seed, sharpen=3.0)
+    for prompts in (["a b c"], ["a b c", "c a", "e e d a b"]):
+        policy = NGram(n_min=1, tree=tree)
+        drafter = spec_ext.drafters.TextFirst(spec_ext.drafters.TextDrafter(policy),
+                                              OtherTokenizerDrafter(draft, draft_tok, target_tok, policy, mode="slem"))
+        out = greedy_equal(target, drafter, prompts, target_tok, max_new=16)
+        assert out.stats.drafted - out.stats.text_drafted <= 5 * out.stats.rounds, out.stats.as_dict()
+
+
+def test_the_draft_cache_grows_where_rows_feed_unequal_tails():
+    """A row near the cache's end that feeds one token beside a row that feeds many: the
+    padded feed writes every row's width, and the cache grows to hold it."""
+    target_tok, draft_tok = word_level(LAW_WORDS), word_level(["e", "x", "a", "y", "c", "z", "b", "d"])
+    target, draft = llama(len(target_tok), 32, 2, seed=10), llama(len(draft_tok), 32, 1, seed=1)
+    policy = Fixed(2)
+    policy.bind(target, draft)
+    policy.start(2, True)
+    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, policy, mode="tli")
+    drafter.bind(target)
+    rows = [[3] * 40, [4] * 2]
+    with torch.no_grad():
+        drafter.start(rows, capacity=0, sampler=Sampler())
+        drafter.chain(rows, [1, 1])
+        capacity = drafter.cache.capacity
+        drafter.chain([rows[0] + [3], rows[1] + [5] * 20], [1, 1])
+    assert drafter.cache.capacity > capacity
+    assert drafter.cache.host_lengths == [len(d) for d in drafter.dids]

@@ -137,7 +137,7 @@ class OtherTokenizerDrafter(Drafter):
 
     def _decode(self, seqs: list[list[int]]) -> None:
         """Bring each row's text up to its committed target tokens (the last characters held
-        back while they are an incomplete UTF-8 sequence)."""
+        back while they may be an incomplete UTF-8 sequence: for up to 3 more tokens)."""
         skip = self.unshared_specials
 
         def decode(ids: list[int]) -> str:
@@ -153,8 +153,8 @@ class OtherTokenizerDrafter(Drafter):
             if not new.startswith(old):  # a decoder that is not incremental here: start the row over
                 self.text[b], self.read[b], self.aligned[b] = decode(ids), len(ids), 0
                 continue
-            if new.endswith("\ufffd"):
-                continue  # an incomplete character: wait for its other bytes
+            if new.endswith("\ufffd") and len(ids) - self.read[b] < 4:
+                continue  # an incomplete character: wait for its other bytes (a UTF-8 character has 4 at most)
             self.text[b] += new[len(old):]
             self.read[b] = len(ids)
 
@@ -206,7 +206,7 @@ class OtherTokenizerDrafter(Drafter):
             feed.append(new[c:])
             healed.append(left_out)
         self.cache.rollback(keep)
-        self._reserve(max(k + len(f) for k, f in zip(keep, feed)))
+        self._reserve(max(keep) + max(map(len, feed)))  # the feed is padded: every row writes its width
         ids = pad_rows(feed, 0, self.device)
         positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
         out = self._forward(ids, positions)
@@ -248,6 +248,9 @@ class OtherTokenizerDrafter(Drafter):
 
     # ------------------------------------------------------------------ rounds
     def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
+        if self.policy.drafts_from_text:
+            raise ValueError(f"policy: {type(self.policy).__name__} drafts from the text; beside it this drafter runs "
+                             f"as TextFirst(TextDrafter(policy), drafter) (generate builds that from the tokenizers)")
         if self.policy.branching is None and not self.policy.grows_dynamic_tree:
             drafts, q, num_draft = self.chain(seqs)
             return Proposal(drafts, num_draft, q)
@@ -487,7 +490,8 @@ class OtherTokenizerDrafter(Drafter):
         if alone:
             for i, encoding in zip(alone, _encode(self.target_tokenizer, [texts[i] for i in alone])):
                 out[i] = encoding.ids
-        return out
+        # up to a token past the target model's vocabulary (a tokenizer larger than its embedding)
+        return [next((ids[:j] for j, t in enumerate(ids) if t >= self.target_size), ids) for ids in out]
 
     def commit(self, outcome: Outcome) -> None:
         """Counts the round's accepted drafts for its mode (``"auto"`` compares them); the

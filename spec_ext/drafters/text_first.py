@@ -55,24 +55,26 @@ class TextFirst(Drafter):
             return proposal
         by_text = torch.tensor(proposal.from_text, device=device)
         if proposal.is_tree:
-            drafts, q, _ = self.model_drafter.chain(seqs, [k] * B)
+            drafts, q, num = self.model_drafter.chain(seqs, [k] * B)
             self.model_drafter.feeds(drafts.shape[1] - 1, ~by_text, [not text for text in proposal.from_text])
+            drafts = F.pad(drafts, (0, k - drafts.shape[1]), value=-1)  # a chain may stop short of k
             proposal.tokens[:, 1:k + 1] = torch.where(by_text[:, None], proposal.tokens[:, 1:k + 1], drafts)
-            proposal.num_draft = torch.where(by_text, proposal.num_draft, k)
+            proposal.num_draft = torch.where(by_text, proposal.num_draft, num)
             proposal.max_depth = max(proposal.max_depth, k)
             if q is not None:  # node i's child (node i + 1) of a model row was drawn from q[:, i]
-                proposal.q = F.pad(q, (0, 0, 0, proposal.tokens.shape[1] - k))
+                proposal.q = F.pad(q, (0, 0, 0, proposal.tokens.shape[1] - q.shape[1]))
                 proposal.sampled_rows = ~by_text if any(proposal.from_text) else None
             return proposal
         K = max(k, proposal.tokens.shape[1])
         lookup = F.pad(proposal.tokens, (0, K - proposal.tokens.shape[1]), value=-1)
-        drafts, q, _ = self.model_drafter.chain(seqs, [k] * B, forced=lookup[:, :k], forced_rows=by_text)
-        tokens = torch.cat([drafts, lookup[:, k:]], 1)
+        drafts, q, num = self.model_drafter.chain(seqs, [k] * B, forced=lookup[:, :k], forced_rows=by_text)
+        tokens = torch.cat([F.pad(drafts, (0, k - drafts.shape[1]), value=-1), lookup[:, k:]], 1)
         if q is not None:  # the text's drafts are deterministic: one-hot q
-            q = F.pad(q, (0, 0, 0, K - k))
+            q = F.pad(q, (0, 0, 0, K - q.shape[1]))
             one_hot = torch.zeros_like(q).scatter_(2, lookup.clamp_min(0)[..., None], 1.0)
             q = torch.where(by_text[:, None, None], one_hot, q)
-        return Proposal(tokens, torch.where(by_text, proposal.num_draft, k), q, from_text=proposal.from_text)
+        # the text's rows: all their drafts (past the k forced ones too); the model's: what it drafted
+        return Proposal(tokens, torch.where(by_text, proposal.num_draft, num), q, from_text=proposal.from_text)
 
     def commit(self, outcome: Outcome) -> None:
         self.text.commit(outcome)
