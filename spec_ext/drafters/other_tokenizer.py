@@ -360,8 +360,8 @@ class OtherTokenizerDrafter(Drafter):
         the target's tokenizer: deterministic drafts [B,K] and num_draft [B]."""
         steps = [k + (r is not None) for k, r in zip(budget, healed)]
         drafts, _, num_draft = self._chain(self._heal(logits, healed), hidden, Sampler(0.0), steps)
-        texts = [self._text_of(b, row[:n], left_out)
-                 for b, (row, n, left_out) in enumerate(zip(drafts.tolist(), num_draft.tolist(), healed))]
+        rows = torch.cat([num_draft[:, None], drafts], 1).tolist()  # one copy to the host
+        texts = [self._text_of(b, row[1:1 + row[0]], left_out) for b, (row, left_out) in enumerate(zip(rows, healed))]
         proposals = [ids[:k] for ids, k in zip(self._retokenise(texts), budget)]
         tokens = pad_rows([p or [-1] for p in proposals], -1, self.device)
         return tokens, torch.tensor([len(p) for p in proposals], device=self.device)
