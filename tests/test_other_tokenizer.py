@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerFast
 import spec_ext
 from spec_ext.drafters.other_tokenizer import OtherTokenizerDrafter
 from spec_ext.engine import Sampler
+from spec_ext.models import attention_implementation
 from spec_ext.policies import SVIP, Auto, DynamicTree, Fixed, NGram, Tree, resolve
 from spec_ext.vocab import prefix_index, token_keys, vocab_map
 from helpers import assert_follows, exact_joint, llama, make_policy, ragged_greedy_equals_target
@@ -457,7 +458,7 @@ def test_the_draft_cache_grows_where_rows_feed_unequal_tails():
     drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, policy, mode="tli")
     drafter.bind(target)
     rows = [[3] * 40, [4] * 2]
-    with torch.no_grad():
+    with torch.no_grad(), attention_implementation(draft):
         drafter.start(rows, capacity=0, sampler=Sampler())
         drafter.chain(rows, [1, 1])
         capacity = drafter.cache.capacity

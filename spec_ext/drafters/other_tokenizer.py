@@ -35,6 +35,10 @@ paths' texts are re-tokenised and merged under SLEM); beside the text's drafts (
 through :class:`~spec_ext.drafters.TextFirst`). Parallel policies (PEARL, SpecBranch) are
 refused with a ValueError.
 
+The draft's forwards need its attention routed through spec_ext with its own vocabulary:
+:func:`spec_ext.generate` opens that block around the rounds (a caller driving the drafter
+itself: ``with spec_ext.models.attention_implementation(draft):``).
+
 Example:
     >>> drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(4), mode="tli")  # doctest: +SKIP
     >>> spec_ext.generate(target, drafter, ids, max_new_tokens=64)                          # doctest: +SKIP
@@ -50,7 +54,7 @@ from torch import Tensor
 from spec_ext.drafters.base import (Drafter, Outcome, Proposal, Sampler, check_finite, draft_chain, grow_dynamic_tree,
                                     grow_static_tree, pad_rows)
 from spec_ext.drafters.text import tree_proposal
-from spec_ext.models import SpecCache, attention_implementation, check_pair, forward, vocabulary_size
+from spec_ext.models import SpecCache, check_pair, forward, vocabulary_size
 from spec_ext.policies import Policy, continuation_tree
 from spec_ext.vocab import PrefixIndex, VocabMap, prefix_index, vocab_map
 
@@ -196,7 +200,7 @@ class OtherTokenizerDrafter(Drafter):
             if left_out is not None:
                 new, starts = new[:-1], starts[:-1]
             self.starts[b], self.aligned[b] = starts, len(starts) + len(self.lead)
-            c = 0
+            c = min(j, len(new)) if old else 0  # new[:j] is old[:j]
             while c < min(len(old), len(new)) and old[c] == new[c]:
                 c += 1
             self.moved += max(0, min(aligned_before[b], len(old)) - c)
@@ -255,11 +259,10 @@ class OtherTokenizerDrafter(Drafter):
             drafts, q, num_draft = self.chain(seqs)
             return Proposal(drafts, num_draft, q)
         self._begin(seqs)
-        with attention_implementation(self.model, fast_linear="auto"):
-            if self.current == "tli":
-                return self._tli_tree(self._sync()[0], roots)
-            logits, _, healed = self._sync(heal=True)
-            return self._slem_tree(logits, healed)
+        if self.current == "tli":
+            return self._tli_tree(self._sync()[0], roots)
+        logits, _, healed = self._sync(heal=True)
+        return self._slem_tree(logits, healed)
 
     def chain(self, seqs: list[list[int]], budget: list[int] | None = None, forced: Tensor | None = None,
               forced_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -271,11 +274,10 @@ class OtherTokenizerDrafter(Drafter):
         deterministic) and num_draft [B]."""
         self._begin(seqs)
         budget = self.policy.plan() if budget is None else budget
-        with attention_implementation(self.model, fast_linear="auto"):
-            if self.current == "tli":
-                drafts, q, num_draft = self._tli(*self._sync()[:2], budget)
-            else:
-                (drafts, num_draft), q = self._slem(*self._sync(heal=True), budget), None
+        if self.current == "tli":
+            drafts, q, num_draft = self._tli(*self._sync()[:2], budget)
+        else:
+            (drafts, num_draft), q = self._slem(*self._sync(heal=True), budget), None
         if forced is not None:
             width = max(drafts.shape[1], forced.shape[1])
             drafts = torch.where(forced_rows[:, None], F.pad(forced, (0, width - forced.shape[1]), value=-1),
@@ -514,4 +516,5 @@ class OtherTokenizerDrafter(Drafter):
 def _encode(tokenizer, texts: list[str]) -> list:
     """``tokenizer``'s encodings of ``texts`` without special tokens (``.ids``, ``.offsets``
     in characters), by its tokenizers-library backend at once: the rounds' hot path."""
-    return tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    backend = tokenizer.backend_tokenizer
+    return [backend.encode(text, add_special_tokens=False) for text in texts]

@@ -294,9 +294,12 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         loop.stop = stop_strings(call, tokenizer, head.tolist())
         if streamer is not None:
             streamer.put(torch.tensor([prompts[0]]))
-        # the draft's rounding changes only which tokens are proposed, never the output
+        # the draft's rounding changes only which tokens are proposed, never the output; a draft
+        # of another tokenizer keeps its own vocabulary
+        own = contextlib.nullcontext() if across is None else \
+            attention_implementation(across.model, fast_linear=fast_linear or "auto")
         with attention_implementation(*fitted, fast_linear=[fast_linear, fast_linear or "auto"][:len(fitted)],
-                                      vocab_size=vocabulary_size(target)):
+                                      vocab_size=vocabulary_size(target)), own:
             stats = loop.run()
     if across is not None:
         stats.tokenizer_mode = across.mode_used or ""
