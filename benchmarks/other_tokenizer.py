@@ -2,14 +2,15 @@
 
 The second draft, ``models/stdlib-draft-sp`` (``python benchmarks/train_other_draft.py``: a
 SentencePiece-style tokenizer of 3000 tokens and a draft of the bundled draft's shape trained
-on it, then on the target's re-tokenised greedy continuations), drafts through :class:`spec_ext.drafters.OtherTokenizerDrafter` in
-both modes (token-level intersection, string-level exact match); the bundled draft (the
+on it, then on the target's re-tokenised greedy continuations), drafts through
+:class:`spec_ext.drafters.OtherTokenizerDrafter` in each mode (token-level intersection,
+string-level exact match, and auto: both measured, then the better); the bundled draft (the
 target's tokenizer, distilled from the target) drafts as usual. Held-out stdlib prompts,
 greedy, batch 1 and batch 8; tokens/s against the target alone (HF generate) in the same
 pass (medians of per-prompt ratios), accepted drafts per round, and whether the outputs are
 identical to the target's.
 
-    python benchmarks/other_tokenizer.py [--prompts 8] [--repeats 2] [--new-tokens 128] [--name other_tokenizer_cpu]
+    python benchmarks/other_tokenizer.py [--prompts 8] [--repeats 3] [--new-tokens 128] [--name other_tokenizer_cpu]
 
 Writes benchmarks/results/<name>.csv.
 """
@@ -44,7 +45,7 @@ def load(name: str):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4, help="the fixed draft length")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -58,7 +59,7 @@ def main():
     methods = {}
     for policy, name in ((lambda: Fixed(args.k), f"fixed k={args.k}"), (lambda: "auto", "auto")):
         methods[f"same tokenizer (bundled draft), {name}"] = spec_ext.accelerate(target, draft, policy=policy())
-        for mode in ("tli", "slem"):
+        for mode in ("tli", "slem", "auto"):
             methods[f"other tokenizer ({mode}), {name}"] = spec_ext.accelerate(
                 target, other, policy=policy(), tokenizer=tokenizer, draft_tokenizer=other_tokenizer,
                 tokenizer_mode=mode)

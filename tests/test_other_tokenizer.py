@@ -465,3 +465,21 @@ def test_the_draft_cache_grows_where_rows_feed_unequal_tails():
         drafter.chain([rows[0] + [3], rows[1] + [5] * 20], [1, 1])
     assert drafter.cache.capacity > capacity
     assert drafter.cache.host_lengths == [len(d) for d in drafter.dids]
+
+
+def test_the_length_policy_does_not_learn_from_the_rounds_auto_spends_measuring():
+    """Auto's rounds of the mode behind are marked ``explores``: the engine does not pass
+    them to the policy's observe (their acceptance says nothing of the mode that runs)."""
+    observed = []
+
+    class Recording(Fixed):
+        def observe(self, num_draft, num_accepted):
+            observed.append(list(num_draft))
+
+    target, draft = trained("bytes300", 0), trained("sp", 1)
+    _, ids, mask = ragged(tokenizer("bytes300"), PROMPTS)
+    drafter = OtherTokenizerDrafter(draft, tokenizer("sp"), tokenizer("bytes300"), Recording(4), mode="auto")
+    out = spec_ext.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=60, eos_token_id=[])
+    rounds = drafter.rounds_by_mode
+    assert drafter.mode_used == "slem" and rounds["tli"] >= 3, rounds
+    assert len(observed) == rounds["slem"] and out.stats.accepted > 0, (len(observed), rounds)

@@ -42,6 +42,8 @@ class Proposal:
     ``num_draft`` [B] int64: drafts per row (a tree: its nodes but the root), on the device;
     the engine reads it with the round's one host sync. ``from_text`` [B] host bools: the
     rows whose drafts were copied from their own text (counted apart in the stats).
+    ``explores``: a round drafted another way than the drafter's best only to measure it (a
+    draft of another tokenizer trying its other mode): the policy does not learn from it.
     """
     tokens: Tensor
     num_draft: Tensor
@@ -52,6 +54,7 @@ class Proposal:
     max_depth: int = 0
     sampled_rows: Tensor | None = None
     from_text: list[bool] | None = None
+    explores: bool = False
 
     @property
     def is_tree(self) -> bool:

@@ -117,6 +117,7 @@ class OtherTokenizerDrafter(Drafter):
         self.rounds_by_mode = {"tli": 0, "slem": 0}
         self.tally = {"tli": [0, 0], "slem": [0, 0]}  # (rows, accepted drafts) of the rounds in each mode
         self.current, self._own = None, None  # this round's mode, and its rows (None: all) beside the text's
+        self.explores = False
         if self.mode == "tli" and share < MIN_SHARE:
             warnings.warn(f"draft: its vocabulary covers {share:.0%} of the prompts' target tokens (by frequency); "
                           f"token-level intersection will rarely be accepted (try mode='slem')", stacklevel=3)
@@ -257,12 +258,16 @@ class OtherTokenizerDrafter(Drafter):
                              f"as TextFirst(TextDrafter(policy), drafter) (generate builds that from the tokenizers)")
         if self.policy.branching is None and not self.policy.grows_dynamic_tree:
             drafts, q, num_draft = self.chain(seqs)
-            return Proposal(drafts, num_draft, q)
-        self._begin(seqs)
-        if self.current == "tli":
-            return self._tli_tree(self._sync()[0], roots)
-        logits, _, healed = self._sync(heal=True)
-        return self._slem_tree(logits, healed)
+            proposal = Proposal(drafts, num_draft, q)
+        else:
+            self._begin(seqs)
+            if self.current == "tli":
+                proposal = self._tli_tree(self._sync()[0], roots)
+            else:
+                logits, _, healed = self._sync(heal=True)
+                proposal = self._slem_tree(logits, healed)
+        proposal.explores = self.explores
+        return proposal
 
     def chain(self, seqs: list[list[int]], budget: list[int] | None = None, forced: Tensor | None = None,
               forced_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -302,7 +307,8 @@ class OtherTokenizerDrafter(Drafter):
         self._decode(seqs)
         if self.policy.uses_bonus_agreement:  # not computed across tokenizers: counts as broken
             self.policy.see_bonus_agreement(torch.zeros(len(seqs), dtype=torch.bool, device=self.device))
-        self.current, self._own = self._choose(), None
+        (self.current, leader), self._own = self._choose(), None
+        self.explores = self.current != leader  # a round of the mode behind: the policy does not learn from it
         self.rounds_by_mode[self.current] += 1
 
     @property
@@ -311,23 +317,24 @@ class OtherTokenizerDrafter(Drafter):
         counts = self.rounds_by_mode
         return None if not any(counts.values()) else max(counts, key=lambda m: (counts[m], m == self.current))
 
-    def _choose(self) -> str:
-        """This round's mode: ``mode``, or under ``"auto"`` SLEM alone where the draft covers
-        less than ``MIN_SHARE`` of the prompts' target tokens; else ``PROBE`` rounds of each
-        (SLEM first when greedy, TLI first when sampling: the mode that is likelier ahead),
-        then the mode with more accepted drafts per row and round so far (one round in
-        ``REPROBE`` the other)."""
+    def _choose(self) -> tuple[str, str]:
+        """(this round's mode, the mode it is measured to be worth running): ``mode``, or
+        under ``"auto"`` SLEM alone where the draft covers less than ``MIN_SHARE`` of the
+        prompts' target tokens; else ``PROBE`` rounds of each (SLEM first when greedy, TLI
+        first when sampling: the mode that is likelier ahead, and the leader meanwhile), then
+        the mode with more accepted drafts per row and round so far (one round in ``REPROBE``
+        the other)."""
         if self.mode != "auto":
-            return self.mode
+            return self.mode, self.mode
         if self.share < MIN_SHARE:
-            return "slem"
+            return "slem", "slem"
         n = sum(self.rounds_by_mode.values())
         if n < 2 * PROBE:
             first, second = ("slem", "tli") if self.sampler.greedy else ("tli", "slem")
-            return first if n < PROBE else second
+            return (first if n < PROBE else second), first
         mean = {m: accepted / max(1, rows) for m, (rows, accepted) in self.tally.items()}
         best, behind = ("tli", "slem") if mean["tli"] >= mean["slem"] else ("slem", "tli")
-        return behind if n % REPROBE == 0 else best
+        return (behind if n % REPROBE == 0 else best), best
 
     def _to_target(self, draft_logits: Tensor) -> Tensor:
         """[...,Vd] -> [...,Vt]: the shared tokens' logits at their target ids, -inf elsewhere."""

@@ -133,7 +133,8 @@ class SerialEngine(Rows):
             outcome = self.verify(proposal)
             if self.sampler.processors is not None:
                 self.sampler.processors.commit(outcome.tokens, outcome.num_accepted + 1, outcome.committed)
-            self.policy.observe(outcome.drafted, outcome.accepted)
+            if not proposal.explores:
+                self.policy.observe(outcome.drafted, outcome.accepted)
             self.drafter.commit(outcome)
             from_text = proposal.from_text or [False] * len(self.active)
             keep = [i for i, r in enumerate(self.active)
