@@ -20,13 +20,13 @@ same-tokenizer draft on the same corpus. Stages (each checkpointed; rerunning re
   3. distillation, sequence-level (the issue's recipe for a draft of another tokenizer: the
      logits cannot be matched across vocabularies, the target's text can): the bundled target
      (float32) writes greedy continuations (``--distill-new-tokens`` 96) of
-     ``--distill-continuations`` (6144) prompts of 96 target tokens cut from the training split
+     ``--distill-continuations`` (12288) prompts of 96 target tokens cut from the training split
      (``stdlib_data.code_prompts``), HF ``generate`` in batches of 64, cached after each batch
      in the work folder; each prompt + continuation is decoded to text and re-tokenised by the
      draft's tokenizer, and the draft is fine-tuned with cross-entropy on the continuation's
      tokens only (the prompt's masked), each step half a batch of those and half a batch of
      ordinary training windows (against forgetting), the two losses averaged;
-     ``--distill-steps`` (2400) at ``--distill-lr`` (5e-4, warmup a tenth, cosine to a tenth),
+     ``--distill-steps`` (3600) at ``--distill-lr`` (5e-4, warmup a tenth, cosine to a tenth),
      checkpointed. ``--distill-continuations 0`` skips the stage (the undistilled draft).
   4. the export (bf16 safetensors + tokenizer) to ``--out/stdlib-draft-sp`` and
      ``report.json`` beside it: held-out bits per byte of UTF-8 text (comparable across
@@ -56,10 +56,10 @@ wall); the smoke runs, niced against the two test runs, saw 0.97-1.35 s/step. Th
 The distillation at 1 thread, niced beside other work (2026-12-02): the continuations ~2.4-10
 prompts/s (96 tokens each, batch 64; the prompts are a prefix-stable stream, so a cache of the
 first N serves a larger count: ``continuations_train_<N>x96+96.pt`` copied to the larger name
-resumes), ~15 min for 6144; the fine-tuning steps 2.4-3 steps/s (~15 min for 2400); the
-held-out continuations for the agreement ~1 min. More distillation data raised the agreement
-with the target's text per draft token from 0.68 (768 continuations, 300 steps) to 0.72
-(2048, 800) and 0.76 (6144, 2400); the bundled draft's is 0.73.
+resumes), ~31 min for 12288 beside a test run; the fine-tuning steps 2.4-3 steps/s (~23 min
+for 3600); the held-out continuations for the agreement ~1 min. More distillation data raised
+the agreement with the target's text per draft token from 0.68 (768 continuations, 300 steps)
+to 0.72 (2048, 800), 0.76 (6144, 2400) and 0.78 (12288, 3600); the bundled draft's is 0.73.
 
     python benchmarks/train_other_draft.py                     # models/stdlib-draft-sp
     python benchmarks/train_other_draft.py --steps 20 --work /tmp/sp-work --out /tmp/sp-out  # smoke run
@@ -407,12 +407,12 @@ def main():
     add_training_arguments(parser)
     parser.add_argument("--eval-chars", type=int, default=200_000,
                         help="held-out characters the report's perplexities are measured on")
-    parser.add_argument("--distill-continuations", type=int, default=6144,
+    parser.add_argument("--distill-continuations", type=int, default=12288,
                         help="the target's greedy continuations of training prompts the draft is then fine-tuned "
                              "on (stage 3; 0: no distillation)")
     parser.add_argument("--distill-prompt-tokens", type=int, default=96, help="target tokens per prompt")
     parser.add_argument("--distill-new-tokens", type=int, default=96, help="target tokens per continuation")
-    parser.add_argument("--distill-steps", type=int, default=2400)
+    parser.add_argument("--distill-steps", type=int, default=3600)
     parser.add_argument("--distill-lr", type=float, default=5e-4)
     parser.add_argument("--agreement-prompts", type=int, default=64,
                         help="held-out prompts whose target continuations the report's agreement is measured on")
