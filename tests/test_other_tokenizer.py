@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 import spec_ext
 from spec_ext.drafters.other_tokenizer import OtherTokenizerDrafter
 from spec_ext.engine import Sampler
-from spec_ext.models import attention_implementation
+from spec_ext.models import attention_implementation, forward_path
 from spec_ext.policies import SVIP, Auto, DynamicTree, Fixed, NGram, Tree, resolve
 from spec_ext.vocab import prefix_index, token_keys, vocab_map
 from helpers import assert_follows, exact_joint, llama, make_policy, ragged_greedy_equals_target
@@ -483,3 +483,34 @@ def test_the_length_policy_does_not_learn_from_the_rounds_auto_spends_measuring(
     rounds = drafter.rounds_by_mode
     assert drafter.mode_used == "slem" and rounds["tli"] >= 3, rounds
     assert len(observed) == rounds["slem"] and out.stats.accepted > 0, (len(observed), rounds)
+
+
+@functools.lru_cache(maxsize=None)
+def trained_kind(kind: str, name: str, seed: int):
+    """As :func:`trained`, a tiny model of architecture ``kind`` (test_architectures' config)."""
+    from test_architectures import sharpened_model
+    tok = tokenizer(name)
+    model = sharpened_model(kind, vocab=len(tok), seed=seed, window=512).train()
+    ids = torch.tensor(tok(TEXT).input_ids)
+    optimiser = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(120):
+        starts = torch.randint(0, len(ids) - 49, (16,), generator=generator)
+        batch = torch.stack([ids[s:s + 48] for s in starts.tolist()])
+        loss = model(input_ids=batch, labels=batch).loss
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "gemma2", "qwen3"])
+@pytest.mark.parametrize("mode", ["tli", "slem"])
+def test_drafts_of_other_architectures(kind, mode):
+    """The draft on the HF modules (gpt2; gemma2's soft-caps) and the lean forward (qwen3):
+    greedy equal to the target on a ragged batch with EOS, drafts accepted."""
+    target, draft = trained("bytes300", 0), trained_kind(kind, "sp", 1)
+    drafter = OtherTokenizerDrafter(draft, tokenizer("sp"), tokenizer("bytes300"), Fixed(4), mode=mode)
+    out = greedy_equal(target, drafter, PROMPTS, tokenizer("bytes300"))
+    assert out.stats.accepted > 0, out.stats.as_dict()
+    assert forward_path(draft).startswith("lean" if kind == "qwen3" else "hf"), forward_path(draft)
