@@ -75,11 +75,17 @@ def tokenizer(name: str) -> PreTrainedTokenizerFast:
 
 
 @functools.lru_cache(maxsize=None)
-def trained(name: str, seed: int):
-    """A 2-layer Llama over ``tokenizer(name)`` trained on TEXT for a few seconds: it continues
-    the text, so a draft and a target trained so agree often."""
+def trained(name: str, seed: int, kind: str = "llama"):
+    """A 2-layer model over ``tokenizer(name)`` trained on TEXT for a few seconds: it continues
+    the text, so a draft and a target trained so agree often. ``kind``: a Llama, or another
+    architecture in test_architectures' tiny configuration."""
     tok = tokenizer(name)
-    model = llama(len(tok), 64, 2, seed=seed, max_positions=512).train()
+    if kind == "llama":
+        model = llama(len(tok), 64, 2, seed=seed, max_positions=512)
+    else:
+        from test_architectures import sharpened_model
+        model = sharpened_model(kind, vocab=len(tok), seed=seed, window=512)
+    model.train()
     ids = torch.tensor(tok(TEXT).input_ids)
     optimiser = torch.optim.AdamW(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(seed)
@@ -485,31 +491,12 @@ def test_the_length_policy_does_not_learn_from_the_rounds_auto_spends_measuring(
     assert len(observed) == rounds["slem"] and out.stats.accepted > 0, (len(observed), rounds)
 
 
-@functools.lru_cache(maxsize=None)
-def trained_kind(kind: str, name: str, seed: int):
-    """As :func:`trained`, a tiny model of architecture ``kind`` (test_architectures' config)."""
-    from test_architectures import sharpened_model
-    tok = tokenizer(name)
-    model = sharpened_model(kind, vocab=len(tok), seed=seed, window=512).train()
-    ids = torch.tensor(tok(TEXT).input_ids)
-    optimiser = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(120):
-        starts = torch.randint(0, len(ids) - 49, (16,), generator=generator)
-        batch = torch.stack([ids[s:s + 48] for s in starts.tolist()])
-        loss = model(input_ids=batch, labels=batch).loss
-        optimiser.zero_grad()
-        loss.backward()
-        optimiser.step()
-    return model.eval()
-
-
 @pytest.mark.parametrize("kind", ["gpt2", "gemma2", "qwen3"])
 @pytest.mark.parametrize("mode", ["tli", "slem"])
 def test_drafts_of_other_architectures(kind, mode):
     """The draft on the HF modules (gpt2; gemma2's soft-caps) and the lean forward (qwen3):
     greedy equal to the target on a ragged batch with EOS, drafts accepted."""
-    target, draft = trained("bytes300", 0), trained_kind(kind, "sp", 1)
+    target, draft = trained("bytes300", 0), trained("sp", 1, kind)
     drafter = OtherTokenizerDrafter(draft, tokenizer("sp"), tokenizer("bytes300"), Fixed(4), mode=mode)
     out = greedy_equal(target, drafter, PROMPTS, tokenizer("bytes300"))
     assert out.stats.accepted > 0, out.stats.as_dict()
