@@ -45,6 +45,7 @@ Example:
 """
 from __future__ import annotations
 
+import bisect
 import warnings
 
 import torch
@@ -63,7 +64,7 @@ MIN_SHARE = 0.2  # below this share of the target's tokens (by frequency) TLI wa
 PROBE = 3  # rounds auto runs each mode first, before it compares their accepted drafts per row and round
 REPROBE = 32  # after that, one round in this many runs the mode that is behind (its measure kept current)
 BACK = 2  # draft tokens re-tokenised at least, before the committed text's end
-SCAN = 16  # draft tokens further back searched for a word start where the window may begin
+WHITESPACE = " \n\t\r\f\v"
 
 
 class OtherTokenizerDrafter(Drafter):
@@ -165,26 +166,33 @@ class OtherTokenizerDrafter(Drafter):
 
     def _window(self, b: int) -> tuple[int, int]:
         """(j, s): re-tokenise row b's text from character s on, replacing its draft tokens from
-        j on. s starts a word (a token at a word start tokenises as it does inside the text)."""
-        lead, aligned, starts, text = len(self.lead), self.aligned[b], self.starts[b], self.text[b]
-        for i in range(aligned - 1 - BACK, max(lead, aligned - 1 - BACK - SCAN) - 1, -1):
-            s = starts[i - lead]
+        j on: the last draft token at least ``BACK`` before the last aligned one that starts a
+        word (at or right after whitespace: a token there tokenises as it does inside the
+        text), found by the text's whitespace however far back (a long run without any, as
+        code has, is not the whole text re-tokenised)."""
+        lead, starts, text = len(self.lead), self.starts[b], self.text[b]
+        i = self.aligned[b] - 1 - BACK - lead  # index into starts
+        while i >= 0:
+            s = starts[i]
             if s >= len(text):
-                continue
-            if s == 0 or text[s].isspace() or text[s - 1].isspace():
-                return i, s
+                i -= 1
+            elif s == 0 or text[s].isspace() or text[s - 1].isspace():
+                return i + lead, s
+            else:  # the last token that starts at or right after the last whitespace before s
+                space = max(text.rfind(c, 0, s) for c in WHITESPACE)
+                if space < 0:
+                    break
+                i = bisect.bisect_right(starts, space + 1, 0, i) - 1
         return lead, 0
 
     def _sync(self, heal: bool = False) -> tuple[Tensor, Tensor | None, list[bytes | None]]:
         """Re-tokenise each row's tail, roll the draft cache back to the first token that
         differs and feed the rest (at least the last token). Returns the draft's logits
-        [B,Vd] after each row's last token (and its hidden state [B,H], for policies that read
-        it), and per row the bytes its context left out (None where nothing is left out).
+        [B,Vd] after each row's context (and its hidden state [B,H], for policies that read
+        it), and per row the bytes its context left out (None where nothing is left out):
+        the first draft token must begin with them (its logits are masked to such tokens).
 
-        ``heal``: leave each row's last token out of the context where its bytes end the
-        text (token healing: a context cut where the text ends rarely ends a draft token, a
-        token that ends there (``▁self`` of ``self.``) makes the draft continue as if the word
-        were over); the next draft token must then begin with those bytes."""
+        ``heal``: token healing, in the same forward (:meth:`_heal`)."""
         B = len(self.text)
         aligned_before = list(self.aligned)
         windows = [self._window(b) for b in range(B)]
@@ -192,23 +200,28 @@ class OtherTokenizerDrafter(Drafter):
         keep, feed, healed = [], [], []
         for b, (j, s) in enumerate(windows):
             ids, offsets = encoded[b].ids, encoded[b].offsets
-            old = self.dids[b]
-            new = (old[:j] if old else self.lead) + ids
-            starts = self.starts[b][:j - len(self.lead)] + [s + o[0] for o in offsets]
-            if not new:  # no lead and no text yet: the filler, replaced once there is text
-                new, starts = [self.filler], []
-            left_out = self._left_out(b, new, starts) if heal else None
-            if left_out is not None:
-                new, starts = new[:-1], starts[:-1]
-            self.starts[b], self.aligned[b] = starts, len(starts) + len(self.lead)
-            c = min(j, len(new)) if old else 0  # new[:j] is old[:j]
-            while c < min(len(old), len(new)) and old[c] == new[c]:
-                c += 1
-            self.moved += max(0, min(aligned_before[b], len(old)) - c)
-            c = min(c, len(new) - 1)  # feed the last token again: its logits propose the first draft
-            self.dids[b] = new
+            dids, starts = self.dids[b], self.starts[b]  # edited in place from the window on
+            if dids:  # the first token from j on that differs from what the cache holds
+                c, n = j, min(len(dids), j + len(ids))
+                while c < n and dids[c] == ids[c - j]:
+                    c += 1
+                self.moved += max(0, min(aligned_before[b], len(dids)) - c)
+                del dids[j:]
+            else:  # a row's first sync (j is past the lead)
+                c = 0
+                dids.extend(self.lead)
+            dids.extend(ids)
+            del starts[j - len(self.lead):]
+            starts.extend(s + o[0] for o in offsets)
+            if not dids:  # no lead and no text yet: the filler, replaced once there is text
+                dids.append(self.filler)
+            self.aligned[b] = len(starts) + len(self.lead)
+            left_out = self._left_out(b, dids, starts) if heal else None
+            # feed the last token again (its logits propose the first draft), and the one before
+            # where healing may propose from there instead
+            c = min(c, len(dids) - 1 - (left_out is not None))
             keep.append(c)
-            feed.append(new[c:])
+            feed.append(dids[c:])
             healed.append(left_out)
         self.cache.rollback(keep)
         self._reserve(max(keep) + max(map(len, feed)))  # the feed is padded: every row writes its width
@@ -220,7 +233,35 @@ class OtherTokenizerDrafter(Drafter):
             check_finite(logits, "draft")
         self.cache.advance([len(f) for f in feed])
         rows, last = torch.arange(B, device=self.device), torch.tensor([len(f) - 1 for f in feed], device=self.device)
-        return logits[rows, last], None if hidden is None else hidden[rows, last], healed
+        after = logits[rows, last], None if hidden is None else hidden[rows, last]
+        if all(left_out is None for left_out in healed):
+            return *after, healed
+        before = logits[rows, (last - 1).clamp_min(0)], None if hidden is None else hidden[rows, (last - 1).clamp_min(0)]
+        return self._heal(after, before, healed)
+
+    def _heal(self, after: tuple[Tensor, Tensor | None], before: tuple[Tensor, Tensor | None],
+              healed: list[bytes | None]) -> tuple[Tensor, Tensor | None, list[bytes | None]]:
+        """Token healing. A context cut where the text ends rarely ends a draft token, and a
+        token that ends there (``▁self`` of ``self.``) makes the draft continue as if the
+        word were over. Where row b's last token r has bytes ``healed[b]`` that end the text,
+        the draft's greedy choice at r's place among the tokens that begin with those bytes
+        decides: r itself (the context keeps r; the logits ``after`` it propose), or a longer
+        token (r leaves the context and the cache; the logits ``before`` it, masked to those
+        tokens, propose). ``after`` and ``before``: (logits [B,Vd], hidden [B,H] or None) at
+        each row's last token and the one before it. Returns the proposing logits and hidden
+        and per row the bytes the context left out."""
+        masked = self._mask_to_prefixes(before[0], healed)
+        last = torch.tensor([ids[-1] for ids in self.dids], device=self.device)
+        longer = [left_out is not None and other for left_out, other in zip(healed, (masked.argmax(-1) != last).tolist())]
+        self.cache.rollback([n - out for n, out in zip(self.cache.host_lengths, longer)])
+        for b in (b for b, out in enumerate(longer) if out):
+            self.dids[b].pop()
+            self.starts[b].pop()
+            self.aligned[b] -= 1
+        rows = torch.tensor(longer, device=self.device)
+        logits = torch.where(rows[:, None], masked, after[0])
+        hidden = None if after[1] is None else torch.where(rows[:, None], before[1], after[1])
+        return logits, hidden, [left_out if out else None for left_out, out in zip(healed, longer)]
 
     def _left_out(self, b: int, new: list[int], starts: list[int]) -> bytes | None:
         """The bytes of row b's last draft token, when token healing can leave it out: it is a
@@ -366,9 +407,12 @@ class OtherTokenizerDrafter(Drafter):
     def _slem(self, logits: Tensor, hidden: Tensor | None, healed: list[bytes | None], budget: list[int]):
         """String-level exact match: the draft's greedy chain (its first token beginning with
         the bytes its context left out, where ``healed`` has them), its text re-tokenised by
-        the target's tokenizer: deterministic drafts [B,K] and num_draft [B]."""
-        steps = [k + (r is not None) for k, r in zip(budget, healed)]
-        drafts, _, num_draft = self._chain(self._heal(logits, healed), hidden, Sampler(0.0), steps)
+        the target's tokenizer: deterministic drafts [B,K] and num_draft [B]. A first token
+        that heals adds a few bytes only: where every row's does, one step more (measured
+        better at batch 1; where some rows' do not, their wait would cost more)."""
+        extra = all(left_out is not None for left_out in healed)
+        steps = [k + extra for k in budget]
+        drafts, _, num_draft = self._chain(logits, hidden, Sampler(0.0), steps)
         rows = torch.cat([num_draft[:, None], drafts], 1).tolist()  # one copy to the host
         texts = [self._text_of(b, row[1:1 + row[0]], left_out) for b, (row, left_out) in enumerate(zip(rows, healed))]
         proposals = [ids[:k] for ids, k in zip(self._retokenise(texts), budget)]
@@ -381,7 +425,7 @@ class OtherTokenizerDrafter(Drafter):
         into one tree of target tokens with as many nodes as the draft's
         (:func:`~spec_ext.policies.continuation_tree`, the most shared nodes kept)."""
         grow = grow_static_tree if self.policy.branching is not None else grow_dynamic_tree
-        tree = grow(self.policy, self._heal(logits, healed), self._context_last(),
+        tree = grow(self.policy, logits, self._context_last(),
                     lambda tokens, parents, depth, mask: self._refeed(tokens, depth, mask))
         B, T = tree.tokens.shape
         tokens, parents = tree.tokens.tolist(), tree.parents.expand(B, T).tolist()
@@ -403,11 +447,9 @@ class OtherTokenizerDrafter(Drafter):
         trees = [continuation_tree(p, T) for p in paths]
         return tree_proposal(trees, self.device, from_text=[False] * B)[0]
 
-    def _heal(self, logits: Tensor, healed: list[bytes | None]) -> Tensor:
-        """``logits`` [B,Vd] with every token that does not begin with row b's left-out
-        bytes ``healed[b]`` at -inf (rows with None as they are)."""
-        if all(left_out is None for left_out in healed):
-            return logits
+    def _mask_to_prefixes(self, logits: Tensor, healed: list[bytes | None]) -> Tensor:
+        """``logits`` [B,Vd] with every token that does not begin with row b's bytes
+        ``healed[b]`` at -inf (rows with None as they are)."""
         everything = (-1, len(self.prefixes.token_bytes) + 1)
         lo, hi = torch.tensor([everything if r is None else self.prefixes.bounds(r) for r in healed],
                               device=self.device).T
