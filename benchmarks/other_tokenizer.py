@@ -5,7 +5,9 @@ SentencePiece-style tokenizer of 3000 tokens and a draft of the bundled draft's 
 on it, then on the target's re-tokenised greedy continuations), drafts through
 :class:`spec_ext.drafters.OtherTokenizerDrafter` in each mode (token-level intersection,
 string-level exact match, and auto: both measured, then the better); the bundled draft (the
-target's tokenizer, distilled from the target) drafts as usual. Held-out stdlib prompts,
+target's tokenizer, distilled from the target) drafts as usual. Each under a fixed draft
+length, the Auto length policy, and beside the text's n-gram drafts (``policy="ngram"``: rows
+whose text repeats draft from it, the others from the draft model). Held-out stdlib prompts,
 greedy, batch 1 and batch 8; tokens/s against the target alone (HF generate) in the same
 pass (medians of per-prompt ratios), accepted drafts per round, and whether the outputs are
 identical to the target's.
@@ -57,9 +59,11 @@ def main():
     other, other_tokenizer = load("stdlib-draft-sp")
     share = vocab_map(other_tokenizer, tokenizer)
     methods = {}
-    for policy, name in ((lambda: Fixed(args.k), f"fixed k={args.k}"), (lambda: "auto", "auto")):
+    for policy, name, modes in ((lambda: Fixed(args.k), f"fixed k={args.k}", ("tli", "slem", "auto")),
+                                (lambda: "auto", "auto", ("tli", "slem", "auto")),
+                                (lambda: "ngram", "beside n-gram drafts", ("slem", "auto"))):
         methods[f"same tokenizer (bundled draft), {name}"] = spec_ext.accelerate(target, draft, policy=policy())
-        for mode in ("tli", "slem", "auto"):
+        for mode in modes:
             methods[f"other tokenizer ({mode}), {name}"] = spec_ext.accelerate(
                 target, other, policy=policy(), tokenizer=tokenizer, draft_tokenizer=other_tokenizer,
                 tokenizer_mode=mode)

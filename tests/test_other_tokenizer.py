@@ -225,16 +225,17 @@ def test_boundaries_that_move_roll_the_draft_cache_back_and_stay_exact():
 @pytest.mark.parametrize("name", ["bytes300", "sp"])
 def test_the_retokenised_window_starts_at_the_last_word_start_however_far_back(name):
     """The window re-tokenised before a round begins at the last draft token, at least
-    ``BACK`` before the last aligned one, that starts at or right after whitespace: against
-    a scan of every token, on texts with runs of up to 200 characters without whitespace
-    (a long run is not the whole text re-tokenised)."""
+    ``BACK`` before the last aligned one, that starts at or right after whitespace (any
+    Unicode whitespace), the first of the tokens that start there (a character's bytes may be
+    several tokens): against a scan of every token, on texts with runs of up to 200
+    characters without whitespace (a long run is not the whole text re-tokenised)."""
     from spec_ext.drafters.other_tokenizer import BACK
     tok = tokenizer(name)
     drafter = OtherTokenizerDrafter(None, tok, tokenizer("chars"), Fixed(3), mode="slem")
     lead = len(drafter.lead)
     generator, far = torch.Generator().manual_seed(0), 0
     for case in range(60):
-        words = TEXT.split(" ")
+        words = TEXT.split(" ") + ["été", "\u3000the", "\u00a0cat"]  # bytes of a character in tokens of their own
         pieces = [words[int(i)] for i in torch.randint(len(words), (12,), generator=generator)]
         run = int(torch.randint(0, 200, (1,), generator=generator))
         text = " ".join(pieces) + " " + ("catdog" * 40)[:run] + "\n" * (case % 2)
@@ -246,7 +247,7 @@ def test_the_retokenised_window_starts_at_the_last_word_start_however_far_back(n
         for i in range(aligned - 1 - BACK - lead, -1, -1):
             s = starts[i]
             if s < len(text) and (s == 0 or text[s].isspace() or text[s - 1].isspace()):
-                expected = (i + lead, s)
+                expected = (starts.index(s) + lead, s)  # the first token that starts there
                 break
         assert drafter._window(0) == expected, (case, text[-60:])
         far += expected[1] > 0 and aligned - 1 - BACK - expected[0] > 16
@@ -419,34 +420,44 @@ def test_token_healing_drafts_across_the_committed_texts_end():
     assert accepted[True] > accepted[False] + 0.3, accepted
 
 
-def test_token_healing_spends_a_forward_only_where_the_draft_takes_a_longer_token():
-    """Healing decides in the sync's one forward: where the draft's choice at its last token's
-    place is that token itself, the round drafts k tokens in k forwards, as without healing;
-    only a round whose rows all take a longer token drafts one step more. Counted per round
-    against the draft's forwards, both kinds of rounds seen, at batch 1."""
+def test_token_healing_spends_a_forward_only_where_every_row_takes_a_longer_token():
+    """Healing decides in the sync's one forward: a row whose draft, at its last token's
+    place, chooses that token itself drafts on from it; a row that chooses a longer token
+    rolls the last one out of its cache. A round costs k forwards for k drafts, as without
+    healing, and one step more only where every row took a longer token. Counted per round
+    against the draft's forwards on a ragged batch, rounds of each kind seen, the draft's
+    cache holding exactly the row's draft tokens after every sync and chain."""
     target, draft = trained("chars", 0), trained("bytes300", 1)
     k, rounds = 4, []
     drafter = OtherTokenizerDrafter(draft, tokenizer("bytes300"), tokenizer("chars"), Fixed(k), mode="slem")
-    heal = drafter._heal
+    heal, sync, chain = drafter._heal, drafter._sync, drafter._chain
+
+    def held():
+        assert drafter.cache.host_lengths == [len(ids) for ids in drafter.dids]
 
     def recorded(after, before, healed):
         out = heal(after, before, healed)
-        rounds[-1] = [h is not None for h in healed], [h is not None for h in out[2]]
+        rounds[-1] = [h is not None for h in out[2]]  # the rows that took a longer token
         return out
 
-    sync = drafter._sync
+    def synced(heal=False):
+        rounds.append([])
+        out = sync(heal)
+        held()
+        return out
 
-    def counted(heal=False):
-        rounds.append(None)  # None: no row could heal this round
-        return sync(heal)
+    def chained(*args, **kwargs):
+        out = chain(*args, **kwargs)
+        held()
+        return out
 
-    drafter._heal, drafter._sync = recorded, counted
-    out = greedy_equal(target, drafter, PROMPTS[:1], tokenizer("chars"), max_new=40)
+    drafter._heal, drafter._sync, drafter._chain = recorded, synced, chained
+    out = greedy_equal(target, drafter, PROMPTS, tokenizer("chars"), max_new=40)
     assert out.stats.accepted > 0
-    kept = sum(1 for r in rounds if r is not None and any(r[0]) and not any(r[1]))
-    longer = sum(1 for r in rounds if r is not None and r[1] and all(r[1]))
-    assert kept > 0 and longer > 0, rounds
-    assert drafter.calls == k * len(rounds) + longer, (drafter.calls, len(rounds), kept, longer)
+    every = sum(1 for r in rounds if r and all(r))
+    some = sum(1 for r in rounds if any(r) and not all(r))
+    assert every > 0 and some > 0, rounds
+    assert drafter.calls == k * len(rounds) + every, (drafter.calls, len(rounds), every, some)
 
 
 @pytest.mark.parametrize("target_name,draft_name,temperature", [("chars", "bytes300", 0.0), ("bytes300", "sp", 0.0),

@@ -10,10 +10,11 @@ target's at every temperature:
   :class:`Sampler` the target is: rejection sampling stays exact.
 * ``"slem"`` (string-level exact match): the draft drafts freely (greedily) in its own
   vocabulary; the text of its drafts is re-tokenised by the target's tokenizer and handed
-  over as deterministic drafts (q None). Token healing: the draft's context leaves out
-  the last token of the committed text where its bytes end the text, and its first draft
-  token must begin with them (its tokens may be long, ``▁self.assertEqual(``: the text's
-  end rarely ends one, and a context cut there drafts as if the word were over).
+  over as deterministic drafts (q None). Token healing: where the context's last token r
+  ends with the text (its tokens may be long, ``▁self.assertEqual(``: the text's end rarely
+  ends one, and a context cut there drafts as if the word were over), the draft's choice
+  at r's place among the tokens that begin with r's bytes decides, in the same forward:
+  r (drafts go on from it), or a longer token (r leaves the context; the first draft is it).
 * ``"auto"``: both, measured: where the draft vocabulary covers at least ``MIN_SHARE`` of the
   prompts' target tokens (by frequency), a few rounds of each, then the one with more
   accepted drafts per row and round (the other now and then, to keep its measure current);
@@ -64,7 +65,6 @@ MIN_SHARE = 0.2  # below this share of the target's tokens (by frequency) TLI wa
 PROBE = 3  # rounds auto runs each mode first, before it compares their accepted drafts per row and round
 REPROBE = 32  # after that, one round in this many runs the mode that is behind (its measure kept current)
 BACK = 2  # draft tokens re-tokenised at least, before the committed text's end
-WHITESPACE = " \n\t\r\f\v"
 
 
 class OtherTokenizerDrafter(Drafter):
@@ -177,9 +177,12 @@ class OtherTokenizerDrafter(Drafter):
             if s >= len(text):
                 i -= 1
             elif s == 0 or text[s].isspace() or text[s - 1].isspace():
-                return i + lead, s
+                # the first token that starts there (a character's bytes may be several tokens)
+                return bisect.bisect_left(starts, s, 0, i) + lead, s
             else:  # the last token that starts at or right after the last whitespace before s
-                space = max(text.rfind(c, 0, s) for c in WHITESPACE)
+                space = s - 1
+                while space >= 0 and not text[space].isspace():
+                    space -= 1
                 if space < 0:
                     break
                 i = bisect.bisect_right(starts, space + 1, 0, i) - 1
@@ -245,14 +248,18 @@ class OtherTokenizerDrafter(Drafter):
         token that ends there (``▁self`` of ``self.``) makes the draft continue as if the
         word were over. Where row b's last token r has bytes ``healed[b]`` that end the text,
         the draft's greedy choice at r's place among the tokens that begin with those bytes
-        decides: r itself (the context keeps r; the logits ``after`` it propose), or a longer
-        token (r leaves the context and the cache; the logits ``before`` it, masked to those
-        tokens, propose). ``after`` and ``before``: (logits [B,Vd], hidden [B,H] or None) at
+        decides: r itself or a token of r's bytes (the context keeps r; the logits ``after``
+        it propose), or a longer token (r leaves the context and the cache; the logits
+        ``before`` it, masked to those tokens, propose). ``after`` and ``before``: (logits [B,Vd], hidden [B,H] or None) at
         each row's last token and the one before it. Returns the proposing logits and hidden
         and per row the bytes the context left out."""
         masked = self._mask_to_prefixes(before[0], healed)
-        last = torch.tensor([ids[-1] for ids in self.dids], device=self.device)
-        longer = [left_out is not None and other for left_out, other in zip(healed, (masked.argmax(-1) != last).tolist())]
+        token_bytes = self.prefixes.token_bytes
+        # a token of other bytes than r's (not r, nor a byte-fallback spelling of its bytes)
+        longer = [left_out is not None and token_bytes[choice] != left_out
+                  for left_out, choice in zip(healed, masked.argmax(-1).tolist())]
+        if not any(longer):
+            return *after, [None] * len(healed)
         self.cache.rollback([n - out for n, out in zip(self.cache.host_lengths, longer)])
         for b in (b for b, out in enumerate(longer) if out):
             self.dids[b].pop()
@@ -319,6 +326,8 @@ class OtherTokenizerDrafter(Drafter):
         [B,K] of target ids (-1 padded), the q [B,K,Vt] each was drawn from (None when
         deterministic) and num_draft [B]."""
         self._begin(seqs)
+        if forced_rows is not None:
+            self._own = (~forced_rows).tolist()
         budget = self.policy.plan() if budget is None else budget
         if self.current == "tli":
             drafts, q, num_draft = self._tli(*self._sync()[:2], budget)
@@ -331,7 +340,6 @@ class OtherTokenizerDrafter(Drafter):
             num_draft = torch.where(forced_rows, (forced >= 0).sum(1), num_draft)
             if q is not None:
                 q = F.pad(q, (0, 0, 0, width - q.shape[1]))
-            self._own = (~forced_rows).tolist()
         return drafts, q, num_draft
 
     def feeds(self, drafts: int, rows: Tensor | None = None, rows_host: list[bool] | None = None) -> None:
@@ -409,12 +417,15 @@ class OtherTokenizerDrafter(Drafter):
         the bytes its context left out, where ``healed`` has them), its text re-tokenised by
         the target's tokenizer: deterministic drafts [B,K] and num_draft [B]. A first token
         that heals adds a few bytes only: where every row's does, one step more (measured
-        better at batch 1; where some rows' do not, their wait would cost more)."""
-        extra = all(left_out is not None for left_out in healed)
+        better at batch 1; where some rows' do not, their wait would cost more). Rows whose
+        drafts are the text's (beside NGram) are not re-tokenised."""
+        own = self._own or [True] * len(healed)
+        extra = all(left_out is not None for left_out, mine in zip(healed, own) if mine)
         steps = [k + extra for k in budget]
         drafts, _, num_draft = self._chain(logits, hidden, Sampler(0.0), steps)
         rows = torch.cat([num_draft[:, None], drafts], 1).tolist()  # one copy to the host
-        texts = [self._text_of(b, row[1:1 + row[0]], left_out) for b, (row, left_out) in enumerate(zip(rows, healed))]
+        texts = [self._text_of(b, row[1:1 + row[0]], left_out) if mine else ""
+                 for b, (row, left_out, mine) in enumerate(zip(rows, healed, own))]
         proposals = [ids[:k] for ids, k in zip(self._retokenise(texts), budget)]
         tokens = pad_rows([p or [-1] for p in proposals], -1, self.device)
         return tokens, torch.tensor([len(p) for p in proposals], device=self.device)
