@@ -239,7 +239,8 @@ class OtherTokenizerDrafter(Drafter):
         after = logits[rows, last], None if hidden is None else hidden[rows, last]
         if all(left_out is None for left_out in healed):
             return *after, healed
-        before = logits[rows, (last - 1).clamp_min(0)], None if hidden is None else hidden[rows, (last - 1).clamp_min(0)]
+        last = (last - 1).clamp_min(0)  # the position before (a healable row fed both)
+        before = logits[rows, last], None if hidden is None else hidden[rows, last]
         return self._heal(after, before, healed)
 
     def _heal(self, after: tuple[Tensor, Tensor | None], before: tuple[Tensor, Tensor | None],
@@ -250,9 +251,9 @@ class OtherTokenizerDrafter(Drafter):
         the draft's greedy choice at r's place among the tokens that begin with those bytes
         decides: r itself or a token of r's bytes (the context keeps r; the logits ``after``
         it propose), or a longer token (r leaves the context and the cache; the logits
-        ``before`` it, masked to those tokens, propose). ``after`` and ``before``: (logits [B,Vd], hidden [B,H] or None) at
-        each row's last token and the one before it. Returns the proposing logits and hidden
-        and per row the bytes the context left out."""
+        ``before`` it, masked to those tokens, propose). ``after`` and ``before``: (logits
+        [B,Vd], hidden [B,H] or None) at each row's last token and the one before it.
+        Returns the proposing logits and hidden and per row the bytes the context left out."""
         masked = self._mask_to_prefixes(before[0], healed)
         token_bytes = self.prefixes.token_bytes
         # a token of other bytes than r's (not r, nor a byte-fallback spelling of its bytes)
