@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 import spec_ext
@@ -39,9 +39,11 @@ def byte_level(vocab_size: int) -> PreTrainedTokenizerFast:
     return wrap(tok)
 
 
-def sentencepiece(merges: int) -> PreTrainedTokenizerFast:
+def sentencepiece(merges: int, legacy: bool = False) -> PreTrainedTokenizerFast:
     """SentencePiece style: Metaspace (``▁``) pre-tokenizer and BPE with byte fallback
-    (``<0x00>``..``<0xFF>`` after the specials), trained on TEXT."""
+    (``<0x00>``..``<0xFF>`` after the specials), trained on TEXT. ``legacy``: Llama-2's layout
+    instead (no pre-tokenizer; a normalizer that writes a dummy ``▁`` before every text it
+    is given and spaces as ``▁``)."""
     trained = Tokenizer(models.BPE())
     trained.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
     trained.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=40 + merges, special_tokens=SPECIALS))
@@ -52,7 +54,10 @@ def sentencepiece(merges: int) -> PreTrainedTokenizerFast:
                   for m in json.loads(trained.to_str())["model"]["merges"]]
     vocab = {t: i for i, t in enumerate(ordered)}
     tok = Tokenizer(models.BPE(vocab, merge_list, unk_token="<pad>", byte_fallback=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    if legacy:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])  # Llama-2's
     tok.add_special_tokens(SPECIALS)
@@ -71,7 +76,7 @@ def word_level(words: list[str]) -> PreTrainedTokenizerFast:
 def tokenizer(name: str) -> PreTrainedTokenizerFast:
     return {"bytes300": lambda: byte_level(300), "bytes280": lambda: byte_level(280),
             "chars": lambda: byte_level(262),  # nearly characters: the draft's boundaries move as text comes
-            "sp": lambda: sentencepiece(60)}[name]()
+            "sp": lambda: sentencepiece(60), "sp-legacy": lambda: sentencepiece(60, legacy=True)}[name]()
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,10 +240,12 @@ def test_the_retokenised_window_starts_at_the_last_word_start_however_far_back(n
     lead = len(drafter.lead)
     generator, far = torch.Generator().manual_seed(0), 0
     for case in range(60):
-        words = TEXT.split(" ") + ["été", "\u3000the", "\u00a0cat"]  # bytes of a character in tokens of their own
+        words = TEXT.split(" ") + ["été", "ébène"]  # bytes of a character in tokens of their own
         pieces = [words[int(i)] for i in torch.randint(len(words), (12,), generator=generator)]
-        run = int(torch.randint(0, 200, (1,), generator=generator))
-        text = " ".join(pieces) + " " + ("catdog" * 40)[:run] + "\n" * (case % 2)
+        separators = [" ", "\u3000", "\u00a0", "\n", "\u2028", " é"]
+        joins = [separators[int(i)] for i in torch.randint(len(separators), (12,), generator=generator)]
+        run = int(torch.randint(0, 200, (1,), generator=generator)) if case % 3 else 0
+        text = "".join(p + j for p, j in zip(pieces, joins)) + ("catdog" * 40)[:run] + "\n" * (case % 2)
         encoding = tok.backend_tokenizer.encode(text, add_special_tokens=False)
         starts = [o[0] for o in encoding.offsets]
         aligned = lead + len(starts) - int(torch.randint(0, 4, (1,), generator=generator))
@@ -252,6 +259,38 @@ def test_the_retokenised_window_starts_at_the_last_word_start_however_far_back(n
         assert drafter._window(0) == expected, (case, text[-60:])
         far += expected[1] > 0 and aligned - 1 - BACK - expected[0] > 16
     assert far > 0  # windows that begin more than 16 tokens back, none of them at the text's start
+
+
+@pytest.mark.parametrize("target_name,draft_name", [("chars", "bytes300"), ("bytes300", "sp"),
+                                                    ("bytes300", "sp-legacy"), ("bytes300", "chars")])
+def test_the_drafts_context_is_its_tokenizers_tokens_of_the_committed_text(target_name, draft_name):
+    """After every sync each row's draft context (past the lead) is what the draft's
+    tokenizer makes of the whole committed text (less the last token where healing took a
+    longer one), though only a tail window is re-tokenised: byte-level BPE, SentencePiece
+    with a Metaspace pre-tokenizer, and Llama-2's layout, whose dummy ``▁`` before every
+    text it encodes would otherwise land inside the context at each window."""
+    target, draft = trained(target_name, 0), trained(draft_name, 1)
+    tok = tokenizer(draft_name)
+    drafter = OtherTokenizerDrafter(draft, tok, tokenizer(target_name), Fixed(4), mode="slem")
+    sync, checked = drafter._sync, []
+
+    def synced(heal=False):
+        out = sync(heal)
+        lead = len(drafter.lead)
+        for b, left_out in enumerate(out[2]):
+            whole = tok.backend_tokenizer.encode(drafter.text[b], add_special_tokens=False).ids
+            if not whole:
+                continue
+            expected = whole[:-1] if left_out is not None else whole
+            assert drafter.dids[b][lead:drafter.aligned[b]] == expected, (b, repr(drafter.text[b][-40:]))
+            checked.append(drafter.aligned[b])
+        return out
+
+    drafter._sync = synced
+    prompts = PROMPTS + ["the cat sat on the mat.\n\n  a été ébène"]
+    _, ids, mask = ragged(tokenizer(target_name), prompts)
+    out = spec_ext.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=40)
+    assert out.stats.accepted > 0 and len(checked) >= 3 * len(prompts), len(checked)  # windows, not only the first sync
 
 
 # ------------------------------------------------------------------ the permuted-vocabulary guard

@@ -26,8 +26,9 @@ The draft's own context is the committed text (the target's tokens decoded; a sp
 written as its content where the draft has a special token of that content, else left out)
 as the draft's tokenizer tokenises it. Per row the drafter keeps the draft tokens
 its KV cache holds and the character offset where each starts; before each round only a
-tail window is re-tokenised, from a token a few back that starts a word (so the window
-tokenises as it does inside the text), the cache is rolled back to the first token that
+tail window is re-tokenised, from a token a few back that starts a word, after the token
+before it (so the window tokenises as it does inside the text, a tokenizer's dummy prefix
+falling on that token), the cache is rolled back to the first token that
 differs from what it holds (a boundary that moved, a rejected draft) and the rest is fed.
 
 Chains with every length policy (:func:`~spec_ext.drafters.base.draft_chain`); trees (a
@@ -198,11 +199,17 @@ class OtherTokenizerDrafter(Drafter):
         ``heal``: token healing, in the same forward (:meth:`_heal`)."""
         B = len(self.text)
         aligned_before = list(self.aligned)
+        lead = len(self.lead)
         windows = [self._window(b) for b in range(B)]
-        encoded = _encode(self.tokenizer, [self.text[b][s:] for b, (_, s) in enumerate(windows)])
+        # each window tokenised after the token before it (a dummy prefix falls on that one)
+        heads = [self.text[b][self.starts[b][j - 1 - lead]:s] if j > lead else "" for b, (j, s) in enumerate(windows)]
+        encoded = _encode_after(self.tokenizer, heads, [self.text[b][s:] for b, (_, s) in enumerate(windows)])
+        for b in (b for b, tail in enumerate(encoded) if tail is None):  # a token across the two: the whole text
+            windows[b] = lead, 0
+            encoded[b] = _encode_after(self.tokenizer, [""], [self.text[b]])[0]
         keep, feed, healed = [], [], []
         for b, (j, s) in enumerate(windows):
-            ids, offsets = encoded[b].ids, encoded[b].offsets
+            ids, offsets = encoded[b]
             dids, starts = self.dids[b], self.starts[b]  # edited in place from the window on
             if dids:  # the first token from j on that differs from what the cache holds
                 c, n = j, min(len(dids), j + len(ids))
@@ -214,11 +221,11 @@ class OtherTokenizerDrafter(Drafter):
                 c = 0
                 dids.extend(self.lead)
             dids.extend(ids)
-            del starts[j - len(self.lead):]
-            starts.extend(s + o[0] for o in offsets)
+            del starts[j - lead:]
+            starts.extend(s + o for o in offsets)
             if not dids:  # no lead and no text yet: the filler, replaced once there is text
                 dids.append(self.filler)
-            self.aligned[b] = len(starts) + len(self.lead)
+            self.aligned[b] = len(starts) + lead
             left_out = self._left_out(b, dids, starts) if heal else None
             # feed the last token again (its logits propose the first draft), and the one before
             # where healing may propose from there instead
@@ -542,14 +549,9 @@ class OtherTokenizerDrafter(Drafter):
             committed = self.text[b] if text else ""
             start = max((committed.rfind(c) for c in " \n\t"), default=-1)
             heads.append(committed[max(start, 0, len(committed) - 64):])
-        encoded = _encode(self.target_tokenizer, [h + t for h, t in zip(heads, texts)])
-        out, alone = [], []
-        for i, (head, encoding) in enumerate(zip(heads, encoded)):
-            ids, offsets, end = encoding.ids, encoding.offsets, len(head)
-            first = next((j for j, (s, e) in enumerate(offsets) if s >= end and e > s), len(ids))
-            if any(e > end for _, e in offsets[:first]):
-                alone.append(i)
-            out.append(ids[first:])
+        encoded = _encode_after(self.target_tokenizer, heads, texts)
+        out = [[] if tail is None else tail[0] for tail in encoded]
+        alone = [i for i, tail in enumerate(encoded) if tail is None]
         if alone:
             for i, encoding in zip(alone, _encode(self.target_tokenizer, [texts[i] for i in alone])):
                 out[i] = encoding.ids
@@ -572,6 +574,22 @@ class OtherTokenizerDrafter(Drafter):
         for name in ("text", "read", "dids", "starts", "aligned"):
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in rows])
+
+
+def _encode_after(tokenizer, heads: list[str], tails: list[str]) -> list[tuple[list[int], list[int]] | None]:
+    """Each ``tails[i]`` tokenised as it is after ``heads[i]``, in one tokenizer call (each
+    pair encoded together and the head's tokens dropped: where a tokenizer writes a dummy
+    prefix, Llama-2's ``▁``, it falls on the head): its ids and where each starts in the
+    tail; None where a token straddles the two. An empty head: the tail's tokens, all."""
+    out = []
+    for head, encoding in zip(heads, _encode(tokenizer, [h + t for h, t in zip(heads, tails)])):
+        n, offsets = len(head), encoding.offsets
+        first = 0 if n == 0 else next((j for j, (s, e) in enumerate(offsets) if s >= n and e > s), len(offsets))
+        if any(e > n for _, e in offsets[:first]):
+            out.append(None)
+        else:
+            out.append((encoding.ids[first:], [s - n for s, _ in offsets[first:]]))
+    return out
 
 
 def _encode(tokenizer, texts: list[str]) -> list:
