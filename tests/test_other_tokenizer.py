@@ -499,6 +499,38 @@ def test_token_healing_spends_a_forward_only_where_every_row_takes_a_longer_toke
     assert drafter.calls == k * len(rounds) + every, (drafter.calls, len(rounds), every, some)
 
 
+def test_token_healing_keeps_the_last_token_where_the_draft_chooses_it_or_its_bytes_twin():
+    """A row whose context ends in ``h`` (of ``▁t``, ``h``): at h's place the draft chooses
+    ``h`` itself, its byte-fallback twin ``<0x68>`` (the same bytes: nothing to heal) or the
+    longer ``he``. The first two keep h in the context and propose from the logits after it;
+    the third rolls h out of that row's cache and proposes ``he`` from the logits before."""
+    target_tok, draft_tok = tokenizer("bytes300"), tokenizer("sp")
+    vocab = draft_tok.get_vocab()
+    target, draft = llama(len(target_tok), 32, 1, seed=0), llama(len(draft_tok), 32, 1, seed=1)
+    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(2), mode="slem")
+    drafter.bind(target)
+    rows = [target_tok("the cat sat on th", add_special_tokens=False).input_ids] * 3
+    with torch.no_grad(), attention_implementation(draft):
+        drafter.start(rows, capacity=8, sampler=Sampler())
+        drafter._begin(rows)
+        after, hidden, _ = drafter._sync()
+        held = [list(ids) for ids in drafter.dids]
+        assert [draft_tok.convert_ids_to_tokens(ids[-2:]) for ids in held] == [["▁t", "h"]] * 3
+        healed = [drafter._left_out(b, drafter.dids[b], drafter.starts[b]) for b in range(3)]
+        assert healed == [b"h"] * 3
+        before = torch.randn(3, after.shape[1])
+        for b, choice in enumerate(["h", "<0x68>", "he"]):
+            before[b, vocab[choice]] = 100.0
+        before[:, vocab["▁the"]] = 200.0  # not a token of h's bytes
+        lengths = list(drafter.cache.host_lengths)
+        logits, _, left_out = drafter._heal((after, hidden), (before, hidden), healed)
+    assert left_out == [None, None, b"h"]
+    assert drafter.dids[:2] == held[:2] and drafter.dids[2] == held[2][:-1]
+    assert drafter.cache.host_lengths == [lengths[0], lengths[1], lengths[2] - 1]
+    assert torch.equal(logits[:2], after[:2])
+    assert logits[2].argmax().item() == vocab["he"] and torch.isinf(logits[2]).sum() == len(draft_tok) - 3
+
+
 @pytest.mark.parametrize("target_name,draft_name,temperature", [("chars", "bytes300", 0.0), ("bytes300", "sp", 0.0),
                                                                 ("permuted", "permuted", 1.0)])
 def test_auto_runs_the_mode_that_accepts_more(target_name, draft_name, temperature):
