@@ -580,6 +580,45 @@ def test_beside_ngram_drafts_greedy_equals_the_target(mode, tree):
 
 
 @pytest.mark.parametrize("tree", [False, True])
+def test_beside_ngram_slem_retokenises_only_the_drafters_rows(tree):
+    """Beside the text's drafts (chains and trees) a SLEM chain stands for the rows without a
+    match only: the text's rows are not re-tokenised (their texts handed to the target's
+    tokenizer are empty) and the round's accepted drafts are tallied over the drafter's rows."""
+    target, draft = trained("bytes300", 0), trained("sp", 1)
+    target_tok, draft_tok = tokenizer("bytes300"), tokenizer("sp")
+    prompts = ["the cat sat on the mat. the dog sat on", "café au lait", "then the dog ran to the log and sat on it. "
+               "then the dog ran", "a cat and"]
+    policy = NGram(tree=tree)
+    model_drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, policy, mode="slem")
+    drafter = spec_ext.drafters.TextFirst(spec_ext.drafters.TextDrafter(policy), model_drafter)
+    chain, retokenise, commit = model_drafter.chain, model_drafter._retokenise, model_drafter.commit
+    rounds, tallied = [], []
+
+    def chained(seqs, budget=None, forced=None, forced_rows=None):
+        rounds.append([forced_rows.tolist(), None])
+        return chain(seqs, budget, forced, forced_rows)
+
+    def retokenised(texts, rows=None):
+        rounds[-1][1] = list(texts)
+        return retokenise(texts, rows)
+
+    def committed(outcome):
+        before = list(model_drafter.tally["slem"])
+        commit(outcome)
+        if model_drafter.current is not None:  # a round the drafter ran
+            tallied.append((model_drafter.tally["slem"][0] - before[0], rounds[-1][0].count(False)))
+
+    model_drafter.chain, model_drafter._retokenise, model_drafter.commit = chained, retokenised, committed
+    out = greedy_equal(target, drafter, prompts, target_tok, max_new=30)
+    mixed = [(by_text, texts) for by_text, texts in rounds if any(by_text)]
+    assert mixed and out.stats.text_accepted > 0, out.stats.as_dict()
+    for by_text, texts in mixed:
+        assert all(text == "" for text, forced in zip(texts, by_text) if forced), (by_text, texts)
+    assert any(text for _, texts in mixed for text, forced in zip(texts, by_text) if not forced)
+    assert tallied and all(rows == own for rows, own in tallied), tallied
+
+
+@pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_beside_ngram_slem_chains_shorter_than_draft_k(seed, tree):
     """Word-level SLEM drafts often re-tokenise to fewer than ``draft_k`` target tokens (a

@@ -269,8 +269,9 @@ def draft_chain(policy: Policy, sampler: Sampler, generator, logits: Tensor, hid
     ``hidden`` [B,H] that produced them) propose a token per row, then ``step(token)`` gives
     the next logits and hidden, up to ``budget[b]`` drafts per row, stopping rows where the
     policy's ``keep_drafting`` says (one host sync per step for adaptive policies only).
-    ``forced`` [B,k] replaces the drafts of ``forced_rows`` [B] bool. Returns drafts [B,K]
-    (-1 padded), the q [B,K,V] each was drawn from (None when greedy), num_draft [B]."""
+    ``forced`` [B,k] replaces the drafts of ``forced_rows`` [B] bool (None: nothing is
+    replaced). Returns drafts [B,K] (-1 padded), the q [B,K,V] each was drawn from (None
+    when greedy), num_draft [B]."""
     B, device = logits.shape[0], logits.device
     kmax = max(budget)
     budget_t = None if min(budget) == kmax else torch.tensor(budget, device=device)

@@ -62,9 +62,10 @@ class ModelDrafter(Drafter):
     def chain(self, seqs: list[list[int]], budget: list[int] | None = None, forced: Tensor | None = None,
               forced_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
         """Draft up to ``budget[b]`` tokens per row (None: the policy's ``plan()``), stopping a
-        row where the policy's ``keep_drafting`` says. ``forced`` [B,k] replaces the drafts
-        of ``forced_rows`` [B] bool (tokens from elsewhere that the draft is fed, so its cache
-        keeps what the target accepts there). Returns drafts [B,K] (-1 padded), the q [B,K,V]
+        row where the policy's ``keep_drafting`` says. ``forced_rows`` [B] bool: the rows whose
+        drafts come from elsewhere; ``forced`` [B,k] their tokens, which replace the drafts
+        there and are fed to the draft, so its cache keeps what the target accepts there
+        (None: the drafts there are discarded). Returns drafts [B,K] (-1 padded), the q [B,K,V]
         each was drawn from (None when greedy) and num_draft [B]."""
         logits, hidden = self._catch_up(seqs)
         B = len(seqs)

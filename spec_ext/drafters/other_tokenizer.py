@@ -328,11 +328,12 @@ class OtherTokenizerDrafter(Drafter):
     def chain(self, seqs: list[list[int]], budget: list[int] | None = None, forced: Tensor | None = None,
               forced_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
         """A chain per row of up to ``budget[b]`` target tokens (None: the policy's ``plan()``),
-        where the policy's ``keep_drafting`` says. ``forced`` [B,k] replaces the drafts of
-        ``forced_rows`` [B] bool (the text's drafts beside this drafter: its next round
-        re-tokenises whatever the target commits, so nothing is fed for them). Returns drafts
-        [B,K] of target ids (-1 padded), the q [B,K,Vt] each was drawn from (None when
-        deterministic) and num_draft [B]."""
+        where the policy's ``keep_drafting`` says. ``forced_rows`` [B] bool: the rows whose
+        drafts come from elsewhere (the text's, beside this drafter: not re-tokenised, and
+        nothing is fed for them: the next round re-tokenises whatever the target commits);
+        ``forced`` [B,k] their tokens in place of the drafts there (None: they are
+        discarded). Returns drafts [B,K] of target ids (-1 padded), the q [B,K,Vt] each was
+        drawn from (None when deterministic) and num_draft [B]."""
         self._begin(seqs)
         if forced_rows is not None:
             self._own = (~forced_rows).tolist()

@@ -55,7 +55,7 @@ class TextFirst(Drafter):
             return proposal
         by_text = torch.tensor(proposal.from_text, device=device)
         if proposal.is_tree:
-            drafts, q, num = self.model_drafter.chain(seqs, [k] * B)
+            drafts, q, num = self.model_drafter.chain(seqs, [k] * B, forced_rows=by_text)
             self.model_drafter.feeds(drafts.shape[1] - 1, ~by_text, [not text for text in proposal.from_text])
             drafts = F.pad(drafts, (0, k - drafts.shape[1]), value=-1)  # a chain may stop short of k
             proposal.tokens[:, 1:k + 1] = torch.where(by_text[:, None], proposal.tokens[:, 1:k + 1], drafts)
