@@ -148,6 +148,26 @@ def test_spec_cache_capacity_error():
         cache.rollback([7, 0])
 
 
+def test_spec_cache_reserve_grows_and_keeps_every_row():
+    cache = SpecCache(2, 2, 4, batch_size=3, capacity=8)
+    cache.buffer.copy_(torch.randn_like(cache.buffer))
+    cache.advance([8, 3, 0])
+    held, before = cache.buffer, cache.buffer.clone()
+    cache.reserve(8)  # enough already: the same buffer
+    assert cache.capacity == 8 and cache.buffer is held
+    cache.reserve(9)  # at least doubled
+    assert cache.capacity == 16 and cache.buffer.shape[3] == 16 and cache.host_lengths == [8, 3, 0]
+    torch.testing.assert_close(cache.buffer[:, :, :, :8], before, rtol=0, atol=0)
+    cache.reserve(40)
+    assert cache.capacity == 40
+    keys = torch.randn(3, 2, 32, 4)
+    for layer in range(2):  # the grown rows take writes up to the new capacity
+        cache.update(keys, keys, layer)
+    cache.advance([32, 32, 32])
+    torch.testing.assert_close(cache.buffer[0, 0, :, 8:40], keys[0], rtol=0, atol=0)
+    torch.testing.assert_close(cache.buffer[:, 1, :, :3], before[:, 1, :, :3], rtol=0, atol=0)
+
+
 def test_spec_cache_copy_rows_shares_a_prefix():
     cache = SpecCache(2, 2, 4, batch_size=4, capacity=8)
     cache.buffer.copy_(torch.randn_like(cache.buffer))

@@ -233,12 +233,14 @@ def test_a_mirrored_cache_tells_the_other_ranks_everything_they_need(saved_pair)
     leader.rollback([4, 5, 2], torch.tensor([4, 5, 2]))
     leader.commit(torch.tensor([[0, 2, -1], [0, 1, 2], [0, -1, -1]]), torch.tensor([1, 2, 0]))
     leader.keep_rows([0, 2])
+    leader.reserve(40)
     ids, positions = torch.tensor([[1], [2]]), torch.tensor([[6], [3]])
     leader.before_forward(ids, positions, None)
     kind, changes, sent_ids, sent_positions, sent_mask = messages[1]
-    assert kind == "step" and [name for name, _ in changes] == ["advance", "rollback", "commit", "keep_rows"]
+    assert kind == "step" and [name for name, _ in changes] == ["advance", "rollback", "commit", "keep_rows", "reserve"]
     assert torch.equal(sent_ids, ids) and torch.equal(sent_positions, positions) and sent_mask is None
     for name, args in changes:
         getattr(follower, name)(*args)
     assert follower.host_lengths == leader.host_lengths == [6, 3]
     assert torch.equal(follower.lengths, leader.lengths) and torch.equal(follower.buffer, leader.buffer)
+    assert follower.capacity == leader.capacity == 40

@@ -234,7 +234,7 @@ class OtherTokenizerDrafter(Drafter):
             feed.append(dids[c:])
             healed.append(left_out)
         self.cache.rollback(keep)
-        self._reserve(max(keep) + max(map(len, feed)))  # the feed is padded: every row writes its width
+        self.cache.reserve(max(keep) + max(map(len, feed)))  # the feed is padded: every row writes its width
         ids = pad_rows(feed, 0, self.device)
         positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
         out = self._forward(ids, positions)
@@ -289,18 +289,6 @@ class OtherTokenizerDrafter(Drafter):
         if not tail or not self.text[b][-len(tail):].encode().endswith(tail):
             return None
         return tail
-
-    def _reserve(self, length: int) -> None:
-        """Grow the draft cache (keeping what it holds) so that a row can hold ``length`` tokens."""
-        cache = self.cache
-        if length <= cache.capacity:
-            return
-        capacity = max(length, 2 * cache.capacity)
-        buffer = cache.buffer
-        grown = buffer.new_zeros(*buffer.shape[:3], capacity, buffer.shape[4])
-        grown[:, :, :, :cache.capacity] = buffer
-        cache.capacity = capacity
-        cache._set_buffer(grown)
 
     def _forward(self, ids: Tensor, positions: Tensor, mask: Tensor | None = None):
         """The draft's logits [B,T,Vd] over its own vocabulary (and hidden states [B,T,H])."""
@@ -484,7 +472,7 @@ class OtherTokenizerDrafter(Drafter):
         """The draft's logits [B,n,Vd] at every node of a tree of draft ids (node 0 the
         context's last token, at its own position again; the cache keeps the context)."""
         self.cache.rollback([x - 1 for x in self.cache.host_lengths])
-        self._reserve(max(self.cache.host_lengths) + ids.shape[1])
+        self.cache.reserve(max(self.cache.host_lengths) + ids.shape[1])
         out = self._forward(ids, self.cache.lengths[:, None] + depth, mask)
         self.cache.advance([1] * len(ids))
         return out[0] if self.hidden else out
@@ -495,7 +483,7 @@ class OtherTokenizerDrafter(Drafter):
         the draft id fed, ``to_logits`` the draft's logits to those proposed from. Each row's
         fed tokens are appended to its draft tokens (unaligned: the next sync replaces them)."""
         B, fed = len(self.text), []
-        self._reserve(max(self.cache.host_lengths) + max(budget))
+        self.cache.reserve(max(self.cache.host_lengths) + max(budget))
 
         def step(token: Tensor) -> tuple[Tensor, Tensor | None]:
             ids = token if to_draft is None else to_draft(token)

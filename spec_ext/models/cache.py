@@ -226,6 +226,17 @@ class SpecCache(Cache):
         self._set_buffer(self.buffer.index_select(1, index))
         self._set([self.host_lengths[i] for i in rows], lengths)
 
+    def reserve(self, length: int) -> None:
+        """Grow the capacity, keeping what every row holds, so that a row can hold ``length``
+        tokens (at least doubled, so that growing by a little at a time copies seldom)."""
+        if length <= self.capacity:
+            return
+        capacity = max(int(length), 2 * self.capacity)
+        grown = self.buffer.new_zeros(*self.buffer.shape[:3], capacity, self.buffer.shape[4])
+        grown[:, :, :, :self.capacity] = self.buffer
+        self.capacity = capacity
+        self._set_buffer(grown)
+
 
 def split_size(model) -> int:
     """How many ranks ``model`` is split across by transformers' tensor parallelism (1: none)."""
@@ -254,7 +265,8 @@ def _announced(host_args: int):
         @functools.wraps(method)
         def announced(self, *args, **kwargs):
             if not self._replaying:
-                sent = tuple(a.cpu() if isinstance(a, Tensor) else list(a) for a in args[:host_args])
+                sent = tuple(a.cpu() if isinstance(a, Tensor) else a if isinstance(a, int) else list(a)
+                             for a in args[:host_args])
                 self._pending.append((method.__name__, sent))
             self._replaying += 1
             try:
@@ -304,3 +316,7 @@ class MirroredCache(SpecCache):
     @_announced(1)
     def keep_rows(self, rows):
         super().keep_rows(rows)
+
+    @_announced(1)
+    def reserve(self, length):
+        super().reserve(length)
