@@ -166,6 +166,12 @@ def test_spec_cache_reserve_grows_and_keeps_every_row():
     cache.advance([32, 32, 32])
     torch.testing.assert_close(cache.buffer[0, 0, :, 8:40], keys[0], rtol=0, atol=0)
     torch.testing.assert_close(cache.buffer[:, 1, :, :3], before[:, 1, :, :3], rtol=0, atol=0)
+    torch.testing.assert_close(cache.buffer[:, 0, :, :8], before[:, 0], rtol=0, atol=0)
+    unsized = SpecCache(2, None, None, batch_size=2, capacity=4)  # sized by its first keys, at the grown capacity
+    unsized.reserve(10)
+    for layer in range(2):
+        unsized.update(keys[:2, :, :10], keys[:2, :, :10], layer)
+    assert unsized.buffer.shape == (4, 2, 2, 10, 4)
 
 
 def test_spec_cache_copy_rows_shares_a_prefix():

@@ -503,7 +503,8 @@ def test_token_healing_keeps_the_last_token_where_the_draft_chooses_it_or_its_by
     """A row whose context ends in ``h`` (of ``▁t``, ``h``): at h's place the draft chooses
     ``h`` itself, its byte-fallback twin ``<0x68>`` (the same bytes: nothing to heal) or the
     longer ``he``. The first two keep h in the context and propose from the logits after it;
-    the third rolls h out of that row's cache and proposes ``he`` from the logits before."""
+    the third rolls h out of that row's cache and proposes ``he`` from the logits before
+    (with the hidden state before, for policies that read it)."""
     target_tok, draft_tok = tokenizer("bytes300"), tokenizer("sp")
     vocab = draft_tok.get_vocab()
     target, draft = llama(len(target_tok), 32, 1, seed=0), llama(len(draft_tok), 32, 1, seed=1)
@@ -513,7 +514,7 @@ def test_token_healing_keeps_the_last_token_where_the_draft_chooses_it_or_its_by
     with torch.no_grad(), attention_implementation(draft):
         drafter.start(rows, capacity=8, sampler=Sampler())
         drafter._begin(rows)
-        after, hidden, _ = drafter._sync()
+        after, _, _ = drafter._sync()
         held = [list(ids) for ids in drafter.dids]
         assert [draft_tok.convert_ids_to_tokens(ids[-2:]) for ids in held] == [["▁t", "h"]] * 3
         healed = [drafter._left_out(b, drafter.dids[b], drafter.starts[b]) for b in range(3)]
@@ -523,12 +524,14 @@ def test_token_healing_keeps_the_last_token_where_the_draft_chooses_it_or_its_by
             before[b, vocab[choice]] = 100.0
         before[:, vocab["▁the"]] = 200.0  # not a token of h's bytes
         lengths = list(drafter.cache.host_lengths)
-        logits, _, left_out = drafter._heal((after, hidden), (before, hidden), healed)
+        hidden_after, hidden_before = torch.randn(3, 32), torch.randn(3, 32)
+        logits, hidden, left_out = drafter._heal((after, hidden_after), (before, hidden_before), healed)
     assert left_out == [None, None, b"h"]
     assert drafter.dids[:2] == held[:2] and drafter.dids[2] == held[2][:-1]
     assert drafter.cache.host_lengths == [lengths[0], lengths[1], lengths[2] - 1]
-    assert torch.equal(logits[:2], after[:2])
-    assert logits[2].argmax().item() == vocab["he"] and torch.isinf(logits[2]).sum() == len(draft_tok) - 3
+    assert torch.equal(logits[:2], after[:2]) and torch.equal(hidden[:2], hidden_after[:2])
+    assert set(torch.isfinite(logits[2]).nonzero()[:, 0].tolist()) == {vocab[t] for t in ("h", "he", "<0x68>")}
+    assert logits[2].argmax().item() == vocab["he"] and torch.equal(hidden[2], hidden_before[2])
 
 
 @pytest.mark.parametrize("target_name,draft_name,temperature", [("chars", "bytes300", 0.0), ("bytes300", "sp", 0.0),

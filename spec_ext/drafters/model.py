@@ -65,7 +65,8 @@ class ModelDrafter(Drafter):
         row where the policy's ``keep_drafting`` says. ``forced_rows`` [B] bool: the rows whose
         drafts come from elsewhere; ``forced`` [B,k] their tokens, which replace the drafts
         there and are fed to the draft, so its cache keeps what the target accepts there
-        (None: the drafts there are discarded). Returns drafts [B,K] (-1 padded), the q [B,K,V]
+        (None: its own drafts stand there; the caller discards them and names the rows it
+        verifies with :meth:`feeds`). Returns drafts [B,K] (-1 padded), the q [B,K,V]
         each was drawn from (None when greedy) and num_draft [B]."""
         logits, hidden = self._catch_up(seqs)
         B = len(seqs)

@@ -317,8 +317,9 @@ class OtherTokenizerDrafter(Drafter):
               forced_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
         """A chain per row of up to ``budget[b]`` target tokens (None: the policy's ``plan()``),
         where the policy's ``keep_drafting`` says. ``forced_rows`` [B] bool: the rows whose
-        drafts come from elsewhere (the text's, beside this drafter: not re-tokenised, and
-        nothing is fed for them: the next round re-tokenises whatever the target commits);
+        drafts come from elsewhere (the text's, beside this drafter: its drafts there are not
+        re-tokenised, and those tokens are not fed: the next round re-tokenises whatever
+        the target commits);
         ``forced`` [B,k] their tokens in place of the drafts there (None: they are
         discarded). Returns drafts [B,K] of target ids (-1 padded), the q [B,K,Vt] each was
         drawn from (None when deterministic) and num_draft [B]."""

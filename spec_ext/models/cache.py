@@ -5,7 +5,7 @@ All layers' keys and values live in one buffer [2L, B, H, S, D] (layer l's K at 
 ``update()`` writes the new tokens of a forward at each row's own offset
 (``lengths[b] + j``) without changing the lengths: the decoding loop decides what to keep
 with :meth:`advance` (chains), :meth:`commit` (trees), :meth:`rollback` and
-:meth:`keep_rows`.
+:meth:`keep_rows`; :meth:`reserve` grows the capacity.
 
 A target split across ranks by transformers' tensor parallelism keeps only its local KV
 heads here; on the rank that leads the loop its cache is a :class:`MirroredCache`, which
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 import weakref
 from typing import Callable, Sequence
 
@@ -99,7 +100,7 @@ class SpecCache(Cache):
         T = key_states.shape[2]
         if self._longest + T > self.capacity:
             raise ValueError(f"SpecCache: a row would exceed the capacity of {self.capacity} tokens "
-                             f"(lengths {self.host_lengths} + {T} new); allocate a larger cache")
+                             f"(lengths {self.host_lengths} + {T} new); allocate a larger cache or reserve() more")
         if self._common_length is not None:
             start = self._common_length
             keys[:, :, start:start + T] = key_states
@@ -265,8 +266,8 @@ def _announced(host_args: int):
         @functools.wraps(method)
         def announced(self, *args, **kwargs):
             if not self._replaying:
-                sent = tuple(a.cpu() if isinstance(a, Tensor) else a if isinstance(a, int) else list(a)
-                             for a in args[:host_args])
+                sent = tuple(a.cpu() if isinstance(a, Tensor) else int(a) if isinstance(a, numbers.Integral)
+                             else list(a) for a in args[:host_args])
                 self._pending.append((method.__name__, sent))
             self._replaying += 1
             try:
