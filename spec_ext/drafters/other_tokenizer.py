@@ -319,10 +319,9 @@ class OtherTokenizerDrafter(Drafter):
         where the policy's ``keep_drafting`` says. ``forced_rows`` [B] bool: the rows whose
         drafts come from elsewhere (the text's, beside this drafter: its drafts there are not
         re-tokenised, and those tokens are not fed: the next round re-tokenises whatever
-        the target commits);
-        ``forced`` [B,k] their tokens in place of the drafts there (None: they are
-        discarded). Returns drafts [B,K] of target ids (-1 padded), the q [B,K,Vt] each was
-        drawn from (None when deterministic) and num_draft [B]."""
+        the target commits); ``forced`` [B,k] their tokens in place of the drafts there
+        (None: they are discarded). Returns drafts [B,K] of target ids (-1 padded), the q
+        [B,K,Vt] each was drawn from (None when deterministic) and num_draft [B]."""
         self._begin(seqs)
         if forced_rows is not None:
             self._own = (~forced_rows).tolist()
