@@ -44,6 +44,12 @@ class Proposal:
     rows whose drafts were copied from their own text (counted apart in the stats).
     ``explores``: a round drafted another way than the drafter's best only to measure it (a
     draft of another tokenizer trying its other mode): the policy does not learn from it.
+
+    ``confidence`` [B,K] float32 for a chain, [B,T] for a tree (node 0, the root: 1): the
+    drafter's probability of each draft given its prefix (q at the token when sampling; the
+    softmax of the drafter's processed logits at the drafted token when greedy), 0 past the
+    row's drafts; None for drafters without one (text drafts). Adaptive verification
+    (:class:`spec_ext.policies.Adaptive`) trims by its cumulative products.
     """
     tokens: Tensor
     num_draft: Tensor
@@ -55,6 +61,7 @@ class Proposal:
     sampled_rows: Tensor | None = None
     from_text: list[bool] | None = None
     explores: bool = False
+    confidence: Tensor | None = None
 
     @property
     def is_tree(self) -> bool:
