@@ -127,6 +127,17 @@ def _linear(layer: nn.Linear, x: Tensor) -> Tensor:
     return ops.skinny_linear(x, layer.weight, layer.bias, validate=False)
 
 
+def rope_table(config, capacity: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
+    """cos, sin [capacity, D] of positions 0..capacity-1 for a decoder layer ``config`` (its
+    ``rope_parameters``; ``head_dim`` set from the heads when the config has none)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    if getattr(config, "head_dim", None) is None:
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    rotary = LlamaRotaryEmbedding(config).to(device)
+    cos, sin = rotary(torch.empty(0, dtype=dtype, device=device), torch.arange(capacity, device=device)[None])
+    return cos[0], sin[0]
+
+
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
@@ -221,14 +232,7 @@ class EagleHead(nn.Module):
         table = self._rope_table
         if table is None or table[0].shape[0] < capacity or table[0].dtype != dtype or \
                 table[0].device != positions.device:
-            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-            config = self.layer_config
-            if getattr(config, "head_dim", None) is None:
-                config.head_dim = config.hidden_size // config.num_attention_heads
-            rotary = LlamaRotaryEmbedding(config).to(positions.device)
-            cos, sin = rotary(torch.empty(0, dtype=dtype, device=positions.device),
-                              torch.arange(capacity, device=positions.device)[None])
-            table = self._rope_table = (cos[0], sin[0])
+            table = self._rope_table = rope_table(self.layer_config, capacity, dtype, positions.device)
         return table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1)
 
     def combine(self, features: Tensor) -> Tensor:
