@@ -229,6 +229,45 @@ def test_bad_input(greedy_pair):
         spec_ext.generate(target, draft, [[1, 2], [3]], streamer=object())
 
 
+def test_a_token_id_past_the_vocabulary_is_refused_naming_input_ids_the_id_and_the_size(greedy_pair):
+    target, draft = greedy_pair
+    with pytest.raises(IndexError):  # what the target's own forward does with it
+        target(torch.tensor([[5, 97]]))
+    for ids, mask, bad in ((torch.tensor([[5, 97]]), None, 97),
+                           (torch.tensor([[120, 5, 6]]), torch.tensor([[1, 1, 1]]), 120), ([[5, 6], [7, -1]], None, -1)):
+        with pytest.raises(ValueError, match=rf"input_ids: prompt \d has token id {bad}, outside the target's "
+                                             rf"vocabulary of 97 ids"):
+            spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=4)
+        with pytest.raises(ValueError, match=rf"input_ids: .* token id {bad}.* 97 ids"):
+            spec_ext.accelerate(target, draft).generate(ids, attention_mask=mask, max_new_tokens=4)
+    # an id under the left padding is never read: not refused
+    out = spec_ext.generate(target, draft, torch.tensor([[500, 5, 6]]), attention_mask=torch.tensor([[0, 1, 1]]),
+                            max_new_tokens=4, eos_token_id=[])
+    assert out.sequences[0, -4:].tolist() == hf_greedy(target, [5, 6], 4, eos=[])
+
+
+@pytest.mark.parametrize("temperature", [0.0, -0.5])
+def test_sampling_at_a_temperature_that_is_not_positive_is_refused_as_hf_refuses_it(greedy_pair, temperature):
+    target, draft = greedy_pair
+    ids = torch.tensor([[5, 6]])
+    with pytest.raises(ValueError, match="temperature"):  # HF's generate
+        target.generate(ids, do_sample=True, temperature=temperature, max_new_tokens=2, pad_token_id=0)
+    fast = spec_ext.accelerate(target, draft)
+    with pytest.raises(ValueError, match=r"temperature: must be a positive number when do_sample=True, got "
+                                         + str(temperature)):
+        fast.generate(ids, do_sample=True, temperature=temperature, max_new_tokens=2)
+    config = copy.deepcopy(target.generation_config)
+    try:  # the same from the target's generation_config
+        target.generation_config.do_sample, target.generation_config.temperature = True, temperature
+        with pytest.raises(ValueError, match="temperature: must be a positive number when do_sample=True"):
+            fast.generate(ids, max_new_tokens=2)
+        # greedy whatever the temperature says, as HF's
+        assert torch.equal(fast.generate(ids, do_sample=False, max_new_tokens=6, eos_token_id=[]),
+                           target.generate(ids, do_sample=False, max_new_tokens=6, pad_token_id=0, eos_token_id=None))
+    finally:
+        target.generation_config = config
+
+
 @pytest.mark.parametrize("policy", ["fixed", "tree", "pearl"])
 @pytest.mark.parametrize("broken", ["target", "draft"])
 def test_nan_logits_on_the_prompt_are_an_error_naming_the_model(greedy_pair, policy, broken):

@@ -72,8 +72,10 @@ class Output:
     stats: Stats
 
 
-def prompt_rows(input_ids, attention_mask) -> list[list[int]]:
-    """The prompts as token-id lists (left padding removed with ``attention_mask``)."""
+def prompt_rows(input_ids, attention_mask, vocab_size: int | None = None) -> list[list[int]]:
+    """The prompts as token-id lists (left padding removed with ``attention_mask``), each id
+    checked to be in [0, ``vocab_size``) when given (the target's embedding would raise an
+    IndexError from deep inside the forward)."""
     if isinstance(input_ids, Tensor):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: expected [B, L], got shape {tuple(input_ids.shape)}")
@@ -91,6 +93,10 @@ def prompt_rows(input_ids, attention_mask) -> list[list[int]]:
     for b, r in enumerate(rows):
         if not r:
             raise ValueError(f"input_ids: prompt {b} is empty")
+        if vocab_size is not None and not all(0 <= t < vocab_size for t in r):
+            bad = next(t for t in r if not 0 <= t < vocab_size)
+            raise ValueError(f"input_ids: prompt {b} has token id {bad}, outside the target's vocabulary of "
+                             f"{vocab_size} ids (0..{vocab_size - 1}): was it made by another model's tokenizer?")
     return rows
 
 

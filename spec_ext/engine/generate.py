@@ -14,7 +14,7 @@ from spec_ext.drafters import Drafter, OtherTokenizerDrafter, Sampler, TextDraft
 from spec_ext.engine.common import Output, Stats, prompt_rows
 from spec_ext.engine.parallel import ParallelEngine
 from spec_ext.engine.serial import SerialEngine
-from spec_ext.engine.settings import SETTINGS, make_processors, resolve_settings, stop_strings
+from spec_ext.engine.settings import SETTINGS, make_processors, resolve_settings, sampling_temperature, stop_strings
 from spec_ext.engine.tensor_parallel import channel
 from spec_ext.models import attention_implementation, check_model, split_size, vocabulary_size
 from spec_ext.models.eagle import EagleHead
@@ -241,7 +241,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     _check_tokenizer(tokenizer, target)
     if call.token_healing:
         input_ids, attention_mask = _healed(target, tokenizer, input_ids, attention_mask)
-    prompts = prompt_rows(input_ids, attention_mask)
+    prompts = prompt_rows(input_ids, attention_mask, vocabulary_size(target))
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be a positive int, got {max_new_tokens!r}")
     limit = getattr(target.config, "max_position_embeddings", None)
@@ -357,8 +357,7 @@ class Accelerated:
         if input_ids is None:
             raise ValueError("input_ids: required")
         config = self._target.generation_config
-        do_sample = bool(config.do_sample) if do_sample is None else do_sample
-        temperature = (config.temperature or 1.0) if temperature is None else temperature
+        temperature = sampling_temperature(do_sample, temperature, config)
         if max_new_tokens is None:  # as HF: max_new_tokens, else max_length counts the prompt, else 20 new
             max_new_tokens = config.max_new_tokens
             if max_new_tokens is None and config.max_length is not None:
@@ -368,8 +367,8 @@ class Accelerated:
                     raise ValueError(f"generation_config.max_length={config.max_length}: leaves no new token after "
                                      f"a prompt of {width}; set max_new_tokens")
             max_new_tokens = 20 if max_new_tokens is None else max_new_tokens
-        if not do_sample:
-            temperature, top_k, top_p = 0.0, None, None
+        if temperature == 0:
+            top_k, top_p = None, None
         else:
             top_k = config.top_k if top_k is None else top_k
             top_p = config.top_p if top_p is None else top_p

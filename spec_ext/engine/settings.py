@@ -74,6 +74,20 @@ def resolve_settings(target, settings: dict, eos: list[int], logits_processor, p
     return CallSettings(s, warpers, n, get["stop_strings"], bool(get["token_healing"]))
 
 
+def sampling_temperature(do_sample, temperature, config) -> float:
+    """The temperature an HF-style call ``generate(do_sample=..., temperature=...)`` samples
+    at (0.0: greedy), each None taken from the target's ``generation_config``. As HF's
+    generate (its TemperatureLogitsWarper), sampling at a temperature that is not > 0 is
+    refused rather than decoded greedily."""
+    if not (config.do_sample if do_sample is None else do_sample):
+        return 0.0
+    temperature = (1.0 if config.temperature is None else config.temperature) if temperature is None else temperature
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        greedy = " (for greedy decoding set do_sample=False)" if temperature == 0 else ""
+        raise ValueError(f"temperature: must be a positive number when do_sample=True, got {temperature!r}{greedy}")
+    return float(temperature)
+
+
 def make_processors(call: CallSettings, rows: list[list[int]], width: int, tokenizer, grammar, target_vocab: int
                     ) -> Processors | None:
     """The call's processors (None when nothing is set); ``rows`` the prompts after
