@@ -222,7 +222,7 @@ def test_the_layers_named_are_the_layers_tapped(target):
 @pytest.mark.parametrize("change,field", [
     (dict(layer_ids=(1, 2, 9)), "eagle_aux_hidden_state_layer_ids"),
     (dict(hidden=48), "target_hidden_size"),
-    (dict(vocab=V + 9), "d2t: the head drafts token ids outside the target's 12"),
+    (dict(vocab=V + 9), "d2t: the drafter drafts token ids outside the target's 12"),
 ])
 def test_a_head_made_for_another_target_is_refused_by_name(target, change, field):
     head = random_head(target, layer_ids=change.get("layer_ids"))

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from spec_ext.drafters.base import (Drafter, Outcome, Proposal, Sampler, draft_chain, grow_dynamic_tree,
                                     grow_static_tree)
+from spec_ext.drafters.features import bind_layers, check_draft_vocabulary, committed_features, prompt_features
 from spec_ext.models import SpecCache, aux_layer_ids, check_model, num_layers, vocabulary_size
 from spec_ext.models.eagle import EagleHead
 from spec_ext.policies import Policy
@@ -46,29 +47,17 @@ class HeadDrafter(Drafter):
     def bind(self, target) -> None:
         check_model(target, "target")
         config, head = self.head.config, self.head
-        L, hidden = num_layers(target), target.config.get_text_config().hidden_size
         if config.kind == "eagle3":
             ids = config.layer_ids if config.layer_ids is not None else aux_layer_ids(target)
-            bad = [k for k in ids if not 0 <= k <= L]
-            if bad:
-                raise ValueError(f"eagle_aux_hidden_state_layer_ids: {list(ids)} names layers {bad} the target "
-                                 f"(of {L} layers) does not have")
-            if (config.target_hidden_size or head.hidden_size) != hidden:
-                raise ValueError(f"target_hidden_size: the head reads features of width "
-                                 f"{config.target_hidden_size or head.hidden_size}, the target's hidden size is "
-                                 f"{hidden}")
-            self.target_layers = tuple(ids)
+            self.target_layers = bind_layers(target, ids, config.target_hidden_size or head.hidden_size,
+                                             "eagle_aux_hidden_state_layer_ids", "target_hidden_size")
         else:
-            if head.hidden_size != hidden:
-                raise ValueError(f"transformer_layer_config.hidden_size: {head.hidden_size}, the target's is {hidden}")
-            self.target_layers = (L,)
+            self.target_layers = bind_layers(target, (num_layers(target),), head.hidden_size, "target layers",
+                                             "transformer_layer_config.hidden_size")
         # the head's vocabulary and the target's may differ by padding (as a draft model's may):
         # its drafts must be target tokens, and a token its own embedding lacks reaches it as 0
         self.vocab_size = vocabulary_size(target)
-        drafted = torch.arange(len(head.d2t)) + head.d2t.cpu() if config.kind == "eagle3" else None
-        if drafted is not None and (int(drafted.max()) >= self.vocab_size or int(drafted.min()) < 0):
-            raise ValueError(f"d2t: the head drafts token ids outside the target's {self.vocab_size} "
-                             f"(transformer_layer_config.vocab_size {head.layer_config.vocab_size})")
+        check_draft_vocabulary(head.d2t if config.kind == "eagle3" else None, self.vocab_size)
         own = head.embed_tokens
         self.own_vocab = own.num_embeddings if own is not None and own.num_embeddings < self.vocab_size else None
         self.embed = own if own is not None else target.get_input_embeddings()
@@ -87,8 +76,7 @@ class HeadDrafter(Drafter):
         self.cache = SpecCache(self.head.num_layers, None, None, B, capacity, self.head.fc.weight.dtype, self.device)
         width = max(len(s) for s in seqs)
         tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=self.device)
-        if features is None:  # every prompt has one token
-            features = torch.zeros(B, 0, self._feature_width(), dtype=self.head.fc.weight.dtype, device=self.device)
+        features = prompt_features(features, B, self._feature_width(), self.head.fc.weight.dtype, self.device)
         # the pairs (x_{t+1}, feature_t) of each prompt; a one-token prompt has none and is
         # fed (x_0, a zero feature) once, never kept (its cache keeps only real pairs)
         self.real = [len(s) - 1 for s in seqs]
@@ -147,10 +135,10 @@ class HeadDrafter(Drafter):
             self.cache.advance([1] * B)
             return out[:, 0], self._output_layer_input(state["hidden"]) if self.hidden else None
 
-        drafts, q, num_draft = draft_chain(self.policy, self.sampler, self.generator, logits,
+        drafts, q, num_draft, confidence = draft_chain(self.policy, self.sampler, self.generator, logits,
                                            self._output_layer_input(hidden) if self.hidden else None, step,
                                            self.policy.plan())
-        return Proposal(drafts, num_draft, q)
+        return Proposal(drafts, num_draft, q, confidence=confidence)
 
     def _tree(self, logits: Tensor, hidden: Tensor, roots: Tensor, root_input: Tensor) -> Proposal:
         """A static tree (``Tree``) or EAGLE-2's (``DynamicTree``): each level re-feeds the root
@@ -173,14 +161,9 @@ class HeadDrafter(Drafter):
 
     def commit(self, outcome: Outcome) -> None:
         self.cache.rollback(self._kept, self._kept_t)
-        B = len(outcome.accepted)
-        width = max(outcome.accepted) + 1
-        steps = torch.arange(width, device=self.device)
-        positions = steps.expand(B, -1) if outcome.path is None else outcome.path[:, :width].clamp_min(0)
-        features = outcome.features.gather(1, positions[..., None].expand(-1, -1, outcome.features.shape[-1]))
-        ids = outcome.tokens[:, :width].clamp_min(0)
-        self._pending = ids, features, [a + 1 for a in outcome.accepted], outcome.num_accepted + 1
-        self.real = [a + 1 for a in outcome.accepted]
+        features, ids, counts, counts_t = committed_features(outcome)
+        self._pending = ids, features, counts, counts_t
+        self.real = list(counts)
         if self.policy.uses_bonus_agreement:
             self.remember_bonus(outcome)
 

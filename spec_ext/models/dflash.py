@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from spec_ext.models.eagle import _linear, _Mlp, _Norm, _rotate, _weights, rope_table
+from spec_ext.models.eagle import _linear, _Mlp, _Norm, _rotate, _weights, rope_table, to_target_vocabulary
 
 # the keys of a speculators config this module reads or knows to be harmless
 _SPECULATORS_KEYS = {"speculators_model_type", "architectures", "transformer_layer_config", "draft_vocab_size",
@@ -251,16 +251,8 @@ class DFlashDraft(nn.Module):
         """:meth:`draft_logits` over the target's vocabulary of ``vocab_size`` (default the layer
         config's): a reduced vocabulary's ids placed by d2t, -inf elsewhere; the target's head's
         logits padded with -inf to ``vocab_size``."""
-        draft = self.draft_logits(hidden, output)
-        vocab_size = vocab_size or self.layer_config.vocab_size
-        if self.d2t is None and draft.shape[-1] == vocab_size:
-            return draft
-        logits = draft.new_full((*draft.shape[:-1], vocab_size), float("-inf"))
-        ids = torch.arange(draft.shape[-1], device=draft.device)
-        if self.d2t is not None:
-            ids = ids + self.d2t
-        logits[..., ids] = draft
-        return logits
+        return to_target_vocabulary(self.draft_logits(hidden, output), self.d2t,
+                                    vocab_size or self.layer_config.vocab_size)
 
     # ------------------------------------------------------------ the decoding forward
     def extend(self, context: Tensor, cache, counts: list[int], device_counts: Tensor | None = None) -> None:

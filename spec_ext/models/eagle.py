@@ -127,6 +127,17 @@ def _linear(layer: nn.Linear, x: Tensor) -> Tensor:
     return ops.skinny_linear(x, layer.weight, layer.bias, validate=False)
 
 
+def to_target_vocabulary(draft: Tensor, d2t: Tensor | None, vocab_size: int) -> Tensor:
+    """Logits [..., V'] over a draft vocabulary to [..., vocab_size]: draft id i at target id
+    ``i + d2t[i]`` (``d2t`` None: ids as they are), -inf at every other id."""
+    if d2t is None and draft.shape[-1] == vocab_size:
+        return draft
+    logits = draft.new_full((*draft.shape[:-1], vocab_size), float("-inf"))
+    ids = torch.arange(draft.shape[-1], device=draft.device)
+    logits[..., ids if d2t is None else ids + d2t] = draft
+    return logits
+
+
 def rope_table(config, capacity: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
     """cos, sin [capacity, D] of positions 0..capacity-1 for a decoder layer ``config`` (its
     ``rope_parameters``; ``head_dim`` set from the heads when the config has none)."""
@@ -263,9 +274,7 @@ class EagleHead(nn.Module):
             return target_head(x).float(), x
         normed = self.norm(x)
         draft = _linear(self.lm_head, normed).float()
-        logits = draft.new_full((*draft.shape[:-1], vocab_size or self.layer_config.vocab_size), float("-inf"))
-        ids = torch.arange(draft.shape[-1], device=draft.device) + self.d2t
-        logits[..., ids] = draft
+        logits = to_target_vocabulary(draft, self.d2t, vocab_size or self.layer_config.vocab_size)
         return logits, normed if self.config.norm_output else x
 
     # ------------------------------------------------------------------ format
