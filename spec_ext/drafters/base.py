@@ -60,6 +60,7 @@ class Proposal:
     max_depth: int = 0
     sampled_rows: Tensor | None = None
     from_text: list[bool] | None = None
+    from_cache: list[bool] | None = None  # the rows of from_text drafted from a SuffixCache (earlier requests)
     explores: bool = False
     confidence: Tensor | None = None
 
@@ -271,20 +272,22 @@ def _typical(x: Tensor, mass: float) -> Tensor:
 
 def draft_chain(policy: Policy, sampler: Sampler, generator, logits: Tensor, hidden: Tensor | None, step,
                 budget: list[int], forced: Tensor | None = None, forced_rows: Tensor | None = None
-                ) -> tuple[Tensor, Tensor | None, Tensor]:
+                ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
     """The chain loop every drafter with distributions shares: from ``logits`` [B,V] (and the
     ``hidden`` [B,H] that produced them) propose a token per row, then ``step(token)`` gives
     the next logits and hidden, up to ``budget[b]`` drafts per row, stopping rows where the
     policy's ``keep_drafting`` says (one host sync per step for adaptive policies only).
     ``forced`` [B,k] replaces the drafts of ``forced_rows`` [B] bool (None: nothing is
     replaced). Returns drafts [B,K] (-1 padded), the q [B,K,V] each was drawn from (None
-    when greedy), num_draft [B]."""
+    when greedy), num_draft [B] and the confidence [B,K] float32 of each draft (q at the
+    token; greedy: the softmax of the processed logits at it; 0 past a row's drafts)."""
     B, device = logits.shape[0], logits.device
     kmax = max(budget)
     budget_t = None if min(budget) == kmax else torch.tensor(budget, device=device)
     drafts = torch.full((B, kmax), -1, dtype=torch.int64, device=device)
     q_all = None if sampler.greedy else torch.zeros(B, kmax, logits.shape[-1], device=device)
     num_draft = torch.zeros(B, dtype=torch.int64, device=device)
+    confidence = torch.zeros(B, kmax, device=device)
     going = torch.ones(B, dtype=torch.bool, device=device)
     adaptive, steps = policy.adaptive, 0
     for n in range(1, kmax + 1):
@@ -294,6 +297,9 @@ def draft_chain(policy: Policy, sampler: Sampler, generator, logits: Tensor, hid
         if forced is not None:
             token = torch.where(forced_rows, forced[:, n - 1], token)
         drafts[:, n - 1] = torch.where(going, token, -1)
+        probs = torch.softmax(logits.float(), -1) if q is None or adaptive else None
+        chance = (probs if q is None else q).gather(1, token[:, None]).squeeze(1)
+        confidence[:, n - 1] = torch.where(going, chance, 0.0)
         if q is not None:
             q_all[:, n - 1] = q
         num_draft += going
@@ -301,11 +307,11 @@ def draft_chain(policy: Policy, sampler: Sampler, generator, logits: Tensor, hid
         if budget_t is not None:
             going = going & (n < budget_t)
         if adaptive:
-            going &= policy.keep_drafting(n, torch.softmax(logits, -1), token, hidden)
+            going &= policy.keep_drafting(n, probs, token, hidden)
         if n == kmax or (adaptive and not bool(going.any())):
             break
         logits, hidden = step(token)
-    return drafts[:, :steps], None if q_all is None else q_all[:, :steps], num_draft
+    return drafts[:, :steps], None if q_all is None else q_all[:, :steps], num_draft, confidence[:, :steps]
 
 
 def grow_static_tree(policy: Policy, logits: Tensor, roots: Tensor, refeed, sampler: Sampler | None = None
@@ -314,20 +320,27 @@ def grow_static_tree(policy: Policy, logits: Tensor, roots: Tensor, refeed, samp
     the top-k of the drafter's logits after its parent: deterministic drafts. ``logits``
     [B,V] are the root's; ``refeed(tokens [B,n], parents [B,n], depth [B,n], mask)`` gives the
     drafter's logits [B,n,V] at every node of the tree grown so far (node 0 the root); the
-    ``sampler``'s processors, if any, act on them (each node's prefix its path)."""
+    ``sampler``'s processors, if any, act on them (each node's prefix its path). Each node's
+    confidence is the softmax of its parent's processed logits at its token."""
     B, device = logits.shape[0], logits.device
     parents, depth, mask, max_depth = _static_tree(tuple(policy.parents), device)
     levels, branching = policy.levels, policy.branching
     nodes = torch.zeros(B, len(policy.parents), dtype=torch.int64, device=device)
+    confidence = torch.ones(B, len(policy.parents), device=device)
     nodes[:, 0] = roots
-    nodes[:, levels[0]] = torch.topk(_process_root(sampler, logits), branching[0], dim=-1).indices
+    root = _process_root(sampler, logits)
+    nodes[:, levels[0]] = children = torch.topk(root, branching[0], dim=-1).indices
+    confidence[:, levels[0]] = torch.softmax(root.float(), -1).gather(1, children)
     for d in range(1, len(levels)):
         n = levels[d - 1][-1] + 1  # the tree so far: nodes 0..n-1
         tree_logits = refeed(nodes[:, :n], parents[:, :n].expand(B, n), depth[:, :n].expand(B, n), mask[:, :n])
         tree_logits = _process_tree(sampler, tree_logits, nodes[:, :n], parents[:, :n], depth[:, :n], d)
-        nodes[:, levels[d]] = torch.topk(tree_logits[:, levels[d - 1]], branching[d], dim=-1).indices.reshape(B, -1)
+        frontier = tree_logits[:, levels[d - 1]]
+        children = torch.topk(frontier, branching[d], dim=-1).indices
+        nodes[:, levels[d]] = children.reshape(B, -1)
+        confidence[:, levels[d]] = torch.softmax(frontier.float(), -1).gather(2, children).reshape(B, -1)
     return Proposal(nodes, torch.full((B,), nodes.shape[1] - 1, device=device), None, parents[0], depth[0], mask,
-                    max_depth)
+                    max_depth, confidence=confidence)
 
 
 def _process_root(sampler: Sampler | None, logits: Tensor) -> Tensor:
@@ -362,7 +375,8 @@ def grow_dynamic_tree(policy: Policy, logits: Tensor, roots: Tensor, refeed, sam
     gives the drafter's logits [B,n,V] at every node of the expanded tree (node 0 the root).
     The best ``nodes`` candidates are kept (a stable sort: on a tie the earlier, so a node is
     never kept without its parent, which scores at least as much and comes first), in
-    topological order, as deterministic drafts (the tree depends on no coin)."""
+    topological order, as deterministic drafts (the tree depends on no coin). Each node's
+    confidence is the softmax of its parent's processed logits at its token."""
     B, device = logits.shape[0], logits.device
     k = min(policy.top_k, logits.shape[-1])
     rows = torch.arange(B, device=device)[:, None]
@@ -399,8 +413,11 @@ def grow_dynamic_tree(policy: Policy, logits: Tensor, roots: Tensor, refeed, sam
     kept_parents = renumber.gather(1, cand_parents.gather(1, kept).clamp_min(0))
     kept_parents[:, 0] = -1
     depth, mask = ops.tree_mask(kept_parents, validate=False)
+    kept_scores = cand_scores.gather(1, kept)
+    confidence = (kept_scores - kept_scores.gather(1, kept_parents.clamp_min(0))).exp()
+    confidence[:, 0] = 1.0
     return Proposal(cand_tokens.gather(1, kept), torch.full((B,), T - 1, device=device), None, kept_parents, depth,
-                    mask, policy.depth)
+                    mask, policy.depth, confidence=confidence)
 
 
 def pad_rows(rows: Sequence[Sequence[int]], value: int, device, left: bool = False) -> Tensor:

@@ -55,19 +55,20 @@ class ModelDrafter(Drafter):
             return self.tree(seqs, roots)
         if self.policy.grows_dynamic_tree:
             return self.dynamic_tree(seqs, roots)
-        drafts, q, num_draft = self.chain(seqs)
-        return Proposal(drafts, num_draft, q)
+        drafts, q, num_draft, confidence = self.chain(seqs)
+        return Proposal(drafts, num_draft, q, confidence=confidence)
 
     # ------------------------------------------------------------------ shapes
     def chain(self, seqs: list[list[int]], budget: list[int] | None = None, forced: Tensor | None = None,
-              forced_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
+              forced_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         """Draft up to ``budget[b]`` tokens per row (None: the policy's ``plan()``), stopping a
         row where the policy's ``keep_drafting`` says. ``forced_rows`` [B] bool: the rows whose
         drafts come from elsewhere; ``forced`` [B,k] their tokens, which replace the drafts
         there and are fed to the draft, so its cache keeps what the target accepts there
         (None: its own drafts stand there; the caller discards them and names the rows it
         verifies with :meth:`feeds`). Returns drafts [B,K] (-1 padded), the q [B,K,V]
-        each was drawn from (None when greedy) and num_draft [B]."""
+        each was drawn from (None when greedy), num_draft [B] and each draft's confidence
+        [B,K] (:func:`~spec_ext.drafters.base.draft_chain`)."""
         logits, hidden = self._catch_up(seqs)
         B = len(seqs)
 
@@ -76,10 +77,10 @@ class ModelDrafter(Drafter):
             self.cache.advance([1] * B)
             return (out[0][:, 0], out[1][:, 0]) if self.hidden else (out[:, 0], None)
 
-        drafts, q, num_draft = draft_chain(self.policy, self.sampler, self.generator, logits, hidden, step,
+        drafts, q, num_draft, confidence = draft_chain(self.policy, self.sampler, self.generator, logits, hidden, step,
                                            self.policy.plan() if budget is None else budget, forced, forced_rows)
         self.feeds(drafts.shape[1] - 1)
-        return drafts, q, num_draft
+        return drafts, q, num_draft, confidence
 
     def tree(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
         """The policy's static tree (:func:`~spec_ext.drafters.base.grow_static_tree`), the

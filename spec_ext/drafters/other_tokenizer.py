@@ -494,7 +494,7 @@ class OtherTokenizerDrafter(Drafter):
             return (out_logits if to_logits is None else to_logits(out_logits)), out_hidden
 
         first = logits if to_logits is None else to_logits(logits)
-        drafts, q, num_draft = draft_chain(self.policy, sampler, self.generator, first, hidden, step, budget)
+        drafts, q, num_draft, _ = draft_chain(self.policy, sampler, self.generator, first, hidden, step, budget)
         if fed:
             for b, row in enumerate(torch.stack(fed, 1).tolist()):
                 self.dids[b] += row

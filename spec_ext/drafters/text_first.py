@@ -2,14 +2,14 @@
 draft model): one proposal, one target forward for both kinds of row."""
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler
-from spec_ext.drafters.model import ModelDrafter
-from spec_ext.drafters.other_tokenizer import OtherTokenizerDrafter
-from spec_ext.drafters.text import TextDrafter, tree_proposal
+from spec_ext.drafters.text import TextDrafter, chain_proposal, tree_proposal
 
 
 class TextFirst(Drafter):
@@ -20,16 +20,35 @@ class TextFirst(Drafter):
     keeps what the target accepts there too (a draft of another tokenizer re-tokenises the
     committed text each round instead); their q is one-hot.
     Trees: the model's rows are chains among the text's trees, verified with the q they
-    were drawn from, the text's rows as deterministic trees."""
+    were drawn from, the text's rows as deterministic trees.
 
-    def __init__(self, text: TextDrafter, model: ModelDrafter | OtherTokenizerDrafter):
+    With a ``chooser`` (a policy with ``choose`` and ``drafted``: :class:`spec_ext.policies.Auto`),
+    the chooser decides each round, from the text's match lengths, which rows draft their
+    text (cut to what length) and how many drafts the model makes for the others (0: the
+    model does not run); the drafter reports the seconds of the model's forwards to it.
+    The model side may then also be a feature head (:class:`HeadDrafter`), which drafts
+    every round from its own catch-up (its state follows the target's features, whatever
+    was drafted); the text's rows replace its drafts there."""
+
+    def __init__(self, text: TextDrafter, model: Drafter, chooser=None):
         super().__init__(text.policy)
-        self.text, self.model_drafter = text, model
+        self.text, self.model_drafter, self.chooser = text, model, chooser
         self.model = model.model
+        if not hasattr(model, "chain") and chooser is None:
+            raise ValueError(f"draft: {type(model).__name__} drafts beside the text only under a policy that "
+                             f"chooses per row (Auto)")
 
     @property
     def calls(self) -> int:
         return self.model_drafter.calls
+
+    @property
+    def proposer(self):
+        return self.model_drafter.proposer
+
+    @property
+    def target_layers(self):
+        return self.model_drafter.target_layers
 
     def bind(self, target) -> None:
         self.model_drafter.bind(target)
@@ -37,9 +56,11 @@ class TextFirst(Drafter):
     def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None,
               features: Tensor | None = None) -> None:
         self.text.start(seqs, capacity, sampler, generator)
-        self.model_drafter.start(seqs, capacity, sampler, generator)
+        self.model_drafter.start(seqs, capacity, sampler, generator, features=features)
 
     def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
+        if self.chooser is not None:
+            return self._chosen(seqs, roots)
         B, k, device = len(seqs), self.policy.draft_k, roots.device
         if self.policy.tree:
             trees = self.text.trees()
@@ -47,6 +68,7 @@ class TextFirst(Drafter):
             trees = [tree if text else ([-1] * (k + 1), [-1] + list(range(k)))  # a chain for the model to fill
                      for tree, text in zip(trees, from_text)]
             proposal, depths = tree_proposal(trees, device, from_text=from_text)
+            proposal.from_cache = list(self.text.from_cache)
             self.policy.proposed(depths)
         else:
             proposal = self.text.propose(seqs, roots)
@@ -55,7 +77,7 @@ class TextFirst(Drafter):
             return proposal
         by_text = torch.tensor(proposal.from_text, device=device)
         if proposal.is_tree:
-            drafts, q, num = self.model_drafter.chain(seqs, [k] * B, forced_rows=by_text)
+            drafts, q, num = self.model_drafter.chain(seqs, [k] * B, forced_rows=by_text)[:3]
             self.model_drafter.feeds(drafts.shape[1] - 1, ~by_text, [not text for text in proposal.from_text])
             drafts = F.pad(drafts, (0, k - drafts.shape[1]), value=-1)  # a chain may stop short of k
             proposal.tokens[:, 1:k + 1] = torch.where(by_text[:, None], proposal.tokens[:, 1:k + 1], drafts)
@@ -65,16 +87,49 @@ class TextFirst(Drafter):
                 proposal.q = F.pad(q, (0, 0, 0, proposal.tokens.shape[1] - q.shape[1]))
                 proposal.sampled_rows = ~by_text if any(proposal.from_text) else None
             return proposal
+        return self._beside(seqs, roots, proposal, by_text, k)
+
+    def _beside(self, seqs: list[list[int]], roots: Tensor, proposal: Proposal, by_text: Tensor, k: int
+                ) -> Proposal:
+        """The model's chains of ``k`` for the rows not ``by_text`` [B] bool, the text's
+        ``proposal`` (a chain) for the others, fed to the model (a drafter with ``chain``) or
+        replacing its drafts (a feature head)."""
+        B = len(seqs)
         K = max(k, proposal.tokens.shape[1])
         lookup = F.pad(proposal.tokens, (0, K - proposal.tokens.shape[1]), value=-1)
-        drafts, q, num = self.model_drafter.chain(seqs, [k] * B, forced=lookup[:, :k], forced_rows=by_text)
-        tokens = torch.cat([F.pad(drafts, (0, k - drafts.shape[1]), value=-1), lookup[:, k:]], 1)
+        if hasattr(self.model_drafter, "chain"):
+            # past a text row's drafts the model is fed 0s (never verified: the row's tokens are the lookup's)
+            drafts, q, num = self.model_drafter.chain(seqs, [k] * B, forced=lookup[:, :k].clamp_min(0),
+                                                      forced_rows=by_text)[:3]
+        else:  # the policy's plan() gives k (the chooser's)
+            drafted = self.model_drafter.propose(seqs, roots)
+            drafts, q, num = drafted.tokens, drafted.q, drafted.num_draft
+        drafts = F.pad(drafts, (0, k - drafts.shape[1]), value=-1)[:, :k]
+        tokens = torch.cat([torch.where(by_text[:, None], lookup[:, :k], drafts), lookup[:, k:]], 1)
         if q is not None:  # the text's drafts are deterministic: one-hot q
-            q = F.pad(q, (0, 0, 0, K - q.shape[1]))
+            q = F.pad(q, (0, 0, 0, K - q.shape[1]))[:, :K]
             one_hot = torch.zeros_like(q).scatter_(2, lookup.clamp_min(0)[..., None], 1.0)
             q = torch.where(by_text[:, None, None], one_hot, q)
         # the text's rows: all their drafts (past the k forced ones too); the model's: what it drafted
         return Proposal(tokens, torch.where(by_text, proposal.num_draft, num), q, from_text=proposal.from_text)
+
+    def _chosen(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
+        """A round as the chooser decides it (chains)."""
+        device = roots.device
+        chains = self.text.chains()
+        head = not hasattr(self.model_drafter, "chain")  # drafts every round (its catch-up is one forward)
+        k, use, cap = self.chooser.choose([len(c) for c in chains], forwards_without_model=int(head))
+        chains = [c[:cap] if u else [] for c, u in zip(chains, use)]
+        proposal = chain_proposal(chains, max(map(len, chains)), device)
+        proposal.from_text = [bool(c) for c in chains]
+        if k == 0 and not head:
+            self.model_drafter.skip()
+            return proposal
+        by_text = torch.tensor(proposal.from_text, device=device)
+        started = time.perf_counter()
+        proposal = self._beside(seqs, roots, proposal, by_text, k)
+        self.chooser.drafted(time.perf_counter() - started, max(k, int(head)))
+        return proposal
 
     def commit(self, outcome: Outcome) -> None:
         self.text.commit(outcome)

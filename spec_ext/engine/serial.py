@@ -1,8 +1,9 @@
 """The serial engine: the drafter-verifier loop on Hugging Face models, for ragged batches.
 
 Each round, for every unfinished row at once: the drafter proposes a chain or a tree
-(:class:`spec_ext.drafters.Proposal`), the target verifies it in one forward through
-:class:`SpecCache` and tree attention, a rejection sampler keeps what the target's
+(:class:`spec_ext.drafters.Proposal`), the policy selects what of it is verified
+(``Policy.select``: all of it, or a prefix or subtree per row), the target verifies that in
+one forward through :class:`SpecCache` and tree attention, a rejection sampler keeps what the target's
 distribution allows, the target's cache keeps the accepted tokens and the drafter is told
 what was kept. One host sync per round (the emitted tokens and counts), plus one per
 draft step for length policies that decide on the host when to stop drafting.
@@ -129,7 +130,7 @@ class SerialEngine(Rows):
         self.drafter.start([list(s) for s in self.seqs], self.capacity, self.sampler, self.generator,
                            features=features)
         while self.active:
-            proposal = self.drafter.propose([self.seqs[r] for r in self.active], self.roots)
+            proposal = self.policy.select(self.drafter.propose([self.seqs[r] for r in self.active], self.roots))
             outcome = self.verify(proposal)
             if self.sampler.processors is not None:
                 self.sampler.processors.commit(outcome.tokens, outcome.num_accepted + 1, outcome.committed)
@@ -137,8 +138,10 @@ class SerialEngine(Rows):
                 self.policy.observe(outcome.drafted, outcome.accepted)
             self.drafter.commit(outcome)
             from_text = proposal.from_text or [False] * len(self.active)
+            from_cache = proposal.from_cache or [False] * len(self.active)
             keep = [i for i, r in enumerate(self.active)
-                    if self.emit(r, outcome.committed[i], outcome.drafted[i], outcome.accepted[i], from_text[i])]
+                    if self.emit(r, outcome.committed[i], outcome.drafted[i], outcome.accepted[i], from_text[i],
+                                 from_cache[i])]
             if len(keep) < len(self.active):
                 index = torch.tensor(keep, dtype=torch.long, device=self.device)
                 self.cache.keep_rows(keep)

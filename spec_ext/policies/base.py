@@ -26,7 +26,8 @@ class Policy:
     Calls, per generate call: ``bind(target, draft)`` once; ``start(batch_size, greedy)``
     before the first round; then per round ``plan()``, ``keep_drafting(...)`` after each
     draft step, ``observe(...)`` after the verification, and ``keep_rows(rows)`` when
-    finished rows drop out.
+    finished rows drop out. The serial engine also calls ``select(proposal)`` once per round,
+    between the drafter's proposal and its verification.
 
     Capabilities (class attributes; the engine computes and passes these extras only to
     policies that ask):
@@ -63,6 +64,13 @@ class Policy:
         ``uses_draft_hidden``). A policy that does not override this never stops a row
         early, and the engine then needs no host sync per draft step."""
         return torch.ones(probs.shape[0], dtype=torch.bool, device=probs.device)
+
+    def select(self, proposal):
+        """What of this round's proposal (a :class:`spec_ext.drafters.Proposal`) the target
+        verifies: the proposal itself (the default), or a trimmed one (a prefix of each row's
+        chain, a subtree of each row's tree holding its nodes' parents: adaptive verification,
+        :class:`spec_ext.policies.Adaptive`). The drafter is told the outcome of what was verified."""
+        return proposal
 
     def observe(self, num_draft: Sequence[int], num_accepted: Sequence[int]) -> None:
         """What the target accepted of each row's drafts this round."""
