@@ -19,7 +19,8 @@ After the layers, ``norm`` and the output head (the target's, or the drafter's o
 j's logits; slot j (1 <= j < b) predicts the token at n + j, so a block proposes b - 1
 drafts (``sample_from_anchor``: slot j predicts n + j + 1 and the block proposes b).
 
-Sliding layers (``layer_types``): a block query sees the context positions t with
+Sliding layers (``layer_types``, with the layer config's ``sliding_window``: a Qwen3 config
+has one only with ``use_sliding_window``): a block query sees the context positions t with
 ``n - t <= sliding_window`` and, unless ``sliding_window_non_causal``, only the block slots
 at or before its own (the speculators library's masks); full layers always see the whole
 context and block.
@@ -73,7 +74,7 @@ class DFlashConfig:
     sample_from_anchor: bool = False
     sliding_window_non_causal: bool = False
     num_target_layers: int | None = None
-    verifier: dict = field(default_factory=dict)
+    verifier: dict = field(default_factory=lambda: dict(name_or_path=None, architectures=[]))
 
     def __post_init__(self):
         vocab = self.layer.get("vocab_size")
@@ -102,8 +103,6 @@ class DFlashConfig:
                     set(types) - {"full_attention", "sliding_attention"}:
                 raise ValueError(f"transformer_layer_config.layer_types: {types} (one of full_attention, "
                                  f"sliding_attention per layer)")
-            if "sliding_attention" in types and not self.layer.get("sliding_window"):
-                raise ValueError("transformer_layer_config.sliding_window: sliding layers need a window")
 
     @property
     def num_drafts(self) -> int:
@@ -180,11 +179,13 @@ class DFlashDraft(nn.Module):
         layer = self.layer_config = AutoConfig.for_model(**config.layer)
         H, eps = layer.hidden_size, layer.rms_norm_eps
         Ht = config.target_hidden_size or H
-        types = config.layer.get("layer_types") or ["full_attention"] * layer.num_hidden_layers
-        self.window = config.layer.get("sliding_window")
+        # as the speculators library reads them: a sliding layer without a window (a Qwen3 config
+        # with use_sliding_window false has none) attends as a full one
+        self.window = getattr(layer, "sliding_window", None)
+        types = getattr(layer, "layer_types", None) or ["full_attention"] * layer.num_hidden_layers
         self.fc = nn.Linear(len(config.layer_ids) * Ht, H, bias=False)
         self.hidden_norm = _Norm(H, eps)
-        self.layers = nn.ModuleList(_Layer(layer, types[i] == "sliding_attention")
+        self.layers = nn.ModuleList(_Layer(layer, types[i] == "sliding_attention" and self.window is not None)
                                     for i in range(layer.num_hidden_layers))
         self.norm = _Norm(H, eps)
         self.reduced = config.draft_vocab_size < layer.vocab_size
@@ -385,7 +386,7 @@ class DFlashDraft(nn.Module):
             speculators_config=dict(algorithm="dflash", default_proposal_method="greedy",
                                     proposal_methods=[dict(proposal_type="greedy", speculative_tokens=c.num_drafts,
                                                            verifier_accept_k=1, accept_tolerance=0.0)],
-                                    verifier=c.verifier or dict(name_or_path=None, architectures=[])))
+                                    verifier=c.verifier))
         if c.num_target_layers is not None:
             config["spec_ext"] = dict(num_target_layers=c.num_target_layers)
         save_file(state, str(path / "model.safetensors"))
@@ -468,7 +469,8 @@ def _speculators_config(data: dict) -> DFlashConfig:
                         data.get("target_hidden_size"), bool(data.get("sample_from_anchor", False)),
                         bool(data.get("sliding_window_non_causal", False)),
                         (data.get("spec_ext") or {}).get("num_target_layers"),
-                        (data.get("speculators_config") or {}).get("verifier") or {})
+                        (data.get("speculators_config") or {}).get("verifier") or
+                        dict(name_or_path=None, architectures=[]))
 
 
 def _zlab_config(data: dict) -> DFlashConfig:
@@ -479,7 +481,7 @@ def _zlab_config(data: dict) -> DFlashConfig:
             raise ValueError(f"dflash_config.{name}: {value!r} is not supported (spec_ext runs it as {neutral!r})")
     if extra.get("is_causal", data.get("is_causal")):
         raise ValueError("is_causal: a causal block is not supported (DFlash attends within its block both ways)")
-    if "sliding_attention" in (data.get("layer_types") or []):
+    if "sliding_attention" in (data.get("layer_types") or []) and data.get("use_sliding_window"):
         raise ValueError("layer_types: sliding layers of a z-lab checkpoint (its window is per query, the "
                          "speculators library's per anchor) are not supported; convert it to the speculators layout")
     ids = extra.get("target_layer_ids", data.get("target_layer_ids"))

@@ -1,0 +1,131 @@
+"""A block drafter (DFlash, :mod:`spec_ext.models.dflash`): one drafter forward per round
+proposes the whole block, from the target's hidden states tapped from the verification."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain, grow_dynamic_tree, \
+    grow_static_tree
+from spec_ext.drafters.features import bind_layers, check_draft_vocabulary, committed_features, prompt_features
+from spec_ext.models import SpecCache, check_model, num_layers, vocabulary_size
+from spec_ext.models.dflash import DFlashDraft
+from spec_ext.policies import Policy
+
+
+class BlockDrafter(Drafter):
+    """Drafts a chain (up to the block's b - 1 slots, cut by the length policy's ``plan``), a
+    static tree (``Tree``) or a dynamic one (``DynamicTree``) from one block forward.
+
+    Chain: slot j's logits, processed by the sampler's logits processors at the prefix of the
+    drafts before it (a grammar's state after slots < j), give q_j; draft j is drawn from q_j
+    (greedy: its argmax). The slots are computed once from the context, independently of the
+    drafts, so the drafts are drawn from exactly these q and the chain rejection sampler is
+    exact with them. Trees: node children at depth d + 1 are the top-k of slot d + 1's
+    processed logits after the node's path (static ``branching``; or EAGLE-2's best ``nodes``
+    by cumulative probability), deterministic drafts verified by the one-hot rule.
+
+    State: the drafter's :class:`SpecCache` holds, per layer, the context keys/values of every
+    committed position before the anchor (the root), one entry per position, made from the
+    target's features: the prompt's in :meth:`start`, the committed positions' of each round
+    (the root and the accepted drafts) in :meth:`commit`. The block itself is scratch past
+    the context; nothing drafted is ever kept, so nothing is rolled back.
+
+    Example:
+        >>> drafter = BlockDrafter(load_dflash("path/to/dflash"), spec_ext.policies.Fixed(7))  # doctest: +SKIP
+        >>> spec_ext.generate(target, drafter, ids)                                             # doctest: +SKIP
+    """
+
+    def __init__(self, draft: DFlashDraft, policy: Policy):
+        super().__init__(policy)
+        if policy.uses_bonus_agreement:
+            raise ValueError(f"policy: {type(policy).__name__} reads the drafter's agreement with the token after "
+                             f"a fully accepted round; a block drafter has no slot past its block to agree with")
+        self.draft = draft.eval()
+        self.hidden = policy.uses_draft_hidden
+
+    @property
+    def proposer(self):
+        return self.draft
+
+    @property
+    def num_drafts(self) -> int:
+        """The most drafts one block proposes (b - 1, or b with ``sample_from_anchor``)."""
+        return self.draft.config.num_drafts
+
+    def bind(self, target) -> None:
+        check_model(target, "target")
+        draft, config = self.draft, self.draft.config
+        L = num_layers(target)
+        if config.num_target_layers is not None and config.num_target_layers != L:
+            raise ValueError(f"num_target_layers: the drafter was made for a target of {config.num_target_layers} "
+                             f"layers, this one has {L}")
+        self.target_layers = bind_layers(target, config.layer_ids, config.target_hidden_size or draft.hidden_size,
+                                         "aux_hidden_state_layer_ids", "target_hidden_size")
+        self.vocab_size = vocabulary_size(target)
+        if draft.layer_config.vocab_size != self.vocab_size:
+            raise ValueError(f"transformer_layer_config.vocab_size: {draft.layer_config.vocab_size}, the target's "
+                             f"vocabulary has {self.vocab_size}")
+        check_draft_vocabulary(draft.d2t, self.vocab_size)
+        self.embedding = None if draft.embed_tokens is not None else target.get_input_embeddings().weight
+        self.output = None if draft.lm_head is not None else target.get_output_embeddings().weight
+        for name, weight in (("embed_tokens", self.embedding), ("lm_head", self.output)):
+            if weight is not None and weight.shape[1] != draft.hidden_size:
+                raise ValueError(f"{name}: the drafter has none and the target's are {weight.shape[1]} wide, not "
+                                 f"the drafter's transformer_layer_config.hidden_size {draft.hidden_size}")
+        depth = (len(self.policy.branching) if self.policy.branching is not None else
+                 self.policy.depth if self.policy.grows_dynamic_tree else None)
+        if depth is not None and depth > self.num_drafts:
+            raise ValueError(f"policy: {self.policy!r} grows trees {depth} deep; a block of {draft.block_size} "
+                             f"slots drafts {self.num_drafts} (block_size)")
+        draft.to(device=target.device, dtype=target.dtype)
+
+    def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None,
+              features: Tensor | None = None) -> None:
+        self.sampler, self.generator, self.calls = sampler, generator, 0
+        weight = self.draft.fc.weight
+        B = len(seqs)
+        # the context never exceeds the committed tokens; the block is written past it as scratch
+        self.cache = SpecCache(self.draft.num_layers, None, None, B, capacity + self.draft.block_size, weight.dtype,
+                               weight.device)
+        features = prompt_features(features, B, self.draft.feature_width, weight.dtype, weight.device)
+        self.draft.extend(self.draft.project(features), self.cache, [len(s) - 1 for s in seqs])
+
+    def block(self, roots: Tensor) -> tuple[Tensor, Tensor]:
+        """One block forward from each row's root [B]: the drafts' logits [B,K,V] float32 over
+        the target's vocabulary (K = :attr:`num_drafts`; slot first_slot + j at j) and the
+        outputs their head read [B,K,H]."""
+        self.calls += 1
+        draft = self.draft
+        hidden = draft(draft.embed(draft.block_tokens(roots), self.embedding), self.cache)[:, draft.config.first_slot:]
+        return draft.logits(hidden, self.output, self.vocab_size), hidden
+
+    def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
+        logits, hidden = self.block(roots)
+        if self.policy.grows_dynamic_tree or self.policy.branching is not None:
+            def refeed(tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
+                # a node at depth d: its children are drafts d + 1, drawn from slot d + 1 (index d)
+                return logits.gather(1, depth.clamp_max(logits.shape[1] - 1)[..., None].expand(-1, -1,
+                                                                                              logits.shape[2]))
+
+            grow = grow_static_tree if self.policy.branching is not None else grow_dynamic_tree
+            return grow(self.policy, logits[:, 0], roots, refeed, self.sampler)
+        budget = [max(1, min(k, self.num_drafts)) for k in self.policy.plan()]
+        slot = {"next": 0}
+        normed = self.draft.norm(hidden) if self.hidden else None
+
+        def step(token: Tensor) -> tuple[Tensor, Tensor | None]:
+            slot["next"] += 1
+            j = slot["next"]
+            return logits[:, j], None if normed is None else normed[:, j]
+
+        drafts, q, num_draft, confidence = draft_chain(self.policy, self.sampler, self.generator, logits[:, 0],
+                                                       None if normed is None else normed[:, 0], step, budget)
+        return Proposal(drafts, num_draft, q, confidence=confidence)
+
+    def commit(self, outcome: Outcome) -> None:
+        features, _, counts, counts_t = committed_features(outcome)
+        self.draft.extend(self.draft.project(features.to(self.draft.fc.weight.dtype)), self.cache, counts, counts_t)
+
+    def keep_rows(self, rows: list[int], index: Tensor) -> None:
+        self.cache.keep_rows(rows)
