@@ -17,6 +17,7 @@ _LAZY = {name: "spec_ext.ops" for name in _KERNELS}
 _LAZY |= {name: "spec_ext.engine" for name in ("generate", "accelerate", "Output", "Stats", "PeerError", "serve_draft",
                                                "shutdown")}
 _LAZY["SpecCache"] = "spec_ext.models"
+_LAZY["SuffixCache"] = "spec_ext.policies"
 _LAZY["Grammar"] = "spec_ext.processing"
 _SUBPACKAGES = ("drafters", "engine", "models", "ops", "policies", "processing", "training")
 

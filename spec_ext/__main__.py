@@ -21,7 +21,7 @@ from spec_ext.bundled import ENV, bundled_path
 # the registry's names (spec_ext.policies.POLICIES; a test keeps the two equal), here so that
 # --help and argument errors come before torch and transformers load
 POLICY_NAMES = ("adalength", "auto", "confidence", "dynamictree", "fixed", "heuristic", "learnedspecbranch", "ngram",
-                "pearl", "specbranch", "specdecpp", "svip", "tree")
+                "pearl", "specbranch", "specdecpp", "suffix", "svip", "tree")
 DEMO_PROMPT = '''def median(data):
     """Return the median (middle value) of numeric data.
 
@@ -54,15 +54,21 @@ def _streamer(tokenizer):
 
 
 def cmd_generate(args) -> None:
-    if args.draft is None and args.policy != "ngram":
-        raise ValueError(f"--draft: required with --policy {args.policy} (only ngram drafts without a draft model)")
+    text_only = args.policy in ("ngram", "suffix") or (args.suffix_cache and args.policy == "auto")
+    if args.draft is None and not text_only:
+        raise ValueError(f"--draft: required with --policy {args.policy} (only ngram and suffix draft without a draft "
+                         f"model)")
+    if len(args.prompt) > 1 and not args.suffix_cache:
+        raise ValueError("--prompt: given more than once; only with --suffix-cache (the prompts run in order)")
     import spec_ext
     tokenizer, target, draft = load_pair(args.target, args.draft, args.dtype)
-    ids = tokenizer(args.prompt, return_tensors="pt").input_ids
-    out = spec_ext.generate(target, draft, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, policy=args.policy, seed=args.seed,
-                            streamer=_streamer(tokenizer), fast_linear=args.fast_linear)
-    print("\n" + json.dumps(out.stats.as_dict(), indent=2))
+    cache = spec_ext.SuffixCache(budget=args.suffix_cache) if args.suffix_cache else None
+    for prompt in args.prompt:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out = spec_ext.generate(target, draft, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, policy=args.policy, seed=args.seed,
+                                streamer=_streamer(tokenizer), fast_linear=args.fast_linear, suffix_cache=cache)
+        print("\n" + json.dumps(out.stats.as_dict(), indent=2))
 
 
 def data_files(paths: list[Path], pattern: str, option: str = "--data") -> list[Path]:
@@ -177,7 +183,11 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft", type=_model_folder,
                      help="the draft model's folder (same vocabulary) or an EAGLE-1/EAGLE-3 head's (speculators "
                      "or EAGLE layout); optional with --policy ngram, which then drafts from the prompt and output alone")
-    gen.add_argument("--prompt", required=True, help="the text to complete")
+    gen.add_argument("--prompt", required=True, action="append",
+                     help="the text to complete (repeat with --suffix-cache: the prompts run in order)")
+    gen.add_argument("--suffix-cache", type=_positive, metavar="TOKENS",
+                     help="suffix decoding: keep a SuffixCache of this many tokens across the prompts, each drafting "
+                     "from the earlier ones' outputs (with --policy auto, ngram or suffix)")
     gen.add_argument("--policy", default="auto", choices=POLICY_NAMES, help="how the draft proposes each round")
     gen.add_argument("--max-new-tokens", type=_positive, default=128, help="tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")

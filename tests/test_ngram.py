@@ -269,4 +269,4 @@ def test_the_command_line_needs_a_draft_model_unless_the_policy_is_ngram(tmp_pat
     out = subprocess.run([sys.executable, "-m", "spec_ext", "generate", "--target", str(tmp_path), "--prompt", "x",
                           "--policy", "fixed"], capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.strip().endswith(
-        "--draft: required with --policy fixed (only ngram drafts without a draft model)"), out.stderr
+        "--draft: required with --policy fixed (only ngram and suffix draft without a draft model)"), out.stderr

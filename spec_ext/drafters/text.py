@@ -28,6 +28,9 @@ class TextDrafter(Drafter):
     def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None,
               features: Tensor | None = None) -> None:
         self.rows = [NGramIndex(s, self.policy.n_max, self.policy.n_min) for s in seqs]
+        cache = getattr(self.policy, "cache", None)  # a Suffix policy's: each row's place in it
+        self.matches = None if cache is None else [cache.match(index.tokens) for index in self.rows]
+        self.from_cache = [False] * len(seqs)  # the rows whose trees this round came from the cache
 
     def chains(self) -> list[list[int]]:
         """Per row, its drafts this round ([] where its suffix never occurred before)."""
@@ -43,10 +46,34 @@ class TextDrafter(Drafter):
         :func:`spec_ext.policies.continuation_tree`; the root alone where its suffix never
         occurred before)."""
         depths, nodes = self.policy.tree_budget()
+        if self.matches is not None:
+            return self._suffix_trees(depths, nodes)
         trees = []
         for index, depth in zip(self.rows, depths):
             _, starts = index.occurrences(self.policy.max_continuations)
             trees.append(continuation_tree(index.continuations(starts, depth), nodes))
+        return trees
+
+    def _suffix_trees(self, depths: list[int], nodes: int) -> list[tuple[list[int], list[int]]]:
+        """A Suffix policy's trees: the cache's where its match is longer than the row's own
+        text's (when the policy's ``uses_own_text``), else the own text's; the root alone where
+        the tree scores below the policy's ``text_min_score`` (beside a model, those rows are
+        the model's)."""
+        policy, trees = self.policy, []
+        least, own = policy.text_min_score, policy.uses_own_text
+        for r, (index, match, depth) in enumerate(zip(self.rows, self.matches, depths)):
+            n, tokens, parents, score = 0, [-1], [-1], 0.0
+            if own:
+                n, starts = index.occurrences(policy.max_continuations)
+                tokens, parents, score = continuation_tree(index.continuations(starts, depth), nodes, scored=True)
+            cached = policy.cache.propose(match, depth, nodes, policy.alpha, policy.min_prob)
+            self.from_cache[r] = cached[2] > n and len(cached[0]) > 1
+            if self.from_cache[r]:
+                tokens, parents, _, score = cached
+            if score < least or len(tokens) == 1:
+                self.from_cache[r] = False
+                tokens, parents = [-1], [-1]
+            trees.append((tokens, parents))
         return trees
 
     def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
@@ -56,6 +83,7 @@ class TextDrafter(Drafter):
             return chain_proposal(chains, max(map(len, chains)), device)
         trees = self.trees()
         proposal, depths = tree_proposal(trees, device)
+        proposal.from_cache = list(self.from_cache)
         self.policy.proposed(depths)
         return proposal
 
@@ -65,6 +93,9 @@ class TextDrafter(Drafter):
 
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
         self.rows = [self.rows[r] for r in rows]
+        self.from_cache = [self.from_cache[r] for r in rows]
+        if self.matches is not None:
+            self.matches = [self.matches[r] for r in rows]
 
 
 def chain_proposal(chains: list[list[int]], width: int, device) -> Proposal:

@@ -15,7 +15,9 @@ class Stats:
     """Counters of one generate call. ``rounds`` counts (row, verification) pairs;
     ``matched`` the rounds whose drafts came from the row's own text (``NGram``), and
     ``text_drafted`` / ``text_accepted`` their drafts; the ``row_*`` lists hold the same
-    counts per row of the batch."""
+    counts per row of the batch; ``cache_matched`` / ``cache_drafted`` / ``cache_accepted``
+    (and ``row_cache_matched``) the part of those whose drafts came from a
+    :class:`~spec_ext.policies.SuffixCache` of earlier requests."""
     target_calls: int = 0
     draft_calls: int = 0
     rounds: int = 0
@@ -24,6 +26,9 @@ class Stats:
     matched: int = 0
     text_drafted: int = 0
     text_accepted: int = 0
+    cache_matched: int = 0
+    cache_drafted: int = 0
+    cache_accepted: int = 0
     new_tokens: int = 0
     discarded: int = 0  # drafts thrown away unverified (parallel methods draft ahead)
     wall_time: float = 0.0
@@ -33,6 +38,7 @@ class Stats:
     draft_lengths: list[int] = field(default_factory=list, repr=False)
     row_rounds: list[int] = field(default_factory=list, repr=False)
     row_matched: list[int] = field(default_factory=list, repr=False)
+    row_cache_matched: list[int] = field(default_factory=list, repr=False)
     row_drafted: list[int] = field(default_factory=list, repr=False)
     row_accepted: list[int] = field(default_factory=list, repr=False)
 
@@ -62,7 +68,10 @@ class Stats:
                     processing_time=round(self.processing_time, 4), tokenizer_mode=self.tokenizer_mode,
                     tokens_per_s=round(self.tokens_per_s, 2), matched=self.matched,
                     text_drafted=self.text_drafted, text_accepted=self.text_accepted,
+                    cache_matched=self.cache_matched, cache_drafted=self.cache_drafted,
+                    cache_accepted=self.cache_accepted,
                     per_row=dict(rounds=self.row_rounds, matched=self.row_matched, drafted=self.row_drafted,
+                                 cache_matched=self.row_cache_matched,
                                  accepted=self.row_accepted))
 
 
@@ -113,12 +122,14 @@ class Rows:
         self.active = list(range(len(prompts)))
         self.max_new, self.eos, self.streamer = max_new_tokens, eos, streamer
         self.stats = Stats(row_rounds=[0] * len(prompts), row_matched=[0] * len(prompts),
+                           row_cache_matched=[0] * len(prompts),
                            row_drafted=[0] * len(prompts), row_accepted=[0] * len(prompts))
 
-    def emit(self, r: int, tokens: list[int], num_drafted: int, num_accepted: int, matched: bool = False) -> bool:
+    def emit(self, r: int, tokens: list[int], num_drafted: int, num_accepted: int, matched: bool = False,
+             cached: bool = False) -> bool:
         """Append row ``r``'s tokens of one verification, cut at max_new_tokens and at EOS,
-        and count the round (``matched``: its drafts came from the row's text); True while
-        the row goes on."""
+        and count the round (``matched``: its drafts came from the text; ``cached``: from a
+        suffix cache of earlier requests); True while the row goes on."""
         emitted = tokens[:self.max_new - len(self.new[r])]
         for n, tok in enumerate(emitted):
             if tok in self.eos:
@@ -136,6 +147,11 @@ class Rows:
         if matched:
             self.stats.text_drafted += num_drafted
             self.stats.text_accepted += num_accepted
+        if cached:
+            self.stats.cache_matched += 1
+            self.stats.cache_drafted += num_drafted
+            self.stats.cache_accepted += num_accepted
+            self.stats.row_cache_matched[r] += 1
         self.stats.accepted_lengths.append(num_accepted)
         self.stats.draft_lengths.append(num_drafted)
         self.stats.row_rounds[r] += 1

@@ -18,7 +18,7 @@ from spec_ext.engine.settings import SETTINGS, make_processors, resolve_settings
 from spec_ext.engine.tensor_parallel import channel
 from spec_ext.models import attention_implementation, check_model, split_size, vocabulary_size
 from spec_ext.models.eagle import EagleHead
-from spec_ext.policies import Policy, resolve
+from spec_ext.policies import Policy, Suffix, SuffixCache, resolve
 from spec_ext.vocab import fingerprint
 
 
@@ -91,6 +91,21 @@ def _policy(draft, policy: str | Policy) -> Policy:
     if policy == "auto" or policy is draft.policy:
         return draft.policy
     raise ValueError(f"policy: a Drafter brings its own policy ({draft.policy!r}); leave policy at its default")
+
+
+def _with_cache(policy: str | Policy, suffix_cache) -> str | Policy:
+    """The call's policy with ``suffix_cache``: the names "auto", "ngram" and "suffix" become
+    ``Suffix(suffix_cache)``; a :class:`Suffix` must hold that very cache."""
+    if suffix_cache is None:
+        return policy
+    if not isinstance(suffix_cache, SuffixCache):
+        raise ValueError(f"suffix_cache: expected a spec_ext.SuffixCache, got {type(suffix_cache).__name__}")
+    if isinstance(policy, str) and policy.lower() in ("auto", "ngram", "suffix"):
+        return Suffix(suffix_cache)
+    if isinstance(policy, Suffix) and policy.cache is suffix_cache:
+        return policy
+    raise ValueError(f"suffix_cache: drafts with policy 'auto', 'ngram' or 'suffix' (or a Suffix holding this "
+                     f"cache), not {policy!r}")
 
 
 # vocabulary sizes this far apart count as one tokenizer's embedding table padded (Qwen2.5-0.5B's 151936 beside
@@ -172,7 +187,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
              policy: str | Policy = "auto", seed: int | None = None, streamer=None,
              fast_linear: bool = False, tokenizer=None, grammar=None, logits_processor=None,
              prefix_allowed_tokens_fn=None, assistant_tokenizer=None, tokenizer_mode: str = "auto",
-             **settings) -> Output:
+             suffix_cache: SuffixCache | None = None, **settings) -> Output:
     """Speculative decoding of ``target`` with ``draft``: greedy output equals the
     target's own greedy output; sampled output follows the target's distribution.
 
@@ -202,6 +217,12 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
             ``"tli"`` (its law on the shared tokens), ``"slem"`` (its text re-tokenised) or
             ``"auto"`` (TLI when the shared tokens cover 20% of the prompts'); exact either way;
             ``stats.tokenizer_mode`` says which ran.
+        suffix_cache: a :class:`spec_ext.SuffixCache` kept across calls (and threads): suffix
+            decoding (:class:`spec_ext.policies.Suffix`), each row drafting the most frequent
+            continuations of its longest suffix found in earlier requests, or its own text;
+            every finished row is added to it at the end of the call. With the policy
+            "auto", "ngram" or "suffix" (or a Suffix holding this cache); stats count the
+            cache's rounds apart (``cache_matched``, ``cache_drafted``, ``cache_accepted``).
         grammar: a :class:`spec_ext.Grammar`, or one per prompt (None for a free row): the new
             text follows it; EOS is forced when it completes.
         logits_processor, prefix_allowed_tokens_fn: HF's contract; called at every verified
@@ -227,7 +248,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     started = time.perf_counter()
     if isinstance(draft, (str, Path)):
         draft = load(draft, target)
-    policy = _policy(draft, policy)
+    policy = _policy(draft, _with_cache(policy, suffix_cache))
     drafter = _drafter(target, _across_tokenizers(draft, policy, tokenizer, assistant_tokenizer, tokenizer_mode),
                        policy)
     draft = None if drafter is None else drafter.model
@@ -308,6 +329,8 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     if streamer is not None:
         streamer.end()
     tail = pad_rows(loop.new, pad_token_id, target.device)
+    if isinstance(policy, Suffix):
+        policy.remember(prompts, loop.new)
     stats.wall_time = time.perf_counter() - started
     stats.processing_time = 0.0 if processors is None else processors.seconds
     output = Output(torch.cat([head, tail], 1), stats)
@@ -326,10 +349,15 @@ class Accelerated:
     target's. ``last_stats`` holds the stats of the latest call."""
 
     def __init__(self, target, draft, policy: str | Policy = "auto", fast_linear: bool = False, tokenizer=None,
-                 draft_tokenizer=None, tokenizer_mode: str = "auto"):
+                 draft_tokenizer=None, tokenizer_mode: str = "auto", suffix_cache: SuffixCache | bool = True):
         if isinstance(draft, (str, Path)):
             draft = load(draft, target)
-        self._target, self._draft, self._policy = target, draft, _policy(draft, policy)
+        if suffix_cache is True:  # a cache of its own, for the text-drafting policies named
+            suffix_cache = SuffixCache() if isinstance(policy, str) and policy.lower() in ("ngram", "suffix") else None
+        elif suffix_cache is False:
+            suffix_cache = None
+        self._target, self._draft = target, draft
+        self._policy = _policy(draft, _with_cache(policy, suffix_cache))
         self._fast_linear = fast_linear
         self._tokenizers = dict(tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer, tokenizer_mode=tokenizer_mode)
         _drafter(target, _across_tokenizers(draft, self._policy, tokenizer, draft_tokenizer, tokenizer_mode),
@@ -383,14 +411,21 @@ class Accelerated:
 
 
 def accelerate(target, draft, policy: str | Policy = "auto", fast_linear: bool = False, tokenizer=None,
-               draft_tokenizer=None, tokenizer_mode: str = "auto") -> Accelerated:
+               draft_tokenizer=None, tokenizer_mode: str = "auto",
+               suffix_cache: SuffixCache | bool = True) -> Accelerated:
     """Wrap ``target`` so that ``.generate(...)`` runs speculative decoding with ``draft``
     (``fast_linear``: see :func:`generate`; ``tokenizer`` and ``draft_tokenizer``: the
     target's and the draft's, for a draft of another tokenizer, set once for every call;
     ``tokenizer_mode``: see :func:`generate`).
 
+    ``suffix_cache``: True (the default): with ``policy="ngram"`` or ``"suffix"`` the wrapper
+    keeps a :class:`spec_ext.SuffixCache` (default budget, outputs only) for its own calls,
+    so each call drafts from the earlier calls' outputs too (suffix decoding); a
+    SuffixCache: that one (shared with other callers); False: no cache (plain ``NGram``).
+    Other policies, and a Policy object given as it is, keep no cache of their own.
+
     Example:
         >>> fast = accelerate(target, draft, policy="fixed")            # doctest: +SKIP
         >>> fast.generate(input_ids, max_new_tokens=64)                 # doctest: +SKIP
     """
-    return Accelerated(target, draft, policy, fast_linear, tokenizer, draft_tokenizer, tokenizer_mode)
+    return Accelerated(target, draft, policy, fast_linear, tokenizer, draft_tokenizer, tokenizer_mode, suffix_cache)

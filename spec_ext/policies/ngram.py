@@ -85,8 +85,10 @@ class NGramIndex:
         return [self.tokens[s:s + k] for s in starts]
 
 
-def continuation_tree(continuations: Sequence[Sequence[int]], max_nodes: int) -> tuple[list[int], list[int]]:
+def continuation_tree(continuations: Sequence[Sequence[int]], max_nodes: int, scored: bool = False) -> tuple:
     """Merge token sequences into a tree of at most ``max_nodes`` nodes counting the root.
+    ``scored``: also return the tree's score, the sum over its nodes of the share of the
+    sequences through them (the drafts expected accepted if the sequences are equally likely).
 
     Returns (tokens, parents): node 0 is the root (token -1 here; the engine puts the last
     committed token there), nodes in topological order, siblings distinct tokens. Nodes are
@@ -119,7 +121,9 @@ def continuation_tree(continuations: Sequence[Sequence[int]], max_nodes: int) ->
     renumber = {0: 0}
     for new, old in enumerate(order, start=1):
         renumber[old] = new
-    return [-1] + [token_of[i] for i in order], [-1] + [renumber[parent_of[i]] for i in order]
+    tokens, parents = [-1] + [token_of[i] for i in order], [-1] + [renumber[parent_of[i]] for i in order]
+    return (tokens, parents, sum(count[i] for i in order) / max(1, len(continuations))) if scored else \
+        (tokens, parents)
 
 
 @register

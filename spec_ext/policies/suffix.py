@@ -1,0 +1,380 @@
+"""Suffix decoding (SuffixDecoding, arXiv 2411.04975): drafts from everything generated before.
+
+:class:`SuffixCache` keeps the finished rows of earlier calls (their outputs, and their
+prompts when ``prompts=True``) in suffix automata with occurrence counts. Each round a row
+looks up the longest suffix of its text (at most ``max_match`` tokens) that occurred in the
+stored texts followed by at least one token, and drafts a tree of that suffix's most
+frequent continuations, grown best first by their empirical probability (the product, down
+the path, of ``count(x + c) / count(x)``), nodes below ``min_prob`` left out, at most
+``alpha * match length`` nodes (the paper's rule; vLLM's ``suffix_decoding_max_spec_factor``
+and ``suffix_decoding_min_token_prob``). :func:`reference_tree` is the same rule by a plain
+scan of the stored texts, which the automata are tested against.
+
+:class:`Suffix` is the policy: :class:`~spec_ext.policies.NGram`'s settings and the row's
+own text (today's matcher), plus the cache; a row drafts the cache's tree where its match is
+longer than the own text's, else the own text's tree.
+
+Memory is bounded by ``budget`` stored tokens: requests go into the newest of ``segments``
+automata; once it holds ``budget / segments`` tokens a new one opens, and the oldest whole
+segments (whole requests) are dropped while more than ``budget`` tokens are stored. The
+stored tokens therefore stay between ``budget * (segments - 1) / segments`` and ``budget``
+once that much was added, and nothing is ever rebuilt. One lock guards adds and lookups, so
+threads calling ``generate`` at once may share a cache.
+"""
+from __future__ import annotations
+
+import heapq
+import threading
+from collections import deque
+from typing import Sequence
+
+from spec_ext.policies.base import register
+from spec_ext.policies.ngram import NGram
+
+
+def reference_tree(texts: Sequence[Sequence[int]], history: Sequence[int], depth: int, nodes: int,
+                   alpha: float = 1.0, min_prob: float = 0.1, max_match: int = 64
+                   ) -> tuple[list[int], list[int], int, float]:
+    """What :meth:`SuffixCache.propose` returns, by a plain scan of the stored ``texts``: the
+    longest suffix of ``history`` (at most ``max_match`` tokens) that occurs in a text with a
+    token after it, then its continuations best first by ``count(x + c) / count(x)`` (counts
+    of occurrences over all texts).
+
+    Example:
+        >>> reference_tree([[1, 2, 3, 4, 5, 6], [9, 3, 4, 5, 7]], [8, 3, 4], depth=4, nodes=8)
+        ([-1, 5, 6], [-1, 0, 1], 2, 1.5)
+    """
+    def count(x: tuple) -> int:
+        return sum(tuple(t[e - len(x):e]) == x for t in texts for e in range(len(x), len(t) + 1))
+
+    def followed(x: tuple) -> bool:
+        return any(tuple(t[e - len(x):e]) == x for t in texts for e in range(len(x), len(t)))
+
+    L = len(history)
+    n = next((m for m in range(min(max_match, L), 0, -1) if followed(tuple(history[L - m:]))), 0)
+    if n == 0:
+        return [-1], [-1], 0, 0.0
+    vocabulary = sorted({c for t in texts for c in t})
+    tokens, parents, score, heap = [-1], [-1], 0.0, []
+
+    def push(path: tuple, prob: float, parent: int) -> None:
+        total = count(path)
+        for c in vocabulary:
+            p = prob * count(path + (c,)) / total
+            if p > 0 and p >= min_prob:
+                heapq.heappush(heap, (-p, parent, c, path + (c,)))
+
+    push(tuple(history[L - n:]), 1.0, 0)
+    while heap and len(tokens) <= min(nodes - 1, int(alpha * n)):
+        p, parent, c, path = heapq.heappop(heap)
+        tokens.append(c)
+        parents.append(parent)
+        score -= p
+        if len(path) - n < depth:
+            push(path, -p, len(tokens) - 1)
+    return tokens, parents, n, score
+
+
+class _Automaton:
+    """A generalized suffix automaton of some requests: state 0 the root; ``count[s]`` the
+    number of places (over all texts) where the strings of state s end."""
+
+    def __init__(self):
+        self.next: list[dict[int, int]] = [{}]
+        self.link, self.length, self.count = [-1], [0], [0]
+        self.tokens = 0  # stored tokens (the version rows check their match against)
+        self.requests: list[tuple[int, int]] = []  # (request id, its tokens)
+        self._ranked: dict[int, list[tuple[int, int]]] = {}  # state -> its children by count (until an add)
+
+    def _state(self, length: int, link: int, count: int, transitions: dict[int, int]) -> int:
+        self.next.append(transitions)
+        self.link.append(link)
+        self.length.append(length)
+        self.count.append(count)
+        return len(self.length) - 1
+
+    def _clone(self, p: int, q: int, c: int) -> int:
+        """Split q: a new state of length len(p) + 1 takes its shorter strings."""
+        nxt, link, length = self.next, self.link, self.length
+        clone = self._state(length[p] + 1, link[q], self.count[q], dict(nxt[q]))
+        while p != -1 and nxt[p].get(c) == q:
+            nxt[p][c] = clone
+            p = link[p]
+        link[q] = clone
+        return clone
+
+    def _extend(self, last: int, c: int) -> int:
+        nxt, link, length = self.next, self.link, self.length
+        q = nxt[last].get(c)
+        if q is not None:  # the text so far already occurred: its state, split if it holds longer strings
+            return q if length[q] == length[last] + 1 else self._clone(last, q, c)
+        cur = self._state(length[last] + 1, 0, 0, {})
+        p = last
+        while p != -1 and c not in nxt[p]:
+            nxt[p][c] = cur
+            p = link[p]
+        if p != -1:
+            q = nxt[p][c]
+            link[cur] = q if length[p] + 1 == length[q] else self._clone(p, q, c)
+        return cur
+
+    def add(self, request: int, text: Sequence[int]) -> None:
+        link, count = self.link, self.count
+        last = 0
+        for c in text:
+            last = s = self._extend(last, int(c))
+            while s > 0:  # every suffix of the text so far ends here once more
+                count[s] += 1
+                s = link[s]
+        self.tokens += len(text)
+        self.requests.append((request, len(text)))
+        self._ranked.clear()
+
+    def ranked(self, state: int) -> list[tuple[int, int]]:
+        """State's children as (count, token), most frequent first (kept until the next add)."""
+        ranked = self._ranked.get(state)
+        if ranked is None:
+            count = self.count
+            ranked = self._ranked[state] = sorted(((count[t], c) for c, t in self.next[state].items()),
+                                                  key=lambda x: (-x[0], x[1]))
+        return ranked
+
+    def walk(self, state: int, length: int, tokens: Sequence[int], most: int) -> tuple[int, int]:
+        """The longest suffix (at most ``most`` tokens) that occurs, after reading ``tokens``
+        on from (state, length)."""
+        nxt, link, lengths = self.next, self.link, self.length
+        for c in tokens:
+            while state and c not in nxt[state]:
+                state = link[state]
+                length = lengths[state]
+            if c in nxt[state]:
+                state, length = nxt[state][c], length + 1
+                if length > most:
+                    length = most
+                    while lengths[link[state]] >= most:
+                        state = link[state]
+            else:
+                state, length = 0, 0
+        return state, length
+
+    def continued(self, state: int, length: int) -> int:
+        """The longest suffix of the match that is followed by a token somewhere (its length)."""
+        while state and not self.next[state]:
+            state = self.link[state]
+            length = self.length[state]
+        return length if state else 0
+
+    def state_of(self, state: int, length: int) -> int:
+        """The state of the match's suffix of ``length`` tokens."""
+        while self.length[self.link[state]] >= length:
+            state = self.link[state]
+        return state
+
+
+class SuffixMatch:
+    """One row's place in each of a cache's automata (kept in step with the row's text, whose
+    token list the row's matcher owns); made by :meth:`SuffixCache.match`."""
+
+    def __init__(self, history: list[int]):
+        self.history = history
+        self.places: dict[int, tuple[int, int, int, int]] = {}  # segment id -> (version, read, state, length)
+
+
+class SuffixCache:
+    """Finished requests' texts with counts, for suffix decoding (see the module docstring).
+
+    Args:
+        budget: most stored tokens (whole requests evicted, oldest first, past it).
+        prompts: also store each request's prompt (an output quoting its prompt, or a prompt
+            sent again, is found then); False: the outputs alone.
+        segments: automata the budget is split over (eviction drops the oldest whole).
+        max_match: the longest suffix looked up (tokens), as the paper's tree depth.
+
+    Example:
+        >>> cache = SuffixCache(budget=1000)
+        >>> cache.add([1, 2], [3, 4, 5, 6]); cache.add([9], [3, 4, 5, 7])
+        >>> tokens, parents, n, score = cache.propose(cache.match([8, 3, 4]), depth=4, nodes=8)
+        >>> tokens, parents, n, score   # 5 always follows [3, 4]; then 6 or 7, one each
+        ([-1, 5, 6], [-1, 0, 1], 2, 1.5)
+    """
+
+    def __init__(self, budget: int = 1_000_000, prompts: bool = True, segments: int = 4, max_match: int = 64):
+        for name, value, least in (("budget", budget, 1), ("segments", segments, 1), ("max_match", max_match, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name}: must be an int >= {least}, got {value!r}")
+        self.budget, self.prompts, self.max_match = budget, bool(prompts), max_match
+        self.segment_tokens = max(1, budget // segments)
+        self._segments: deque[_Automaton] = deque()
+        self._ids: deque[int] = deque()  # each segment's id (a row's places are keyed by it)
+        self._next_id = self._next_request = 0
+        self._texts: dict[int, list[int]] = {}  # request id -> its stored text (for texts())
+        self._lock = threading.Lock()
+
+    @property
+    def tokens(self) -> int:
+        """Tokens stored now (at most ``budget``)."""
+        return sum(s.tokens for s in self._segments)
+
+    def texts(self) -> list[list[int]]:
+        """The stored texts, oldest first (each a prompt then its output, or the output)."""
+        with self._lock:
+            return [list(t) for t in self._texts.values()]
+
+    def add(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        """Store one finished request (a text longer than the budget is not stored)."""
+        text = [int(t) for t in (list(prompt) + list(output) if self.prompts else output)]
+        if not text or len(text) > self.budget:
+            return
+        with self._lock:
+            if not self._segments or self._segments[-1].tokens >= self.segment_tokens:
+                self._segments.append(_Automaton())
+                self._ids.append(self._next_id)
+                self._next_id += 1
+            request = self._next_request
+            self._next_request += 1
+            self._segments[-1].add(request, text)
+            self._texts[request] = text
+            while self.tokens > self.budget:
+                for r, _ in self._segments.popleft().requests:
+                    del self._texts[r]
+                self._ids.popleft()
+
+    def match(self, history: list[int]) -> SuffixMatch:
+        """A row's matcher over ``history`` (the row's own token list, read as it grows)."""
+        return SuffixMatch(history)
+
+    def _places(self, match: SuffixMatch) -> list[tuple[_Automaton, int, int]]:
+        """Per segment (automaton, state, length) of the row's longest match; brings the
+        row's places up to date (a segment that changed since is walked again over the last
+        ``max_match`` tokens, a new one too)."""
+        history, most, places = match.history, self.max_match, {}
+        for sid, automaton in zip(self._ids, self._segments):
+            version, read, state, length = match.places.get(sid, (-1, 0, 0, 0))
+            if version != automaton.tokens:
+                read, state, length = max(0, len(history) - most), 0, 0
+            state, length = automaton.walk(state, length, history[read:], most)
+            places[sid] = (automaton.tokens, len(history), state, length)
+        match.places = places
+        return [(a, places[sid][2], places[sid][3]) for sid, a in zip(self._ids, self._segments)]
+
+    def propose(self, match: SuffixMatch, depth: int, nodes: int, alpha: float = 1.0,
+                min_prob: float = 0.1) -> tuple[list[int], list[int], int, float]:
+        """The row's draft tree: (tokens, parents, match length, score).
+
+        tokens/parents as :func:`spec_ext.policies.continuation_tree` (node 0 the root, token
+        -1; parents before children); at most ``min(nodes - 1, int(alpha * match length))``
+        nodes past the root, none deeper than ``depth``, none of empirical probability below
+        ``min_prob``; ``score`` the sum of the nodes' probabilities (the drafts expected to be
+        accepted if the stored texts predict the row). The root alone and 0 when nothing matches.
+        """
+        with self._lock:
+            places = self._places(match)
+            n = max((a.continued(s, length) for a, s, length in places), default=0)
+            if n == 0:
+                return [-1], [-1], 0, 0.0
+            start = [(a, a.state_of(s, n)) for a, s, length in places if length >= n]
+            tokens, parents, score = _best_first(start, depth,
+                                                 min(nodes - 1, int(alpha * n)), min_prob)
+            return tokens, parents, n, score
+
+
+def _best_first(start, depth: int, most: int, min_prob: float) -> tuple[list[int], list[int], float]:
+    """Grow the tree from the places ``start`` [(automaton, state)] of the match, best first:
+    (tokens, parents, score). Ties go to the earlier parent, then the smaller token."""
+    tokens, parents, score = [-1], [-1], 0.0
+    heap: list = []
+
+    def push(places, prob: float, parent: int, level: int) -> None:
+        total = sum(a.count[s] for a, s in places)
+        # a child of probability >= min_prob has, in one of the places at least, a count of
+        # its share of the bound: only those tokens are summed (most frequent first)
+        least = min_prob * total / prob / len(places) * (1 - 1e-9)
+        candidates = set()
+        for a, s in places:
+            for count, c in a.ranked(s):
+                if count < least:
+                    break
+                candidates.add(c)
+        for c in sorted(candidates):
+            child = [(a, a.next[s][c]) for a, s in places if c in a.next[s]]
+            p = prob * sum(a.count[t] for a, t in child) / total
+            if p >= min_prob:
+                heapq.heappush(heap, (-p, parent, c, level, child))
+
+    push(start, 1.0, 0, 1)
+    while heap and len(tokens) <= most:
+        p, parent, c, level, child = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(c)
+        parents.append(parent)
+        score -= p
+        if level < depth:
+            push(child, -p, node, level + 1)
+    return tokens, parents, score
+
+
+# beside a draft model or a head, a row drafts from the text only where its tree expects at
+# least this many accepted tokens (the model's rounds accept about this many on the bundled pair)
+BESIDE_MIN_SCORE = 2.0
+
+
+@register
+class Suffix(NGram):
+    """Suffix decoding: :class:`NGram` (the row's own text, today's matcher) plus a
+    :class:`SuffixCache` of earlier requests; each round a row drafts the cache's tree where
+    the cache's match is longer than its own text's (the own text's tree otherwise), grown by
+    the paper's rule (:meth:`SuffixCache.propose`: best first by empirical probability, at most
+    ``alpha`` x match length nodes, none below ``min_prob``) within :meth:`NGram.tree_budget`.
+    Drafts are deterministic (one-hot q): exact at every temperature. ``generate`` adds each
+    finished row to the cache after the call.
+
+    Args:
+        cache: the :class:`SuffixCache` (shared across calls and threads); None: a new one.
+        alpha, min_prob: the paper's size factor and probability floor (vLLM's defaults 1.0, 0.1).
+        min_score: a row drafts from the text (cache or own) only where its tree's score (the
+            drafts expected accepted) is at least this; beside a draft model or a head the other
+            rows are drafted by the model. None: 0 alone, ``BESIDE_MIN_SCORE`` beside a model.
+        own_text: also draft from the row's own text (NGram's matcher). None: alone yes;
+            beside a model no (its one- and two-token matches would take rows from the model,
+            which drafts them better; the cache's matches are long and counted).
+        **ngram: :class:`NGram`'s settings (trees only).
+
+    Example:
+        >>> cache = SuffixCache(budget=1_000_000)
+        >>> out = spec_ext.generate(target, None, ids, policy=Suffix(cache))   # doctest: +SKIP
+        >>> out.stats.cache_matched                                             # doctest: +SKIP
+    """
+
+    def __init__(self, cache: SuffixCache | None = None, alpha: float = 1.0, min_prob: float = 0.1,
+                 min_score: float | None = None, own_text: bool | None = None, **ngram):
+        super().__init__(**ngram)
+        if not self.tree:
+            raise ValueError("tree: Suffix drafts trees (tree=True)")
+        if cache is not None and not isinstance(cache, SuffixCache):
+            raise ValueError(f"cache: expected a SuffixCache, got {type(cache).__name__}")
+        if not alpha > 0 or not 0 <= min_prob <= 1:
+            raise ValueError(f"alpha, min_prob: need alpha > 0 and 0 <= min_prob <= 1, got {alpha}, {min_prob}")
+        self.cache = SuffixCache() if cache is None else cache
+        self.alpha, self.min_prob, self.min_score, self.own_text = alpha, min_prob, min_score, own_text
+        self.beside_model = False
+
+    def bind(self, target, draft) -> None:
+        super().bind(target, draft)
+        self.beside_model = draft is not None
+
+    @property
+    def text_min_score(self) -> float:
+        """The least score of a row's text tree this call (see ``min_score``)."""
+        if self.min_score is not None:
+            return self.min_score
+        return BESIDE_MIN_SCORE if self.beside_model else 0.0
+
+    @property
+    def uses_own_text(self) -> bool:
+        """Whether rows draft from their own text this call (see ``own_text``)."""
+        return (not self.beside_model) if self.own_text is None else bool(self.own_text)
+
+    def remember(self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> None:
+        """Add a call's finished rows (prompt, new tokens) to the cache."""
+        for prompt, output in zip(prompts, outputs):
+            self.cache.add(prompt, output)

@@ -1,0 +1,219 @@
+"""Suffix decoding (SuffixCache, the Suffix policy): the automata's trees against a plain scan
+of the stored texts, eviction within the budget, and generate end to end on tiny random
+models (fp32, CPU) across calls that share a cache: greedy equals target.generate, sampling
+follows the target's exact distribution with a cache primed by earlier calls, two threads."""
+import copy
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import spec_ext
+from spec_ext.drafters import Sampler
+from spec_ext.policies import Suffix, SuffixCache, reference_tree
+from helpers import VOCAB, assert_follows, exact_joint, hf_greedy, llama, perturbed, ragged_greedy_equals_target
+
+
+# ------------------------------------------------------------------------ the cache
+def test_the_cache_proposes_what_a_plain_scan_of_the_stored_texts_finds():
+    """Random repetitive texts over small vocabularies, evicting caches of 1 to 4 segments,
+    histories that grow between lookups (and requests added between them): every lookup's
+    tree, match length and score equal :func:`reference_tree` over ``cache.texts()``."""
+    rng = random.Random(0)
+    long_matches = branched = 0
+    for trial in range(250):
+        cache = SuffixCache(budget=rng.choice([40, 100, 10_000]), segments=rng.choice([1, 2, 4]),
+                            max_match=rng.choice([2, 5, 64]), prompts=rng.random() < 0.5)
+        V = rng.choice([2, 3, 6])
+        motif = [rng.randrange(V) for _ in range(8)]
+        for _ in range(rng.randrange(1, 8)):
+            output = [t if rng.random() > 0.2 else rng.randrange(V) for t in motif[:rng.randrange(1, 9)]]
+            cache.add([rng.randrange(V) for _ in range(rng.randrange(0, 4))], output + [rng.randrange(V)] * 2)
+        history = [rng.randrange(V) for _ in range(rng.randrange(1, 12))]
+        match = cache.match(history)
+        for _ in range(4):
+            depth, nodes = rng.randrange(1, 6), rng.randrange(2, 20)
+            alpha, min_prob = rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 0.1, 0.3])
+            got = cache.propose(match, depth, nodes, alpha, min_prob)
+            want = reference_tree(cache.texts(), history, depth, nodes, alpha, min_prob, cache.max_match)
+            assert got[:3] == want[:3] and got[3] == pytest.approx(want[3]), (history, cache.texts())
+            long_matches += got[2] >= 3
+            branched += len(set(got[1])) < len(got[1]) - 1
+            history += [rng.randrange(V) for _ in range(rng.randrange(1, 3))]
+            if rng.random() < 0.3:  # another call finished meanwhile: the row walks that segment again
+                cache.add([], [rng.randrange(V) for _ in range(5)])
+    assert long_matches > 100 and branched > 10, (long_matches, branched)
+
+
+def test_the_tree_is_sized_by_the_match_and_the_counts():
+    cache = SuffixCache(prompts=False)
+    for tail in ([7, 8, 9], [7, 8, 9], [7, 8, 9], [7, 5, 6]):
+        cache.add([], [1, 2, 3, 4] + tail)
+    tokens, parents, n, score = cache.propose(cache.match([0, 3, 4]), depth=8, nodes=32)
+    # alpha * 2 = 2 nodes: 7 (prob 1), 8 (3/4)
+    assert (tokens, parents, n, score) == ([-1, 7, 8], [-1, 0, 1], 2, pytest.approx(1.75))
+    tokens, parents, n, score = cache.propose(cache.match([1, 2, 3, 4]), depth=8, nodes=32)
+    assert (tokens, parents, n) == ([-1, 7, 8, 9, 5], [-1, 0, 1, 2, 1], 4) and score == pytest.approx(1 + .75 * 2 + .25)
+    tokens, _, _, low = cache.propose(cache.match([1, 2, 3, 4]), depth=8, nodes=32, min_prob=0.5)
+    assert tokens == [-1, 7, 8, 9] and low == pytest.approx(2.5)  # the 1-in-4 branch is below min_prob
+    assert cache.propose(cache.match([1, 2, 3, 4]), depth=2, nodes=3)[:2] == ([-1, 7, 8], [-1, 0, 1])
+    assert cache.propose(cache.match([1, 2, 3, 4, 7, 5, 6]), 8, 32)[:3] == ([-1], [-1], 0)  # only at a text's end
+    assert cache.propose(cache.match([42]), 8, 32) == ([-1], [-1], 0, 0.0)
+
+
+def test_eviction_drops_whole_old_requests_and_keeps_the_budget():
+    rng = random.Random(1)
+    cache = SuffixCache(budget=200, segments=4, prompts=False)
+    added = []
+    for i in range(120):
+        output = [rng.randrange(50) for _ in range(rng.randrange(1, 30))]
+        cache.add([], output)
+        added.append(output)
+        assert cache.tokens <= 200
+        stored = cache.texts()
+        assert stored == added[len(added) - len(stored):], "the newest requests, whole, in order"
+        assert sum(map(len, stored)) == cache.tokens
+        if sum(map(len, added)) >= 200:
+            assert cache.tokens >= 200 * 3 // 4 - 30, cache.tokens  # at most one segment short (and a request)
+    cache.add([], list(range(201)))  # longer than the budget: not stored
+    assert cache.texts() == stored
+    with pytest.raises(ValueError, match="budget: must be an int >= 1"):
+        SuffixCache(budget=0)
+    with pytest.raises(ValueError, match="tree: Suffix drafts trees"):
+        Suffix(tree=False)
+    with pytest.raises(ValueError, match="cache: expected a SuffixCache"):
+        Suffix(cache={})
+
+
+# ------------------------------------------------------------------------ greedy, end to end
+@pytest.fixture(scope="module")
+def pair():
+    target = llama(97, 64, 2, seed=0, sharpen=4.0)
+    return target, perturbed(target, 0.003, seed=1)
+
+
+PROMPTS = [[5, 17, 33, 8, 5, 17, 33, 8, 5], [40], [9, 9, 9, 9, 9, 12], [70, 71, 60, 70, 71]]
+AGAIN = [[5, 17, 33, 8, 5, 17, 33, 8, 5], [41, 40], [3, 9, 9, 9, 9, 9, 12], [70, 71, 60, 70, 71, 88]]
+
+
+@pytest.mark.parametrize("with_draft", [False, True], ids=["alone", "beside the draft"])
+def test_greedy_equals_target_across_calls_that_share_the_cache(pair, with_draft):
+    """Three ragged calls with EOS, the later ones revisiting the earlier prompts (the same, one
+    token more before or after): each equals target.generate, and the later ones draft from
+    the cache, which ends up holding every finished row."""
+    target, draft = pair
+    cache = SuffixCache(prompts=True)
+    first = ragged_greedy_equals_target(target, draft if with_draft else None, PROMPTS, Suffix(cache))
+    assert first.stats.cache_matched == 0 and cache.tokens > 0
+    for prompts in (AGAIN, PROMPTS):
+        stats = ragged_greedy_equals_target(target, draft if with_draft else None, prompts, Suffix(cache)).stats
+        assert stats.cache_matched > 0 and stats.cache_accepted > 0, stats
+        assert stats.cache_matched <= stats.matched and stats.cache_accepted <= stats.text_accepted
+        assert sum(stats.row_cache_matched) == stats.cache_matched == stats.as_dict()["cache_matched"]
+        assert (stats.draft_calls > 0) == with_draft
+    assert len(cache.texts()) == 3 * len(PROMPTS)
+
+
+def test_eviction_never_changes_the_outputs(pair):
+    target, _ = pair
+    small, matched = SuffixCache(budget=100, segments=2), 0
+    for prompts in (PROMPTS, AGAIN, PROMPTS, AGAIN):
+        matched += ragged_greedy_equals_target(target, None, prompts, Suffix(small)).stats.cache_matched
+        assert small.tokens <= 100
+    assert matched > 0 and len(small.texts()) < 4 * len(PROMPTS)  # it drafted, and it evicted
+
+
+def test_generate_and_accelerate_take_a_cache(pair):
+    target, _ = pair
+    ids = torch.tensor([[5, 17, 33, 8, 5, 17]])
+    expected = target.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    fast = spec_ext.accelerate(target, None, policy="ngram")  # keeps a cache of its own
+    for call in range(2):
+        assert torch.equal(fast.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0), expected)
+        assert (fast.last_stats.cache_matched > 0) == (call == 1), fast.last_stats
+    plain = spec_ext.accelerate(target, None, policy="ngram", suffix_cache=False)
+    plain.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    plain.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert plain.last_stats.cache_matched == 0
+    cache = SuffixCache()
+    for call in range(2):
+        out = spec_ext.generate(target, None, ids, max_new_tokens=24, pad_token_id=0, suffix_cache=cache)
+        assert torch.equal(out.sequences, expected) and (out.stats.cache_matched > 0) == (call == 1)
+    with pytest.raises(ValueError, match="suffix_cache: drafts with policy 'auto', 'ngram' or 'suffix'"):
+        spec_ext.generate(target, None, ids, policy="fixed", suffix_cache=cache)
+    with pytest.raises(ValueError, match="suffix_cache: expected a spec_ext.SuffixCache"):
+        spec_ext.generate(target, None, ids, suffix_cache={})
+
+
+def test_two_threads_share_a_cache(pair):
+    """Two threads, each with its own copy of the target, run three calls at once into one
+    cache: every output equals target.generate and the cache holds every row."""
+    target, _ = pair
+    cache = SuffixCache()
+    expected = {tuple(p): hf_greedy(target, p, 20, eos=[]) for p in PROMPTS + AGAIN}
+    failures, matched = [], []
+
+    def work(model, order):
+        try:
+            for prompts in order:
+                out = spec_ext.generate(model, None, prompts, max_new_tokens=20, eos_token_id=[], suffix_cache=cache)
+                for b, p in enumerate(prompts):
+                    assert out.sequences[b, -20:].tolist() == expected[tuple(p)], p
+                matched.append(out.stats.cache_matched)
+        except Exception as error:  # reported by the main thread
+            failures.append(error)
+
+    threads = [threading.Thread(target=work, args=(copy.deepcopy(target), order))
+               for order in ([PROMPTS, AGAIN, PROMPTS], [AGAIN, PROMPTS, AGAIN])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    assert len(cache.texts()) == 6 * len(PROMPTS) and sum(matched) > 0
+
+
+# ------------------------------------------------------------------------ exact distribution
+REPEATING = [1, 3, 5, 1, 3, 5, 1, 3]
+
+
+@pytest.fixture(scope="module")
+def sampling_pair():
+    target = llama(VOCAB, 32, 2, seed=10, sharpen=3.0)
+    return target, perturbed(target, 0.01, seed=11)
+
+
+@pytest.mark.parametrize("with_draft,temperature,top_k", [(False, 1.0, None), (True, 0.7, 5)],
+                         ids=["alone T=1", "beside the draft T=0.7 top-k"])
+def test_sampling_follows_the_target_distribution_with_a_primed_cache(sampling_pair, with_draft, temperature,
+                                                                        top_k):
+    """A cache primed by an earlier sampled call on the same prompt: its trees branch where
+    that call's samples did; the next call's samples follow the exact law."""
+    target, draft = sampling_pair
+    cache = SuffixCache(prompts=True)
+    spec_ext.generate(target, None, [REPEATING] * 64, max_new_tokens=3, temperature=1.0, eos_token_id=[],
+                      suffix_cache=cache, seed=3)  # the primer: 64 sampled continuations
+    n = 12_000
+    policy = Suffix(cache, k=3, max_nodes=6, draft_k=2, round_tokens=6 * n, min_score=1.0 if with_draft else None)
+    out = spec_ext.generate(target, draft if with_draft else None, [REPEATING] * n, max_new_tokens=3,
+                            temperature=temperature, top_k=top_k, eos_token_id=[], policy=policy,
+                            seed=int(100 * temperature) + with_draft)
+    samples = out.sequences[:, len(REPEATING):].numpy()
+    assert_follows(samples, exact_joint(target, Sampler(temperature, top_k), prompt=REPEATING))
+    stats = out.stats
+    assert stats.cache_matched > 0 and stats.cache_drafted > stats.cache_matched and stats.cache_accepted > 0, stats
+    if with_draft:
+        assert stats.draft_calls > 0 and stats.matched < stats.rounds
+    assert np.isin(samples, np.arange(VOCAB)).all()
+
+
+def test_the_command_line_runs_several_prompts_only_with_a_cache(tmp_path):
+    import subprocess
+    import sys
+    (tmp_path / "config.json").write_text("{}")
+    out = subprocess.run([sys.executable, "-m", "spec_ext", "generate", "--target", str(tmp_path), "--prompt", "x",
+                          "--prompt", "y", "--policy", "suffix"], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.strip().endswith(
+        "--prompt: given more than once; only with --suffix-cache (the prompts run in order)"), out.stderr
