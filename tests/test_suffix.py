@@ -217,3 +217,38 @@ def test_the_command_line_runs_several_prompts_only_with_a_cache(tmp_path):
                           "--prompt", "y", "--policy", "suffix"], capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.strip().endswith(
         "--prompt: given more than once; only with --suffix-cache (the prompts run in order)"), out.stderr
+
+
+# ------------------------------------------------------------------------ beside a feature head
+def test_beside_a_head_greedy_equals_target_and_the_head_drafts_the_other_rows():
+    """A sharpened target that loops, an echo head: across calls sharing the cache, rows with a
+    cache match draft its trees, the others the head's chains (one forward for both); greedy
+    equals target.generate (ragged, EOS)."""
+    from test_heads import PROMPTS as HEAD_PROMPTS, V, echo_head
+    target = llama(V, 32, 4, seed=3, sharpen=3.0)
+    head = echo_head(target, "eagle3", draft_vocab=10, noise=0.01)
+    cache = SuffixCache(prompts=True)
+    first = ragged_greedy_equals_target(target, head, HEAD_PROMPTS, Suffix(cache, draft_k=3), max_new=24)
+    assert first.stats.cache_matched == 0 and first.stats.draft_calls > 0 and first.stats.accepted > 0
+    again = ragged_greedy_equals_target(target, head, HEAD_PROMPTS + [[6, 2]], Suffix(cache, draft_k=3), max_new=24)
+    stats = again.stats
+    assert stats.cache_matched > 0 and stats.cache_accepted > 0 and stats.draft_calls > 0, stats
+    assert stats.accepted > stats.cache_accepted  # the head's drafts were accepted too
+
+
+def test_beside_a_head_sampling_follows_the_target_distribution():
+    from test_heads import echo_head
+    target = llama(VOCAB, 32, 4, seed=3, sharpen=3.0)
+    head = echo_head(target, "eagle3", noise=0.01)
+    cache = SuffixCache(prompts=True)
+    spec_ext.generate(target, None, [REPEATING] * 64, max_new_tokens=3, temperature=1.0, eos_token_id=[],
+                      suffix_cache=cache, seed=5)
+    n = 12_000
+    policy = Suffix(cache, k=3, max_nodes=6, draft_k=2, round_tokens=6 * n, min_score=1.0)
+    out = spec_ext.generate(target, head, [REPEATING] * n, max_new_tokens=3, temperature=1.0, eos_token_id=[],
+                            policy=policy, seed=6)
+    samples = out.sequences[:, len(REPEATING):].numpy()
+    assert_follows(samples, exact_joint(target, Sampler(1.0), prompt=REPEATING))
+    stats = out.stats
+    assert stats.cache_matched > 0 and stats.cache_accepted > 0 and stats.draft_calls > 0, stats
+    assert stats.accepted > stats.cache_accepted

@@ -22,12 +22,13 @@ from spec_ext.drafters.model import ModelDrafter
 from spec_ext.drafters.text import TextDrafter
 from spec_ext.drafters.text_first import TextFirst
 from spec_ext.drafters.head import HeadDrafter
+from spec_ext.drafters.text_beside_head import TextBesideHead
 from spec_ext.drafters.mtp import MtpDrafter
 from spec_ext.drafters.block import BlockDrafter
 from spec_ext.drafters.other_tokenizer import OtherTokenizerDrafter
 from spec_ext.models.dflash import DFlashDraft, is_dflash_directory, load_dflash
 from spec_ext.models.eagle import EagleHead, is_head_directory, load_head
-from spec_ext.policies import Policy
+from spec_ext.policies import Policy, Suffix
 
 
 def load(path: str | Path, target):
@@ -77,6 +78,8 @@ def build(draft, policy: Policy) -> Drafter | None:
             raise ValueError(f"policy: {type(policy).__name__} drafts while the target verifies, but a feature "
                              f"head's next drafts read the hidden states that very verification produces: it has "
                              f"nothing to draft from in parallel (use a draft model for parallel drafting)")
+        if isinstance(policy, Suffix):  # the text's (the cache's) trees beside the head's chains
+            return TextBesideHead(TextDrafter(policy), HeadDrafter(draft, policy))
         if policy.drafts_from_text:
             raise ValueError(f"policy: {type(policy).__name__} with a feature head is not supported yet (text "
                              f"drafts run alone or beside a draft model; Auto, the default, drafts the text "
@@ -96,4 +99,4 @@ def _beside_text(drafter: Drafter, policy: Policy) -> Drafter:
 
 
 __all__ = ["BlockDrafter", "Drafter", "HeadDrafter", "ModelDrafter", "MtpDrafter", "OtherTokenizerDrafter", "Outcome", "Proposal", "Sampler",
-           "TextDrafter", "TextFirst", "build", "check_finite", "load", "pad_rows", "prefill"]
+           "TextBesideHead", "TextDrafter", "TextFirst", "build", "check_finite", "load", "pad_rows", "prefill"]

@@ -378,3 +378,9 @@ class Suffix(NGram):
         """Add a call's finished rows (prompt, new tokens) to the cache."""
         for prompt, output in zip(prompts, outputs):
             self.cache.add(prompt, output)
+
+    def plan(self) -> list[int]:
+        """Beside a feature head (which runs every round): its drafts for each row, ``draft_k``,
+        none in a round where every row drafts its text (set through :meth:`proposed`)."""
+        k = 0 if all(self._proposed) else self.draft_k
+        return [k] * len(self._proposed)
