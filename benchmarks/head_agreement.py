@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stdlib_data import code_prompts  # noqa: E402
 
 from spec_ext.models.eagle import load_head  # noqa: E402
-from spec_ext.training.data import continuations  # noqa: E402
-from spec_ext.training.head import agreement, tap_features  # noqa: E402
+from spec_ext.training.corpus import continuations, tap_features  # noqa: E402
+from spec_ext.training.head import agreement  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 K = 4

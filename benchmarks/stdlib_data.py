@@ -76,6 +76,6 @@ def code_prompts(tokenizer, split: str = "test", count: int = 16, prompt_tokens:
     """``count`` prompts of ``prompt_tokens`` tokens, each ending at a line break of a file
     of ``split`` (or of :func:`thirdparty_files` for ``"thirdparty"``), chosen
     deterministically by ``seed``."""
-    from spec_ext.training.head import prompts_from_files
+    from spec_ext.training.corpus import prompts_from_files
     files = thirdparty_files() if split == "thirdparty" else split_files(split)
     return prompts_from_files(tokenizer, files, count, prompt_tokens, seed)

@@ -13,8 +13,8 @@ from spec_ext.__main__ import main as cli
 from spec_ext.models import SpecCache
 from spec_ext.models.eagle import EagleHead, HeadConfig, _linear, load_head
 from spec_ext.training import head as head_training
-from spec_ext.training.head import (HeadTraining, _losses, agreement, frequent_tokens, initial_head,
-                                    prompts_from_files, tap_features, train_head, unroll)
+from spec_ext.training.corpus import frequent_tokens, prompts_from_files, tap_features
+from spec_ext.training.head import HeadTraining, _losses, agreement, initial_head, train_head, unroll
 from helpers import llama
 from test_architectures import sharpened_model
 

@@ -1,8 +1,6 @@
 """Predictor training data: teacher-forced features and labels from text the target wrote."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import Tensor
 from tqdm import tqdm
@@ -175,23 +173,6 @@ def branch_classes(lengths: Tensor, accept_all_length: int = 4) -> Tensor:
     classes[lengths < 0.5] = int(BranchHint.REJECT_ALL)
     classes[lengths >= accept_all_length] = int(BranchHint.ACCEPT_ALL)
     return classes
-
-
-def continuations(target, prompts, new_tokens, greedy, batch, path: Path) -> torch.Tensor:
-    """[N, L] the target's greedy (or T=1) continuations of ``prompts``, cached at ``path``."""
-    if path.exists():
-        return torch.load(path)
-    chunks = []
-    torch.manual_seed(0)
-    for i in tqdm(range(0, len(prompts), batch), desc=f"generate {'greedy' if greedy else 'T=1'}"):
-        ids = torch.tensor(prompts[i:i + batch])
-        sample = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=1.0, top_k=None, top_p=None)
-        with torch.inference_mode():
-            chunks.append(target.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                          pad_token_id=0, **sample))
-    sequences = torch.cat(chunks)
-    torch.save(sequences, path)
-    return sequences
 
 
 def dataset(target, draft, sequences, start, max_length, batch=32, step_grid=False) -> dict:

@@ -24,8 +24,6 @@ Example:
 from __future__ import annotations
 
 import json
-import math
-import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,7 +35,8 @@ from tqdm import tqdm
 
 from spec_ext.models import aux_layer_ids, num_layers
 from spec_ext.models.eagle import LAYER_TYPES, EagleHead, HeadConfig
-from spec_ext.training.data import continuations
+from spec_ext.training.corpus import (cosine_lr, frequent_tokens, frozen_float32, load_checkpoint, on_policy_splits,
+                                      save_checkpoint)
 
 
 @dataclass
@@ -58,57 +57,6 @@ class HeadTraining:
     validate_every: int = 250
     checkpoint_every: int = 250
     seed: int = 0
-
-
-def prompts_from_files(tokenizer, files: list[Path], count: int, prompt_tokens: int, seed: int = 0,
-                       min_chars: int = 4000) -> list[list[int]]:
-    """``count`` prompts of ``prompt_tokens`` tokens, each ending at a line break of one of
-    ``files`` (those of at least ``min_chars`` characters), chosen deterministically by ``seed``."""
-    rng = random.Random(seed)
-    texts = [t for t in (Path(f).read_text(encoding="utf-8", errors="replace") for f in files) if len(t) > min_chars]
-    if not texts:
-        raise ValueError(f"data: no file of more than {min_chars} characters among {len(files)}")
-    prompts = []
-    for _ in range(100 * count):
-        if len(prompts) == count:
-            break
-        text = rng.choice(texts)
-        cut = text.rfind("\n", 0, rng.randrange(min_chars // 2, len(text) - min_chars // 4)) + 1
-        ids = tokenizer(text[:cut], add_special_tokens=False)["input_ids"]
-        if len(ids) >= prompt_tokens:
-            prompts.append(ids[-prompt_tokens:])
-    if len(prompts) < count:
-        raise ValueError(f"prompt_tokens: {prompt_tokens} tokens before a line break are rare in these files "
-                         f"({len(prompts)} of {count} prompts in {100 * count} cuts); use shorter prompts or longer "
-                         f"files")
-    return prompts
-
-
-@torch.inference_mode()
-def tap_features(target, sequences: Tensor, layer_ids: tuple[int, ...], path: Path | None, batch: int = 16
-                 ) -> tuple[Tensor, Tensor]:
-    """The target's hidden states of ``layer_ids`` concatenated [N,T,A*H] and its last hidden
-    state [N,T,H] (HF's ``hidden_states[L]``, after the final norm) of ``sequences`` [N,T],
-    bfloat16, cached at ``path`` (None: not cached)."""
-    from safetensors.torch import load_file, save_file
-    if path is not None and path.exists():
-        data = load_file(str(path))
-        return data["features"], data["last"]
-    features, last = [], []
-    for i in tqdm(range(0, len(sequences), batch), desc="tap features"):
-        states = target(sequences[i:i + batch].to(target.device), output_hidden_states=True).hidden_states
-        features.append(torch.cat([states[k] for k in layer_ids], -1).to("cpu", torch.bfloat16))
-        last.append(states[-1].to("cpu", torch.bfloat16))
-    features, last = torch.cat(features), torch.cat(last)
-    if path is not None:
-        save_file({"features": features, "last": last}, str(path))
-    return features, last
-
-
-def frequent_tokens(sequences: Tensor, size: int, vocab: int) -> Tensor:
-    """The ``size`` most frequent token ids of ``sequences``, ascending (ties: lower id first)."""
-    counts = torch.bincount(sequences.flatten(), minlength=vocab)
-    return torch.sort(-counts, stable=True).indices[:size].sort().values
 
 
 def initial_head(target, layer_ids: tuple[int, ...], draft_ids: Tensor | None = None, seed: int = 0) -> EagleHead:
@@ -261,24 +209,6 @@ def agreement(head: EagleHead, embed, target_head, data: tuple[Tensor, Tensor, T
                 accepted_per_round=float(at_least[1:].sum()), positions=count)
 
 
-def _fingerprint(target, files: list[Path], *numbers: int) -> str:
-    """A short hash of the target's config, the files (paths, sizes, times) and ``numbers``."""
-    import hashlib
-    digest = hashlib.sha256(target.config.to_json_string(use_diff=False).encode())
-    for f in files:
-        stat = Path(f).stat()
-        digest.update(f"{f}:{stat.st_size}:{stat.st_mtime_ns};".encode())
-    digest.update(repr(numbers).encode())
-    return digest.hexdigest()[:12]
-
-
-def _lr(step: int, settings: HeadTraining) -> float:
-    if step < settings.warmup:
-        return settings.lr * (step + 1) / settings.warmup
-    progress = (step - settings.warmup) / max(1, settings.steps - settings.warmup)
-    return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def train_head(target, tokenizer, files: list[Path], out: str | Path, work: str | Path,
                settings: HeadTraining | None = None, validation_files: list[Path] | None = None,
                log=print) -> EagleHead:
@@ -293,26 +223,15 @@ def train_head(target, tokenizer, files: list[Path], out: str | Path, work: str 
         raise ValueError("data: no training files")
     work, out = Path(work), Path(out)
     work.mkdir(parents=True, exist_ok=True)
-    target = target.float().eval()
-    for parameter in target.parameters():
-        parameter.requires_grad_(False)
+    target = frozen_float32(target)
     if settings.sequences < settings.batch:
         raise ValueError(f"batch: {settings.batch} sequences per step, more than the {settings.sequences} sequences")
     layer_ids = tuple(sorted(settings.layer_ids or aux_layer_ids(target)))
     bad = [k for k in layer_ids if not 0 <= k <= num_layers(target)]
     if bad:
         raise ValueError(f"layer_ids: {list(layer_ids)} names layers {bad} the target does not have")
-    data = {}
-    for split, count, seed, source in (("train", settings.sequences, settings.seed, files),
-                                       ("validation", settings.validation_sequences, settings.seed + 1,
-                                        validation_files or files)):
-        # cached under a name that changes with anything that changes them: target, files, seed, sizes
-        key = _fingerprint(target, source, seed, count, settings.prompt_tokens, settings.new_tokens)
-        prompts = prompts_from_files(tokenizer, source, count, settings.prompt_tokens, seed)
-        sequences = continuations(target, prompts, settings.new_tokens, True, 64, work / f"{split}_{key}.pt")
-        features, last = tap_features(target, sequences, tuple(layer_ids),
-                                      work / f"{split}_{key}_features_{'-'.join(map(str, layer_ids))}.safetensors")
-        data[split] = (sequences, features, last)
+    data = on_policy_splits(target, tokenizer, files, validation_files, layer_ids, work, settings.sequences,
+                            settings.validation_sequences, settings.prompt_tokens, settings.new_tokens, settings.seed)
     vocab = target.config.get_text_config().vocab_size
     draft_ids = None
     if settings.draft_vocab is not None and settings.draft_vocab < vocab:
@@ -325,10 +244,8 @@ def train_head(target, tokenizer, files: list[Path], out: str | Path, work: str 
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     checkpoint, step, before = work / "head_checkpoint.pt", 0, 0.0
     history: list[dict] = []
-    if checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
-        if state["settings"] != asdict(settings):
-            raise ValueError(f"work: {checkpoint} was made with other settings; remove it or use another --work")
+    state = load_checkpoint(checkpoint, asdict(settings))
+    if state is not None:
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         step, history, before = state["step"], state["history"], state["seconds"]
@@ -359,7 +276,7 @@ def train_head(target, tokenizer, files: list[Path], out: str | Path, work: str 
             losses, agree, exists = _losses(head, embed, target_head, tuple(x[rows] for x in train), settings.ttt)
             loss = sum(settings.decay ** s * l for s, l in enumerate(losses))
             for group in optimizer.param_groups:
-                group["lr"] = _lr(step, settings)
+                group["lr"] = cosine_lr(step, settings.lr, settings.warmup, settings.steps)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -371,8 +288,8 @@ def train_head(target, tokenizer, files: list[Path], out: str | Path, work: str 
             if step % settings.validate_every == 0 or step == settings.steps:
                 validate()
             if step % settings.checkpoint_every == 0 or step == settings.steps:
-                torch.save(dict(head=head.state_dict(), optimizer=optimizer.state_dict(), step=step, history=history,
-                                seconds=elapsed(), settings=asdict(settings)), checkpoint)
+                save_checkpoint(checkpoint, asdict(settings), head=head.state_dict(), optimizer=optimizer.state_dict(),
+                                step=step, history=history, seconds=elapsed())
     head.eval()
     head.save(out)
     (out / "training.json").write_text(json.dumps(dict(settings=asdict(settings), history=history), indent=2))

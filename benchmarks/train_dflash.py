@@ -1,0 +1,50 @@
+"""Train the bundled DFlash block drafter (models/stdlib-dflash) for the bundled target, with
+spec_ext.training.dflash on the target's own continuations of prompts from the standard
+library's training split (held-out agreement on the validation split). Data, features and
+checkpoints live under --work: a rerun resumes (a killed run too).
+
+    python benchmarks/train_dflash.py            # the bundled drafter's settings
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stdlib_data import split_files  # noqa: E402
+
+from spec_ext.training.dflash import DFlashTraining, train_dflash  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# sized for a 2-core machine shared with other jobs (about an hour): see docs/training_dflash.md
+BUNDLED = DFlashTraining(sequences=1536, validation_sequences=16, prompt_tokens=128, new_tokens=64, steps=600,
+                         batch=4, anchors=16, block_size=16, layers=1, lr=2e-3, warmup=20, draft_vocab=2048,
+                         layer_ids=(2, 4, 6, 7), validate_every=150, checkpoint_every=25)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", type=Path, default=ROOT / "models" / "stdlib-target")
+    parser.add_argument("--out", type=Path, default=ROOT / "models" / "stdlib-dflash")
+    parser.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".train_work" / "dflash")
+    parser.add_argument("--steps", type=int, default=BUNDLED.steps)
+    parser.add_argument("--layers", type=int, default=BUNDLED.layers)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the cores are shared)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+    target.config._name_or_path = args.target.name  # the drafter's speculators_config.verifier, not this path
+    settings = DFlashTraining(**(vars(BUNDLED) | dict(steps=args.steps, layers=args.layers)))
+    started = time.perf_counter()
+    train_dflash(target, tokenizer, split_files("train"), args.out, args.work, settings, split_files("validation"))
+    print(f"{time.perf_counter() - started:.0f} s; the drafter is at {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+"""Training a DFlash block drafter for a target (``python -m spec_ext train-dflash``).
+
+The recipe of DFlash (arXiv 2602.06036) and vLLM's ``speculators``, on what one CPU affords:
+
+1. data (:mod:`spec_ext.training.corpus`, as for heads): the target's own greedy continuations
+   of prompts cut from the given texts, and one target forward per sequence tapping the
+   drafter's layers ``layer_ids`` and the target's last hidden state (its distribution is
+   recomputed from it per batch); both cached;
+2. random anchors: each step draws ``anchors`` positions n per sequence in the continuation
+   (n >= prompt_tokens - 1, so every label is the target's own text) from a generator seeded
+   by the step, so a resumed run draws what an uninterrupted one does. Each anchor's block
+   ``[x_n, mask x (b-1)]`` sees the target's features of positions t < n only and its own
+   block, all blocks of a sequence in one forward (:meth:`DFlashDraft.block_logits`);
+3. the loss: slot j (1 <= j < b) of the anchor at n drafts the token at n + j. ``loss="ce"``
+   (speculators' DFlash loss): the cross-entropy to the target's greedy token there, which is
+   the continuation's own token (no target compute at all); ``"kl"``: to the target's
+   distribution p(. | x_<=n+j-1) (its logits at position n+j-1, recomputed from the cached last
+   hidden state) over the draft vocabulary. Slot j is weighted by ``exp(-(j-1)/gamma)``
+   (speculators' and DFlash's decay: the early slots decide how many drafts a round keeps),
+   averaged over the slots whose label exists;
+4. initialisation from the target's own last layers (attention, MLP and norms; Qwen3's q/k
+   norms start as ones), ``norm`` and the output head the target's, ``fc`` passing the deepest
+   tapped layer through; the mask token is the least frequent token of the data (its row of
+   the target's embedding is the mask's embedding);
+5. a draft vocabulary of the ``draft_vocab`` most frequent tokens of the data (when set);
+6. checkpoints every ``checkpoint_every`` steps (drafter, optimiser, step; a rerun resumes to
+   the weights an uninterrupted run reaches) and the held-out agreement printed: each slot's
+   argmax against the target's greedy token, and the drafts a greedy round would accept per
+   block size.
+
+Example:
+    >>> draft = train_dflash(target, tokenizer, files, "out/dflash", work="out/work")  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm import tqdm
+
+from spec_ext.models import num_layers
+from spec_ext.models.dflash import DFlashConfig, DFlashDraft
+from spec_ext.training.corpus import (cosine_lr, frequent_tokens, frozen_float32, load_checkpoint, on_policy_splits,
+                                      save_checkpoint)
+
+
+@dataclass
+class DFlashTraining:
+    """The settings of :func:`train_dflash`."""
+    sequences: int = 1024  # on-policy training sequences (prompt + continuation)
+    validation_sequences: int = 64
+    prompt_tokens: int = 128
+    new_tokens: int = 128
+    steps: int = 2000
+    batch: int = 8  # sequences per step
+    anchors: int = 32  # blocks per sequence per step
+    block_size: int = 16
+    layers: int = 1  # the drafter's decoder layers
+    gamma: float = 4.0  # slot j's loss weight: exp(-(j-1)/gamma)
+    loss: str = "ce"  # "ce": to the target's greedy tokens; "kl": to its distributions
+    lr: float = 1e-3
+    warmup: int = 50
+    draft_vocab: int | None = None  # None: the target's whole vocabulary (through its own head)
+    layer_ids: tuple[int, ...] | None = None  # None: default_layer_ids(L)
+    validate_every: int = 250
+    checkpoint_every: int = 250
+    seed: int = 0
+
+
+def default_layer_ids(layers: int) -> tuple[int, ...]:
+    """Four target hidden states (HF's ``hidden_states[k]``) spread evenly from k = 2 to the last
+    layer's input k = L-1 (fewer for shallow targets): (2, 4, 6, 7) for L = 8."""
+    return tuple(sorted({math.ceil(2 + i * (layers - 3) / 3) for i in range(4)}))
+
+
+def slot_weights(block_size: int, gamma: float) -> Tensor:
+    """[b-1] float32: the loss weight of slots j = 1 .. b-1, exp(-(j-1)/gamma)."""
+    return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
+
+
+def slot_positions(anchors: Tensor, block_size: int, length: int) -> tuple[Tensor, Tensor]:
+    """Where slot j = 1 .. b-1 of the anchor at n (``anchors`` [B,A]) drafts: position n + j
+    [B,A,b-1] int64 (clamped into the sequence), and whether it is inside the sequences of
+    ``length`` tokens [B,A,b-1] bool. Its label is the token there, which the target's
+    distribution at n + j - 1 predicts."""
+    at = anchors[..., None] + torch.arange(1, block_size, device=anchors.device)
+    return at.clamp(0, length - 1), (at <= length - 1) & (anchors[..., None] >= 0)
+
+
+def at_positions(values: Tensor, positions: Tensor) -> Tensor:
+    """``values`` [B,S,...] taken at ``positions`` [B,...] of its row -> [B,...,...]."""
+    B = values.shape[0]
+    flat = positions.reshape(B, -1)
+    index = flat.view(B, -1, *([1] * (values.dim() - 2))).expand(-1, -1, *values.shape[2:])
+    return values.gather(1, index).view(*positions.shape, *values.shape[2:])
+
+
+def draw_anchors(rows: int, length: int, first: int, count: int, generator: torch.Generator) -> Tensor:
+    """[rows, count] int64 anchor positions, sorted, drawn without replacement per row from
+    ``first .. length-2`` (every anchor has at least one label), with ``generator``."""
+    choices = length - 1 - first
+    if choices < 1:
+        raise ValueError(f"new_tokens: sequences of {length} tokens leave no anchor after position {first}")
+    count = min(count, choices)
+    order = torch.rand(rows, choices, generator=generator).argsort(-1)[:, :count]
+    return (order + first).sort(-1).values
+
+
+def initial_dflash(target, layer_ids: tuple[int, ...], layers: int, block_size: int, mask_token_id: int,
+                   draft_ids: Tensor | None = None, seed: int = 0) -> DFlashDraft:
+    """A DFlash drafter of ``layers`` Qwen3 layers of the target's shape for ``target``,
+    initialised from the target's last ``layers`` layers where their weights fit (see the module
+    docstring), over the draft vocabulary ``draft_ids`` (ascending target ids; None: the
+    target's own output head)."""
+    text = target.config.get_text_config()
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings", "vocab_size",
+            "attention_bias", "hidden_act", "tie_word_embeddings")
+    layer = {k: v for k in keys if (v := getattr(text, k, None)) is not None}
+    layer.update(model_type="qwen3", num_hidden_layers=layers)
+    layer.setdefault("num_key_value_heads", text.num_attention_heads)
+    layer.setdefault("rms_norm_eps", getattr(text, "layer_norm_eps", 1e-6))
+    layer.setdefault("intermediate_size", 4 * text.hidden_size)
+    vocab = text.vocab_size
+    config = DFlashConfig(layer, block_size, tuple(layer_ids), mask_token_id,
+                          None if draft_ids is None else len(draft_ids), text.hidden_size,
+                          verifier=dict(name_or_path=getattr(target.config, "_name_or_path", None) or None,
+                                        architectures=list(getattr(target.config, "architectures", None) or [])))
+    torch.manual_seed(seed)
+    draft = DFlashDraft(config)
+    for module in draft.modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+    H = text.hidden_size
+    with torch.no_grad():
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, -H:] = torch.eye(H)  # the deepest tapped layer, passed through
+        if draft.reduced:
+            draft.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+            draft.lm_head.weight.copy_(target.get_output_embeddings().weight.detach().float()[draft_ids])
+        own = getattr(getattr(target, "model", None), "layers", None)
+        if own is not None and len(own) >= layers:
+            for mine, theirs in zip(draft.layers, own[len(own) - layers:]):
+                shapes = {k: v.shape for k, v in mine.state_dict().items()}
+                mine.load_state_dict({k: v.detach().float() for k, v in theirs.state_dict().items()
+                                      if shapes.get(k) == v.shape}, strict=False)  # q/k norms: Qwen3's own
+        norm = getattr(getattr(target, "model", None), "norm", None)
+        if getattr(norm, "weight", None) is not None and norm.weight.shape == draft.norm.weight.shape:
+            draft.norm.weight.copy_(norm.weight.detach().float())
+    return draft
+
+
+def block_losses(draft: DFlashDraft, target, batch: tuple[Tensor, Tensor, Tensor], anchors: Tensor,
+                 loss: str = "ce") -> tuple[Tensor, Tensor, Tensor]:
+    """Each slot's loss and whether the drafter's argmax is the target's, for the blocks at
+    ``anchors`` [B,A] of ``batch`` (tokens [B,S] the target's greedy continuations, features
+    [B,S,F], the target's last hidden state [B,S,H]).
+
+    ``loss``: ``"ce"`` the cross-entropy to the target's greedy token (the text's own token at
+    n + j; a token outside the draft vocabulary has no loss), ``"kl"`` to the target's
+    distribution at n + j - 1 over the draft vocabulary (its KL up to the target's entropy).
+    Returns losses [B,A,b-1] float32, agree [B,A,b-1] bool (with the text's token) and exists
+    [B,A,b-1] bool (a label to learn: losses and agree mean nothing elsewhere)."""
+    tokens, features, last = batch
+    if loss not in ("ce", "kl"):
+        raise ValueError(f"loss: 'ce' or 'kl', got {loss!r}")
+    embedding = None if draft.embed_tokens is not None else target.get_input_embeddings().weight
+    output = None if draft.reduced else target.get_output_embeddings().weight
+    draft_ids = (torch.arange(draft.config.draft_vocab_size, device=tokens.device)
+                 + (draft.d2t if draft.reduced else 0))
+    positions, exists = slot_positions(anchors, draft.block_size, tokens.shape[1])
+    labels = at_positions(tokens, positions)
+    logits = draft.block_logits(features.float(), tokens, anchors, embedding, output, draft_vocab=True)
+    agree = draft_ids[logits.argmax(-1)] == labels
+    if loss == "ce":
+        to_draft = torch.full((draft.layer_config.vocab_size,), -1, dtype=torch.int64, device=tokens.device)
+        to_draft[draft_ids] = torch.arange(len(draft_ids), device=tokens.device)
+        index = to_draft[labels]
+        exists = exists & (index >= 0)
+        losses = F.cross_entropy(logits.flatten(0, -2), index.clamp_min(0).flatten(), reduction="none"
+                                 ).view(index.shape)
+    else:
+        with torch.no_grad():
+            target_logits = target.get_output_embeddings()(at_positions(last, positions - 1).float())
+            target_p = F.softmax(target_logits[..., draft_ids], -1)
+        losses = -(target_p * F.log_softmax(logits, -1)).sum(-1)
+    return losses, agree, exists
+
+
+def weighted_loss(losses: Tensor, exists: Tensor, weights: Tensor) -> Tensor:
+    """sum(losses * weights[slot]) over the existing labels / their count (speculators' mean)."""
+    mask = exists.float()
+    return (losses * mask * weights).sum() / mask.sum().clamp_min(1.0)
+
+
+@torch.no_grad()
+def block_agreement(draft: DFlashDraft, target, data: tuple[Tensor, Tensor, Tensor], first: int,
+                    block_sizes: tuple[int, ...] = (4, 8, 16), gamma: float = 4.0, loss: str = "ce",
+                    batch: int = 8) -> dict:
+    """The drafter on ``data`` (tokens the target's greedy continuations, features, last), at
+    every anchor n >= ``first`` whose whole block has labels: ``loss`` the mean weighted loss
+    (:func:`weighted_loss` of :func:`block_losses`, slot weights of ``gamma``), ``slots[j-1]``
+    slot j's agreement with the target's greedy token (unconditional), ``accepted_per_round[b]``
+    the mean run of agreeing slots of a block of b (its first b - 1 drafts; ``block_sizes`` up
+    to the drafter's, and its own): what a greedy round of that block accepts."""
+    b = draft.block_size
+    S = data[0].shape[1]
+    if S - b < first:
+        raise ValueError(f"data: sequences of {S} tokens hold no whole block of {b} after position {first}")
+    weights = slot_weights(b, gamma)
+    anchors = torch.arange(first, S - b + 1)
+    runs, slots, count = torch.zeros(b, dtype=torch.float64), torch.zeros(b - 1, dtype=torch.float64), 0
+    total, labels = 0.0, 0.0
+    for i in range(0, len(data[0]), batch):
+        part = tuple(x[i:i + batch] for x in data)
+        rows = anchors.expand(len(part[0]), -1)
+        for j in range(0, rows.shape[1], 32):  # anchors in chunks: the forward's scores are [A*b, S+A*b]
+            losses, agree, exists = block_losses(draft, target, part, rows[:, j:j + 32].contiguous(), loss)
+            total += float((losses * exists * weights).sum())
+            labels += float(exists.sum())
+            run = agree.int().cumprod(-1)  # [B,A,b-1]: slot j and every one before it agree
+            runs += torch.bincount(run.sum(-1).flatten(), minlength=b).double()
+            slots += agree.double().sum((0, 1))
+            count += agree.shape[0] * agree.shape[1]
+    at_least = runs.flip(0).cumsum(0).flip(0) / max(1, count)  # P(run >= j)
+    sizes = sorted({k for k in block_sizes if k <= b} | {b})
+    return dict(loss=total / max(1.0, labels), slots=[float(s / max(1, count)) for s in slots],
+                accepted_per_round={k: float(at_least[1:k].sum()) for k in sizes},
+                positions=count)
+
+
+def train_dflash(target, tokenizer, files: list[Path], out: str | Path, work: str | Path,
+                 settings: DFlashTraining | None = None, validation_files: list[Path] | None = None,
+                 log=print) -> DFlashDraft:
+    """Train a DFlash drafter for ``target`` (converted to float32 in place, frozen) on its
+    continuations of prompts cut from ``files`` (see the module docstring); save it at ``out``
+    in the speculators layout and return it. Everything slow is cached or checkpointed under
+    ``work``: a rerun resumes. ``validation_files`` (default: ``files`` with another seed) give
+    the held-out sequences."""
+    settings = settings or DFlashTraining()
+    started = time.perf_counter()
+    if not files:
+        raise ValueError("data: no training files")
+    if settings.sequences < settings.batch:
+        raise ValueError(f"batch: {settings.batch} sequences per step, more than the {settings.sequences} sequences")
+    if settings.block_size < 2:
+        raise ValueError(f"block_size: {settings.block_size} slots propose no draft (at least 2)")
+    if settings.gamma <= 0:
+        raise ValueError(f"gamma: the slot weights' decay must be positive, got {settings.gamma}")
+    if settings.new_tokens < 2:
+        raise ValueError(f"new_tokens: {settings.new_tokens}; anchors need at least 2 continued tokens")
+    work, out = Path(work), Path(out)
+    work.mkdir(parents=True, exist_ok=True)
+    target = frozen_float32(target)
+    layer_ids = tuple(sorted(settings.layer_ids or default_layer_ids(num_layers(target))))
+    bad = [k for k in layer_ids if not 0 <= k <= num_layers(target)]
+    if bad:
+        raise ValueError(f"layer_ids: {list(layer_ids)} names layers {bad} the target does not have")
+    data = on_policy_splits(target, tokenizer, files, validation_files, layer_ids, work, settings.sequences,
+                            settings.validation_sequences, settings.prompt_tokens, settings.new_tokens, settings.seed)
+    vocab = target.config.get_text_config().vocab_size
+    counts = torch.bincount(data["train"][0].flatten(), minlength=vocab)
+    mask_token_id = int(torch.sort(counts, stable=True).indices[0])  # the least frequent token
+    draft_ids = None
+    if settings.draft_vocab is not None and settings.draft_vocab < vocab:
+        draft_ids = frequent_tokens(data["train"][0], settings.draft_vocab, vocab)
+        covered = torch.isin(data["validation"][0][:, settings.prompt_tokens:], draft_ids).float().mean()
+        log(f"draft vocabulary: {settings.draft_vocab} of {vocab} tokens cover {covered:.1%} of the held-out "
+            f"continuations")
+    draft = initial_dflash(target, layer_ids, settings.layers, settings.block_size, mask_token_id, draft_ids,
+                           settings.seed)
+    trained = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    weights = slot_weights(settings.block_size, settings.gamma)
+    checkpoint, step, before = work / "dflash_checkpoint.pt", 0, 0.0
+    history: list[dict] = []
+    state = load_checkpoint(checkpoint, asdict(settings))
+    if state is not None:
+        draft.load_state_dict(state["draft"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, history, before = state["step"], state["history"], state["seconds"]
+        log(f"resumed at step {step}")
+
+    def elapsed() -> float:  # this run's seconds (data included) plus those before a resume
+        return before + time.perf_counter() - started
+
+    def validate():
+        draft.eval()
+        result = block_agreement(draft, target, data["validation"], settings.prompt_tokens - 1,
+                                 gamma=settings.gamma, loss=settings.loss)
+        draft.train()
+        history.append(dict(step=step, seconds=round(elapsed()), **result))
+        slots = " ".join(f"{s:.2f}" for s in result["slots"])
+        accepted = ", ".join(f"b={k} {v:.2f}" for k, v in result["accepted_per_round"].items())
+        log(f"step {step}: loss {result['loss']:.3f}, slot agreement {slots}; accepted per round {accepted} "
+            f"(held-out, teacher forced; {elapsed():.0f} s)")
+
+    if step == 0:
+        validate()
+    tokens, features, last = data["train"]
+    per_epoch = len(tokens) // settings.batch
+    draft.train()
+    with tqdm(total=settings.steps, initial=step, desc="train dflash") as bar:
+        while step < settings.steps:
+            epoch, index = divmod(step, per_epoch)
+            order = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(settings.seed + epoch))
+            rows = order[index * settings.batch:(index + 1) * settings.batch]
+            anchors = draw_anchors(len(rows), tokens.shape[1], settings.prompt_tokens - 1, settings.anchors,
+                                   torch.Generator().manual_seed(settings.seed * 1_000_003 + step))
+            losses, agree, exists = block_losses(draft, target, (tokens[rows], features[rows], last[rows]), anchors,
+                                                  settings.loss)
+            loss = weighted_loss(losses, exists, weights)
+            for group in optimizer.param_groups:
+                group["lr"] = cosine_lr(step, settings.lr, settings.warmup, settings.steps)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trained, 1.0)
+            optimizer.step()
+            step += 1
+            first = float(agree[..., 0][exists[..., 0]].float().mean())
+            bar.set_postfix(loss=f"{loss.item():.3f}", slot1=f"{first:.3f}")
+            bar.update()
+            if step % settings.validate_every == 0 or step == settings.steps:
+                validate()
+            if step % settings.checkpoint_every == 0 or step == settings.steps:
+                save_checkpoint(checkpoint, asdict(settings), draft=draft.state_dict(),
+                                optimizer=optimizer.state_dict(), step=step, history=history, seconds=elapsed())
+    draft.eval()
+    draft.save(out)
+    (out / "training.json").write_text(json.dumps(dict(settings=asdict(settings), history=history), indent=2))
+    return draft

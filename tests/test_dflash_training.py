@@ -1,0 +1,175 @@
+"""Training DFlash block drafters (spec_ext.training.dflash): slot j of the anchor at n learns
+the token at n + j from features before n only, slots are weighted by the decay, training
+lowers the held-out loss, resumes to the same weights, and what it saves loads through the
+public loader and decodes exactly."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spec_ext
+from spec_ext.__main__ import main as cli
+from spec_ext.models.dflash import load_dflash
+from spec_ext.training.corpus import load_checkpoint, prompts_from_files, save_checkpoint, tap_features
+from spec_ext.training.dflash import (DFlashTraining, block_losses, default_layer_ids, draw_anchors, initial_dflash,
+                                      slot_positions, slot_weights, train_dflash, weighted_loss)
+from helpers import llama
+from test_head_training import WORDS, word_files, word_tokenizer
+
+
+def small_settings(**overrides):
+    settings = dict(sequences=24, validation_sequences=8, prompt_tokens=16, new_tokens=24, steps=40, batch=4,
+                    anchors=8, block_size=4, lr=3e-3, warmup=5, draft_vocab=24, validate_every=20,
+                    checkpoint_every=10)
+    return DFlashTraining(**(settings | overrides))
+
+
+def drafter_and_data(loss_seed=0, draft_vocab=None):
+    """A tiny target, a drafter for it of block 5 and its data (tokens, features, last) of 2 rows."""
+    target = llama(WORDS + 1, 32, 3, seed=loss_seed, sharpen=4.0)
+    tokens = torch.randint(1, WORDS + 1, (2, 18), generator=torch.Generator().manual_seed(1))
+    features, last = tap_features(target, tokens, (1, 2, 3), path=None)
+    draft_ids = None if draft_vocab is None else torch.arange(1, draft_vocab + 1)
+    draft = initial_dflash(target, (1, 2, 3), 1, 5, 0, draft_ids, seed=0)
+    with torch.no_grad():  # away from the initialisation, so that every input matters
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return target, draft, (tokens, features.float(), last.float())
+
+
+def test_slot_j_of_the_anchor_at_n_learns_the_token_at_n_plus_j():
+    positions, exists = slot_positions(torch.tensor([[3, 14, -1]]), 5, 16)
+    assert positions[0, 0].tolist() == [4, 5, 6, 7]
+    assert exists[0, 1].tolist() == [True, False, False, False] and not exists[0, 2].any()
+    # the losses against ones written out: the drafter's slot logits, the text's token at n + j
+    # (ce) or the target's own forward on the prefix up to n + j - 1 (kl)
+    target, draft, (tokens, features, last) = drafter_and_data(draft_vocab=30)
+    anchors = torch.tensor([[2, 7], [5, 12]])
+    logits = draft.block_logits(features, tokens, anchors, target.get_input_embeddings().weight, None,
+                                draft_vocab=True)
+    ids = torch.arange(30) + draft.d2t
+    ce, _, ce_exists = block_losses(draft, target, (tokens, features, last), anchors, "ce")
+    kl, _, _ = block_losses(draft, target, (tokens, features, last), anchors, "kl")
+    for row in range(2):
+        for a in range(2):
+            n = int(anchors[row, a])
+            for j in range(1, 5):
+                label = int(tokens[row, n + j])
+                in_vocab = bool((ids == label).any())
+                assert bool(ce_exists[row, a, j - 1]) == in_vocab
+                if in_vocab:
+                    expected = F.cross_entropy(logits[row, a, j - 1], (ids == label).nonzero()[0])
+                    torch.testing.assert_close(ce[row, a, j - 1], expected)
+                with torch.no_grad():
+                    p = target(tokens[row:row + 1, :n + j]).logits[0, -1, ids].softmax(-1)
+                expected = -(p * logits[row, a, j - 1].log_softmax(-1)).sum()
+                torch.testing.assert_close(kl[row, a, j - 1], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_block_reads_the_features_before_its_anchor_only():
+    target, draft, (tokens, features, last) = drafter_and_data()
+    anchors = torch.tensor([[9], [9]])
+    losses, _, _ = block_losses(draft, target, (tokens, features, last), anchors)
+    later = features.clone()
+    later[:, 9:] += torch.randn_like(later[:, 9:])  # the anchor's own feature and every one after it
+    same, _, _ = block_losses(draft, target, (tokens, later, last), anchors)
+    torch.testing.assert_close(same, losses, rtol=0, atol=0)
+    before = features.clone()
+    before[:, 8] += torch.randn_like(before[:, 8])  # the last feature before the anchor
+    changed, _, _ = block_losses(draft, target, (tokens, before, last), anchors)
+    assert (changed - losses).abs().min() > 1e-6  # every slot of every row reads it
+
+
+def test_slot_weights_decay_with_the_slot():
+    weights = slot_weights(16, 4.0)
+    assert weights.shape == (15,) and weights[0] == 1.0
+    torch.testing.assert_close(weights, torch.tensor([math.exp(-(j - 1) / 4.0) for j in range(1, 16)]))
+    losses = torch.tensor([[[2.0, 4.0, 8.0]], [[1.0, 1.0, 1.0]]])
+    exists = torch.tensor([[[True, True, True]], [[True, False, False]]])
+    w = slot_weights(4, 2.0)
+    expected = (2.0 * w[0] + 4.0 * w[1] + 8.0 * w[2] + 1.0 * w[0]) / 4
+    torch.testing.assert_close(weighted_loss(losses, exists, w), expected)
+
+
+def test_anchors_are_distinct_in_the_continuation_and_reproducible():
+    anchors = draw_anchors(3, 40, 15, 8, torch.Generator().manual_seed(4))
+    assert anchors.shape == (3, 8) and (anchors >= 15).all() and (anchors <= 38).all()
+    assert all(len(set(row.tolist())) == 8 for row in anchors) and (anchors.diff(dim=-1) > 0).all()
+    assert torch.equal(anchors, draw_anchors(3, 40, 15, 8, torch.Generator().manual_seed(4)))
+    assert draw_anchors(1, 20, 15, 8, torch.Generator()).shape == (1, 4)  # every position there is
+    assert default_layer_ids(8) == (2, 4, 6, 7) and default_layer_ids(3) == (2,)
+
+
+def test_training_learns_resumes_and_decodes_exactly(tmp_path):
+    target = llama(WORDS + 1, 32, 3, seed=0, sharpen=4.0)
+    tokenizer, files = word_tokenizer(), word_files(tmp_path)
+    draft = train_dflash(target, tokenizer, files, tmp_path / "dflash", tmp_path / "work", small_settings(),
+                         log=lambda m: 0)
+    history = json.loads((tmp_path / "dflash" / "training.json").read_text())["history"]
+    assert [h["step"] for h in history] == [0, 20, 40]
+    assert history[-1]["loss"] < history[0]["loss"] - 0.3
+    assert history[-1]["accepted_per_round"]["4"] > history[0]["accepted_per_round"]["4"] + 0.2
+
+    class Interrupted(Exception):
+        pass
+
+    def stop_at_30(message):
+        if message.startswith("step 30"):
+            raise Interrupted
+
+    settings = small_settings(validate_every=10)
+    with pytest.raises(Interrupted):
+        train_dflash(target, tokenizer, files, tmp_path / "resumed", tmp_path / "work2", settings, log=stop_at_30)
+    resumed = train_dflash(target, tokenizer, files, tmp_path / "resumed", tmp_path / "work2", settings,
+                           log=lambda m: 0)
+    for (name, a), b in zip(draft.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+    loaded = load_dflash(tmp_path / "dflash")
+    assert loaded.config.layer_ids == draft.config.layer_ids and loaded.block_size == 4
+    for (name, a), b in zip(draft.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    ids = torch.tensor(prompts_from_files(tokenizer, files, 3, 12, seed=9))
+    expected = target.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
+    out = spec_ext.generate(target, str(tmp_path / "dflash"), ids, max_new_tokens=20, policy="fixed")
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.accepted > 10  # the trained drafter's drafts are taken: the test exercises acceptance
+    with pytest.raises(ValueError, match="work: .* other settings \\(steps\\)"):
+        train_dflash(target, tokenizer, files, tmp_path / "other", tmp_path / "work", small_settings(steps=41))
+
+
+def test_checkpoints_are_replaced_whole(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, dict(steps=3), step=1)
+    save_checkpoint(path, dict(steps=3), step=2)
+    assert load_checkpoint(path, dict(steps=3))["step"] == 2 and not list(tmp_path.glob("*.partial"))
+    assert load_checkpoint(tmp_path / "none.pt", dict(steps=3)) is None
+
+
+def test_train_dflash_refusals(tmp_path):
+    target = llama(WORDS + 1, 32, 2, seed=0)
+    tokenizer, files = word_tokenizer(), word_files(tmp_path)
+    for settings, message in ((small_settings(layer_ids=(0, 5)), "layer_ids"), (small_settings(loss="mse"), "loss"),
+                              (small_settings(block_size=1), "block_size"), (small_settings(gamma=0.0), "gamma"),
+                              (small_settings(sequences=4, batch=8), "batch: 8 sequences per step")):
+        with pytest.raises(ValueError, match=message):
+            train_dflash(target, tokenizer, files, tmp_path / "d", tmp_path / "w", settings)
+    with pytest.raises(ValueError, match="data"):
+        train_dflash(target, tokenizer, [], tmp_path / "d", tmp_path / "w", small_settings())
+
+
+def test_cli_trains_and_names_the_bad_argument(tmp_path, capsys):
+    target = tmp_path / "target"
+    llama(WORDS + 1, 32, 2, seed=0).save_pretrained(target)
+    word_tokenizer().save_pretrained(target)
+    with pytest.raises(SystemExit) as exit_:
+        cli(["train-dflash", "--target", str(target), "--out", str(tmp_path / "d"), "--data", str(tmp_path / "none")])
+    assert exit_.value.code == 2 and "--data: " in capsys.readouterr().err
+    files = word_files(tmp_path)
+    cli(["train-dflash", "--target", str(target), "--out", str(tmp_path / "d"), "--data", *map(str, files),
+         "--sequences", "8", "--prompt-tokens", "16", "--new-tokens", "12", "--steps", "2", "--batch", "4",
+         "--anchors", "4", "--block-size", "4", "--threads", "1"])
+    assert "saved the drafter" in capsys.readouterr().out
+    assert load_dflash(tmp_path / "d").block_size == 4
