@@ -1,4 +1,4 @@
-"""Command line: ``python -m spec_ext {generate,demo,backends,train-head}``.
+"""Command line: ``python -m spec_ext {generate,demo,backends,train-head,train-dflash}``.
 
   python -m spec_ext generate --target DIR --draft DIR --prompt "def f(" --policy auto
   python -m spec_ext generate --target DIR --prompt "..." --policy ngram   # drafts from the text, no draft
@@ -7,6 +7,7 @@
   python -m spec_ext backends --explain   # ... and what backend="auto" picks per device and op, and why
   python -m spec_ext train-head --target DIR --out DIR --data DIR_OR_FILE ...   # an EAGLE-3 head for the target
 """
+  python -m spec_ext train-dflash --target DIR --out DIR --data DIR_OR_FILE ...   # a DFlash block drafter
 from __future__ import annotations
 
 import argparse
@@ -104,6 +105,24 @@ def cmd_train_head(args) -> None:
 
 
 def _tokens_per_s(fn, repeats: int) -> tuple[float, object]:
+def cmd_train_dflash(args) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spec_ext.training.dflash import DFlashTraining, train_dflash
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    files = data_files(args.data, args.glob)
+    validation = data_files(args.validation_data, args.glob, "--validation-data") if args.validation_data else None
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+    settings = DFlashTraining(sequences=args.sequences, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                              steps=args.steps, batch=args.batch, anchors=args.anchors, block_size=args.block_size,
+                              layers=args.layers, gamma=args.gamma, loss=args.loss, lr=args.lr,
+                              draft_vocab=args.draft_vocab, layer_ids=tuple(args.layer_ids) if args.layer_ids else None)
+    train_dflash(target, tokenizer, files, args.out, args.work or args.out / "work", settings, validation)
+    print(f"saved the drafter at {args.out} (speculators dflash layout: spec_ext generate --draft {args.out})")
+
+
     rates, result = [], None
     for _ in range(repeats):
         started = time.perf_counter()
@@ -241,6 +260,33 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     cli = parser()
     args = cli.parse_args(argv)
+    dflash = sub.add_parser("train-dflash", formatter_class=defaults,
+                            help="train a DFlash block drafter for a target on its own continuations")
+    dflash.add_argument("--target", type=_model_folder, required=True, help="the target model's folder")
+    dflash.add_argument("--out", type=Path, required=True, help="where the drafter is saved (speculators layout)")
+    dflash.add_argument("--data", type=Path, nargs="+", required=True,
+                        help="text files, or directories of them, to cut prompts from")
+    dflash.add_argument("--validation-data", type=Path, nargs="+",
+                        help="held-out files for the printed agreement (default: --data, other prompts)")
+    dflash.add_argument("--glob", default="*", help="which files of a --data directory to read")
+    dflash.add_argument("--work", type=Path, help="cache and checkpoints, resumed on a rerun (default: OUT/work)")
+    dflash.add_argument("--sequences", type=_positive, default=1024, help="on-policy training sequences")
+    dflash.add_argument("--prompt-tokens", type=_positive, default=128, help="tokens of each prompt")
+    dflash.add_argument("--new-tokens", type=_positive, default=128, help="tokens the target continues each with")
+    dflash.add_argument("--steps", type=_positive, default=2000, help="optimiser steps")
+    dflash.add_argument("--batch", type=_positive, default=8, help="sequences per step")
+    dflash.add_argument("--anchors", type=_positive, default=32, help="random blocks per sequence per step")
+    dflash.add_argument("--block-size", type=_positive, default=16, help="slots per block (drafts: one fewer)")
+    dflash.add_argument("--layers", type=_positive, default=1, help="the drafter's decoder layers")
+    dflash.add_argument("--gamma", type=float, default=4.0, help="slot j's loss weight is exp(-(j-1)/gamma)")
+    dflash.add_argument("--loss", choices=("ce", "kl"), default="ce",
+                        help="ce: to the target's greedy tokens; kl: to its distributions")
+    dflash.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (cosine to a tenth)")
+    dflash.add_argument("--draft-vocab", type=_positive,
+                        help="a draft vocabulary of this many most frequent tokens (default: the target's)")
+    dflash.add_argument("--layer-ids", type=int, nargs="+",
+                        help="target layers to tap (default: four from 2 to L-1)")
+    dflash.add_argument("--threads", type=_positive, help="torch intra-op threads (default: torch's)")
     try:
         if args.command == "generate":
             cmd_generate(args)
@@ -256,6 +302,8 @@ def main(argv=None) -> None:
             print()
             if args.explain:
                 for device in ("cpu", "cuda"):
+        elif args.command == "train-dflash":
+            cmd_train_dflash(args)
                     for op in spec_ext.ops.OPS:
                         print(spec_ext.ops.explain(op, device))
     except (ValueError, FileNotFoundError) as error:  # bad input: one line, not a traceback
