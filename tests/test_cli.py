@@ -26,7 +26,8 @@ def test_help_loads_neither_torch_nor_transformers_and_shows_choices_and_default
              "print(out.getvalue())")
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "{adalength,auto," in out.stdout and "(default: auto)" in out.stdout and "(default: 128)" in out.stdout
+    assert "{adalength,adaptive,auto," in out.stdout and "(default: auto)" in out.stdout
+    assert "(default: 128)" in out.stdout
 
 
 def test_bad_arguments_are_one_line_errors_before_any_model_loads(tmp_path):

@@ -1,0 +1,355 @@
+"""Adaptive verification (vLLM's confidence-scheduled verification, DSpark's D-Cut): each
+round the target verifies, of every row's drafts, the prefix of its chain (the subtree of
+its tree) that maximises the batch's expected accepted tokens per second of round time.
+
+Expected tokens come from the drafts' confidences (:attr:`Proposal.confidence`, the
+drafter's probability of each draft given its prefix): a draft's chance of acceptance is
+its confidence corrected by what the target accepted of earlier drafts of the same
+confidence (per confidence bin, learned as rounds run), and a draft's survival (the chance
+that it and every draft before it on its path are accepted) is the product of those chances
+along its path. Round time is what this device measured (:class:`StepCosts`): the drafting
+already done this round plus the verification of the chosen width, whose cost is per
+(rows, width), since the verification is one forward of the padded batch. One budget over
+the batch: every row gets its best ``W`` drafts (chains: its first ``W``; trees: the ``W``
+with the highest survival, which hold their parents, as a child never survives its
+parent), the same ``W`` for all since they pay for the widest row anyway, and ``W`` maximises
+(sum over rows of 1 + their kept survivals) / (drafting + verify(rows, W + 1)).
+
+Sequential drafters (a draft model, a head) spend a forward per draft step, so the same
+estimates also bound the drafting: ``plan()`` gives the most steps worth drafting from the
+survival seen so far at each depth, and ``keep_drafting`` stops the batch once no longer
+chain is expected to pay for its further steps and their verification.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import time
+
+import torch
+from torch import Tensor
+
+from spec_ext import ops
+from spec_ext.policies.base import Policy, register
+from spec_ext.policies.step_costs import StepCosts
+from spec_ext.policies.tree import DynamicTree, Tree
+
+EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97)  # upper edges of the confidence bins
+CENTRES = tuple((lo + hi) / 2 for lo, hi in zip((0.0,) + EDGES, EDGES + (1.0,)))
+
+
+@register
+class Adaptive(Policy):
+    """Adaptive verification (see the module docstring) of chains up to ``max_draft`` drafts,
+    or of the trees that ``tree`` (a :class:`Tree` or :class:`DynamicTree`) grows.
+
+    Exactness: greedy, any trim is exact. Sampling: a draft's inclusion must not depend on
+    the draft itself (the rejection sampler assumes each verified draft was drawn from its
+    q), so sampled chains are never trimmed after drafting: only ``keep_drafting`` stops
+    them, which decides on draft n + 1 from drafts 1..n. Deterministic drafts (trees, any
+    drafter's one-hot drafts) are trimmed at every temperature. As :class:`Auto` does, when
+    sampling the round is not timed (the output then depends on the seed alone): the
+    verification counts as one forward whatever its width (so nothing is trimmed for cost)
+    and a draft step as the drafter's size over the target's, unless ``costs`` holds
+    measurements (e.g. :func:`spec_ext.policies.step_costs.calibrate`), which are used then
+    and not updated.
+
+    Args:
+        max_draft: the most drafts per chain.
+        tree: the tree shape to grow and trim (None: chains).
+        costs: measured costs to start from (None: measured as rounds run); greedy rounds
+            add to it.
+        prior_weight: how many observations the prior (acceptance = confidence) is worth per bin.
+        forget: the weight old acceptance observations keep per round.
+        explore: now and then verify a width next to the best, so that its cost stays measured
+            (greedy rounds; off: always the best by the current estimates).
+        clock: seconds since some origin (time.perf_counter; tests pass a fake one).
+    """
+
+    def __init__(self, max_draft: int = 10, tree: Tree | DynamicTree | None = None, costs: StepCosts | None = None,
+                 prior_weight: float = 2.0, forget: float = 0.99, explore: bool = True, clock=time.perf_counter):
+        if max_draft < 1:
+            raise ValueError(f"max_draft: must be >= 1, got {max_draft}")
+        if tree is not None and not isinstance(tree, (Tree, DynamicTree)):
+            raise ValueError(f"tree: expected a Tree or a DynamicTree, got {tree!r}")
+        if prior_weight <= 0 or not 0 < forget <= 1:
+            raise ValueError(f"prior_weight, forget: need > 0 and in (0, 1], got {prior_weight}, {forget}")
+        self.max_draft = max_draft
+        self.tree = tree
+        if isinstance(tree, Tree):
+            self.branching, self.parents, self.levels = tree.branching, tree.parents, tree.levels
+        elif isinstance(tree, DynamicTree):
+            self.grows_dynamic_tree = True
+            self.depth, self.top_k, self.nodes = tree.depth, tree.top_k, tree.nodes
+        if tree is not None:
+            self.max_draft = tree.max_draft
+        self.costs = StepCosts() if costs is None else costs
+        self.prior_weight, self.forget, self.explore = prior_weight, forget, explore
+        self._clock = clock
+        # per confidence bin: drafts verified with every draft before them accepted, and of those accepted
+        self._reached = [prior_weight] * len(CENTRES)
+        self._passed = [prior_weight * c for c in CENTRES]
+        self._depth_survival: list[float] = []  # [j]: the batch's mean survival of draft j + 1, recent rounds
+        self._size_ratio = 0.1
+
+    # ------------------------------------------------------------------ protocol
+    def bind(self, target, draft) -> None:
+        size = sum(p.numel() for p in target.parameters())
+        if size and draft is not None:
+            self._size_ratio = max(0.02, sum(p.numel() for p in draft.parameters()) / size)
+
+    def start(self, batch_size: int, greedy: bool = True) -> None:
+        super().start(batch_size, greedy)
+        self._timed = greedy
+        self._round, self._mark, self._pending = 0, self._clock(), None
+
+    def acceptance(self, confidence: float) -> float:
+        """The estimated chance that a draft of this confidence is accepted once the drafts
+        before it were: its bin's observed rate (the prior: the bin's centre)."""
+        i = bisect.bisect_left(EDGES, confidence)
+        return self._passed[i] / self._reached[i]
+
+    def verify_cost(self, rows: int, width: int) -> float | None:
+        """Seconds (untimed: target forwards) of verifying ``rows`` x ``width`` tokens."""
+        if self._timed or self.costs.measured:
+            return self.costs.verify(rows, width)
+        return 1.0
+
+    def draft_cost(self, steps: int) -> float | None:
+        if self._timed or self.costs.measured:
+            return self.costs.draft(steps)
+        return steps * self._size_ratio
+
+    def plan(self) -> list[int]:
+        return [self._draft_bound()] * self.batch_size
+
+    def _draft_bound(self) -> int:
+        """The chain length worth drafting from the survival seen at each depth (two more, to
+        keep the next depths measured; ``keep_drafting`` stops sooner where the drafts are weak)."""
+        survival = self._depth_survival[:self.max_draft]
+        if len(survival) < 2:
+            return self.max_draft
+        ratio = survival[-1] / survival[-2] if survival[-2] > 0 else 0.0
+        while len(survival) < self.max_draft:
+            survival.append(survival[-1] * min(ratio, 1.0))
+        B, best, best_rate, tokens = self.batch_size, self.max_draft, None, float(self.batch_size)
+        for k in range(1, self.max_draft + 1):
+            tokens += B * survival[k - 1]
+            cost = [self.draft_cost(k), self.verify_cost(B, k + 1)]
+            if None in cost:
+                return self.max_draft
+            rate = tokens / max(sum(cost), 1e-12)
+            if best_rate is None or rate > best_rate:
+                best, best_rate = k, rate
+        return min(self.max_draft, best + 2)
+
+    def keep_drafting(self, step: int, probs: Tensor, tokens: Tensor, hidden: Tensor | None = None) -> Tensor:
+        """Go on while some longer chain is expected to pay for its steps: the batch's
+        survivals after ``step`` drafts, the next drafts' chance of acceptance taken as the
+        recent rounds' mean at those depths, the draft steps' and the verification's measured
+        costs."""
+        chance = self._calibrated(probs.gather(1, tokens[:, None]).squeeze(1))
+        if step == 1:  # a new chain: its first draft came from the catch-up, the next ones cost a step each
+            self._alive, self._gained, self._first = chance, 0.0, self._clock()
+        else:
+            self._alive = self._alive * chance
+        alive = float(self._alive.sum())  # one host sync per draft step
+        self._gained += alive
+        B = len(tokens)
+        go = torch.ones(B, dtype=torch.bool, device=tokens.device)
+        if self._timed:  # this round so far (the catch-up included), and a draft step: what the last ones took
+            now_s = self._clock()
+            drafted = now_s - self._mark
+            fitted = [self.draft_cost(step), self.draft_cost(step + 1)]
+            per_step = (now_s - self._first) / (step - 1) if step > 1 else \
+                None if None in fitted else max(0.0, fitted[1] - fitted[0])
+        else:
+            drafted = self.draft_cost(step)
+            per_step = self.draft_cost(step + 1) - drafted
+        now = self.verify_cost(B, step + 1)
+        if now is None or per_step is None:
+            return go
+        base = B + self._gained
+        rate_now = base / max(drafted + now, 1e-12)
+        ahead, gain = self._depth_survival, 0.0
+        for m in range(1, self.max_draft - step + 1):
+            j = step + m - 1  # the depth (0-based) of the m-th further draft
+            ratio = ahead[j] / ahead[j - 1] if j < len(ahead) and ahead[j - 1] > 0 else self._mean_acceptance()
+            alive *= min(ratio, 1.0)
+            gain += alive
+            cost = self.verify_cost(B, step + m + 1)
+            if cost is not None and (base + gain) / max(drafted + m * per_step + cost, 1e-12) > rate_now:
+                return go
+        return ~go
+
+    def select(self, proposal):
+        """The proposal trimmed to each row's expected-best prefix (subtree); see the class
+        docstring for when it is left whole. One host sync (the confidences)."""
+        now = self._clock()
+        self._round += 1
+        B, tree = proposal.tokens.shape[0], proposal.is_tree
+        width = proposal.tokens.shape[1] + (0 if tree else 1)  # verified tokens per row, the root included
+        steps = proposal.max_depth if tree else proposal.tokens.shape[1]
+        drafted = now - self._mark if self._timed else self.draft_cost(steps)
+        if self._timed and self._round > 1:  # the first round's time holds the prefill
+            self.costs.record_draft(steps, drafted)
+        self._pending = (B, width, None, now)
+        if proposal.confidence is None or proposal.explores:
+            return proposal
+        if tree:
+            return self._select_tree(proposal, drafted, now) if proposal.q is None else proposal
+        return self._select_chain(proposal, drafted, now)
+
+    def observe(self, num_draft, num_accepted) -> None:
+        now = self._clock()
+        if self._pending is not None:
+            B, width, verified, started = self._pending
+            if self._timed:
+                self.costs.record_verify(B, width, now - started)
+            if verified is not None:  # chains: what the target made of each verified draft's confidence
+                self._reached = [self.forget * x for x in self._reached]
+                self._passed = [self.forget * x for x in self._passed]
+                for confidences, n, a in zip(verified, num_draft, num_accepted):
+                    for j in range(min(a + 1, n)):  # drafts 0..a-1 passed, draft a (if verified) failed
+                        i = bisect.bisect_left(EDGES, confidences[j])
+                        self._reached[i] += 1
+                        self._passed[i] += j < a
+        self._pending, self._mark = None, now
+
+    # ------------------------------------------------------------------ choosing
+    def best_width(self, survival: list[list[float]], drafted: float) -> int | None:
+        """The number of drafts per row W (0: the roots alone) that maximises the batch's
+        expected tokens, sum over rows of 1 + the sum of its first W ``survival`` values (each
+        row's, best first), per second of ``drafted`` + verify(rows, W + 1); None while the
+        verification's cost is unknown."""
+        B, K = len(survival), max(map(len, survival), default=0)
+        best, best_rate, tokens = None, None, float(B)
+        for W in range(K + 1):
+            if W:
+                tokens += sum(s[W - 1] for s in survival if len(s) >= W)
+            cost = self.verify_cost(B, W + 1)
+            if cost is None:
+                return None
+            rate = tokens / max(drafted + cost, 1e-12)
+            if best_rate is None or rate > best_rate + 1e-12 * abs(rate):
+                best, best_rate = W, rate
+        return best
+
+    def _explored(self, W: int | None, K: int) -> int:
+        """The width chosen, or a neighbour now and then so the costs of both stay measured:
+        the first rounds verify K, K - 1, K - 2; later every fourth round one more, every
+        fourth one fewer (untimed or not ``explore``: the width chosen)."""
+        if not self._timed or not self.explore:
+            return K if W is None else W
+        if W is None or self._round <= 3 or self.costs.measured < 3:
+            return max(0, K - (self._round - 1) % 3)
+        return min(K, max(0, W + {1: 1, 3: -1}.get(self._round % 4, 0)))
+
+    def _select_chain(self, proposal, drafted: float, now: float):
+        confidence = proposal.confidence
+        host = torch.cat([proposal.num_draft[:, None].to(confidence.dtype), confidence], 1).tolist()
+        counts = [int(row[0]) for row in host]
+        survival = []
+        for row, n in zip(host, counts):
+            alive, chain = 1.0, []
+            for c in row[1:n + 1]:
+                alive *= self.acceptance(c)
+                chain.append(alive)
+            survival.append(chain)
+        self._remember_depths(survival)
+        K = proposal.tokens.shape[1]
+        # sampled drafts (q) are verified whole: only deterministic ones may be cut by what they are
+        W = K if proposal.q is not None else self._explored(self.best_width(survival, drafted), K)
+        kept = [min(W, n) for n in counts]
+        W = max(kept, default=0)
+        self._pending = (len(counts), W + 1, [row[1:k + 1] for row, k in zip(host, kept)], now)
+        return proposal if W == K and kept == counts else trim_chain(proposal, kept)
+
+    def _select_tree(self, proposal, drafted: float, now: float):
+        B, T = proposal.tokens.shape
+        parents = proposal.parents.expand(B, T)
+        host = torch.stack([proposal.confidence.float(), parents.float(), (proposal.tokens >= 0).float()], 1).tolist()
+        order, survival = [], []
+        for confidences, row_parents, present in host:
+            alive = [1.0] + [0.0] * (T - 1)
+            for i in range(1, T):
+                if present[i]:
+                    alive[i] = alive[int(row_parents[i])] * self.acceptance(confidences[i])
+            nodes = sorted((i for i in range(1, T) if present[i] and alive[i] > 0), key=lambda i: (-alive[i], i))
+            order.append(nodes)
+            survival.append([alive[i] for i in nodes])
+        W = self._explored(self.best_width(survival, drafted), T - 1)
+        kept = [sorted(nodes[:W]) for nodes in order]
+        if kept == [[i for i in range(1, T) if present[i]] for _, _, present in host]:
+            self._pending = (B, T, None, now)
+            return proposal
+        self._pending = (B, 1 + max(map(len, kept)), None, now)
+        return trim_tree(proposal, kept, [[int(p) for p in row[1]] for row in host])
+
+    def _remember_depths(self, survival: list[list[float]]) -> None:
+        """The batch's mean survival at each depth this round drafted, into the recent means."""
+        depth = max(map(len, survival), default=0)
+        for j in range(depth):
+            mean = sum(s[j] if j < len(s) else 0.0 for s in survival) / len(survival)
+            if j < len(self._depth_survival):
+                self._depth_survival[j] = 0.8 * self._depth_survival[j] + 0.2 * mean
+            else:
+                self._depth_survival.append(mean)
+
+    def _calibrated(self, confidence: Tensor) -> Tensor:
+        """:meth:`acceptance` of every confidence [B], on its device."""
+        table = torch.tensor([p / r for p, r in zip(self._passed, self._reached)], device=confidence.device)
+        edges = torch.tensor(EDGES, device=confidence.device, dtype=confidence.dtype)
+        return table[torch.bucketize(confidence, edges)]
+
+    def _mean_acceptance(self) -> float:
+        return sum(self._passed) / sum(self._reached)
+
+
+def trim_chain(proposal, kept: list[int]):
+    """``proposal`` (a chain) verifying the first ``kept[b]`` drafts of each row b (at most
+    its own): tokens past them -1, the width cut to the longest, q and confidence cut alike."""
+    device = proposal.tokens.device
+    W = max(kept, default=0)
+    counts = torch.tensor(kept, device=device)
+    keep = torch.arange(W, device=device) < counts[:, None]
+    return dataclasses.replace(
+        proposal, tokens=proposal.tokens[:, :W].masked_fill(~keep, -1), num_draft=counts,
+        q=None if proposal.q is None else proposal.q[:, :W],
+        confidence=None if proposal.confidence is None else proposal.confidence[:, :W].masked_fill(~keep, 0.0))
+
+
+def trim_tree(proposal, kept: list[list[int]], parents: list[list[int]]):
+    """``proposal`` (a tree) verifying of each row b its root and the nodes ``kept[b]``
+    (ascending node ids, each node's parent kept or the root; ``parents[b]`` the row's
+    parents on the host), renumbered in their order; rows with fewer nodes than the widest
+    are padded with absent nodes (-1) under the root."""
+    device = proposal.tokens.device
+    B, T = len(kept), 1 + max(map(len, kept), default=0)
+    index, new_parents, depths = [], [], []
+    for nodes, row_parents in zip(kept, parents):
+        renumber = {0: 0}
+        row_index, row_new, row_depth = [0], [-1], [0]
+        for i in nodes:
+            renumber[i] = len(row_index)
+            row_index.append(i)
+            row_new.append(renumber[row_parents[i]])
+            row_depth.append(row_depth[row_new[-1]] + 1)
+        pad = T - len(row_index)
+        index.append(row_index + [0] * pad)
+        new_parents.append(row_new + [0] * pad)
+        depths.append(max(row_depth))
+    index_t = torch.tensor(index, device=device)
+    present = torch.tensor([[True] * (1 + len(n)) + [False] * (T - 1 - len(n)) for n in kept], device=device)
+    parents_t = torch.tensor(new_parents, device=device)
+    depth, mask = ops.tree_mask(parents_t, validate=False)
+    q = proposal.q
+    if q is not None:
+        q = q.gather(1, index_t[..., None].expand(-1, -1, q.shape[-1]))
+    confidence = proposal.confidence
+    if confidence is not None:
+        confidence = confidence.gather(1, index_t).masked_fill(~present, 0.0)
+    return dataclasses.replace(
+        proposal, tokens=proposal.tokens.gather(1, index_t).masked_fill(~present, -1),
+        num_draft=torch.tensor([len(n) for n in kept], device=device), q=q, parents=parents_t, depth=depth,
+        mask=mask, max_depth=max(depths), confidence=confidence)
