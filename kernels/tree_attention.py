@@ -172,6 +172,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len
                    tree_mask: torch.Tensor | None, scale: float, window: int, softcap: float,
                    sinks: torch.Tensor | None) -> torch.Tensor:
     B, Hq, T, D = q.shape
+    if v.shape[3] != D:
+        raise ValueError(f"v: the Triton tree attention needs values of the keys' head size D={D}, got "
+                         f"Dv={v.shape[3]} (MLA: use the sdpa, cpu or torch backend)")
     Hkv, S = k.shape[1], k.shape[2]
     out = torch.empty_like(q)
     if q.numel() == 0:

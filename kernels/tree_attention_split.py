@@ -125,6 +125,9 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix
                        sinks: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
     """The launcher; ``num_splits`` overrides :func:`split_count` (tests force boundaries)."""
     B, Hq, T, D = q.shape
+    if v.shape[3] != D:
+        raise ValueError(f"v: the Triton tree attention needs values of the keys' head size D={D}, got "
+                         f"Dv={v.shape[3]} (MLA: use the sdpa, cpu or torch backend)")
     Hkv, S = k.shape[1], k.shape[2]
     out = torch.empty_like(q)
     if q.numel() == 0:

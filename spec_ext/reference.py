@@ -190,9 +190,9 @@ def visibility(prefix_lens: Tensor, tree_mask: Tensor | None, T: int, S: int, wi
 
 def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_mask: Tensor | None, scale: float,
                    window: int = 0, softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
-    """q [B,Hq,T,D], k/v [B,Hkv,S,D], prefix_lens [B], tree_mask [B|1,T,W] int32 or None
-    (causal) -> [B,Hq,T,D]; computed with a dense mask in float32 (float64 for float64
-    inputs).
+    """q [B,Hq,T,D], k [B,Hkv,S,D], v [B,Hkv,S,Dv] (Dv may differ from D: MLA), prefix_lens
+    [B], tree_mask [B|1,T,W] int32 or None (causal) -> [B,Hq,T,Dv]; computed with a dense
+    mask in float32 (float64 for float64 inputs).
 
     window > 0: a query at position p sees key position s only if p - s < window (see
     :func:`positions`). softcap > 0: the scaled scores become softcap * tanh(score / softcap)

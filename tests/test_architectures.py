@@ -16,7 +16,10 @@ WINDOW = 6  # sliding-window layers: the prompts plus new tokens run well past i
 CLASSES = {"llama": "Llama", "mistral": "Mistral", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3",
            "qwen3_moe": "Qwen3Moe", "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "phi3": "Phi3",
            "granite": "Granite", "olmo2": "Olmo2", "smollm3": "SmolLM3", "starcoder2": "Starcoder2",
-           "gpt_neox": "GPTNeoX", "gpt2": "GPT2", "gpt_oss": "GptOss"}
+           "gpt_neox": "GPTNeoX", "gpt2": "GPT2", "gpt_oss": "GptOss",
+           # the architectures whose configs carry MTP layers (num_mtp_layers) and attend through the interface
+           "glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3", "ernie4_5_moe": "Ernie4_5_Moe", "mellum": "Mellum",
+           "solar_open": "SolarOpen", "youtu": "Youtu", "axk1": "AXK1"}
 ARCHITECTURES = sorted(CLASSES)
 
 
@@ -24,10 +27,15 @@ def sharpened_model(kind: str, vocab: int = 61, seed: int = 0, window: int = WIN
     """A 2-layer random ``kind`` model with sharpened weights (clear argmaxes); its attention
     features: windows on mistral, starcoder2, gemma2/3 and gpt_oss (gemma3 and gpt_oss
     alternate sliding and full layers), a soft-cap on gemma2, sinks on gpt_oss, experts on
-    mixtral, qwen3_moe and gpt_oss."""
+    mixtral, qwen3_moe and gpt_oss, and on the MTP families (glm4_moe, deepseek_v3, ernie4_5_moe,
+    solar_open, axk1); MLA (deepseek_v3, youtu, axk1: keys 16 wide, values 8, a cached latent)."""
     config = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     alternating = ["sliding_attention", "full_attention"]
+    deepseek_moe = dict(moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=1, topk_group=1)
+    mla = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8,
+               v_head_dim=8)
     extra = {"mistral": dict(sliding_window=window), "starcoder2": dict(sliding_window=window),
              "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
              "qwen3": dict(head_dim=8), "gemma": dict(head_dim=8),
@@ -37,7 +45,13 @@ def sharpened_model(kind: str, vocab: int = 61, seed: int = 0, window: int = WIN
              "gemma3": dict(head_dim=8, sliding_window=window, query_pre_attn_scalar=8, layer_types=alternating),
              "smollm3": dict(no_rope_layer_interval=2),
              "gpt_oss": dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=window,
-                             layer_types=alternating)}
+                             layer_types=alternating),
+             "glm4_moe": dict(head_dim=8, **deepseek_moe), "solar_open": dict(head_dim=8, **deepseek_moe),
+             "deepseek_v3": dict(**mla, **deepseek_moe), "youtu": dict(mla),
+             "axk1": dict(mla, q_lora_rank=16, **deepseek_moe),
+             "ernie4_5_moe": dict(head_dim=8, moe_num_experts=4, moe_k=2, moe_intermediate_size=24,
+                                  moe_layer_start_index=1),
+             "mellum": dict(head_dim=8)}
     config.update(extra.get(kind, {}))
     if kind == "gpt_neox":
         del config["num_key_value_heads"]
@@ -131,7 +145,7 @@ def test_greedy_tree_policy_past_the_window(kind):
 # ---------------------------------------------------------------- exact distributions
 SAMPLING_KINDS = {"plain": ("llama", {}), "window": ("mistral", dict(window=2)),
                   "softcap": ("gemma2", dict(window=64)), "sinks": ("gpt_oss", dict(window=2)),
-                  "moe": ("qwen3_moe", {})}
+                  "moe": ("qwen3_moe", {}), "mla": ("deepseek_v3", {})}
 
 
 @pytest.mark.parametrize("attention", SAMPLING_KINDS)
@@ -234,6 +248,10 @@ def test_refused_models_name_the_reason():
         "its attention layers do not call transformers' attention interface"))
     bidirectional = sharpened_model("gemma3", use_bidirectional_attention=True)
     cases.append((bidirectional, r"use_bidirectional_attention=True \(is_causal=False\)"))
+    for name in ("KimiLinear", "BailingHybrid"):  # linear attention (BailingHybrid: with MTP layers)
+        cases.append((getattr(transformers, name + "ForCausalLM")(getattr(transformers, name + "Config")(
+            vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)), r"recurrent or state-space layers \('linear_attention' layers\)"))
     hybrid = sharpened_model("llama")
     hybrid.config.layer_types = ["full_attention", "linear_attention"]
     cases.append((hybrid, r"recurrent or state-space layers \('linear_attention' layers\)"))

@@ -1,7 +1,10 @@
 """SpecCache: a preallocated KV cache with per-row lengths, for ragged speculative batches.
 
 All layers' keys and values live in one buffer [2L, B, H, S, D] (layer l's K at 2l, V at
-2l+1), so a tree commit moves every layer's accepted path in one ``compact_kv`` launch.
+2l+1), so a tree commit moves every layer's accepted path in one ``compact_kv`` launch. Where
+values are another width than keys (MLA: DeepSeek-V3's keys are ``qk_nope_head_dim +
+qk_rope_head_dim`` wide, its values ``v_head_dim``) keys and values have a buffer each,
+[L, B, H, S, D] and [L, B, H, S, Dv] (``buffers``; a commit is one launch per buffer).
 ``update()`` writes the new tokens of a forward at each row's own offset
 (``lengths[b] + j``) without changing the lengths: the decoding loop decides what to keep
 with :meth:`advance` (chains), :meth:`commit` (trees), :meth:`rollback` and
@@ -35,6 +38,12 @@ class SpecCache(Cache):
         num_kv_heads, head_dim: the shape of the keys its attention writes; None: taken from
             the first keys :meth:`update` is given (the buffer is allocated then).
         batch_size: B. capacity: S, tokens per row. dtype, device: of the buffers.
+        value_head_dim: the values' head size where it differs from the keys' (None: the same,
+            or, for an unsized cache, taken from the first values).
+
+    ``buffers`` holds the cache: one [2L,B,H,S,D] tensor (``buffer``), or the keys
+    [L,B,H,S,D] and the values [L,B,H,S,Dv] where their widths differ (``buffer`` is then
+    the keys').
 
     Example:
         >>> cache = SpecCache(num_layers=2, num_kv_heads=4, head_dim=16, batch_size=3, capacity=64)
@@ -45,7 +54,8 @@ class SpecCache(Cache):
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int | None, head_dim: int | None, batch_size: int,
-                 capacity: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 capacity: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 value_head_dim: int | None = None):
         super().__init__(layers=[])
         if (num_kv_heads is None) != (head_dim is None):
             raise ValueError(f"num_kv_heads, head_dim: give both or neither (None: sized by the first update), "
@@ -53,8 +63,8 @@ class SpecCache(Cache):
         self.num_layers = num_layers
         self.capacity = capacity
         self._sized = num_kv_heads is not None  # False until update() sees the first keys
-        self._set_buffer(torch.zeros(2 * num_layers, batch_size, num_kv_heads or 0, capacity, head_dim or 0,
-                                     dtype=dtype, device=device))
+        self._set_buffers(self._allocate(torch.zeros(0, dtype=dtype, device=device), batch_size, num_kv_heads or 0,
+                                         capacity, head_dim or 0, value_head_dim))
         self._set([0] * batch_size)
 
     @classmethod
@@ -76,12 +86,20 @@ class SpecCache(Cache):
             return MirroredCache(send, *shape, dtype=model.dtype, device=model.device)
         return cls(*shape, dtype=model.dtype, device=model.device)
 
-    def _size(self, key_states: Tensor) -> None:
-        """Allocate the buffer for the shape of the first keys written (no row holds a token
-        yet, so nothing is lost)."""
+    def _allocate(self, like: Tensor, batch_size: int, heads: int, capacity: int, head_dim: int,
+                  value_head_dim: int | None) -> tuple[Tensor, ...]:
+        L = self.num_layers
+        if value_head_dim is None or value_head_dim == head_dim:
+            return (like.new_zeros(2 * L, batch_size, heads, capacity, head_dim),)
+        return (like.new_zeros(L, batch_size, heads, capacity, head_dim),
+                like.new_zeros(L, batch_size, heads, capacity, value_head_dim))
+
+    def _size(self, key_states: Tensor, value_states: Tensor) -> None:
+        """Allocate the buffers for the shapes of the first keys and values written (no row
+        holds a token yet, so nothing is lost)."""
         _, batch_size, _, capacity, _ = self.buffer.shape
-        self._set_buffer(self.buffer.new_zeros(2 * self.num_layers, batch_size, key_states.shape[1], capacity,
-                                               key_states.shape[3]))
+        self._set_buffers(self._allocate(self.buffer, batch_size, key_states.shape[1], capacity, key_states.shape[3],
+                                         value_states.shape[3]))
         self._sized = True
 
     # ------------------------------------------------------------- transformers API
@@ -90,13 +108,13 @@ class SpecCache(Cache):
         layer's buffers [B,H,longest + T,D], cut to the keys that can be seen (the longest
         row + T, known on the host: attention then reads no further and needs no sync)."""
         if not self._sized:
-            self._size(key_states)
+            self._size(key_states, value_states)
         keys, values = self._layers[layer_idx]
         if key_states.shape[1] != keys.shape[1] or key_states.shape[3] != keys.shape[3] or \
-                value_states.shape[1:] != key_states.shape[1:]:
+                value_states.shape[:3] != key_states.shape[:3] or value_states.shape[3] != values.shape[3]:
             raise ValueError(f"SpecCache: layer {layer_idx} writes keys {tuple(key_states.shape)} and values "
                              f"{tuple(value_states.shape)}, but the cache holds {keys.shape[1]} heads of "
-                             f"{keys.shape[3]} dims (keys and values of one shape, on every layer)")
+                             f"{keys.shape[3]} key dims and {values.shape[3]} value dims (the same on every layer)")
         T = key_states.shape[2]
         if self._longest + T > self.capacity:
             raise ValueError(f"SpecCache: a row would exceed the capacity of {self.capacity} tokens "
@@ -149,9 +167,10 @@ class SpecCache(Cache):
     def batch_size(self) -> int:
         return self.buffer.shape[1]
 
-    def _set_buffer(self, buffer: Tensor) -> None:
-        self.buffer = buffer
-        self._layers = list(zip(buffer[0::2].unbind(0), buffer[1::2].unbind(0)))  # (K, V) views per layer
+    def _set_buffers(self, buffers: tuple[Tensor, ...]) -> None:
+        self.buffers, self.buffer = tuple(buffers), buffers[0]
+        keys, values = (buffers[0][0::2], buffers[0][1::2]) if len(buffers) == 1 else buffers
+        self._layers = list(zip(keys.unbind(0), values.unbind(0)))  # (K, V) views per layer
 
     def _set(self, lengths: Sequence[int], device_lengths: Tensor | None = None) -> None:
         """New lengths: ``lengths`` on the host and, when the caller has them, the same on the
@@ -206,7 +225,8 @@ class SpecCache(Cache):
             device_accepted = torch.tensor(accepted, device=path.device)
         keep = torch.arange(path.shape[1], device=path.device) <= device_accepted[:, None]
         src = torch.where(keep & (path >= 0), self.lengths[:, None] + path, -1)
-        ops.compact_kv(self.buffer, src, self.lengths, validate=False)
+        for buffer in self.buffers:
+            ops.compact_kv(buffer, src, self.lengths, validate=False)
         self.advance([a + 1 for a in accepted], device_accepted + 1)
 
     def copy_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
@@ -214,7 +234,8 @@ class SpecCache(Cache):
         that shares its parent's prefix."""
         lengths = list(self.host_lengths)
         width = max(lengths[s] for s in src)
-        self.buffer[:, list(dst), :, :width] = self.buffer[:, list(src), :, :width]
+        for buffer in self.buffers:
+            buffer[:, list(dst), :, :width] = buffer[:, list(src), :, :width]
         for s, d in zip(src, dst):
             lengths[d] = lengths[s]
         self._set(lengths)
@@ -224,7 +245,7 @@ class SpecCache(Cache):
         rows = rows.tolist() if isinstance(rows, Tensor) else list(rows)
         index = torch.tensor(rows, dtype=torch.int64, device=self.buffer.device)
         lengths = self.lengths[index]
-        self._set_buffer(self.buffer.index_select(1, index))
+        self._set_buffers(tuple(buffer.index_select(1, index) for buffer in self.buffers))
         self._set([self.host_lengths[i] for i in rows], lengths)
 
     def reserve(self, length: int) -> None:
@@ -233,10 +254,11 @@ class SpecCache(Cache):
         if length <= self.capacity:
             return
         capacity = max(int(length), 2 * self.capacity)
-        grown = self.buffer.new_zeros(*self.buffer.shape[:3], capacity, self.buffer.shape[4])
-        grown[:, :, :, :self.capacity] = self.buffer
+        grown = tuple(buffer.new_zeros(*buffer.shape[:3], capacity, buffer.shape[4]) for buffer in self.buffers)
+        for new, old in zip(grown, self.buffers):
+            new[:, :, :, :self.capacity] = old
         self.capacity = capacity
-        self._set_buffer(grown)
+        self._set_buffers(grown)
 
 
 def split_size(model) -> int:

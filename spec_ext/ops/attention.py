@@ -33,7 +33,12 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
 
     Args:
         q: [B,Hq,T,D] float32/float16/bfloat16.
-        k, v: [B,Hkv,S,D], same dtype and device; ``Hq % Hkv == 0`` (GQA).
+        k: [B,Hkv,S,D], same dtype and device; ``Hq % Hkv == 0`` (GQA).
+        v: [B,Hkv,S,Dv], same dtype and device. Dv may differ from D (MLA: DeepSeek-V3's keys
+            are ``qk_nope_head_dim + qk_rope_head_dim`` wide, its values ``v_head_dim``) on the
+            torch, sdpa and cpu backends; the cuda, triton and triton_split kernels take Dv = D
+            only and refuse others by name, and "auto" sends such calls to sdpa (no softcap or
+            sinks) or torch on a GPU (on a CPU it picks among sdpa and cpu as for any call).
         prefix_lens: [B] int32 or int64, ``prefix_lens + T <= S``.
         tree_mask: [B,T,W] or [1,T,W] int32 packed bits (see :func:`tree_mask`), W >= ceil(T/32).
         scale: softmax scale, default ``D ** -0.5``.
@@ -50,7 +55,7 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
             chosen by "auto").
         validate: False skips every check (a model forward calls this once per layer).
     Returns:
-        [B,Hq,T,D] in q's dtype. A query that sees no key (possible only through a mask row
+        [B,Hq,T,Dv] in q's dtype. A query that sees no key (possible only through a mask row
         without its own bit) gets zeros, whatever its sink (a sink of -inf is no sink).
 
     Example:
@@ -64,8 +69,26 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     window = 0 if window is None else int(window)
     softcap = 0.0 if softcap is None else float(softcap)
+    if v.shape[-1] != q.shape[-1]:
+        backend = _value_head_backend(backend, q.device, softcap, sinks, q.shape[-1], v.shape[-1])
     return registry.kernel("tree_attention", backend, q.device)(q, k, v, prefix_lens, tree_mask, scale,
                                                                 window, softcap, sinks)
+
+
+# the kernels that take values of the keys' head size only (their tiles span one D)
+_SAME_HEAD_SIZE_ONLY = ("cuda", "triton", "triton_split")
+
+
+def _value_head_backend(backend: str, device: torch.device, softcap: float, sinks, D: int, Dv: int) -> str:
+    """The backend for values of another head size than the keys' (Dv != D): ``backend``
+    where it takes them; for "auto" on a GPU, sdpa (no softcap or sinks) or torch, never the
+    cuda or triton kernels (where the measured table is off too); ValueError naming those."""
+    if backend in _SAME_HEAD_SIZE_ONLY:
+        fail("v", f"backend {backend!r} needs values of the keys' head size D={D}, got Dv={Dv} (MLA); use "
+                  "backend='auto', 'sdpa', 'cpu' or 'torch'")
+    if backend == "auto" and device.type != "cpu":
+        return "sdpa" if not softcap and sinks is None else "torch"
+    return backend
 
 
 def _check(q, k, v, prefix_lens, tree_mask, window, softcap, sinks) -> None:
@@ -75,7 +98,8 @@ def _check(q, k, v, prefix_lens, tree_mask, window, softcap, sinks) -> None:
     B, Hq, T, D = q.shape
     if k.shape[0] != B or k.shape[3] != D:
         fail("k", f"expected [B={B}, Hkv, S, D={D}], got {tuple(k.shape)}")
-    check_shape("v", v, tuple(k.shape))
+    if v.shape[:3] != k.shape[:3]:
+        fail("v", f"expected [B, Hkv, S] = {tuple(k.shape[:3])} like k, then any head size Dv, got {tuple(v.shape)}")
     if k.shape[1] == 0 or Hq % k.shape[1]:
         fail("k", f"query heads ({Hq}) must be a multiple of key/value heads ({k.shape[1]})")
     check_tensor("prefix_lens", prefix_lens, 1, (torch.int32, torch.int64), q.device)

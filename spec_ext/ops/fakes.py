@@ -23,7 +23,7 @@ if _C_ERROR is None:
 
     @torch.library.register_fake("spec_ext::tree_attention")
     def _(q, k, v, prefix_lens, tree_mask, scale, window, softcap, sinks):
-        return torch.empty_like(q)
+        return q.new_empty(*q.shape[:3], v.shape[3])
 
     @torch.library.register_fake("spec_ext::compact_kv")
     def _(caches, src, dst_start):

@@ -17,9 +17,10 @@ def compact_kv(caches: Sequence[Tensor] | Tensor, src: Tensor, dst_start: Tensor
 
     Args:
         caches: one stacked [N,B,H,S,D] tensor (each [B,H,S,D] contiguous; one launch) or a
-            list of [B,H,S,D] tensors (e.g. every layer's K and V; contiguous, same shape,
-            dtype and device; one launch when they lie evenly spaced in one storage, as
-            the layers of one buffer do, else one per tensor).
+            list of [B,H,S,D] tensors (e.g. every layer's K and V; contiguous, one dtype and
+            device, one B and S; H and D may differ between them, as MLA's keys and values
+            do; one launch per run of tensors of one shape lying evenly spaced in one
+            storage, as the layers of one buffer do, else one per tensor).
         src: [B,M] int64 source positions, -1 padded at the end.
         dst_start: [B] int64 first destination position.
 
@@ -49,8 +50,19 @@ def compact_kv(caches: Sequence[Tensor] | Tensor, src: Tensor, dst_start: Tensor
 
 
 def _stacked(tensors: list[Tensor]) -> list[Tensor]:
-    """The kernels take [N,B,H,S,D]: one strided view when the tensors lie evenly spaced in
-    one storage (every layer's K and V of one buffer: one launch), else one view each."""
+    """The kernels take [N,B,H,S,D]: per run of consecutive tensors of one shape, one
+    strided view when they lie evenly spaced in one storage (every layer's K and V of one
+    buffer: one launch), else one view each."""
+    runs, start = [], 0
+    for n in range(1, len(tensors) + 1):
+        if n == len(tensors) or tensors[n].shape != tensors[start].shape:
+            runs += _stacked_run(tensors[start:n])
+            start = n
+    return runs
+
+
+def _stacked_run(tensors: list[Tensor]) -> list[Tensor]:
+    """:func:`_stacked` of tensors of one shape."""
     first, size = tensors[0], tensors[0].element_size()
     step = tensors[1].data_ptr() - first.data_ptr() if len(tensors) > 1 else 0
     storage = first.untyped_storage().data_ptr()
@@ -66,9 +78,9 @@ def _check(tensors: list[Tensor], src: Tensor, dst_start: Tensor) -> None:
     first = tensors[0]
     for n, t in enumerate(tensors):
         check_tensor(f"caches[{n}]", t, 4, FLOAT_TYPES, first.device)
-        if t.shape != first.shape or t.dtype != first.dtype:
-            fail(f"caches[{n}]", f"expected shape {tuple(first.shape)} and dtype {first.dtype} like caches[0], "
-                                 f"got {tuple(t.shape)} {t.dtype}")
+        if t.shape[0] != first.shape[0] or t.shape[2] != first.shape[2] or t.dtype != first.dtype:
+            fail(f"caches[{n}]", f"expected [B={first.shape[0]}, H, S={first.shape[2]}, D] and dtype {first.dtype} "
+                                 f"like caches[0], got {tuple(t.shape)} {t.dtype}")
         if not t.is_contiguous():
             fail(f"caches[{n}]", "must be contiguous")
     _check_moves(first.shape[0], first.shape[2], first.device, src, dst_start)

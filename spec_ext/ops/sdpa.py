@@ -46,8 +46,8 @@ def visible_keys(prefix_lens: Tensor, tree_mask: Tensor | None, T: int, S: int, 
 def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_mask: Tensor | None, scale: float,
                    window: int = 0, softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
     """The kernel-level tree_attention (the schema's arguments, see
-    :func:`spec_ext.ops.tree_attention`) through SDPA: q [B,Hq,T,D], k/v [B,Hkv,S,D] ->
-    [B,Hq,T,D] in q's dtype. ``softcap`` must be 0.0 and ``sinks`` None. A query that
+    :func:`spec_ext.ops.tree_attention`) through SDPA: q [B,Hq,T,D], k [B,Hkv,S,D], v
+    [B,Hkv,S,Dv] (Dv may differ from D: MLA) -> [B,Hq,T,Dv] in q's dtype. ``softcap`` must be 0.0 and ``sinks`` None. A query that
     sees no key gets zeros on CPU (PyTorch's safe softmax; not yet checked on a GPU).
 
     Example:

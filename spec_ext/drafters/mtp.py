@@ -1,0 +1,187 @@
+"""The target's own multi-token-prediction layers (:mod:`spec_ext.models.mtp`) as a drafter,
+reading the target's last hidden state from the verification forward itself."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from spec_ext.drafters.base import (Drafter, Outcome, Proposal, Sampler, draft_chain, grow_dynamic_tree,
+                                    grow_static_tree)
+from spec_ext.models import SpecCache, check_model, num_layers, vocabulary_size
+from spec_ext.models.mtp import layer_step, mtp_logits, spec_attention
+from spec_ext.policies import Policy
+
+
+class MtpDrafter(Drafter):
+    """Drafts with the K MTP layers of the target's checkpoint (``MtpModel``), as transformers
+    computes them: draft i (1 <= i <= K) is layer i-1's, at the last index n of the committed
+    text (n + 2 tokens, x_{n+1} the root), from layer i-2's output there (layer 0: the
+    target's hidden state h_n) and the embedding of the token before it (draft i-1; the root
+    for draft 1). A chain longer than K re-applies the last layer to its own output at
+    indices n+1, n+2, ... (as vLLM does); trees (``Tree``, ``DynamicTree``: top-k children)
+    for K = 1, the last layer grown over the tree.
+
+    State: one :class:`SpecCache` layer per MTP layer, all of one length per row: the indices
+    every layer has seen with committed tokens only (layer i at index p reads tokens up to
+    x_{p+i+1}, so after a round the last K - 1 computed indices are recomputed with what was
+    committed: ``MTPCandidateGenerator``'s cache correction). What it has not seen (the
+    target's hidden states of those indices and of the round's committed tokens) waits on the
+    device and is run through every layer at the next round's start, each layer in one
+    forward; each layer's last output drafts its step. A one-token prompt has no hidden state:
+    its first round reads a zero one, never kept.
+
+    Example:
+        >>> spec_ext.generate(target, "mtp", ids)    # doctest: +SKIP
+    """
+
+    def __init__(self, mtp, policy: Policy):
+        super().__init__(policy)
+        self.mtp = mtp.eval()
+        self.num_mtp = len(mtp.layers)
+        self.hidden = policy.uses_draft_hidden
+        if self.num_mtp > 1 and (policy.grows_dynamic_tree or policy.branching is not None):
+            raise ValueError(f"policy: {type(policy).__name__} grows a tree, which the MTP drafter grows for a "
+                             f"checkpoint of one MTP layer; this one has {self.num_mtp} (each layer past the first "
+                             "reads drafts of the steps before it): use a chain policy")
+
+    @property
+    def proposer(self):
+        return self.mtp
+
+    def bind(self, target) -> None:
+        check_model(target, "target")
+        if self.mtp.embed_tokens is not target.get_input_embeddings() and \
+                self.mtp.embed_tokens.weight.shape != target.get_input_embeddings().weight.shape:
+            raise ValueError("draft: these MTP layers were loaded for another model (their embedding is not the "
+                             "target's); load them with spec_ext.models.mtp.load_mtp(target)")
+        self.target_layers = (num_layers(target),)
+        self.vocab_size = vocabulary_size(target)
+
+    def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None,
+              features: Tensor | None = None) -> None:
+        self.sampler, self.generator, self.calls = sampler, generator, 0
+        self.all_accepted = self.bonus_p = None
+        weight = self.mtp.layers[0].eh_proj.weight
+        self.device, dtype = weight.device, weight.dtype
+        B, width = len(seqs), self.mtp.config.hidden_size
+        self.cache = SpecCache(self.num_mtp, None, None, B, capacity, dtype, self.device)
+        if features is None:  # every prompt has one token
+            features = torch.zeros(B, 0, width, dtype=dtype, device=self.device)
+        self.fake = [len(s) == 1 for s in seqs]
+        self.span = [max(1, len(s) - 1) for s in seqs]
+        hidden = F.pad(features.to(dtype), (0, 0, 0, max(self.span) - features.shape[1]))
+        self.pending = hidden.masked_fill(torch.tensor(self.fake, device=self.device)[:, None, None], 0)
+
+    # ------------------------------------------------------------------ a round
+    def _step(self, layer: int, ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor | None = None) -> Tensor:
+        self.calls += 1
+        with spec_attention(self.mtp):
+            return layer_step(self.mtp, layer, ids, hidden, positions, self.cache, mask)
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        logits = mtp_logits(self.mtp, hidden)
+        if logits.shape[-1] != self.vocab_size:  # a padded head: the target's columns
+            logits = logits[..., :self.vocab_size] if logits.shape[-1] > self.vocab_size else \
+                F.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=torch.finfo(logits.dtype).min)
+        return logits
+
+    def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
+        B, K, device = len(seqs), self.num_mtp, self.device
+        span, valid = self.span, self.cache.host_lengths
+        first = [v - f for v, f in zip(valid, self.fake)]  # the sequence index of each row's first input
+        M, kmax = max(span), max(1, self.policy.max_draft)
+        # the tokens x_{first+1} ... x_{n+1} (the root) of every row, then room for its drafts
+        text = [s[p + 1:p + 1 + m] for s, p, m in zip(seqs, first, span)]
+        tokens = torch.tensor([t + [0] * (M + kmax - len(t)) for t in text], device=device)
+        span_t = torch.tensor(span, device=device)
+        first_t = torch.tensor(first, device=device)
+        positions = first_t[:, None] + 1 + torch.arange(M, device=device)  # layer 0's: index + 1
+        rows, last = torch.arange(B, device=device), span_t - 1
+        self._valid, self._layers_run = list(valid), 1
+        out = self._step(0, tokens[:, :M], self.pending[:, :M], positions)  # rows that finished may have been wider
+        if K == 1:  # every layer has its catch-up: the cache keeps it until commit says how much
+            self.cache.advance(span, span_t)
+        logits = self._logits(out[rows, last])
+        if self.policy.uses_bonus_agreement:  # layer 0 at index p predicts x_{p+2}: the bonus is tokens[last]
+            self.policy.see_bonus_agreement(self.bonus_agreement(self._logits(out), tokens[:, :M], last))
+        if self.policy.grows_dynamic_tree or self.policy.branching is not None:
+            return self._tree(out, logits, roots, first_t, last)
+        state = {"drafts": 0, "out": out, "hidden": out[rows, last]}
+
+        def step(token: Tensor) -> tuple[Tensor, Tensor | None]:
+            i = state["drafts"] = state["drafts"] + 1  # drafts so far; layer i drafts the next
+            token = token.clamp_min(0)
+            tokens.scatter_(1, (span_t + i - 1)[:, None], token[:, None])
+            if i < K:  # layer i over the same indices, its tokens one further on
+                state["out"] = self._step(i, tokens[:, i:i + M], state["out"], positions + i)
+                self._layers_run = i + 1
+                if i == K - 1:
+                    self.cache.advance(span, span_t)
+                state["hidden"] = state["out"][rows, last]
+            else:  # past the layers: the last one again, one index on, from its own output
+                at = first_t + span_t + i  # index n + i - K + 1, position index + K
+                state["hidden"] = self._step(K - 1, token[:, None], state["hidden"][:, None], at[:, None])[:, 0]
+                self.cache.advance([1] * B)
+            return self._logits(state["hidden"]), state["hidden"] if self.hidden else None
+
+        drafts, q, num_draft, confidence = draft_chain(self.policy, self.sampler, self.generator, logits,
+                                                       state["hidden"] if self.hidden else None, step,
+                                                       self.policy.plan())
+        return Proposal(drafts, num_draft, q, confidence=confidence)
+
+    def _tree(self, out: Tensor, logits: Tensor, roots: Tensor, first_t: Tensor, last: Tensor) -> Proposal:
+        """A static tree (``Tree``) or EAGLE-2's (``DynamicTree``) of the one MTP layer: each
+        level re-feeds the root (the root token with the target's hidden state, at its own
+        index) and the tree so far, each node paired with its parent's output."""
+        B, rows = len(roots), torch.arange(len(roots), device=self.device)
+        root_input = self.pending[rows, last]
+        fake = torch.tensor(self.fake, dtype=torch.int64, device=self.device)
+        state = {"out": out[rows, last][:, None]}
+
+        def refeed(tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
+            width = root_input.shape[-1]
+            from_parents = state["out"].gather(1, parents[:, 1:, None].expand(-1, -1, width))
+            hidden_in = torch.cat([root_input[:, None], from_parents], 1)
+            self.cache.rollback([n - 1 for n in self.cache.host_lengths])  # the root is re-fed with the tree
+            positions = (self.cache.lengths - fake)[:, None] + depth + 1
+            state["out"] = self._step(0, tokens.clamp_min(0), hidden_in, positions, mask)
+            self.cache.advance([1] * B)
+            return self._logits(state["out"])
+
+        grow = grow_static_tree if self.policy.branching is not None else grow_dynamic_tree
+        return grow(self.policy, logits, roots, refeed, self.sampler)
+
+    def commit(self, outcome: Outcome) -> None:
+        K, accepted = self.num_mtp, outcome.accepted
+        first = [v - f for v, f in zip(self._valid, self.fake)]
+        last = [p + m - 1 for p, m in zip(first, self.span)]  # n: the last index drafted from
+        # computed: the indices every layer has now seen (the fake one of a one-token prompt
+        # never counts); the last K of the committed text's indices read a draft past what
+        # was accepted, or the bonus's position, through some layer: recomputed next round
+        computed = [n + 1 if self._layers_run == K else v for n, v in zip(last, self._valid)]
+        kept = [max(0, min(c, n + a + 2 - K)) for c, n, a in zip(computed, last, accepted)]
+        self.cache.rollback(kept)
+        # what the layers have not seen: the target's hidden states from each row's kept
+        # length on, the last round's (those kept waiting) then this round's verified positions
+        width = max(accepted) + 1
+        steps = torch.arange(width, device=self.device)
+        verified = steps.expand(len(accepted), -1) if outcome.path is None else outcome.path[:, :width].clamp_min(0)
+        fresh = outcome.features.gather(1, verified[..., None].expand(-1, -1, outcome.features.shape[-1]))
+        waiting = [n - k + 1 for n, k in zip(last, kept)]
+        span = [w + a + 1 for w, a in zip(waiting, accepted)]
+        old = self.pending.shape[1]
+        index = [[k - p + j for j in range(w)] + [old + j for j in range(a + 1)] + [old] * (max(span) - s)
+                 for k, p, w, a, s in zip(kept, first, waiting, accepted, span)]
+        index = torch.tensor(index, device=self.device)
+        joined = torch.cat([self.pending, fresh.to(self.pending.dtype)], 1)
+        self.pending = joined.gather(1, index[..., None].expand(-1, -1, joined.shape[-1]))
+        self.span, self.fake = span, [False] * len(accepted)
+        if self.policy.uses_bonus_agreement:
+            self.remember_bonus(outcome)
+
+    def keep_rows(self, rows: list[int], index: Tensor) -> None:
+        self.cache.keep_rows(rows)
+        self.pending = self.pending[index]
+        self.span, self.fake = [self.span[i] for i in rows], [self.fake[i] for i in rows]
+        self.keep_bonus_rows(index)
