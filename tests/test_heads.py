@@ -350,3 +350,88 @@ def test_the_heads_dynamic_tree_is_eagle2s_expansion_of_its_own_scores(target, k
         return torch.log_softmax(logits[0, -1].float(), -1)
 
     assert tree_paths(*seen[0]) == eagle2_paths(logp, policy)
+
+
+# ---------------------------------------------------------------------------- P-EAGLE
+def parallel_head(target, draft_vocab=10, noise=0.01, seed=0):
+    """An echo head (see :func:`echo_head`) made a P-EAGLE head: mask token V - 1 and a random
+    learned mask feature, so its first draft is accepted where the target repeats itself and
+    the masked slots draft from the mask feature."""
+    head = echo_head(target, draft_vocab=draft_vocab, noise=noise, seed=seed)
+    config = HeadConfig(head.config.kind, head.config.layer, head.config.draft_vocab_size, head.config.layer_ids,
+                        mask_token_id=V - 1)
+    parallel = EagleHead(config)
+    parallel.load_state_dict(head.state_dict(), strict=False)
+    with torch.no_grad():
+        parallel.mask_hidden.normal_(0, 1.0, generator=torch.Generator().manual_seed(seed))
+    return parallel.eval()
+
+
+@pytest.mark.parametrize("policy", [Fixed(3), "tree", "dynamic"])
+def test_greedy_equals_the_target_with_a_parallel_drafting_head(target, policy):
+    from spec_ext.policies import DynamicTree, Tree
+    policy = {"tree": Tree((2, 2, 1)), "dynamic": DynamicTree(depth=3, top_k=3, nodes=8)}.get(policy, policy)
+    head = parallel_head(target)
+    out = ragged_greedy_equals_target(target, head, PROMPTS + [[6]], policy, max_new=24)
+    assert 0 < out.stats.accepted < out.stats.drafted, out.stats
+    assert out.stats.draft_calls == out.stats.target_calls - 1  # one head forward per round
+
+
+@torch.no_grad()
+def test_a_parallel_heads_drafts_are_its_masked_slots_in_one_causal_forward(target):
+    """The first round's chain is the argmax of the head run here once over the prompt's pairs
+    (x_{t+1}, feature_t) followed by k - 1 slots (mask token, fc(mask_hidden)) on a fresh cache."""
+    from spec_ext.models import SpecCache, attention_implementation
+    head = parallel_head(target, noise=0.2, seed=2)
+    seen = []
+
+    class Recording(HeadDrafter):
+        def propose(self, seqs, roots):
+            proposal = super().propose(seqs, roots)
+            seen.append(proposal.tokens.tolist())
+            return proposal
+
+    drafter = Recording(head, Fixed(4))
+    prompt = PROMPTS[0]
+    spec_ext.generate(target, drafter, [prompt], max_new_tokens=2, eos_token_id=[])
+    states = target(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    features = torch.cat([states[k][:, :-1] for k in drafter.target_layers], -1)
+    n = len(prompt) - 1
+    ids = torch.tensor([prompt[1:] + [V - 1] * 3])
+    hidden = torch.cat([head.combine(features), head.combine(head.mask_hidden).expand(1, 3, -1)], 1)
+    with attention_implementation(target):
+        logits, _ = head(drafter.embed(ids), hidden, torch.arange(n + 3)[None], SpecCache(head.num_layers, None, None,
+                                                                                         1, 64),
+                         vocab_size=V)
+    assert seen[0] == [logits[0, n - 1:].argmax(-1).tolist()]
+
+
+def test_sampling_follows_the_target_with_a_parallel_drafting_head():
+    target = llama(VOCAB, 32, 4, seed=10, sharpen=3.0)
+    head = echo_head(target, draft_vocab=5, noise=0.05, seed=4)
+    config = HeadConfig("eagle3", head.config.layer, 5, head.config.layer_ids, mask_token_id=VOCAB - 1)
+    parallel = EagleHead(config)
+    parallel.load_state_dict(head.state_dict(), strict=False)
+    n = 12_000
+    out = spec_ext.generate(target, parallel.eval(), [PROMPT] * n, max_new_tokens=3, temperature=0.7, top_k=4,
+                            eos_token_id=[], policy=Fixed(2), seed=7)
+    assert 0 < out.stats.accepted < out.stats.drafted
+    assert_follows(out.sequences[:, len(PROMPT):].numpy(), exact_joint(target, Sampler(0.7, 4)))
+
+
+def test_the_peagle_layout_round_trips_and_is_refused_by_field(target, tmp_path):
+    head = parallel_head(target)
+    head.save(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle" and config["mask_token_id"] == V - 1
+    loaded = load_head(tmp_path)
+    assert loaded.config.mask_token_id == V - 1
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), head.state_dict().values()))
+    assert draft_tokens(target, loaded) == draft_tokens(target, head)
+    for change, field in ((dict(mask_token_id=None), "mask_token_id: a P-EAGLE head needs"),
+                          (dict(mask_token_id=V + 2), "mask_token_id: 14 is not a token")):
+        (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ValueError, match=field):
+            load_head(tmp_path)
+    with pytest.raises(ValueError, match="mask_token_id: only an EAGLE-3 head"):
+        HeadConfig("eagle", dict(model_type="llama", vocab_size=V), V, mask_token_id=3)

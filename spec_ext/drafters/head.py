@@ -112,8 +112,11 @@ class HeadDrafter(Drafter):
     def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
         B = len(seqs)
         ids, features, pairs, pairs_t = self._pending
-        positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
         combined = self.head.combine(features)
+        slots, budget = self._parallel_slots() if self.head.config.mask_token_id is not None else (0, None)
+        if slots > 1:  # P-EAGLE: the catch-up, then slots - 1 masked slots after each row's last pair
+            ids, combined = self._with_masked_slots(ids, combined, pairs_t, slots - 1)
+        positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
         logits, hidden = self._step(ids, combined, positions)
         self.cache.advance(pairs, pairs_t)
         last = pairs_t - 1
@@ -123,6 +126,10 @@ class HeadDrafter(Drafter):
         self._kept = [n - p + r for n, p, r in zip(self.cache.host_lengths, pairs, self.real)]
         self._kept_t = self.cache.lengths - pairs_t + torch.tensor(self.real, device=self.device) \
             if pairs != self.real else self.cache.lengths
+        if slots > 1:
+            at = last[:, None] + torch.arange(slots, device=self.device)
+            return self._parallel(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])),
+                                  hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1])), roots, budget)
         logits, hidden = logits[rows, last], hidden[rows, last]
         if self.policy.grows_dynamic_tree or self.policy.branching is not None:
             return self._tree(logits, hidden, roots, combined[rows, last])
@@ -137,7 +144,53 @@ class HeadDrafter(Drafter):
 
         drafts, q, num_draft, confidence = draft_chain(self.policy, self.sampler, self.generator, logits,
                                            self._output_layer_input(hidden) if self.hidden else None, step,
-                                           self.policy.plan())
+                                           budget or self.policy.plan())
+        return Proposal(drafts, num_draft, q, confidence=confidence)
+
+    def _parallel_slots(self) -> tuple[int, list[int] | None]:
+        """P-EAGLE: the drafts one forward makes this round (a tree's depth; a chain's longest
+        plan) and a chain's plan (None for a tree)."""
+        if self.policy.branching is not None:
+            return len(self.policy.branching), None
+        if self.policy.grows_dynamic_tree:
+            return self.policy.depth, None
+        budget = self.policy.plan()
+        return max(budget), budget
+
+    def _with_masked_slots(self, ids: Tensor, combined: Tensor, pairs_t: Tensor, masked: int
+                           ) -> tuple[Tensor, Tensor]:
+        """ids [B,P] and their combined features [B,P,H] with ``masked`` slots (the mask token,
+        the head's combined ``mask_hidden``) right after each row's ``pairs_t[b]`` real pairs."""
+        B, P = ids.shape
+        slot = torch.arange(P + masked, device=self.device)[None, :]
+        real, mask = slot < pairs_t[:, None], (slot >= pairs_t[:, None]) & (slot < pairs_t[:, None] + masked)
+        ids = torch.where(real, F.pad(ids, (0, masked)), torch.where(mask, self.head.config.mask_token_id, 0))
+        masked_input = self.head.combine(self.head.mask_hidden.to(combined.dtype))
+        combined = torch.where(real[..., None], F.pad(combined, (0, 0, 0, masked)),
+                               torch.where(mask[..., None], masked_input, 0))
+        return ids, combined
+
+    def _parallel(self, logits: Tensor, hidden: Tensor, roots: Tensor, budget: list[int] | None) -> Proposal:
+        """P-EAGLE's drafts from one forward's slots: ``logits`` [B,K,V] (slot j gives draft j + 1,
+        whatever the drafts before it) and their fed-back states [B,K,H]; a chain (each slot
+        processed after the drafts before it, drawn from its q) or a tree grown from the slots
+        by depth (as a block drafter's)."""
+        if self.policy.grows_dynamic_tree or self.policy.branching is not None:
+            def refeed(tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
+                at = depth.clamp_max(logits.shape[1] - 1)
+                return logits.gather(1, at[..., None].expand(-1, -1, logits.shape[2]))
+
+            grow = grow_static_tree if self.policy.branching is not None else grow_dynamic_tree
+            return grow(self.policy, logits[:, 0], roots, refeed, self.sampler)
+        read = self._output_layer_input(hidden) if self.hidden else None
+        slot = {"next": 0}
+
+        def step(token: Tensor) -> tuple[Tensor, Tensor | None]:
+            slot["next"] += 1
+            return logits[:, slot["next"]], None if read is None else read[:, slot["next"]]
+
+        drafts, q, num_draft, confidence = draft_chain(self.policy, self.sampler, self.generator, logits[:, 0],
+                                                       None if read is None else read[:, 0], step, budget)
         return Proposal(drafts, num_draft, q, confidence=confidence)
 
     def _tree(self, logits: Tensor, hidden: Tensor, roots: Tensor, root_input: Tensor) -> Proposal:

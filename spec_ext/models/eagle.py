@@ -15,6 +15,11 @@ EAGLE-1 (``kind="eagle"``): the target's last hidden state (after its final norm
 ``hidden_states[L]``) and the token's embedding, ``fc([embed; hidden])`` (2H -> H), every
 step; the first layer has no input norm; no final norm; the target's ``lm_head``.
 
+P-EAGLE (speculators ``"peagle"``): an EAGLE-3 head with a ``mask_token_id`` and a learned
+feature ``mask_hidden`` [1,1,A*Ht] (``combine``d like the target's): one forward drafts k
+tokens, the root's pair then k - 1 slots (mask token, mask_hidden) at the next positions,
+causal as every head's; slot j's output gives draft j + 1 (vLLM's parallel drafting).
+
 :func:`load_head` reads a directory in either layout; :meth:`EagleHead.save` writes the
 ``speculators`` layout (EAGLE-1: the original layout, which vLLM's ``method="eagle"`` reads).
 """
@@ -51,10 +56,20 @@ class HeadConfig:
     norm_output: bool = False
     fc_bias: bool = False
     verifier: dict = field(default_factory=dict)
+    # P-EAGLE (speculators "peagle"): an EAGLE-3 head that drafts its k tokens in one forward,
+    # slots 2..k fed this token with the head's learned ``mask_hidden`` as their feature
+    mask_token_id: int | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"speculators_model_type: expected one of {KINDS}, got {self.kind!r}")
+        if self.mask_token_id is not None:
+            vocab = self.layer.get("vocab_size")
+            if self.kind != "eagle3":
+                raise ValueError("mask_token_id: only an EAGLE-3 head (P-EAGLE) drafts a block in one forward")
+            if not isinstance(vocab, int) or not 0 <= int(self.mask_token_id) < vocab:
+                raise ValueError(f"mask_token_id: {self.mask_token_id!r} is not a token of the vocabulary of {vocab}")
+            self.mask_token_id = int(self.mask_token_id)
         if self.layer.get("model_type") not in LAYER_TYPES:
             raise ValueError(f"transformer_layer_config.model_type: expected one of {LAYER_TYPES}, got "
                              f"{self.layer.get('model_type')!r}")
@@ -224,6 +239,8 @@ class EagleHead(nn.Module):
             self.norm = _Norm(H, eps)
             self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+            if config.mask_token_id is not None:
+                self.mask_hidden = nn.Parameter(torch.zeros(1, 1, width))
         else:
             self.fc = nn.Linear(2 * H, H, bias=config.fc_bias)
         self.layers = nn.ModuleList(_Layer(layer, config.kind, i == 0) for i in range(layer.num_hidden_layers))
@@ -294,8 +311,10 @@ class EagleHead(nn.Module):
                 t2d = torch.zeros(target_vocab, dtype=torch.bool)
                 t2d[torch.arange(c.draft_vocab_size) + self.d2t.cpu()] = True
                 state["t2d"] = t2d
+            parallel = c.mask_token_id is not None
             config = dict(
-                speculators_model_type="eagle3", architectures=["Eagle3Speculator"],
+                speculators_model_type="peagle" if parallel else "eagle3",
+                architectures=["PEagleSpeculator" if parallel else "Eagle3Speculator"],
                 transformer_layer_config=c.layer, draft_vocab_size=c.draft_vocab_size,
                 norm_before_residual=c.norm_before_residual, norm_before_fc=c.norm_before_fc, fc_norm=c.fc_norm,
                 norm_output=c.norm_output, target_hidden_size=c.target_hidden_size,
@@ -305,7 +324,7 @@ class EagleHead(nn.Module):
                                         proposal_methods=[dict(proposal_type="greedy", speculative_tokens=3,
                                                                verifier_accept_k=1, accept_tolerance=0.0)],
                                         verifier=c.verifier or dict(name_or_path=None, architectures=[])),
-                spec_ext=dict(fc_bias=c.fc_bias))
+                spec_ext=dict(fc_bias=c.fc_bias), **(dict(mask_token_id=c.mask_token_id) if parallel else {}))
         else:
             config = dict(c.layer, bias=c.fc_bias, spec_ext=dict(kind="eagle"))
         save_file(state, str(path / "model.safetensors"))
@@ -354,8 +373,8 @@ def is_head_directory(path: str | Path) -> bool:
 
 
 def load_head(path: str | Path, dtype: torch.dtype | None = None) -> EagleHead:
-    """A head from a directory: the speculators layout (``speculators_model_type`` "eagle3"
-    or "eagle"), the original EAGLE-3 layout (``midlayer.*``, ``draft_vocab_size`` in a
+    """A head from a directory: the speculators layout (``speculators_model_type`` "eagle3",
+    "peagle" or "eagle"), the original EAGLE-3 layout (``midlayer.*``, ``draft_vocab_size`` in a
     plain Llama config) or EAGLE-1's (``fc`` + ``layers.0.*`` without input norm, lm_head
     or final norm). Raises ``ValueError`` naming a field it cannot honour."""
     path = Path(path)
@@ -367,6 +386,14 @@ def load_head(path: str | Path, dtype: torch.dtype | None = None) -> EagleHead:
     state = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
     if "speculators_model_type" in data:
         kind = data["speculators_model_type"]
+        mask_token_id = None
+        if kind == "peagle":  # vLLM's parallel drafting reads the mask token as ptd_token_id
+            kind, mask_token_id = "eagle3", data.get("mask_token_id", data.get("ptd_token_id"))
+            if mask_token_id is None:
+                raise ValueError("mask_token_id: a P-EAGLE head needs the token of its masked slots")
+            if "mask_hidden" not in state:
+                raise ValueError("mask_hidden: a P-EAGLE head needs the learned feature of its masked slots")
+            state["mask_hidden"] = state["mask_hidden"].reshape(1, 1, -1)
         if kind == "eagle":  # the speculators EAGLE-1 names
             state = {k.replace("fusion_fc.", "fc.").replace("transformer.", "layers.0."): v for k, v in state.items()}
             if data.get("layernorms"):
@@ -377,7 +404,8 @@ def load_head(path: str | Path, dtype: torch.dtype | None = None) -> EagleHead:
                             # a speculators config without the key: vLLM's default, True
                             bool(data.get("norm_before_residual", True)), bool(data.get("norm_before_fc", False)),
                             bool(data.get("fc_norm", False)), bool(data.get("norm_output", False)),
-                            "fc.bias" in state, (data.get("speculators_config") or {}).get("verifier") or {})
+                            "fc.bias" in state, (data.get("speculators_config") or {}).get("verifier") or {},
+                            mask_token_id)
     else:
         kind = "eagle3" if "draft_vocab_size" in data or "d2t" in state or "lm_head.weight" in state else "eagle"
         layer = {k: v for k, v in data.items() if k not in ("draft_vocab_size", "target_hidden_size", "bias",
@@ -395,6 +423,9 @@ def load_head(path: str | Path, dtype: torch.dtype | None = None) -> EagleHead:
     state.pop("t2d", None)
     state = {k: v for k, v in state.items() if not k.startswith(("verifier_", "lm_head.") if config.kind == "eagle"
                                                                    else ("verifier_",))}
+    if config.mask_token_id is not None and state["mask_hidden"].shape != head.mask_hidden.shape:
+        raise ValueError(f"mask_hidden: {state['mask_hidden'].shape[-1]} wide, the head's features are "
+                         f"{head.mask_hidden.shape[-1]} (its layers' concatenated hidden states)")
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "embed_tokens.weight"]
     if missing or unexpected:
