@@ -19,6 +19,7 @@
 // scores, and multiply a row whose output came out NaN (0 * NaN) again over its own span.
 // A sink is one more term of the softmax's denominator, exp(sink), with no value; a query
 // that sees no key gets zeros, whatever its sink (-inf included: exp(-inf) = 0 is no sink).
+// Values may be narrower or wider than keys (Dv != D: MLA); the output has the values' width.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -128,23 +129,23 @@ inline float soft_capped(float score, float softcap) {
 
 template <typename scalar_t>
 void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* out, const int64_t* prefix_lens,
-            const Tree& tree, int64_t B, int64_t Hq, int64_t Hkv, int64_t T, int64_t S, int64_t D, int64_t longest,
-            float scale, int64_t window, float softcap, const float* sinks) {
+            const Tree& tree, int64_t B, int64_t Hq, int64_t Hkv, int64_t T, int64_t S, int64_t D, int64_t Dv,
+            int64_t longest, float scale, int64_t window, float softcap, const float* sinks) {
   const int64_t group = Hq / Hkv;
   // enough multiply-adds per chunk that a thread's wake-up is worth it
   const int64_t work = std::max<int64_t>(1, group * T * longest * D);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / work);
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> weights(S), query(D), acc(D);
+    std::vector<float> weights(S), query(D), acc(Dv);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, g = task % Hkv;
       const int64_t prefix = std::max<int64_t>(prefix_lens[b], 0), limit = std::min(S, prefix + T);
       const scalar_t* keys = k + task * S * D;
-      const scalar_t* values = v + task * S * D;
+      const scalar_t* values = v + task * S * Dv;
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         for (int64_t i = 0; i < T; ++i) {
           const int64_t row = (b * Hq + h) * T + i;
-          scalar_t* o = out + row * D;
+          scalar_t* o = out + row * Dv;
           const uint32_t* mrow = tree.row(b, i);
           // keys before the window of this query's position are never read
           const int64_t start = window ? std::max<int64_t>(prefix + tree.depth(b, i) - window + 1, 0) : 0;
@@ -170,13 +171,13 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o
               if (weights[s] == kNegInf) continue;
               const float w = std::exp(weights[s] - best);
               total += w;
-              const scalar_t* value = values + s * D;
+              const scalar_t* value = values + s * Dv;
 #pragma omp simd
-              for (int64_t d = 0; d < D; ++d) acc[d] += w * static_cast<float>(value[d]);
+              for (int64_t d = 0; d < Dv; ++d) acc[d] += w * static_cast<float>(value[d]);
             }
           }
           const float inv = total > 0.f ? 1.f / total : 0.f;  // a query that sees no key: zeros
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[d] * inv);
+          for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<scalar_t>(acc[d] * inv);
         }
       }
     }
@@ -233,6 +234,7 @@ void attend_batched(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     const std::optional<at::Tensor>& sinks) {
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), group = Hq / Hkv, first = spans.first, columns = spans.last - spans.first;
+  const int64_t Dv = v.size(3);
   // a GQA group's query heads become extra query rows of its kv head: [B, Hkv, group*T, D]
   auto queries = q.to(at::kFloat).view({B, Hkv, group * T, D});
   auto keys = k.narrow(2, first, columns).to(at::kFloat);
@@ -244,14 +246,14 @@ void attend_batched(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                                                   : std::nullopt);
   if (blind) weights.masked_fill_(hidden.all(-1, true), 0.f);
   weights = weights.view({B, Hkv, group * T, columns});
-  out.copy_(at::matmul(weights, values).view({B, Hq, T, D}));
+  out.copy_(at::matmul(weights, values).view({B, Hq, T, Dv}));
   if (!spans.ragged) return;
   // Rows whose spans differ: each row's values outside its own span were multiplied by weight
   // 0, and 0 * NaN is NaN. A row that came out with NaN is multiplied again over its own
   // span alone (a scan of the output instead of two GEMMs per row on every call, which took
   // 1.6-2.4x the batched time at B=8, Hq=6-10, D=32, T=4-6).
   const std::vector<char> redo = rows_with_nan(out);
-  auto rows = out.view({B, Hkv, group * T, D});
+  auto rows = out.view({B, Hkv, group * T, Dv});
   for (int64_t b = 0; b < B; ++b) {
     if (!redo[b] || (spans.lo[b] == first && spans.hi[b] == spans.last)) continue;
     const int64_t n = spans.hi[b] - spans.lo[b];
@@ -285,7 +287,9 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, co
       tree_mask.defined() ? reinterpret_cast<const uint32_t*>(tree_mask.data_ptr<int32_t>()) : nullptr;
   const int64_t W = bits ? tree_mask.size(2) : 0, mask_rows = bits ? tree_mask.size(0) : 0;
   const int64_t* lengths = prefix_lens.data_ptr<int64_t>();
-  auto out = at::empty_like(q);
+  TORCH_CHECK(v.size(0) == B && v.size(1) == k.size(1) && v.size(2) == k.size(2),
+              "tree_attention (cpu): v must be [B, Hkv, S, Dv] like k's [B, Hkv, S], got ", v.sizes());
+  auto out = at::empty({B, Hq, T, v.size(3)}, q.options());
   if (q.numel() == 0) return out;
   const Tree tree(bits, mask_rows, T, W, window > 0);
   Spans spans{std::vector<int64_t>(B), std::vector<int64_t>(B), S, 0, false};
@@ -301,7 +305,7 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, co
   if (T <= kLoopQueries) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "tree_attention_cpu", [&] {
       attend<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                       out.data_ptr<scalar_t>(), lengths, tree, B, Hq, Hkv, T, S, D, spans.last,
+                       out.data_ptr<scalar_t>(), lengths, tree, B, Hq, Hkv, T, S, D, v.size(3), spans.last,
                        static_cast<float>(scale), window, static_cast<float>(softcap),
                        sinks ? sinks->data_ptr<float>() : nullptr);
     });

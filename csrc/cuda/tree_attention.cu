@@ -155,6 +155,8 @@ at::Tensor tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, c
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2);
   TORCH_CHECK(D <= 32 * kMaxChunks, "tree_attention (cuda): head dim must be at most ", 32 * kMaxChunks);
+  TORCH_CHECK(v_in.size(3) == D, "tree_attention (cuda): values must have the keys' head size D=", D, ", got Dv=",
+              v_in.size(3), " (MLA: use the sdpa, cpu or torch backend)");
   auto out = at::empty_like(q);
   if (q.numel() == 0) return out;
   const int64_t tile = std::max<int64_t>(8, 4096 / D);
