@@ -251,7 +251,7 @@ def test_refused_models_name_the_reason():
     for name in ("KimiLinear", "BailingHybrid"):  # linear attention (BailingHybrid: with MTP layers)
         cases.append((getattr(transformers, name + "ForCausalLM")(getattr(transformers, name + "Config")(
             vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2)), r"recurrent or state-space layers \('linear_attention' layers\)"))
+            num_key_value_heads=2, pad_token_id=0)), r"recurrent or state-space layers \('linear_attention' layers\)"))
     hybrid = sharpened_model("llama")
     hybrid.config.layer_types = ["full_attention", "linear_attention"]
     cases.append((hybrid, r"recurrent or state-space layers \('linear_attention' layers\)"))

@@ -170,8 +170,8 @@ class MtpDrafter(Drafter):
         fresh = outcome.features.gather(1, verified[..., None].expand(-1, -1, outcome.features.shape[-1]))
         waiting = [n - k + 1 for n, k in zip(last, kept)]
         span = [w + a + 1 for w, a in zip(waiting, accepted)]
-        old = self.pending.shape[1]
-        index = [[k - p + j for j in range(w)] + [old + j for j in range(a + 1)] + [old] * (max(span) - s)
+        old, wide = self.pending.shape[1], max(span)
+        index = [[k - p + j for j in range(w)] + [old + j for j in range(a + 1)] + [old] * (wide - s)
                  for k, p, w, a, s in zip(kept, first, waiting, accepted, span)]
         index = torch.tensor(index, device=self.device)
         joined = torch.cat([self.pending, fresh.to(self.pending.dtype)], 1)
