@@ -1,0 +1,174 @@
+"""Draft fidelity: after every round's commit, whatever the target kept (all of the drafts,
+some, none), a stateful drafter's next proposal equals what a fresh drafter of the same
+kind, started on the committed text, proposes (greedy: proposals are deterministic). This
+catches a drafter whose state drifts from the text (a cache not rolled back to what was
+accepted, a head fed the wrong position's target feature) while its output stays exact, so
+that no exactness test could see it; only its acceptance drops.
+
+Rounds run chains and trees, untrimmed and trimmed after drafting (a policy whose
+``select`` cuts each row to a prefix or subtree, as adaptive verification does), and each
+test checks that its rounds held full, partial and zero acceptance."""
+import random
+
+import pytest
+import torch
+
+import spec_ext
+from spec_ext.drafters import HeadDrafter, ModelDrafter, OtherTokenizerDrafter
+from spec_ext.policies import DynamicTree, Fixed, Tree
+from spec_ext.policies.adaptive import trim_chain, trim_tree
+from helpers import llama, perturbed
+
+
+def trimming(base):
+    """``base`` (a Fixed, Tree or DynamicTree) whose ``select`` cuts every row at random
+    (seeded) to a prefix of its chain or a subtree of its tree, sometimes to nothing."""
+    rng = random.Random(0)
+
+    class Trimming(type(base)):
+        def select(self, proposal):
+            B, T = proposal.tokens.shape
+            if not proposal.is_tree:
+                return trim_chain(proposal, [rng.randint(0, n) for n in proposal.num_draft.tolist()])
+            parents = proposal.parents.expand(B, T).tolist()
+            kept = []
+            for row in parents:
+                nodes = {0}
+                for i in range(1, T):
+                    if row[i] in nodes and rng.random() < 0.7:
+                        nodes.add(i)
+                kept.append(sorted(nodes - {0}))
+            return trim_tree(proposal, kept, parents)
+
+    policy = Trimming.__new__(Trimming)
+    policy.__dict__.update(vars(base))
+    return policy
+
+
+def first_proposal(target, drafter, seqs):
+    """The first proposal ``drafter`` (fresh) makes for the rows ``seqs`` as generate starts it."""
+    seen = []
+    propose = drafter.propose
+
+    def recording(rows, roots):
+        proposal = propose(rows, roots)
+        if not seen:
+            seen.append(proposal)
+        return proposal
+
+    drafter.propose = recording
+    spec_ext.generate(target, drafter, [list(s) for s in seqs], max_new_tokens=1, eos_token_id=[])
+    return seen[0]
+
+
+def rows_of(proposal):
+    """Per row: the chain's drafts, or the tree's (tokens, parents) of its present nodes."""
+    B, T = proposal.tokens.shape
+    counts = proposal.num_draft.tolist()
+    if not proposal.is_tree:
+        return [proposal.tokens[b, :n].tolist() for b, n in enumerate(counts)]
+    parents = proposal.parents.expand(B, T).tolist()
+    return [([t for t in proposal.tokens[b, 1:].tolist() if t >= 0], parents[b][1:1 + counts[b]]) for b in range(B)]
+
+
+def check_fidelity(target, make_drafter, policy, prompts, max_new=24):
+    """Run ``make_drafter(policy)`` over ``prompts`` (greedy, EOS none) and compare every
+    proposal after the first with a fresh ``make_drafter(fresh policy)``'s first proposal on
+    the same committed rows. Returns per row and round (the depth of what was verified: a
+    chain's drafts, a tree's deepest node; what was accepted)."""
+    rounds, outcomes, depths = [], [], []
+    drafter = make_drafter(policy)
+    propose, commit, select = drafter.propose, drafter.commit, policy.select
+
+    def selecting(proposal):
+        verified = select(proposal)
+        if verified.is_tree:
+            present = verified.tokens >= 0
+            depths.append(torch.where(present, verified.depth.expand_as(present), 0).amax(1).tolist())
+        else:
+            depths.append(verified.num_draft.tolist())
+        return verified
+
+    def recording(seqs, roots):
+        proposal = propose(seqs, roots)
+        rounds.append(([list(s) for s in seqs], rows_of(proposal)))
+        return proposal
+
+    def committing(outcome):
+        outcomes.extend(zip(depths[-1], outcome.accepted))
+        commit(outcome)
+
+    drafter.propose, drafter.commit, policy.select = recording, committing, selecting
+    spec_ext.generate(target, drafter, prompts, max_new_tokens=max_new, eos_token_id=[])
+    fresh_policy = type(policy).__mro__[1] if type(policy).__name__ == "Trimming" else type(policy)
+    for r, (seqs, proposed) in enumerate(rounds[1:], 1):
+        fresh = fresh_policy.__new__(fresh_policy)
+        fresh.__dict__.update({k: v for k, v in vars(policy).items() if k != "select"})
+        expected = rows_of(first_proposal(target, make_drafter(fresh), seqs))
+        for b, (got, want) in enumerate(zip(proposed, expected)):
+            assert got == want, f"round {r}, row {b}: {got} != fresh drafter's {want}"
+    return outcomes
+
+
+def assert_varied(outcomes):
+    """The rounds held rows that accepted as deep as they verified, less deep and nothing."""
+    assert any(a == n > 0 for n, a in outcomes), outcomes
+    assert any(0 < a < n for n, a in outcomes), outcomes
+    assert any(a == 0 < n for n, a in outcomes), outcomes
+
+
+SHAPES = {"chain": lambda: Fixed(3), "tree": lambda: Tree((2, 2, 1)),
+          "dynamic": lambda: DynamicTree(depth=3, top_k=3, nodes=8)}
+
+
+# ---------------------------------------------------------------------------- draft model
+@pytest.fixture(scope="module")
+def pair():
+    target = llama(97, 64, 2, seed=0, sharpen=4.0)
+    return target, perturbed(target, 0.003, seed=1)
+
+
+@pytest.mark.parametrize("trimmed", [False, True])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_the_draft_model_proposes_as_a_fresh_one_after_every_commit(pair, shape, trimmed):
+    target, draft = pair
+    policy = trimming(SHAPES[shape]()) if trimmed else SHAPES[shape]()
+    outcomes = check_fidelity(target, lambda p: ModelDrafter(draft, p), policy,
+                              [[5, 17, 33, 8], [40, 2], [7, 7, 9, 1, 3, 11]])
+    assert_varied(outcomes)
+
+
+# ---------------------------------------------------------------------------- EAGLE head
+@pytest.fixture(scope="module")
+def bundled():
+    """The bundled target and its EAGLE-3 head, and prompts of three lengths from the demo prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from spec_ext.__main__ import DEMO_PROMPT
+    from spec_ext.bundled import bundled_path
+    from spec_ext.drafters import load
+    target = AutoModelForCausalLM.from_pretrained(bundled_path("stdlib-target"), dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(bundled_path("stdlib-target"))(DEMO_PROMPT).input_ids
+    return target, load(bundled_path("stdlib-head"), target), [ids[:40], ids[:23], ids[:31]]
+
+
+@pytest.mark.parametrize("trimmed", [False, True])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_the_head_proposes_as_a_fresh_one_after_every_commit(bundled, shape, trimmed):
+    target, head, prompts = bundled
+    policy = trimming(SHAPES[shape]()) if trimmed else SHAPES[shape]()
+    outcomes = check_fidelity(target, lambda p: HeadDrafter(head, p), policy, prompts, max_new=20)
+    assert_varied(outcomes)
+
+
+# ---------------------------------------------------------------------------- another tokenizer
+@pytest.mark.parametrize("mode", ["tli", "slem"])
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_a_draft_of_another_tokenizer_proposes_as_a_fresh_one_after_every_commit(mode, shape):
+    from test_other_tokenizer import PROMPTS, tokenizer, trained
+    target, draft = trained("bytes300", 0), trained("sp", 1)
+    target_tok = tokenizer("bytes300")
+    prompts = [target_tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    outcomes = check_fidelity(
+        target, lambda p: OtherTokenizerDrafter(draft, tokenizer("sp"), target_tok, p, mode=mode),
+        trimming(SHAPES[shape]()), prompts, max_new=16)
+    assert_varied(outcomes)
