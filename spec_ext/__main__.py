@@ -2,6 +2,7 @@
 
   python -m spec_ext generate --target DIR --draft DIR --prompt "def f(" --policy auto
   python -m spec_ext generate --target DIR --prompt "..." --policy ngram   # drafts from the text, no draft
+  python -m spec_ext generate --target DIR --draft mtp --prompt "..."      # the checkpoint's own MTP layers
   python -m spec_ext demo          # the bundled pair: streamed completion + speed table
   python -m spec_ext backends      # which kernel backends this build can run
   python -m spec_ext backends --explain   # ... and what backend="auto" picks per device and op, and why
@@ -191,6 +192,11 @@ def _model_folder(text: str) -> Path:
     return path
 
 
+def _draft_folder(text: str) -> Path:
+    """A draft's folder, or ``mtp`` (the target checkpoint's own MTP layers)."""
+    return Path(text) if text == "mtp" else _model_folder(text)
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m spec_ext", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -199,9 +205,9 @@ def parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="complete a prompt with speculative decoding, streamed",
                          formatter_class=defaults)
     gen.add_argument("--target", type=_model_folder, required=True, help="the target model's folder")
-    gen.add_argument("--draft", type=_model_folder,
+    gen.add_argument("--draft", type=_draft_folder,
                      help="the draft model's folder (same vocabulary) or an EAGLE-1/EAGLE-3 head's (speculators "
-                     "or EAGLE layout); optional with --policy ngram, which then drafts from the prompt and output alone")
+                     "or EAGLE layout), or mtp: the target checkpoint's own MTP layers; optional with --policy ngram, which then drafts from the prompt and output alone")
     gen.add_argument("--prompt", required=True, action="append",
                      help="the text to complete (repeat with --suffix-cache: the prompts run in order)")
     gen.add_argument("--suffix-cache", type=_positive, metavar="TOKENS",

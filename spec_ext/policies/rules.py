@@ -3,10 +3,12 @@ protocol the serial engine calls)."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from torch import Tensor
 
 from spec_ext.policies.base import Policy, register
+from spec_ext.policies.ngram import NGram
 
 
 @register
@@ -74,44 +76,74 @@ class SVIP(Policy):
 
 @register
 class Auto(Policy):
-    """Chooses k before every round to maximise expected tokens per second, from what it
-    measures as it goes: how long runs of accepted drafts are and what a round costs.
+    """The default: before every round, per row, what drafts and how far, to maximise
+    expected tokens per second from what it measures as it goes.
 
-    Runs are counted per depth (the chance that draft j is accepted once drafts 1..j-1
-    were, from the rounds that reached j; ``prior_acceptance`` before any did), so bursty
-    acceptance (long runs on easy text, none on hard) is valued as it is, not as a
-    geometric law with the same mean. A round with k drafts yields 1 + sum_{j<=k} S(j)
-    tokens, S(j) the chance that the first j are all accepted, and costs a + b*k seconds
-    (least squares on its own timed rounds, each capped at 3x the fit so far: a stall of
-    the machine is not a cost of k). The estimates forget at rates ``forget_runs`` and
-    ``forget_cost`` per round, so k follows easier or harder text and rows finishing (a
-    cheaper verification); every fourth round tries k+1 and every fourth k-1 to keep both
-    measurable. No tuning, no files: a default for a pair nobody has measured.
+    What drafts: with a draft model or a feature head, each row's own text too (the n-gram
+    matcher of :class:`spec_ext.policies.NGram`, chains: ``text=True``; the drafter is then
+    :class:`spec_ext.drafters.TextFirst`, which calls :meth:`choose`). Each round, a row
+    whose text has a match drafts the text (cut to the best length) where the text is
+    expected to give more accepted tokens than the model's k drafts, else the model does;
+    the model runs at all only where some row takes it (a text-only round costs no draft
+    step). Without the text (a bare drafter, ``text=False``) it chooses k alone (:meth:`plan`).
+
+    Acceptance: runs are counted per depth, apart for the model and for the text (the chance
+    that draft j is accepted once drafts 1..j-1 were, from the rounds that reached j;
+    ``prior_acceptance`` before any did), so bursty acceptance (long runs on easy text, none
+    on hard) is valued as it is, not as a geometric law with the same mean: j drafts yield
+    1 + sum_{i<=j} S(i) tokens, S(i) the chance that the first i are all accepted.
+
+    Cost (greedy): a round verifying w tokens per row and running f draft forwards costs
+    V(w) + f * D seconds. D is timed around the drafter's forwards (reported by the drafter
+    through :meth:`drafted`); V(w) is the rest of the round, clocked from one round's start
+    to the next, kept per width (a verification's cost by width is irregular: where the step
+    reads weights, 5 tokens cost 1.4x one and 7 tokens 2.1x), each sample capped at 3x the
+    estimate (a stall of the machine is not a cost of w); widths not yet seen are
+    extrapolated from a least-squares line through those seen. Both forget at
+    ``forget_cost`` per round, so the choice follows rows finishing (a cheaper
+    verification). Every ``explore_every``-th round tries the model's k one more, the next
+    such round one less, to keep its neighbours measured.
 
     Greedy, lengths depend on timing and outputs do not. Sampling, which tokens come out
-    depends on how the random stream is split into rounds, so there the round cost is not
-    timed but taken as 1 + k * (draft parameters / target parameters) (decoding reads every
-    weight once per step): a seed (or ``torch.manual_seed``) then reproduces the output.
+    depends on how the random stream is split into rounds, so there nothing is timed: V(w)
+    is one target step whatever w and D the draft's share of the parameters (decoding reads
+    every weight once per step); a seed (or ``torch.manual_seed``) then reproduces the output.
 
     Args:
-        max_draft: largest k; initial: k (give or take the exploration) until three
-            rounds are timed.
+        max_draft: the model's largest k and the text's longest chain.
+        initial: the model's k until a round's cost is known.
+        text: also draft each row's own text (n-gram matches), where a drafter supports it.
         clock: seconds since some origin (time.perf_counter; tests pass a fake one).
     """
 
     def __init__(self, max_draft: int = 12, initial: int = 4, prior_acceptance: float = 0.5,
-                 forget_runs: float = 0.99, forget_cost: float = 0.9, clock=time.perf_counter):
+                 forget_runs: float = 0.99, forget_cost: float = 0.9, text: bool = True, explore_every: int = 8,
+                 clock=time.perf_counter):
         if max_draft < 1 or not 1 <= initial <= max_draft:
             raise ValueError(f"max_draft, initial: need 1 <= initial <= max_draft, got {initial}, {max_draft}")
         if not 0 < prior_acceptance < 1 or not (0 < forget_runs <= 1 and 0 < forget_cost <= 1):
             raise ValueError(f"prior_acceptance, forget_runs, forget_cost: need 0 < prior_acceptance < 1 and "
                              f"forget rates in (0, 1], got {prior_acceptance}, {forget_runs}, {forget_cost}")
+        if explore_every < 2:
+            raise ValueError(f"explore_every: must be >= 2, got {explore_every}")
         self.max_draft = max_draft
         self.initial = initial
         self.prior_acceptance = prior_acceptance
         self.forget_runs = forget_runs
         self.forget_cost = forget_cost
+        self.explore_every = explore_every
+        self.text = bool(text)
         self._clock = clock
+
+    @property
+    def text_beside_draft(self) -> NGram | None:
+        """The matcher's settings for the text drafts (:func:`spec_ext.drafters.build` puts a
+        :class:`~spec_ext.drafters.TextDrafter` of them beside the model); None: the model alone."""
+        if not self.text:
+            return None
+        if getattr(self, "_text_policy", None) is None:  # chains up to max_draft at every batch size
+            self._text_policy = NGram(k=self.max_draft, tree=False, draft_k=self.max_draft, round_tokens=1 << 20)
+        return self._text_policy
 
     def bind(self, target, draft) -> None:
         size = sum(p.numel() for p in target.parameters())
@@ -119,57 +151,426 @@ class Auto(Policy):
 
     def start(self, batch_size: int, greedy: bool = True) -> None:
         super().start(batch_size, greedy)
+        if self.text:
+            self.text_beside_draft.start(batch_size, greedy)
         self._timed = greedy or getattr(self, "_size_ratio", None) is None
-        self._k, self._rounds, self._last = self.initial, 0, None
-        self._reached = [1.0] * (self.max_draft + 1)  # [j]: rounds that drafted j with 1..j-1 accepted
-        self._passed = [self.prior_acceptance] * (self.max_draft + 1)  # [j]: ... and j accepted too
-        self._sums = [0.0] * 5  # weights, k, k^2, seconds, k*seconds
+        self._rounds, self._last, self._choice = 0, None, None
+        self._k = self.initial
+        self._runs = {kind: ([1.0] * (self.max_draft + 1), [self.prior_acceptance] * (self.max_draft + 1))
+                      for kind in ("model", "text")}  # [j]: rounds that drafted j with 1..j-1 accepted; and j too
+        self._widths: dict[int, list[float]] = {}  # w -> [weight, weighted seconds]
+        self._draft = [0.0, 0.0]  # weighted seconds, weighted forwards
+        self._round_draft = 0.0  # seconds of draft forwards in the round under way
+        self._width = None  # the round under way: its verification width
+        self._from_text = [False] * batch_size  # the round under way: the rows that draft their text
 
-    def survival(self) -> list[float]:
-        """[S(1), ..., S(max_draft)]: the estimated chance that drafts 1..j are all accepted."""
+    # ------------------------------------------------------------------ estimates
+    def survival(self, kind: str = "model") -> list[float]:
+        """[S(1), ..., S(max_draft)]: the estimated chance that drafts 1..j are all accepted,
+        of the model's drafts or (``kind="text"``) of the text's."""
+        reached, passed = self._runs[kind]
         chances, alive = [], 1.0
         for j in range(1, self.max_draft + 1):
-            alive *= self._passed[j] / self._reached[j]
+            alive *= passed[j] / reached[j]
             chances.append(alive)
         return chances
 
-    def round_cost(self) -> tuple[float, float] | None:
-        """(a, b) of the fitted round cost a + b*k in seconds, or None before 3 timed rounds
-        (sampling: the fixed cost of the class docstring, in target forwards)."""
+    def draft_cost(self) -> float | None:
+        """D: seconds of one draft forward (sampling: the draft's share of the parameters, in
+        target steps); None until a drafter reported one (then V holds the drafts' cost too)."""
         if not self._timed:
-            return 1.0, max(self._size_ratio, 0.02)
-        w, k, kk, t, kt = self._sums
-        if self._rounds < 4 or w * kk - k * k <= 1e-9 * w * w:
+            return max(self._size_ratio, 0.02)
+        seconds, forwards = self._draft
+        return seconds / forwards if forwards > 0 else None
+
+    def verify_cost(self, width: int) -> float | None:
+        """V(width): seconds of a round verifying ``width`` tokens per row, drafts aside
+        (sampling: 1, one target step); None before any round was timed."""
+        if not self._timed:
+            return 1.0
+        seen = {w: s / n for w, (n, s) in self._widths.items() if n > 1e-6}
+        if width in seen:
+            return seen[width]
+        if not seen:
             return None
-        slope = (w * kt - k * t) / (w * kk - k * k)
-        base = (t - slope * k) / w
-        return base, max(slope, 0.02 * base)  # a draft step costs something, whatever the noise says
+        if len(seen) == 1:  # one width seen: a verification grows a little with its width
+            (w0, v0), = seen.items()
+            return v0 * max(0.5, 1 + 0.05 * (width - w0))
+        n = sum(self._widths[w][0] for w in seen)
+        mean_w = sum(self._widths[w][0] * w for w in seen) / n
+        mean_v = sum(self._widths[w][0] * v for w, v in seen.items()) / n
+        var = sum(self._widths[w][0] * (w - mean_w) ** 2 for w in seen)
+        slope = sum(self._widths[w][0] * (w - mean_w) * (v - mean_v) for w, v in seen.items()) / var
+        slope = max(slope, 0.0)  # a wider verification never costs less
+        return max(mean_v + slope * (width - mean_w), 0.5 * min(seen.values()))
+
+    # ------------------------------------------------------------------ the round's clock
+    def drafted(self, seconds: float, forwards: int) -> None:
+        """The drafter's report: this round's draft forwards took ``seconds``."""
+        if self._timed and forwards > 0:
+            self._round_draft += seconds
+            self._draft = [self.forget_cost * self._draft[0] + seconds, self.forget_cost * self._draft[1] + forwards]
+
+    def _tick(self) -> None:
+        """A round begins: the one that just ended is timed, its drafts' seconds aside."""
+        now = self._clock() if self._timed else None
+        if self._last is not None and self._width is not None:
+            seconds = now - self._last - self._round_draft
+            estimate = self.verify_cost(self._width)
+            if estimate is not None:
+                seconds = min(seconds, 3 * estimate)
+            for entry in self._widths.values():
+                entry[0] *= self.forget_cost
+                entry[1] *= self.forget_cost
+            entry = self._widths.setdefault(self._width, [0.0, 0.0])
+            entry[0] += 1.0
+            entry[1] += max(seconds, 0.0)
+        self._last, self._round_draft, self._choice = now, 0.0, None
+        self._rounds += 1
+
+    def _explored(self, k: int) -> int:
+        """``k``, or one more / one less in the exploring rounds."""
+        phase = self._rounds % (2 * self.explore_every)
+        step = 1 if phase == self.explore_every else -1 if phase == 0 else 0
+        return min(self.max_draft, max(1, k + step))
+
+    # ------------------------------------------------------------------ choices
+    def _cumulative(self, kind: str) -> list[float]:
+        tokens = [0.0]
+        for chance in self.survival(kind):
+            tokens.append(tokens[-1] + chance)
+        return tokens  # [j]: expected accepted of j drafts
 
     def plan(self) -> list[int]:
-        now = self._clock() if self._timed else None
-        if self._last is not None:  # the round that just ended ran with self._k drafts
-            seconds, fitted = now - self._last, self.round_cost()
-            if fitted is not None:
-                seconds = min(seconds, 3 * (fitted[0] + fitted[1] * self._k))
-            self._sums = [self.forget_cost * s for s in self._sums]
-            for i, value in enumerate((1.0, self._k, self._k ** 2, seconds, self._k * seconds)):
-                self._sums[i] += value
-        self._last = now
-        self._rounds += 1
-        best, cost = self.initial, self.round_cost()
-        if cost is not None:
-            base, slope = cost
-            tokens = [1.0]
-            for chance in self.survival():
-                tokens.append(tokens[-1] + chance)
-            best = max(range(1, self.max_draft + 1), key=lambda k: tokens[k] / (base + slope * k))
-        self._k = min(self.max_draft, max(1, best + {1: 1, 3: -1}.get(self._rounds % 4, 0)))
+        """The model's k for every row (the drafter drafts from the model alone, or
+        :meth:`choose` already decided this round)."""
+        if self._choice is not None:
+            k, self._choice = self._choice, None
+            return [k] * self.batch_size
+        self._tick()
+        model = self._cumulative("model")
+        D = self.draft_cost() or 0.0  # unreported: V(k + 1) holds the drafts' cost
+        best = self.initial
+        if self.verify_cost(self.initial + 1) is not None:
+            best = max(range(1, self.max_draft + 1), key=lambda k: (1 + model[k]) / (self.verify_cost(k + 1) + k * D))
+        self._k = self._explored(best)
+        self._width, self._from_text = self._k + 1, [False] * self.batch_size
         return [self._k] * self.batch_size
 
+    def choose(self, text_lengths: list[int], forwards_without_model: int = 0) -> tuple[int, list[bool], int]:
+        """This round's choice, given each row's text drafts (``text_lengths``: how many its
+        match offers, 0 for none): (k, the model's drafts for the rows that take it, 0: the
+        model does not draft; per row whether it drafts its text; the text chains' longest
+        length). ``forwards_without_model``: the draft forwards the drafter runs in a round
+        where the model drafts nothing (a feature head catches up every round: 1)."""
+        self._tick()
+        model, text = self._cumulative("model"), self._cumulative("text")
+        offers = Counter(min(n, self.max_draft) for n in text_lengths)  # rows by the drafts their text offers
+        D = self.draft_cost()
+        known = self.verify_cost(self.initial + 1) is not None and (D is not None or not any(text_lengths))
+        if not known:  # the first rounds: the text where it matches, the initial k, the model run to be timed
+            k, cap, runs = self.initial, self.max_draft, True
+        else:
+            best, V = None, [None] + [self.verify_cost(w) for w in range(1, 2 + self.max_draft)]
+            for cap in sorted(n for n in offers if n > 0) or [0]:
+                cut = Counter()
+                for n, rows in offers.items():
+                    cut[min(n, cap)] += rows
+                for k in range(0, self.max_draft + 1):
+                    tokens, widest, runs = 0.0, 0, False
+                    for n, rows in cut.items():
+                        if n > 0 and text[n] >= model[k]:
+                            tokens, widest = tokens + rows * (1 + text[n]), max(widest, n)
+                        else:
+                            tokens, runs = tokens + rows * (1 + model[k]), runs or k > 0
+                    forwards = k if runs else forwards_without_model
+                    seconds = V[1 + max(widest, k if runs else 0)] + (D or 0.0) * forwards
+                    if best is None or tokens / seconds > best[0]:
+                        best = tokens / seconds, k if runs else 0, cap, runs
+            _, k, cap, runs = best
+            if runs:
+                k = self._explored(k)
+        self._k = k if runs else 0
+        self._from_text = [n > 0 and (not known or text[min(n, cap)] >= model[self._k]) for n in text_lengths]
+        used = [min(n, cap) for n, u in zip(text_lengths, self._from_text) if u]
+        self._width = 1 + max(used + [self._k])
+        self._choice = self._k
+        return self._k, self._from_text, max(used + [0])
+
     def observe(self, num_draft, num_accepted) -> None:
-        self._reached = [self.forget_runs * x for x in self._reached]
-        self._passed = [self.forget_runs * x for x in self._passed]
-        for n, a in zip(num_draft, num_accepted):
-            for j in range(1, min(a + 1, n) + 1):  # drafts 1..a passed, draft a+1 (if drafted) failed
-                self._reached[j] += 1
-                self._passed[j] += j <= a
+        self._k = [min(self.max_draft, k + 2) if a >= n else max(1, k - 1)
+                   for k, n, a in zip(self._k, num_draft, num_accepted)]
+
+    def keep_rows(self, rows) -> None:
+        super().keep_rows(rows)
+        self._k = [self._k[r] for r in rows]
+
+
+@register
+class Confidence(Policy):
+    """HF assisted generation's default: up to ``max_draft`` drafts, stop once the draft's
+    probability of the token it just proposed is below ``threshold``."""
+
+    def __init__(self, threshold: float = 0.4, max_draft: int = 20):
+        self.threshold = threshold
+        self.max_draft = max_draft
+
+    def keep_drafting(self, step, probs, tokens, hidden=None) -> Tensor:
+        return probs.gather(1, tokens[:, None]).squeeze(1) >= self.threshold
+
+
+@register
+class SVIP(Policy):
+    """SVIP: stop once sqrt(c * H(q)) > h for the draft distribution q the last token came
+    from (that token is kept as the last draft)."""
+
+    def __init__(self, c: float = 0.15, h: float = 0.3, max_draft: int = 16):
+        self.c = c
+        self.h = h
+        self.max_draft = max_draft
+
+    def keep_drafting(self, step, probs, tokens, hidden=None) -> Tensor:
+        entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+        return (self.c * entropy).sqrt() <= self.h
+
+
+@register
+class Auto(Policy):
+    """The default: before every round, per row, what drafts and how far, to maximise
+    expected tokens per second from what it measures as it goes.
+
+    What drafts: with a draft model or a feature head, each row's own text too (the n-gram
+    matcher of :class:`spec_ext.policies.NGram`, chains: ``text=True``; the drafter is then
+    :class:`spec_ext.drafters.TextFirst`, which calls :meth:`choose`). Each round, a row
+    whose text has a match drafts the text (cut to the best length) where the text is
+    expected to give more accepted tokens than the model's k drafts, else the model does;
+    the model runs at all only where some row takes it (a text-only round costs no draft
+    step). Without the text (a bare drafter, ``text=False``) it chooses k alone (:meth:`plan`).
+
+    Acceptance: runs are counted per depth, apart for the model and for the text (the chance
+    that draft j is accepted once drafts 1..j-1 were, from the rounds that reached j;
+    ``prior_acceptance`` before any did), so bursty acceptance (long runs on easy text, none
+    on hard) is valued as it is, not as a geometric law with the same mean: j drafts yield
+    1 + sum_{i<=j} S(i) tokens, S(i) the chance that the first i are all accepted.
+
+    Cost (greedy): a round verifying w tokens per row and running f draft forwards costs
+    V(w) + f * D seconds. D is timed around the drafter's forwards (reported by the drafter
+    through :meth:`drafted`); V(w) is the rest of the round, clocked from one round's start
+    to the next, kept per width (a verification's cost by width is irregular: where the step
+    reads weights, 5 tokens cost 1.4x one and 7 tokens 2.1x), each sample capped at 3x the
+    estimate (a stall of the machine is not a cost of w); widths not yet seen are
+    extrapolated from a least-squares line through those seen. Both forget at
+    ``forget_cost`` per round, so the choice follows rows finishing (a cheaper
+    verification). Every ``explore_every``-th round tries the model's k one more, the next
+    such round one less, to keep its neighbours measured.
+
+    Greedy, lengths depend on timing and outputs do not. Sampling, which tokens come out
+    depends on how the random stream is split into rounds, so there nothing is timed: V(w)
+    is one target step whatever w and D the draft's share of the parameters (decoding reads
+    every weight once per step); a seed (or ``torch.manual_seed``) then reproduces the output.
+
+    Args:
+        max_draft: the model's largest k and the text's longest chain.
+        initial: the model's k until a round's cost is known.
+        text: also draft each row's own text (n-gram matches), where a drafter supports it.
+        clock: seconds since some origin (time.perf_counter; tests pass a fake one).
+    """
+
+    def __init__(self, max_draft: int = 12, initial: int = 4, prior_acceptance: float = 0.5,
+                 forget_runs: float = 0.99, forget_cost: float = 0.9, text: bool = True, explore_every: int = 8,
+                 clock=time.perf_counter):
+        if max_draft < 1 or not 1 <= initial <= max_draft:
+            raise ValueError(f"max_draft, initial: need 1 <= initial <= max_draft, got {initial}, {max_draft}")
+        if not 0 < prior_acceptance < 1 or not (0 < forget_runs <= 1 and 0 < forget_cost <= 1):
+            raise ValueError(f"prior_acceptance, forget_runs, forget_cost: need 0 < prior_acceptance < 1 and "
+                             f"forget rates in (0, 1], got {prior_acceptance}, {forget_runs}, {forget_cost}")
+        if explore_every < 2:
+            raise ValueError(f"explore_every: must be >= 2, got {explore_every}")
+        self.max_draft = max_draft
+        self.initial = initial
+        self.prior_acceptance = prior_acceptance
+        self.forget_runs = forget_runs
+        self.forget_cost = forget_cost
+        self.explore_every = explore_every
+        self.text = bool(text)
+        self._clock = clock
+
+    @property
+    def text_beside_draft(self) -> NGram | None:
+        """The matcher's settings for the text drafts (:func:`spec_ext.drafters.build` puts a
+        :class:`~spec_ext.drafters.TextDrafter` of them beside the model); None: the model alone."""
+        if not self.text:
+            return None
+        if getattr(self, "_text_policy", None) is None:  # chains up to max_draft at every batch size
+            self._text_policy = NGram(k=self.max_draft, tree=False, draft_k=self.max_draft, round_tokens=1 << 20)
+        return self._text_policy
+
+    def bind(self, target, draft) -> None:
+        size = sum(p.numel() for p in target.parameters())
+        self._size_ratio = sum(p.numel() for p in draft.parameters()) / size if size and draft is not None else None
+
+    def start(self, batch_size: int, greedy: bool = True) -> None:
+        super().start(batch_size, greedy)
+        if self.text:
+            self.text_beside_draft.start(batch_size, greedy)
+        self._timed = greedy or getattr(self, "_size_ratio", None) is None
+        self._rounds, self._last, self._choice = 0, None, None
+        self._k = self.initial
+        self._runs = {kind: ([1.0] * (self.max_draft + 1), [self.prior_acceptance] * (self.max_draft + 1))
+                      for kind in ("model", "text")}  # [j]: rounds that drafted j with 1..j-1 accepted; and j too
+        self._widths: dict[int, list[float]] = {}  # w -> [weight, weighted seconds]
+        self._draft = [0.0, 0.0]  # weighted seconds, weighted forwards
+        self._round_draft = 0.0  # seconds of draft forwards in the round under way
+        self._width = None  # the round under way: its verification width
+        self._from_text = [False] * batch_size  # the round under way: the rows that draft their text
+
+    # ------------------------------------------------------------------ estimates
+    def survival(self, kind: str = "model") -> list[float]:
+        """[S(1), ..., S(max_draft)]: the estimated chance that drafts 1..j are all accepted,
+        of the model's drafts or (``kind="text"``) of the text's."""
+        reached, passed = self._runs[kind]
+        chances, alive = [], 1.0
+        for j in range(1, self.max_draft + 1):
+            alive *= passed[j] / reached[j]
+            chances.append(alive)
+        return chances
+
+    def draft_cost(self) -> float | None:
+        """D: seconds of one draft forward (sampling: the draft's share of the parameters, in
+        target steps); None until a drafter reported one (then V holds the drafts' cost too)."""
+        if not self._timed:
+            return max(self._size_ratio, 0.02)
+        seconds, forwards = self._draft
+        return seconds / forwards if forwards > 0 else None
+
+    def verify_cost(self, width: int) -> float | None:
+        """V(width): seconds of a round verifying ``width`` tokens per row, drafts aside
+        (sampling: 1, one target step); None before any round was timed."""
+        if not self._timed:
+            return 1.0
+        seen = {w: s / n for w, (n, s) in self._widths.items() if n > 1e-6}
+        if width in seen:
+            return seen[width]
+        if not seen:
+            return None
+        if len(seen) == 1:  # one width seen: a verification grows a little with its width
+            (w0, v0), = seen.items()
+            return v0 * max(0.5, 1 + 0.05 * (width - w0))
+        n = sum(self._widths[w][0] for w in seen)
+        mean_w = sum(self._widths[w][0] * w for w in seen) / n
+        mean_v = sum(self._widths[w][0] * v for w, v in seen.items()) / n
+        var = sum(self._widths[w][0] * (w - mean_w) ** 2 for w in seen)
+        slope = sum(self._widths[w][0] * (w - mean_w) * (v - mean_v) for w, v in seen.items()) / var
+        slope = max(slope, 0.0)  # a wider verification never costs less
+        return max(mean_v + slope * (width - mean_w), 0.5 * min(seen.values()))
+
+    # ------------------------------------------------------------------ the round's clock
+    def drafted(self, seconds: float, forwards: int) -> None:
+        """The drafter's report: this round's draft forwards took ``seconds``."""
+        if self._timed and forwards > 0:
+            self._round_draft += seconds
+            self._draft = [self.forget_cost * self._draft[0] + seconds, self.forget_cost * self._draft[1] + forwards]
+
+    def _tick(self) -> None:
+        """A round begins: the one that just ended is timed, its drafts' seconds aside."""
+        now = self._clock() if self._timed else None
+        if self._last is not None and self._width is not None:
+            seconds = now - self._last - self._round_draft
+            estimate = self.verify_cost(self._width)
+            if estimate is not None:
+                seconds = min(seconds, 3 * estimate)
+            for entry in self._widths.values():
+                entry[0] *= self.forget_cost
+                entry[1] *= self.forget_cost
+            entry = self._widths.setdefault(self._width, [0.0, 0.0])
+            entry[0] += 1.0
+            entry[1] += max(seconds, 0.0)
+        self._last, self._round_draft, self._choice = now, 0.0, None
+        self._rounds += 1
+
+    def _explored(self, k: int) -> int:
+        """``k``, or one more / one less in the exploring rounds."""
+        phase = self._rounds % (2 * self.explore_every)
+        step = 1 if phase == self.explore_every else -1 if phase == 0 else 0
+        return min(self.max_draft, max(1, k + step))
+
+    # ------------------------------------------------------------------ choices
+    def _cumulative(self, kind: str) -> list[float]:
+        tokens = [0.0]
+        for chance in self.survival(kind):
+            tokens.append(tokens[-1] + chance)
+        return tokens  # [j]: expected accepted of j drafts
+
+    def plan(self) -> list[int]:
+        """The model's k for every row (the drafter drafts from the model alone, or
+        :meth:`choose` already decided this round)."""
+        if self._choice is not None:
+            k, self._choice = self._choice, None
+            return [k] * self.batch_size
+        self._tick()
+        model = self._cumulative("model")
+        D = self.draft_cost() or 0.0  # unreported: V(k + 1) holds the drafts' cost
+        best = self.initial
+        if self.verify_cost(self.initial + 1) is not None:
+            best = max(range(1, self.max_draft + 1), key=lambda k: (1 + model[k]) / (self.verify_cost(k + 1) + k * D))
+        self._k = self._explored(best)
+        self._width, self._from_text = self._k + 1, [False] * self.batch_size
+        return [self._k] * self.batch_size
+
+    def choose(self, text_lengths: list[int], forwards_without_model: int = 0) -> tuple[int, list[bool], int]:
+        """This round's choice, given each row's text drafts (``text_lengths``: how many its
+        match offers, 0 for none): (k, the model's drafts for the rows that take it, 0: the
+        model does not draft; per row whether it drafts its text; the text chains' longest
+        length). ``forwards_without_model``: the draft forwards the drafter runs in a round
+        where the model drafts nothing (a feature head catches up every round: 1)."""
+        self._tick()
+        B = len(text_lengths)
+        model, text = self._cumulative("model"), self._cumulative("text")
+        D = self.draft_cost()
+        known = self.verify_cost(self.initial + 1) is not None and (D is not None or not any(text_lengths))
+        if not known:  # the first rounds: the text where it matches, the initial k, the model run to be timed
+            k, cap = self.initial, self.max_draft
+            use = [n > 0 for n in text_lengths]
+        else:
+            best, V = None, [None] + [self.verify_cost(w) for w in range(1, 2 + self.max_draft)]
+            caps = sorted({min(n, self.max_draft) for n in text_lengths if n > 0}) or [0]
+            for cap in caps:
+                offered = [min(n, cap) for n in text_lengths]
+                for k in range(0, self.max_draft + 1):
+                    use = [n > 0 and text[n] >= model[k] for n in offered]
+                    runs = k > 0 and not all(use)
+                    width = 1 + max([n for n, u in zip(offered, use) if u] + ([k] if runs else [0]))
+                    tokens = sum(1 + (text[n] if u else model[k] if runs else 0) for n, u in zip(offered, use))
+                    seconds = V[width] + (D or 0.0) * (k if runs else forwards_without_model)
+                    if best is None or tokens / seconds > best[0]:
+                        best = tokens / seconds, k if runs else 0, use, cap
+            _, k, use, cap = best
+            if k > 0:
+                k = self._explored(k)
+        offered = [min(n, cap) for n in text_lengths]
+        runs = k > 0 and (not known or not all(use))
+        self._k = k if runs else 0
+        self._from_text = [bool(u) for u in use]
+        self._width = 1 + max([n for n, u in zip(offered, use) if u] + [self._k])
+        self._choice = self._k
+        return self._k, self._from_text, max([n for n, u in zip(offered, use) if u] + [0])
+
+    def observe(self, num_draft, num_accepted) -> None:
+        for kind in ("model", "text"):
+            reached, passed = self._runs[kind]
+            for j in range(1, self.max_draft + 1):
+                reached[j] *= self.forget_runs
+                passed[j] *= self.forget_runs
+        for n, a, from_text in zip(num_draft, num_accepted, self._from_text):
+            reached, passed = self._runs["text" if from_text else "model"]
+            for j in range(1, min(a + 1, n, self.max_draft) + 1):  # drafts 1..a passed, draft a+1 (if drafted) failed
+                reached[j] += 1
+                passed[j] += j <= a
+        if self.text:
+            self.text_beside_draft.observe(num_draft, num_accepted)
+
+    def keep_rows(self, rows) -> None:
+        super().keep_rows(rows)
+        self._from_text = [self._from_text[r] for r in rows]
+        if self.text:
+            self.text_beside_draft.keep_rows(rows)
