@@ -351,6 +351,11 @@ def test_the_speculators_layout_round_trips_bit_equal(target, tmp_path):
         loaded.save(tmp_path / (name + "-again"))
         assert (tmp_path / name / "model.safetensors").read_bytes() == \
             (tmp_path / (name + "-again") / "model.safetensors").read_bytes()
+    # what the library's save_pretrained adds beside the fields (speculators 0.9.0 writes these)
+    library = dict(config, architectures=["DFlashDraftModel"], auto_map={"": "config.DFlashSpeculatorConfig"},
+                   dtype="float32", tie_word_embeddings=False, transformers_version="5.19.0")
+    (tmp_path / "reduced" / "config.json").write_text(json.dumps(library))
+    assert state_equal(load_dflash(tmp_path / "reduced"), draft)
 
 
 def test_a_zlab_layout_loads_with_its_layer_ids_shifted(target, trained, tmp_path):

@@ -48,7 +48,7 @@ _SPECULATORS_KEYS = {"speculators_model_type", "architectures", "transformer_lay
                      "sliding_window_non_causal", "sample_from_anchor", "projector_type", "shift_label",
                      "speculators_version", "speculators_config", "pure_draft_prefix_len", "emb_dim",
                      "gru_hidden_dim", "lambda_base_start", "lambda_base_decay_ratio", "auf", "spec_ext",
-                     "torch_dtype", "dtype", "transformers_version"}
+                     "torch_dtype", "dtype", "transformers_version", "auto_map", "tie_word_embeddings"}
 # z-lab dflash_config entries that change the forward, and what spec_ext needs them to be
 _ZLAB_NEUTRAL = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
 _ZLAB_DFLASH2 = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
