@@ -269,3 +269,25 @@ def test_svip_stops_once_the_entropy_rule_says_so():
     # the defaults c = 0.15, h = 0.3: stop once H > 0.6 nat
     assert SVIP().keep_drafting(1, probs, tokens).tolist() == [False, False, True, False]
     assert SVIP(c=0.15, h=0.33).keep_drafting(1, probs, tokens).tolist() == [True, False, True, False]
+
+
+def test_auto_drafts_the_text_beside_a_feature_head_greedy_and_sampling():
+    """Beside a feature head (which catches up every round, whatever was drafted) the text
+    drafts its rows too: greedy equals the target on ragged rows with text rounds, and the
+    first 3 sampled tokens' joint law is the target's (rows of text and of the head mixed)."""
+    from helpers import PROMPT, VOCAB, assert_follows, exact_joint, hf_greedy
+    from spec_ext.engine import Sampler
+    from test_heads import echo_head
+    target = llama(12, 32, 2, seed=0, sharpen=4.0)
+    head = echo_head(target, draft_vocab=10, noise=0.05)
+    prompts = [[5, 7, 3, 8, 5, 7, 3], [9, 4, 10], [3, 1, 2, 3, 1]]
+    out = spec_ext.generate(target, head, prompts, max_new_tokens=40, eos_token_id=[])
+    for b, prompt in enumerate(prompts):
+        assert out.sequences[b, -40:].tolist() == hf_greedy(target, prompt, 40, eos=[]), b
+    assert out.stats.matched > 0 and out.stats.accepted > out.stats.text_accepted > 0, out.stats
+    target = llama(VOCAB, 32, 2, seed=10, sharpen=3.0)
+    head = echo_head(target, draft_vocab=5, noise=0.05, seed=4)
+    out = spec_ext.generate(target, head, [PROMPT] * 20_000, max_new_tokens=3, temperature=1.0, eos_token_id=[],
+                            policy=Auto(), seed=7)
+    assert 0 < out.stats.text_accepted < out.stats.accepted < out.stats.drafted, out.stats
+    assert_follows(out.sequences[:, len(PROMPT):].numpy(), exact_joint(target, Sampler(1.0)))
