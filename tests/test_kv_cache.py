@@ -90,9 +90,10 @@ def test_bad_input():
         spec_ext.compact_kv(caches, torch.tensor([[1, 8], [0, -1]]), torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="src: -1 padding"):
         spec_ext.compact_kv(caches, torch.tensor([[-1, 2], [0, -1]]), torch.tensor([0, 0]))
-    with pytest.raises(ValueError, match=r"caches\[1\]: expected shape"):
-        spec_ext.compact_kv([caches[0], torch.zeros(2, 1, 8, 5)], torch.tensor([[1], [1]]), torch.tensor([0, 0]))
-    with pytest.raises(ValueError, match=r"caches\[1\]: expected shape .* and dtype torch.float32"):
+    with pytest.raises(ValueError, match=r"caches\[1\]: expected \[B=2, H, S="):  # H and D may differ (MLA)
+        spec_ext.compact_kv([caches[0], torch.zeros(2, 1, caches[0].shape[2] + 1, 5)], torch.tensor([[1], [1]]),
+                            torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match=r"caches\[1\]: expected .* and dtype torch.float32"):
         spec_ext.compact_kv([caches[0], caches[1].half()], torch.tensor([[1], [1]]), torch.tensor([0, 0]))
     with pytest.raises(ValueError, match=r"caches: each \[B,H,S,D\] tensor of the stack must be contiguous"):
         spec_ext.compact_kv(caches.transpose(3, 4), torch.tensor([[1], [1]]), torch.tensor([0, 0]))
