@@ -60,7 +60,7 @@ def test_the_cache_takes_the_shape_the_attention_writes_not_the_configs_kv_heads
 def test_a_cache_refuses_keys_of_another_shape_by_name():
     cache = SpecCache(num_layers=2, num_kv_heads=None, head_dim=None, batch_size=2, capacity=8)
     cache.update(torch.zeros(2, 4, 3, 8), torch.zeros(2, 4, 3, 8), 0)
-    with pytest.raises(ValueError, match=r"layer 1 writes keys \(2, 2, 3, 8\).*holds 4 heads of 8 dims"):
+    with pytest.raises(ValueError, match=r"layer 1 writes keys \(2, 2, 3, 8\).*holds 4 heads of 8 key dims and 8 value dims"):
         cache.update(torch.zeros(2, 2, 3, 8), torch.zeros(2, 2, 3, 8), 1)
     with pytest.raises(ValueError, match=r"layer 1 writes keys \(2, 4, 3, 8\) and values \(2, 4, 3, 16\)"):
         cache.update(torch.zeros(2, 4, 3, 8), torch.zeros(2, 4, 3, 16), 1)
