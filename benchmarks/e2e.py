@@ -26,6 +26,20 @@ at 32K tokens of history against a verification round of the target (<name>_matc
 
     python benchmarks/e2e.py --workloads grounded heldout --configs 1:0 8:0 1:1.0 8:1.0 \
         --only "best on validation" ngram "prompt lookup" --name e2e_ngram_cpu
+
+Where the step is weight reads (``--widen 16384``: the bundled target with every MLP
+widened by zero rows, the same function, ~0.5 GB of float32 read per step; built on the fly
+by benchmarks/weight_read.py). Every row then also has, beside its measured speed-up
+(``speedup`` against HF's generate of the target alone, ``speedup_lean`` against the target
+alone on spec_ext's lean forward, both in the same pass): ``verify_steps``, the measured cost
+of its verifications over one decode step (each verification's width priced by a table of
+the lean forward's cost by width at the batch size, measured before the configuration),
+``draft_forwards`` per round and ``draft_step`` (one draft forward over one target step), and
+``bound`` = (1 + accepted per round) / (verify_steps + draft_forwards x draft_step), the
+speed-up those rounds allow over the lean target alone if nothing but the forwards cost:
+
+    python benchmarks/e2e.py --widen 16384 --configs 1:0 8:0 --repeats 2 --only auto "fixed k=" \
+        "ngram beside" "ngram tree" --name e2e_weight_read_cpu
 """
 from __future__ import annotations
 
@@ -51,6 +65,7 @@ import spec_ext  # noqa: E402
 from spec_ext.models.eagle import load_head  # noqa: E402
 from spec_ext.ops.linear import ISA_VARIABLE  # noqa: E402
 from stdlib_data import code_prompts, read_text, split_files  # noqa: E402
+from weight_read import read_bytes, widened_target  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -68,6 +83,7 @@ def policies(greedy: bool = True, batch: int = 1) -> dict:
     decoding mode and batch size (benchmarks/train_policies.py) when that sweep exists."""
     chosen = {name: name for name in POLICIES}
     chosen["pearl"] = spec_ext.policies.PEARL()
+    chosen["auto, model only"] = spec_ext.policies.Auto(text=False)  # the default without the text beside it
     chosen["fixed k=4"] = spec_ext.policies.Fixed(4)  # the k the heads' agreement is compared at
     chosen[DYNAMIC_TREE] = spec_ext.policies.DynamicTree(*DYNAMIC_SHAPE)
     if (ROOT / "models" / "policies" / "validation.json").exists():
@@ -81,7 +97,9 @@ def head_rows(head_dir: Path, greedy: bool = True, batch: int = 1) -> dict:
     predictors (``train_policies.py --head``), the learned policies and the best fixed k that
     its validation replay chose for the decoding mode and batch size."""
     from spec_ext.policies import AdaLength, DynamicTree, Fixed, SpecDecPP
-    rows = {"head fixed k=4": Fixed(4), "head auto": "auto", f"head {DYNAMIC_TREE}": DynamicTree(*DYNAMIC_SHAPE)}
+    from spec_ext.policies import Auto
+    rows = {"head fixed k=4": Fixed(4), "head auto": "auto", "head auto, model only": Auto(text=False),
+            f"head {DYNAMIC_TREE}": DynamicTree(*DYNAMIC_SHAPE)}
     predictors = head_dir / "policies"
     if (predictors / "validation.json").exists():
         k = best_fixed(greedy, batch, predictors / "validation.json")
@@ -210,6 +228,97 @@ def lean_alone(target, group, n, temperature, fast_linear):
     return torch.cat([ids, torch.stack(tokens, 1)], 1)
 
 
+class VerificationWidths:
+    """While entered, records the width (tokens per row: a chain's 1 + drafts, a tree's nodes)
+    of every verification forward the serial engine runs, in ``widths``."""
+
+    def __enter__(self):
+        import spec_ext.engine.serial as serial
+        self.widths, self._serial, self._forward = [], serial, serial.forward
+
+        def forward(model, ids, *args, **kwargs):
+            self.widths.append(ids.shape[1])
+            return self._forward(model, ids, *args, **kwargs)
+
+        serial.forward = forward
+        return self
+
+    def __exit__(self, *exc):
+        self._serial.forward = self._forward
+
+    def take(self) -> list[int]:
+        widths, self.widths[:] = list(self.widths), []
+        return widths
+
+
+WIDTHS = (*range(1, 14), 16, 20, 24, 28, 33)  # measured; the widths between are interpolated
+
+
+def width_costs(target, draft, head, prompt, batch: int, repeats: int = 7) -> dict:
+    """Fastest-of-``repeats`` seconds (after a first call left out) of one lean forward of the
+    target over ``w`` new tokens per row at batch ``batch`` after the prompt, for every w of
+    WIDTHS (``"target"``: {w: s}); of one draft step of the draft model and of the head at that
+    batch (``"draft"``, ``"head"``)."""
+    ids = torch.tensor([prompt] * batch)
+    L = ids.shape[1]
+    costs = {"target": {}}
+    with torch.inference_mode(), spec_ext.models.attention_implementation(target):
+        cache = spec_ext.SpecCache.for_model(target, batch, L + max(WIDTHS) + 1)
+        spec_ext.models.forward(target, ids, cache, torch.arange(L).expand(batch, L))
+        cache.advance([L] * batch)
+        for w in WIDTHS:
+            new = ids[:, :w] if w <= L else ids.repeat(1, -(-w // L))[:, :w]
+            times = [timed(lambda: spec_ext.models.forward(target, new, cache, L + torch.arange(w).expand(batch, w)))[1]
+                     for _ in range(repeats + 1)]
+            costs["target"][w] = min(times[1:])
+    with torch.inference_mode(), spec_ext.models.attention_implementation(draft):
+        cache = spec_ext.SpecCache.for_model(draft, batch, L + 1)
+        spec_ext.models.forward(draft, ids, cache, torch.arange(L).expand(batch, L))
+        cache.advance([L] * batch)
+        step = torch.full((batch, 1), L)
+        costs["draft"] = min(timed(lambda: spec_ext.models.forward(draft, ids[:, -1:], cache, step))[1]
+                             for _ in range(3 * repeats))
+    if head is not None:
+        from spec_ext.drafters import HeadDrafter
+        drafter = HeadDrafter(head, spec_ext.policies.Fixed(1))
+        drafter.bind(target)
+        with torch.inference_mode():
+            cache = spec_ext.SpecCache(head.num_layers, None, None, batch, L + 1, head.fc.weight.dtype, "cpu")
+            hidden = torch.randn(batch, L, head.hidden_size, dtype=head.fc.weight.dtype)
+            head(drafter.embed(ids), hidden, torch.arange(L).expand(batch, L), cache, target_head=drafter.target_head)
+            cache.advance([L] * batch)
+            step = torch.full((batch, 1), L)
+            costs["head"] = min(timed(lambda: head(drafter.embed(ids[:, -1:]), hidden[:, -1:], step, cache,
+                                                   target_head=drafter.target_head))[1] for _ in range(3 * repeats))
+    return costs
+
+
+def verification_cost(costs: dict, width: int) -> float:
+    """One verification of ``width`` tokens per row over one decode step, interpolated
+    between the measured widths."""
+    table = costs["target"]
+    lower = max(w for w in table if w <= width)
+    upper = min((w for w in table if w >= width), default=lower)
+    value = table[lower] if upper == lower else \
+        table[lower] + (table[upper] - table[lower]) * (width - lower) / (upper - lower)
+    return value / table[1]
+
+
+def bound_columns(method: str, r: dict, costs: dict | None) -> dict:
+    """verify_steps, draft_forwards, draft_step and bound of a method's rows (module docstring)."""
+    widths = sum(r.get("widths", []), [])
+    stats = r["stats"]
+    if costs is None or not widths or not stats:
+        return dict(verify_steps="", draft_forwards="", draft_step="", bound="")
+    verify = statistics.mean(verification_cost(costs, w) for w in widths)
+    forwards = sum(s.draft_calls for s in stats) / len(widths)
+    step = 0.0 if "no draft" in method else (costs.get("head", 0.0) if "head" in method else costs["draft"])
+    step /= costs["target"][1]
+    accepted = np.mean([s.mean_accepted for s in stats])
+    return dict(verify_steps=round(verify, 3), draft_forwards=round(forwards, 2), draft_step=round(step, 3),
+                bound=round((1 + accepted) / (verify + forwards * step), 3))
+
+
 def paired_ratio(result: dict, reference: dict | None) -> float | str:
     """Median over passes (prompt group x repeat) of a method's rate over the reference's
     rate in the same pass: the target alone's own timing noise drops out, unlike in the ratio
@@ -243,7 +352,8 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, want
     gammas: list[int] = []
 
     def record(method, rate, ratio, stats=None, match=None):
-        entry = results.setdefault(method, dict(rates=[], ratios=[], stats=[], matches=[]))
+        entry = results.setdefault(method, dict(rates=[], ratios=[], stats=[], matches=[], widths=[]))
+        entry["widths"].append(tracer.take())
         entry["rates"].append(rate)
         entry["ratios"].append(ratio)
         if stats is not None:
@@ -251,6 +361,20 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, want
         if match is not None:
             entry["matches"].append(match)
 
+    tracer = VerificationWidths()
+    with tracer:
+        run_passes(target, draft, groups, batch, temperature, n, repeats, pad, wanted, isas, head, head_dir, sample,
+                   greedy, record, gammas)
+    for method in results:
+        if gammas and method.startswith("spec_ext pearl"):
+            results[method]["gammas"] = gammas
+    return results
+
+
+def run_passes(target, draft, groups, batch, temperature, n, repeats, pad, wanted, isas, head, head_dir, sample,
+               greedy, record, gammas):
+    """Every pass (prompt group x repeat) of one configuration: each method on the same
+    prompts, the target alone (HF's generate and the lean forward) first."""
     for _ in range(repeats):
         for group in tqdm(groups, desc=f"batch={batch} T={temperature}", leave=False):
             ids, mask = left_pad(group, pad)
@@ -258,6 +382,10 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, want
                                                      pad_token_id=pad, **(sample or dict(do_sample=False))))
             base = len(group) * n / t
             record("target alone", base, 1.0)
+            if len(set(map(len, group))) == 1:  # the bound's baseline (equal-length prompts only)
+                out, t = timed(lambda: lean_alone(target, group, n, temperature, False))
+                record("target alone, lean forward", len(group) * n / t, len(group) * n / t / base,
+                       match=bool(torch.equal(out, alone)) if greedy else None)
             if batch == 1:
                 for name, schedule in (("HF assisted (defaults)", None), ("HF assisted (heuristic)", "heuristic")):
                     if not wanted(name):
@@ -335,7 +463,7 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, want
                     rate = out.stats.tokens_per_s
                     record(f"spec_ext fixed k={k}*, HF modules{tag}", rate, rate / base, out.stats,
                            bool(torch.equal(out.sequences, alone)) if greedy else None)
-                for fast in (False, True):
+                for fast in (False, True) if isa is not None else (True,):  # without fast_linear: the baseline
                     if not wanted(f"target alone, lean forward{', fast_linear' if fast else ''}"):
                         continue
                     out, t = timed(lambda: lean_alone(target, group, n, temperature, fast))
@@ -343,10 +471,6 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, want
                     record(f"target alone, lean forward{', fast_linear' if fast else ''}{tag}", rate, rate / base,
                            match=bool(torch.equal(out, alone)) if greedy else None)
             os.environ.pop(ISA_VARIABLE, None)
-    for method in results:
-        if gammas and method.startswith("spec_ext pearl"):
-            results[method]["gammas"] = gammas
-    return results
 
 
 def forward_costs(target, draft, prompt, head=None):
@@ -407,6 +531,9 @@ def main():
     parser.add_argument("--workloads", nargs="+", default=["heldout"], choices=["heldout", "grounded", "thirdparty"],
                         help="heldout: held-out file prefixes; grounded: a held-out function, then its first lines "
                         "again (a copy begins)")
+    parser.add_argument("--widen", type=int, metavar="INTERMEDIATE",
+                        help="widen the target's MLPs by zero rows to this size (16384: ~0.5 GB read per step, the "
+                        "same function; benchmarks/weight_read.py)")
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                         help="every method runs in it; auto: as stored (the bundled pair: bfloat16). In bfloat16 "
                         "greedy outputs depend on the attention kernel's rounding (HF's own sdpa and eager "
@@ -415,6 +542,9 @@ def main():
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target, draft = load(args.target, args.dtype), load(args.draft, args.dtype)
+    if args.widen:
+        target = widened_target(target, args.widen)
+        print(f"target widened to intermediate_size {args.widen}: {read_bytes(target) / 1e9:.2f} GB of parameters")
     head = None
     if args.head is not None and args.head.exists():
         head = load_head(args.head, target.dtype)
@@ -476,11 +606,19 @@ def measure_configs(args, parser, target, draft, prompts, pad, commit, device, w
                 parser.error(f"--only: {args.only} matched no method (names: {sorted(policies())}, "
                              "'HF assisted', 'fast_linear', 'lean forward')")
             reference = next((r for method, r in results.items() if BEST_FIXED in method), None)
+            lean = results.get("target alone, lean forward")
+            widths = width_costs(target, draft, head, prompts[0], batch)
+            print(f"batch {batch}: a verification by width over one step "
+                  f"{ {w: round(verification_cost(widths, w), 2) for w in WIDTHS} }, one step "
+                  f"{widths['target'][1] * 1e3:.1f} ms, draft step {widths['draft'] * 1e3:.2f} ms"
+                  + (f", head step {widths['head'] * 1e3:.2f} ms" if "head" in widths else ""))
             for method, r in results.items():
                 stats = r["stats"]
                 row = dict(method=method, workload=workload, batch=batch, temperature=temperature,
                            tokens_per_s=round(statistics.median(r["rates"]), 1),
                            speedup=round(statistics.median(r["ratios"]), 3),
+                           speedup_lean=paired_ratio(r, lean),
+                           spread=f"{min(r['ratios']):.2f}-{max(r['ratios']):.2f}",
                            vs_best_fixed=paired_ratio(r, reference),
                            mean_accepted=round(np.mean([s.mean_accepted for s in stats]), 3) if stats else "",
                            acceptance_rate=round(np.mean([s.acceptance_rate for s in stats]), 3) if stats else "",
@@ -492,6 +630,8 @@ def measure_configs(args, parser, target, draft, prompts, pad, commit, device, w
                                                 3) if stats else "",
                            matches_target=(all(r["matches"]) if r["matches"] else ""),
                            pearl_gamma=(statistics.median(r["gammas"]) if "gammas" in r else ""),
+                           **bound_columns(method, r, widths),
+                           target_read_mb=round(read_bytes(target) / 1e6, 1),
                            new_tokens=args.new_tokens, prompts=args.prompts,
                            dtype=str(target.dtype).removeprefix("torch."), device=device, commit=commit)
                 rows.append(row)
@@ -529,12 +669,13 @@ def write_results(args, rows, histograms, costs, matched):
     print(f"serial methods: {torch.get_num_threads()} intra-op threads; PEARL (threads mode): {target_threads} for "
           f"the target, {draft_threads} for the draft; its gamma (median per config): "
           f"{ {(r['batch'], r['temperature']): r['pearl_gamma'] for r in rows if r['pearl_gamma'] != ''} }")
-    print(f"\n{'method':48} {'workload':>8} {'batch':>5} {'temp':>5} {'tok/s':>8} {'speed-up':>9} {'vs k*':>6} "
-          f"{'acc/call':>9} {'rate':>6} {'matched':>7} {'== target':>10}")
+    print(f"\n{'method':48} {'workload':>8} {'batch':>5} {'temp':>5} {'tok/s':>8} {'speed-up':>9} {'vs lean':>7} "
+          f"{'vs k*':>6} {'acc/call':>9} {'verify':>6} {'drafts':>6} {'bound':>6} {'matched':>7} {'== target':>10}")
     for r in rows:
         print(f"{r['method']:48} {r['workload']:>8} {r['batch']:5} {r['temperature']:5} {r['tokens_per_s']:8.1f} "
-              f"{r['speedup']:8.2f}x {str(r['vs_best_fixed']):>6} {str(r['mean_accepted']):>9} "
-              f"{str(r['acceptance_rate']):>6} {str(r['matched_rounds']):>7} {str(r['matches_target']):>10}")
+              f"{r['speedup']:8.2f}x {str(r['speedup_lean']):>7} {str(r['vs_best_fixed']):>6} "
+              f"{str(r['mean_accepted']):>9} {str(r['verify_steps']):>6} {str(r['draft_forwards']):>6} "
+              f"{str(r['bound']):>6} {str(r['matched_rounds']):>7} {str(r['matches_target']):>10}")
     (RESULTS / f"{args.name}_costs.txt").write_text(f"{costs}\n")
     plot(rows, histograms, args.name)
 
