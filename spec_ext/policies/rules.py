@@ -283,6 +283,8 @@ class Auto(Policy):
                             tokens, widest = tokens + rows * (1 + text[n]), max(widest, n)
                         else:
                             tokens, runs = tokens + rows * (1 + model[k]), runs or k > 0
+                    if not runs and widest == 0:  # nothing drafts: a round of one token (processors want a draft)
+                        continue
                     forwards = k if runs else forwards_without_model
                     seconds = V[1 + max(widest, k if runs else 0)] + (D or 0.0) * forwards
                     if best is None or tokens / seconds > best[0]:
