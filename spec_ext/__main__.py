@@ -7,8 +7,8 @@
   python -m spec_ext backends      # which kernel backends this build can run
   python -m spec_ext backends --explain   # ... and what backend="auto" picks per device and op, and why
   python -m spec_ext train-head --target DIR --out DIR --data DIR_OR_FILE ...   # an EAGLE-3 head for the target
-"""
   python -m spec_ext train-dflash --target DIR --out DIR --data DIR_OR_FILE ...   # a DFlash block drafter
+"""
 from __future__ import annotations
 
 import argparse
@@ -69,7 +69,7 @@ def cmd_generate(args) -> None:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         out = spec_ext.generate(target, draft, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, policy=args.policy, seed=args.seed,
-                                streamer=_streamer(tokenizer), fast_linear=args.fast_linear, suffix_cache=cache)
+                                streamer=_streamer(tokenizer), fast_linear=args.fast_linear or "auto", suffix_cache=cache)
         print("\n" + json.dumps(out.stats.as_dict(), indent=2))
 
 
@@ -105,7 +105,6 @@ def cmd_train_head(args) -> None:
     print(f"saved the head at {args.out} (speculators layout: vLLM and SGLang serve it)")
 
 
-def _tokens_per_s(fn, repeats: int) -> tuple[float, object]:
 def cmd_train_dflash(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -124,6 +123,7 @@ def cmd_train_dflash(args) -> None:
     print(f"saved the drafter at {args.out} (speculators dflash layout: spec_ext generate --draft {args.out})")
 
 
+def _tokens_per_s(fn, repeats: int) -> tuple[float, object]:
     rates, result = [], None
     for _ in range(repeats):
         started = time.perf_counter()
@@ -260,12 +260,6 @@ def parser() -> argparse.ArgumentParser:
                       help="a draft vocabulary of this many most frequent tokens (default: the target's)")
     head.add_argument("--layer-ids", type=int, nargs="+", help="target layers to tap (default: 2, L//2, L-3)")
     head.add_argument("--threads", type=_positive, help="torch intra-op threads (default: torch's)")
-    return top
-
-
-def main(argv=None) -> None:
-    cli = parser()
-    args = cli.parse_args(argv)
     dflash = sub.add_parser("train-dflash", formatter_class=defaults,
                             help="train a DFlash block drafter for a target on its own continuations")
     dflash.add_argument("--target", type=_model_folder, required=True, help="the target model's folder")
@@ -293,6 +287,12 @@ def main(argv=None) -> None:
     dflash.add_argument("--layer-ids", type=int, nargs="+",
                         help="target layers to tap (default: four from 2 to L-1)")
     dflash.add_argument("--threads", type=_positive, help="torch intra-op threads (default: torch's)")
+    return top
+
+
+def main(argv=None) -> None:
+    cli = parser()
+    args = cli.parse_args(argv)
     try:
         if args.command == "generate":
             cmd_generate(args)
@@ -302,14 +302,14 @@ def main(argv=None) -> None:
             cmd_demo(args)
         elif args.command == "train-head":
             cmd_train_head(args)
+        elif args.command == "train-dflash":
+            cmd_train_dflash(args)
         else:
             import spec_ext
             json.dump(spec_ext.backends(), sys.stdout, indent=2)
             print()
             if args.explain:
                 for device in ("cpu", "cuda"):
-        elif args.command == "train-dflash":
-            cmd_train_dflash(args)
                     for op in spec_ext.ops.OPS:
                         print(spec_ext.ops.explain(op, device))
     except (ValueError, FileNotFoundError) as error:  # bad input: one line, not a traceback
