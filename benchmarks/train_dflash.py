@@ -22,9 +22,9 @@ from spec_ext.training.dflash import DFlashTraining, train_dflash  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # sized for a 2-core machine shared with other jobs (about an hour): see docs/training_dflash.md
-BUNDLED = DFlashTraining(sequences=1536, validation_sequences=16, prompt_tokens=128, new_tokens=64, steps=600,
-                         batch=4, anchors=16, block_size=16, layers=1, lr=2e-3, warmup=20, draft_vocab=2048,
-                         layer_ids=(2, 4, 6, 7), validate_every=150, checkpoint_every=25)
+BUNDLED = DFlashTraining(sequences=1536, validation_sequences=32, prompt_tokens=128, new_tokens=64, steps=450,
+                         batch=8, anchors=8, block_size=16, layers=1, lr=2e-3, warmup=20, draft_vocab=2048,
+                         layer_ids=(2, 4, 6, 7), validate_every=225, checkpoint_every=25)
 
 
 def main():
