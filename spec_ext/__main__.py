@@ -69,7 +69,7 @@ def cmd_generate(args) -> None:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         out = spec_ext.generate(target, draft, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, policy=args.policy, seed=args.seed,
-                                streamer=_streamer(tokenizer), fast_linear=args.fast_linear or "auto", suffix_cache=cache)
+                                streamer=_streamer(tokenizer), fast_linear=args.fast_linear, suffix_cache=cache)
         print("\n" + json.dumps(out.stats.as_dict(), indent=2))
 
 

@@ -147,12 +147,14 @@ def test_stats_as_dict():
                   text_accepted=4, new_tokens=21,
                   discarded=2, wall_time=0.123456, processing_time=0.012345, accepted_lengths=[1, 2],
                   draft_lengths=[3, 3],
-                  row_rounds=[5, 3], row_matched=[2, 1], row_drafted=[12, 8], row_accepted=[9, 4])
+                  row_rounds=[5, 3], row_matched=[2, 1], row_drafted=[12, 8], row_accepted=[9, 4],
+                  cache_matched=1, cache_drafted=4, cache_accepted=3, row_cache_matched=[1, 0])
     assert stats.as_dict() == dict(target_calls=5, draft_calls=12, rounds=8, drafted=20, accepted=13,
                                    rollback=20 - 13 + 2, mean_accepted=1.625, acceptance_rate=0.65, discarded=2,
                                    new_tokens=21, wall_time=0.1235, processing_time=0.0123, tokenizer_mode="", tokens_per_s=round(21 / 0.123456, 2), matched=3,
-                                   text_drafted=7, text_accepted=4,
-                                   per_row=dict(rounds=[5, 3], matched=[2, 1], drafted=[12, 8], accepted=[9, 4]))
+                                   text_drafted=7, text_accepted=4, cache_matched=1, cache_drafted=4, cache_accepted=3,
+                                   per_row=dict(rounds=[5, 3], matched=[2, 1], drafted=[12, 8], accepted=[9, 4],
+                                                cache_matched=[1, 0]))
     json.dumps(stats.as_dict())  # what the CLI prints
     assert Stats().as_dict()["mean_accepted"] == 0.0 and Stats().as_dict()["acceptance_rate"] == 0.0
 
