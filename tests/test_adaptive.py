@@ -2,6 +2,7 @@
 optimum over every row's prefixes (subtrees) under one budget for the batch, never verifies
 past a row's drafts, and decoding stays exact (greedy equal to target.generate with a draft
 model and an EAGLE head, ragged with EOS; the sampling law by enumeration)."""
+import bisect
 import itertools
 import random
 
@@ -12,7 +13,9 @@ import spec_ext
 from spec_ext import ops
 from spec_ext.drafters import ModelDrafter, Proposal, Sampler
 from spec_ext.policies import Adaptive, DynamicTree, StepCosts, Tree, resolve
+from spec_ext.policies.adaptive import CENTRES, EDGES
 from spec_ext.policies.step_costs import calibrate
+from transformers import LogitsProcessor
 from helpers import PROMPT, VOCAB, assert_follows, exact_joint, llama, perturbed, ragged_greedy_equals_target
 
 PROMPTS = [[5, 17, 33, 8], [40, 2], [7, 7, 9, 1, 3, 11]]
@@ -41,11 +44,12 @@ class FixedCosts(StepCosts):
 
 
 class Checked(Adaptive):
-    """Adaptive that checks every trim against the proposal it trims and counts them."""
+    """Adaptive that checks every trim against the proposal it trims and counts them
+    (``empty``: the rounds cut to no draft in any row, the roots alone verified)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.trims = self.rounds = 0
+        self.trims = self.rounds = self.empty = 0
         self.widths = []  # each chain proposal's width, as drafted
 
     def select(self, proposal):
@@ -62,6 +66,7 @@ class Checked(Adaptive):
                 assert trimmed.tokens[b, :n].tolist() == proposal.tokens[b, :n].tolist()
                 assert (trimmed.tokens[b, n:] == -1).all()
         self.trims += after != before
+        self.empty += max(after) == 0 < max(before)
         return trimmed
 
 
@@ -303,21 +308,201 @@ def test_greedy_with_measured_costs_equals_the_target(pair):
     ragged_greedy_equals_target(target, draft, PROMPTS, "adaptive", max_new=30)
 
 
+def law_and_its_power(samples, target, sampler, other, steps):
+    """``samples`` [N, steps] follow the target's law under ``sampler``, and the test sees a
+    law off by as little as ``other``'s (a sampler at another temperature, under 0.1 away in
+    total variation): against that one the same samples fail."""
+    joint = exact_joint(target, sampler, steps)
+    assert_follows(samples, joint)
+    wrong = exact_joint(target, other, steps)
+    assert sum(abs(joint[k] - wrong[k]) for k in joint) / 2 < 0.1  # a near law, not a gross one
+    with pytest.raises(AssertionError):
+        assert_follows(samples, wrong)
+
+
 @pytest.mark.parametrize("shape,temperature,top_k", [("chain", 1.0, None), ("tree", 0.7, 5)])
 def test_sampling_follows_the_targets_law(shape, temperature, top_k):
     """Chains stopped by keep_drafting (sampled drafts are never cut after drafting), trees
-    trimmed by confidence (deterministic drafts), against the enumerated law."""
+    trimmed by confidence (deterministic drafts), against the enumerated law of the first two
+    tokens (64 outcomes: small enough for a few thousand rows, which still reject the law at
+    another temperature, 0.06 away in total variation)."""
     target = llama(VOCAB, 32, 2, seed=10, sharpen=3.0)
     draft = perturbed(target, 0.01, seed=11)
     policy = Checked(max_draft=4, tree=Tree((2, 2)) if shape == "tree" else None,
                      costs=FixedCosts(lambda rows, width: 1.0 + 0.05 * (width - 1), step=0.1))
-    n = 20_000
-    out = spec_ext.generate(target, draft, [PROMPT] * n, max_new_tokens=3, temperature=temperature,
+    n = 5_000
+    out = spec_ext.generate(target, draft, [PROMPT] * n, max_new_tokens=2, temperature=temperature,
                             top_k=top_k, eos_token_id=[], policy=policy, seed=5)
-    assert_follows(out.sequences[:, len(PROMPT):].numpy(), exact_joint(target, Sampler(temperature, top_k)))
+    law_and_its_power(out.sequences[:, len(PROMPT):].numpy(), target, Sampler(temperature, top_k),
+                      Sampler(temperature + 0.3 if top_k else 1.5, top_k), steps=2)
     if shape == "tree":
         assert policy.trims > 0 and out.stats.drafted > 0
     else:
         # keep_drafting stopped chains at different lengths
         assert policy.trims == 0 and min(policy.widths) < max(policy.widths), policy.widths
     assert out.stats.accepted > 0
+
+
+# ---------------------------------------------------------------------------- HF's logits settings
+class BanFromLast(LogitsProcessor):
+    """A user processor with HF's contract: bans (3 * last id + 1) mod V, from input_ids alone."""
+
+    def __call__(self, input_ids, scores):
+        return scores.scatter(1, (3 * input_ids[:, -1:] + 1) % scores.shape[-1], float("-inf"))
+
+
+SETTINGS = dict(repetition_penalty=1.3, no_repeat_ngram_size=3)
+
+
+class EveryThirdRoundCut(Checked):
+    """Checked, its verification cheap but, every third round (from round ``phase``), too dear
+    for any draft: those rounds verify the roots alone (no exploration), the others some drafts."""
+
+    def __init__(self, tree=None, phase=2):
+        self.dear, self.phase = False, phase
+        super().__init__(max_draft=3, tree=tree, explore=False, costs=FixedCosts(
+            lambda rows, width: 1e-3 * (1 + (100.0 if self.dear else 0.02) * (width - 1)), step=1e-5))
+
+    def select(self, proposal):
+        self.dear = self.rounds % 3 == self.phase
+        return super().select(proposal)
+
+
+def padded(prompts):
+    L = max(map(len, prompts))
+    return (torch.tensor([[0] * (L - len(p)) + p for p in prompts]),
+            torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts]))
+
+
+@pytest.fixture(scope="module")
+def head_pair():
+    from test_heads import echo_head
+    target = llama(61, 32, 4, seed=3, sharpen=3.0)
+    return target, echo_head(target, "eagle3", draft_vocab=40, noise=0.01)
+
+
+@pytest.fixture(scope="module")
+def block_pair():
+    from test_dflash import random_dflash, train
+    target = llama(12, 32, 4, seed=3, sharpen=3.0)
+    return target, train(target, random_dflash(target, block=4))
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("drafter", ["model", "head", "block"])
+def test_hf_settings_with_every_drafter_equal_the_targets_generate(request, drafter, shape):
+    """Repetition penalty, no-repeat n-grams and a user LogitsProcessor under adaptive
+    verification that cuts some rounds to no draft at all (the roots alone verified: no draft
+    position to process), ragged batch: the output is HF's with the same settings."""
+    from transformers import LogitsProcessorList
+    if drafter == "head":  # the bundled pair (a head accepted under these settings)
+        target, draft, prompts = request.getfixturevalue("bundled")
+    else:
+        target, draft = request.getfixturevalue({"model": "pair", "block": "block_pair"}[drafter])
+        prompts = [[p % target.config.vocab_size for p in prompt] for prompt in PROMPTS]
+    policy = EveryThirdRoundCut(Tree((2, 2, 1)) if shape == "tree" else None)
+    ids, mask = padded(prompts)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None,
+                               pad_token_id=0, logits_processor=LogitsProcessorList([BanFromLast()]), **SETTINGS)
+    out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=24, eos_token_id=[],
+                            pad_token_id=0, policy=policy, logits_processor=[BanFromLast()], **SETTINGS)
+    assert torch.equal(out.sequences, expected)
+    assert policy.empty > 0 and policy.empty < policy.rounds, (policy.empty, policy.rounds)
+    assert out.stats.accepted > 0
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_sampling_with_hf_settings_follows_hf_processors(shape):
+    """No-repeat bigrams and a repetition penalty at T=0.8 with top-k, rounds cut to no draft
+    among them: the first two tokens follow the law HF's processor classes give."""
+    from transformers import generation as g
+    from test_processing import hf_joint
+    target = llama(VOCAB, 32, 2, seed=10, sharpen=3.0)
+    draft = perturbed(target, 0.01, seed=11)
+    policy = EveryThirdRoundCut(Tree((2, 1)) if shape == "tree" else None, phase=0)  # the first round: roots alone
+    n = 5_000
+    out = spec_ext.generate(target, draft, [PROMPT] * n, max_new_tokens=2, temperature=0.8, top_k=6,
+                            eos_token_id=[], policy=policy, seed=3, no_repeat_ngram_size=2, repetition_penalty=1.4)
+
+    def law(temperature):
+        return hf_joint(target, [g.RepetitionPenaltyLogitsProcessor(1.4), g.NoRepeatNGramLogitsProcessor(2),
+                                 g.TemperatureLogitsWarper(temperature), g.TopKLogitsWarper(6)], steps=2)
+
+    samples = out.sequences[:, len(PROMPT):].numpy()
+    assert_follows(samples, law(0.8))
+    near = law(1.1)  # 0.06 away in total variation: the same samples see it
+    assert sum(abs(near[k] - v) for k, v in law(0.8).items()) / 2 < 0.1
+    with pytest.raises(AssertionError):
+        assert_follows(samples, near)
+    assert out.stats.accepted > 0
+    if shape == "tree":  # deterministic drafts are cut, to none at times
+        assert 0 < policy.empty < policy.rounds, (policy.empty, policy.rounds)
+
+
+# ---------------------------------------------------------------------------- calibration from trees
+def test_a_tree_rounds_reached_nodes_calibrate_the_confidence_bins():
+    """By hand: a tree (root; 1, 2 under it; 3, 4 under 1; 5 under 2), nodes 1 and 3 accepted:
+    reached were 1 and 2 (the root's children) and 3 and 4 (node 1's); 5 (under the rejected
+    2) was never reached. Passed: 1 and 3. Also after a trim (node ids renumbered)."""
+    parents = [-1, 0, 0, 1, 1, 2]
+    conf = [1.0, 0.95, 0.05, 0.85, 0.35, 0.55]  # bins 9, 0, 8, 3, 5
+    depth, mask = ops.tree_mask(torch.tensor(parents))
+    for trimmed in (False, True):
+        now, clock = fake_clock()
+        # free verification: nothing is cut; a verification that costs far more per node: nodes cut
+        cost = (lambda r, w: 1.0 + 0.1 * (w - 1)) if trimmed else (lambda r, w: 1.0)
+        policy = Adaptive(tree=Tree((2, 2)), costs=FixedCosts(cost), forget=1.0, explore=False, clock=clock)
+        policy.start(1, greedy=True)
+        before = list(policy._reached), list(policy._passed)
+        proposal = Proposal(torch.arange(6)[None], torch.tensor([5]), None, torch.tensor(parents), depth[0], mask,
+                            int(depth.max()), confidence=torch.tensor([conf]))
+        verified = policy.select(proposal)
+        kept = [t for t in verified.tokens[0].tolist() if t > 0]  # token i at node i: the proposal's ids
+        assert (kept != [1, 2, 3, 4, 5]) == trimmed, kept
+        assert 1 in kept and 3 in kept
+        renumber = {0: 0, **{old: new + 1 for new, old in enumerate(kept)}}
+        policy.see_tree_path(torch.tensor([[0, renumber[1], renumber[3]]]))
+        policy.observe([len(kept)], [2])
+        reached = [i for i in (1, 2, 3, 4) if i in kept]
+        for i in range(len(CENTRES)):
+            in_bin = [n for n in reached if bisect.bisect_left(EDGES, conf[n]) == i]
+            assert policy._reached[i] == pytest.approx(before[0][i] + len(in_bin)), i
+            assert policy._passed[i] == pytest.approx(before[1][i] + sum(n in (1, 3) for n in in_bin)), i
+
+
+@pytest.mark.parametrize("drafter", ["model", "head"])
+def test_tree_rounds_update_the_calibration_and_the_step_costs(request, drafter):
+    """Greedy tree rounds (wall clock): every accepted draft is counted as passed once in the
+    confidence bins (forget=1: their added passes sum to the accepted drafts), each bin saw
+    at least as many reached as passed, and the verification's and the drafting's costs were
+    measured; the output is the target's."""
+    target, draft = request.getfixturevalue({"model": "pair", "head": "head_pair"}[drafter])
+    V = target.config.vocab_size
+    prompts = [[p % V for p in prompt] for prompt in PROMPTS]
+    costs = StepCosts()
+    policy = Adaptive(tree=DynamicTree(depth=3, top_k=2, nodes=6), costs=costs, forget=1.0)
+    prior_reached, prior_passed = list(policy._reached), list(policy._passed)
+    out = ragged_greedy_equals_target(target, draft, prompts, policy, max_new=20)
+    passed = [a - b for a, b in zip(policy._passed, prior_passed)]
+    reached = [a - b for a, b in zip(policy._reached, prior_reached)]
+    assert sum(passed) == pytest.approx(out.stats.accepted) and out.stats.accepted > 0
+    assert all(r >= p - 1e-9 for r, p in zip(reached, passed)) and sum(reached) > sum(passed)
+    assert costs.measured > 0 and costs._draft, (costs._verify, costs._draft)
+
+
+# ---------------------------------------------------------------------------- refusals
+def test_a_block_drafter_with_an_assistant_tokenizer_is_refused_by_name(block_pair):
+    """A block drafter reads the target's features and drafts the target's ids: it has no
+    tokenizer of its own to draft across (it used to be wrapped as a draft of another tokenizer)."""
+    from helpers import byte_tokenizer
+    target, draft = block_pair
+    mine, other = byte_tokenizer(), byte_tokenizer((("a", "c"),))
+    for call in (lambda: spec_ext.generate(target, draft, [[5, 6, 7]], max_new_tokens=4, tokenizer=mine,
+                                           assistant_tokenizer=other),
+                 lambda: spec_ext.accelerate(target, draft, tokenizer=mine, draft_tokenizer=other),
+                 lambda: spec_ext.generate(target, draft, [[5, 6, 7]], max_new_tokens=4, assistant_tokenizer=other)):
+        with pytest.raises(ValueError, match="assistant_tokenizer: a DFlash block drafter .*hidden states.*"
+                                             "vocabulary"):
+            call()
+    # without one, the same drafter drafts
+    assert spec_ext.generate(target, draft, [[5, 6, 7]], max_new_tokens=4).sequences.shape == (1, 7)

@@ -115,9 +115,17 @@ PADDING = 512
 
 def _across_tokenizers(draft, policy: Policy, tokenizer, draft_tokenizer, mode: str):
     """``draft`` as an :class:`OtherTokenizerDrafter` when it is a causal LM with a tokenizer of
-    its own (``draft_tokenizer``, not the target's ``tokenizer``); else ``draft`` as it is."""
+    its own (``draft_tokenizer``, not the target's ``tokenizer``); else ``draft`` as it is. A
+    drafter that reads the target's features and vocabulary (a DFlash block drafter, the
+    target's MTP layers) has no tokenizer of its own: refused with ``draft_tokenizer``."""
     if draft_tokenizer is None:
         return draft
+    from spec_ext.models.dflash import DFlashDraft
+    if isinstance(draft, DFlashDraft) or type(draft).__name__ == "MtpModel":
+        kind = "a DFlash block drafter" if isinstance(draft, DFlashDraft) else "the target's MTP layers"
+        raise ValueError(f"assistant_tokenizer: {kind} cannot draft across tokenizers: it reads the target's own "
+                         f"hidden states and drafts ids of the target's vocabulary (a reduced one maps to it by "
+                         f"d2t), so it has no tokenizer of its own; leave assistant_tokenizer unset")
     if tokenizer is None:
         raise ValueError("assistant_tokenizer: needs the target's tokenizer too (pass tokenizer=)")
     if isinstance(draft, (Drafter, EagleHead)) or draft is None:

@@ -64,7 +64,14 @@ class Adaptive(Policy):
         explore: now and then verify a width next to the best, so that its cost stays measured
             (greedy rounds; off: always the best by the current estimates).
         clock: seconds since some origin (time.perf_counter; tests pass a fake one).
+
+    Calibration: after each verification the confidence bins learn what the target made of
+    every verified draft whose prefix was accepted (chains: drafts 1..a + 1; trees: the
+    children of every node on the accepted path, which the engine hands over through
+    :meth:`see_tree_path`), and a timed round's drafting and verification go into ``costs``.
     """
+
+    uses_tree_paths = True  # the serial engine calls see_tree_path(path) after a tree round's verification
 
     def __init__(self, max_draft: int = 10, tree: Tree | DynamicTree | None = None, costs: StepCosts | None = None,
                  prior_weight: float = 2.0, forget: float = 0.99, explore: bool = True, clock=time.perf_counter):
@@ -101,7 +108,7 @@ class Adaptive(Policy):
     def start(self, batch_size: int, greedy: bool = True) -> None:
         super().start(batch_size, greedy)
         self._timed = greedy
-        self._round, self._mark, self._pending = 0, self._clock(), None
+        self._round, self._mark, self._pending, self._tree_path = 0, self._clock(), None, None
 
     def acceptance(self, confidence: float) -> float:
         """The estimated chance that a draft of this confidence is accepted once the drafts
@@ -200,20 +207,34 @@ class Adaptive(Policy):
             return self._select_tree(proposal, drafted, now) if proposal.q is None else proposal
         return self._select_chain(proposal, drafted, now)
 
+    def see_tree_path(self, path: Tensor) -> None:
+        """(The serial engine, after a tree round's verification, before :meth:`observe`.)
+        ``path`` [B,D+1]: each row's accepted node ids from the root (0), in the verified
+        tree's numbering; the first ``num_accepted[b]`` after the root are read."""
+        self._tree_path = path
+
     def observe(self, num_draft, num_accepted) -> None:
         now = self._clock()
+        path, self._tree_path = self._tree_path, None
         if self._pending is not None:
             B, width, verified, started = self._pending
             if self._timed:
                 self.costs.record_verify(B, width, now - started)
-            if verified is not None:  # chains: what the target made of each verified draft's confidence
+            if isinstance(verified, _VerifiedTree):  # the tree's reached nodes (None: no path handed over)
+                events = None if path is None else verified.reached(path.tolist(), num_accepted)
+            elif verified is not None:  # a chain: drafts 0..a-1 passed, draft a (if verified) failed
+                events = [[(confidences[j], j < a) for j in range(min(a + 1, n))]
+                          for confidences, n, a in zip(verified, num_draft, num_accepted)]
+            else:
+                events = None
+            if events is not None:  # what the target made of each reached draft's confidence
                 self._reached = [self.forget * x for x in self._reached]
                 self._passed = [self.forget * x for x in self._passed]
-                for confidences, n, a in zip(verified, num_draft, num_accepted):
-                    for j in range(min(a + 1, n)):  # drafts 0..a-1 passed, draft a (if verified) failed
-                        i = bisect.bisect_left(EDGES, confidences[j])
+                for row in events:
+                    for confidence, passed in row:
+                        i = bisect.bisect_left(EDGES, confidence)
                         self._reached[i] += 1
-                        self._passed[i] += j < a
+                        self._passed[i] += passed
         self._pending, self._mark = None, now
 
     # ------------------------------------------------------------------ choosing
@@ -280,11 +301,16 @@ class Adaptive(Policy):
             survival.append([alive[i] for i in nodes])
         W = self._explored(self.best_width(survival, drafted), T - 1)
         kept = [sorted(nodes[:W]) for nodes in order]
-        if kept == [[i for i in range(1, T) if present[i]] for _, _, present in host]:
-            self._pending = (B, T, None, now)
+        every = [[i for i in range(1, T) if present[i]] for _, _, present in host]
+        untrimmed = kept == every
+        index = [[0] + (list(range(1, T)) if untrimmed else nodes) for nodes in kept]
+        verified = _VerifiedTree(index, [[c for c in row[0]] for row in host],
+                                 [[int(p) for p in row[1]] for row in host], every if untrimmed else kept)
+        if untrimmed:
+            self._pending = (B, T, verified, now)
             return proposal
-        self._pending = (B, 1 + max(map(len, kept)), None, now)
-        return trim_tree(proposal, kept, [[int(p) for p in row[1]] for row in host])
+        self._pending = (B, 1 + max(map(len, kept)), verified, now)
+        return trim_tree(proposal, kept, verified.parents)
 
     def _remember_depths(self, survival: list[list[float]]) -> None:
         """The batch's mean survival at each depth this round drafted, into the recent means."""
@@ -304,6 +330,31 @@ class Adaptive(Policy):
 
     def _mean_acceptance(self) -> float:
         return sum(self._passed) / sum(self._reached)
+
+
+@dataclasses.dataclass
+class _VerifiedTree:
+    """What :meth:`Adaptive.observe` needs of a verified tree, on the host, per row:
+    ``index[j]`` the proposal's node id of verified node j (0: the root; ids past a row's
+    nodes, padding, are not read), the proposal's ``confidence`` and ``parents`` by its node
+    ids, and ``nodes`` the ids verified (below the root)."""
+    index: list[list[int]]
+    confidence: list[list[float]]
+    parents: list[list[int]]
+    nodes: list[list[int]]
+
+    def reached(self, path: list[list[int]], num_accepted) -> list[list[tuple[float, bool]]]:
+        """Per row, (confidence, accepted) of every verified node the target reached: the
+        children of the root and of each accepted node (``path[b][1:a + 1]``, ids of the
+        verified tree): the path's nodes were accepted, their siblings and the last accepted
+        node's children were not."""
+        out = []
+        for index, confidence, parents, nodes, row_path, a in zip(self.index, self.confidence, self.parents,
+                                                                   self.nodes, path, num_accepted):
+            accepted = [index[j] for j in row_path[1:a + 1]]  # the proposal's ids
+            on_path = set(accepted) | {0}
+            out.append([(confidence[i], i in on_path) for i in nodes if parents[i] in on_path])
+        return out
 
 
 def trim_chain(proposal, kept: list[int]):

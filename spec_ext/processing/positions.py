@@ -63,7 +63,11 @@ class Positions:
     def reachable(self, scores: Tensor) -> Tensor:
         """[B,T] bool: valid positions whose every path token in this call was allowed (a
         finite score) at its parent in ``scores`` [B,T,V]: the verification can only reach
-        these (a draft the processed distribution bans is never accepted)."""
+        these (a draft the processed distribution bans is never accepted). With no path
+        column (a round that verifies the roots alone, e.g. adaptive verification cut every
+        row to none of its drafts) no position has a parent here: the valid ones."""
+        if self.path.shape[-1] == 0:
+            return self.valid.clone()
         has_parent = self.parents >= 0
         parent = self.parents.clamp_min(0)
         token = self.path[..., -1].clamp_min(0)
