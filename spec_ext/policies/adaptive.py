@@ -19,6 +19,9 @@ Sequential drafters (a draft model, a head) spend a forward per draft step, so t
 estimates also bound the drafting: ``plan()`` gives the most steps worth drafting from the
 survival seen so far at each depth, and ``keep_drafting`` stops the batch once no longer
 chain is expected to pay for its further steps and their verification.
+
+The guide, with the cost model, each drafter, what ``Auto`` does for block drafters and a
+runnable example: ``docs/adaptive.md``.
 """
 from __future__ import annotations
 
