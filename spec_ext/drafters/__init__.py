@@ -28,6 +28,7 @@ from spec_ext.drafters.block import BlockDrafter
 from spec_ext.drafters.other_tokenizer import OtherTokenizerDrafter
 from spec_ext.models.dflash import DFlashDraft, is_dflash_directory, load_dflash
 from spec_ext.models.eagle import EagleHead, is_head_directory, load_head
+from spec_ext.models.mtp import is_mtp_directory, load_speculators_mtp
 from spec_ext.policies import Policy, Suffix
 
 
@@ -42,6 +43,8 @@ def load(path: str | Path, target):
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"draft: {str(path)!r} is not a directory (a causal LM's or a head's)")
+    if is_mtp_directory(path):  # a speculators mtp directory: one MTP layer for this target
+        return load_speculators_mtp(path, target)
     if is_dflash_directory(path):
         return load_dflash(path)
     if is_head_directory(path):

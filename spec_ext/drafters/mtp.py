@@ -9,7 +9,7 @@ from torch import Tensor
 from spec_ext.drafters.base import (Drafter, Outcome, Proposal, Sampler, draft_chain, grow_dynamic_tree,
                                     grow_static_tree)
 from spec_ext.models import SpecCache, check_model, num_layers, vocabulary_size
-from spec_ext.models.mtp import layer_step, mtp_logits, spec_attention
+from spec_ext.models.mtp import layer_step, mtp_logits, position_shift, spec_attention
 from spec_ext.policies import Policy
 
 
@@ -39,6 +39,7 @@ class MtpDrafter(Drafter):
         super().__init__(policy)
         self.mtp = mtp.eval()
         self.num_mtp = len(mtp.layers)
+        self.shift = position_shift(mtp)  # layer i at index p runs at position p + i + shift
         self.hidden = policy.uses_draft_hidden
         if self.num_mtp > 1 and (policy.grows_dynamic_tree or policy.branching is not None):
             raise ValueError(f"policy: {type(policy).__name__} grows a tree, which the MTP drafter grows for a "
@@ -96,7 +97,7 @@ class MtpDrafter(Drafter):
         tokens = torch.tensor([t + [0] * (M + kmax - len(t)) for t in text], device=device)
         span_t = torch.tensor(span, device=device)
         first_t = torch.tensor(first, device=device)
-        positions = first_t[:, None] + 1 + torch.arange(M, device=device)  # layer 0's: index + 1
+        positions = first_t[:, None] + self.shift + torch.arange(M, device=device)  # layer 0's: index + shift
         rows, last = torch.arange(B, device=device), span_t - 1
         self._valid, self._layers_run = list(valid), 1
         out = self._step(0, tokens[:, :M], self.pending[:, :M], positions)  # rows that finished may have been wider
@@ -120,7 +121,7 @@ class MtpDrafter(Drafter):
                     self.cache.advance(span, span_t)
                 state["hidden"] = state["out"][rows, last]
             else:  # past the layers: the last one again, one index on, from its own output
-                at = first_t + span_t + i  # index n + i - K + 1, position index + K
+                at = first_t + span_t + i + self.shift - 1  # index n + i - K + 1, position index + K - 1 + shift
                 state["hidden"] = self._step(K - 1, token[:, None], state["hidden"][:, None], at[:, None])[:, 0]
                 self.cache.advance([1] * B)
             return self._logits(state["hidden"]), state["hidden"] if self.hidden else None
@@ -144,7 +145,7 @@ class MtpDrafter(Drafter):
             from_parents = state["out"].gather(1, parents[:, 1:, None].expand(-1, -1, width))
             hidden_in = torch.cat([root_input[:, None], from_parents], 1)
             self.cache.rollback([n - 1 for n in self.cache.host_lengths])  # the root is re-fed with the tree
-            positions = (self.cache.lengths - fake)[:, None] + depth + 1
+            positions = (self.cache.lengths - fake)[:, None] + depth + self.shift
             state["out"] = self._step(0, tokens.clamp_min(0), hidden_in, positions, mask)
             self.cache.advance([1] * B)
             return self._logits(state["out"])

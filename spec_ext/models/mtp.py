@@ -13,18 +13,32 @@ target's ``lm_head``) turns the output into the logits of x_{p+i+2}.
 :func:`load_mtp` loads them for a target; :func:`layer_step` runs one layer over a
 :class:`~spec_ext.models.cache.SpecCache` (one cache layer per MTP layer) with spec_ext's
 attention (per-row offsets, tree masks), :func:`mtp_logits` applies the shared head.
+
+The speculators ``mtp`` directory format (speculators 0.9.0's ``MTPDraftModel``: one MTP layer,
+``transformer_layer_config`` a config of the target's architecture, weights
+``mtp_layers.0.{token_layernorm, hidden_layernorm, input_proj, final_layernorm}`` beside the
+decoder layer's own, embedding and head the verifier's) is read by :func:`load_speculators_mtp`
+into the same ``MtpModel`` (``token_layernorm`` is ``enorm``, ``hidden_layernorm`` ``hnorm``,
+``input_proj`` ``eh_proj``, ``final_layernorm`` ``post_norm``) and written by
+:func:`save_speculators_mtp`. Its layer runs at the position of the hidden state it reads (the
+library's and vLLM's), not one further on as transformers' ``MtpModel`` does:
+``position_shift`` 0 instead of 1 (the same attention under RoPE, by relative positions).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
 import os
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from spec_ext.models.hf import ATTENTION
 
-__all__ = ["layer_step", "load_mtp", "mtp_layers", "mtp_logits"]
+__all__ = ["is_mtp_directory", "layer_step", "load_mtp", "load_speculators_mtp", "mtp_layers", "mtp_logits",
+           "position_shift", "save_speculators_mtp"]
 
 
 def mtp_layers(model) -> int:
@@ -108,3 +122,191 @@ def mtp_logits(mtp, hidden: Tensor) -> Tensor:
     """The shared head's logits [..., V] float32 of MTP outputs ``hidden`` [..., H], as
     ``MtpModel`` makes them (muP scaling, the unpadded vocabulary)."""
     return mtp._project_to_logits(hidden).float()
+
+
+def position_shift(mtp) -> int:
+    """Where ``mtp``'s layer i at sequence index p runs: position p + i + shift (1: transformers'
+    ``MtpModel`` from a checkpoint; 0: a speculators ``mtp`` directory, as the library trains it
+    and vLLM runs it)."""
+    return int(getattr(mtp, "spec_ext_position_shift", 1))
+
+
+# ---------------------------------------------------------------- the speculators mtp format
+_SPECULATORS_KEYS = {"speculators_model_type", "architectures", "auto_map", "dtype", "torch_dtype",
+                     "num_nextn_predict_layers", "speculators_config", "speculators_version", "tie_word_embeddings",
+                     "transformer_layer_config", "transformers_version"}
+# the layer's own modules, speculators' names -> MtpLayer's
+_RENAMES = {"token_layernorm.": "enorm.", "hidden_layernorm.": "hnorm.", "input_proj.": "eh_proj.",
+            "final_layernorm.": "post_norm."}
+# weights the library may save that the target provides (the verifier's; vLLM and the library load them from it)
+_VERIFIER_WEIGHTS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight")
+# the library picks the last full-attention layer's config for these hybrid architectures
+_HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
+def is_mtp_directory(path: str | Path) -> bool:
+    """Whether ``path`` holds a speculators ``mtp`` checkpoint (``speculators_model_type: "mtp"``)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return json.loads(config.read_text()).get("speculators_model_type") == "mtp"
+    except (ValueError, AttributeError):
+        return False
+
+
+class _Verifier:
+    """What ``MtpModel.__init__`` reads of its main model: the MTP config, the decoder (its
+    layer and norm classes, rotary embedding), the embedding and the head (the target's)."""
+
+    def __init__(self, target, config):
+        self.config, self._target, self.lm_head = config, target, target.lm_head
+
+    def get_decoder(self):
+        return self._target.get_decoder()
+
+    def get_input_embeddings(self):
+        return self._target.get_input_embeddings()
+
+
+def _layer_config(layer: dict, target):
+    """The checkpoint's ``transformer_layer_config`` as a config of the target's class, made
+    an MTP config of one layer (its layer types the one the library builds its layer with)."""
+    config = type(target.config.get_text_config())(**{k: v for k, v in layer.items()
+                                                     if k not in ("architectures", "transformers_version")})
+    config.num_mtp_layers = 1
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        index = 0
+        if layer.get("model_type") in _HYBRID:
+            full = [i for i, t in enumerate(types) if t == "full_attention"]
+            if not full:
+                raise ValueError("transformer_layer_config.layer_types: a hybrid MTP layer needs a full_attention "
+                                 "layer's config, there is none")
+            index = full[-1]
+        config.mtp_layer_types = [types[index]]
+    return config
+
+
+def load_speculators_mtp(path: str | Path, target):
+    """The MTP layer of a speculators ``mtp`` directory as transformers' ``MtpModel`` for
+    ``target`` (its embedding, head, decoder-layer and norm classes), on the target's device
+    and in its dtype, in eval mode (``position_shift`` 0). The layer reads the target's last
+    hidden state (HF's ``hidden_states[L]``). Raises ``ValueError`` naming the field for a
+    checkpoint made for another target (model type, hidden size, vocabulary, layer count) or
+    one spec_ext cannot honour (more than one layer, unknown fields or weights)."""
+    from safetensors.torch import load_file
+    from transformers import initialization
+    from transformers.modeling_layers import MtpLayer, MtpModel
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"draft: {path} has no config.json")
+    data = json.loads((path / "config.json").read_text())
+    if data.get("speculators_model_type") != "mtp":
+        raise ValueError(f"speculators_model_type: {data.get('speculators_model_type')!r} is not 'mtp'")
+    unknown = sorted(set(data) - _SPECULATORS_KEYS)
+    if unknown:
+        raise ValueError(f"{unknown[0]}: a speculators mtp field spec_ext does not know (it cannot honour it)")
+    if int(data.get("num_nextn_predict_layers", 1)) != 1:
+        raise ValueError(f"num_nextn_predict_layers: {data['num_nextn_predict_layers']} (the speculators mtp format "
+                         f"holds one MTP layer, re-applied past the first draft)")
+    algorithm = (data.get("speculators_config") or {}).get("algorithm", "mtp")
+    if algorithm != "mtp":
+        raise ValueError(f"speculators_config.algorithm: {algorithm!r} is not 'mtp'")
+    layer = data.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ValueError("transformer_layer_config: missing (the MTP layer's architecture)")
+    text = target.config.get_text_config()
+    if layer.get("model_type") != text.model_type:
+        raise ValueError(f"transformer_layer_config.model_type: {layer.get('model_type')!r}, but the target is "
+                         f"{text.model_type!r} (the MTP layer is a decoder layer of the target's architecture)")
+    for field in ("hidden_size", "vocab_size", "num_hidden_layers"):
+        if field in layer and layer[field] != getattr(text, field):
+            raise ValueError(f"transformer_layer_config.{field}: {layer[field]}, but the target's is "
+                             f"{getattr(text, field)} (a checkpoint made for another target)")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"draft: {path} has no weights (*.safetensors)")
+    state = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    renamed, unexpected = {}, []
+    for name, tensor in state.items():
+        if name in _VERIFIER_WEIGHTS:
+            continue
+        if not name.startswith("mtp_layers.0."):
+            unexpected.append(name)
+            continue
+        rest = name[len("mtp_layers.0."):]
+        for old, new in _RENAMES.items():
+            if rest.startswith(old):
+                rest = new + rest[len(old):]
+                break
+        else:
+            rest = "mtp_block." + rest
+        renamed["layers.0." + rest] = tensor
+    if unexpected:
+        raise ValueError(f"draft: {path}: weights spec_ext does not know (it cannot honour them): {sorted(unexpected)[:6]}")
+    config = _layer_config(layer, target)
+    with initialization.no_init_weights(), initialization.no_tie_weights():
+        mtp = MtpModel(_Verifier(target, config), 1)
+    rotary = getattr(target.get_decoder(), "rotary_emb", None)
+    if rotary is not None:  # the layer's own rope (the library builds it from transformer_layer_config)
+        mtp.rotary_emb = type(rotary)(config=mtp.config)
+    missing, extra = mtp.layers.load_state_dict({k[len("layers."):]: v for k, v in renamed.items()}, strict=False)
+    if missing or extra:
+        raise ValueError(f"draft: {path}: MTP layer weights missing {sorted(missing)[:6]}, unexpected "
+                         f"{sorted(extra)[:6]} (transformer_layer_config does not describe them)")
+    mtp.spec_ext_position_shift = 0
+    mtp.spec_ext_speculators = {k: copy.deepcopy(data[k]) for k in ("transformer_layer_config", "speculators_config")
+                                if k in data}
+    return mtp.to(device=target.device, dtype=target.dtype).eval()
+
+
+def save_speculators_mtp(mtp, path: str | Path, target, speculative_tokens: int = 3) -> None:
+    """Write ``mtp`` (an ``MtpModel`` of one layer) as a speculators ``mtp`` directory for
+    ``target``: ``config.json`` and ``model.safetensors`` (``mtp_layers.0.*``; the embedding
+    and head are the target's and not written). A model loaded by :func:`load_speculators_mtp`
+    keeps its ``transformer_layer_config`` and ``speculators_config``; others take the
+    target's config and ``speculative_tokens`` greedy drafts. ValueError naming what the format
+    cannot hold (more layers, a shared post-norm, the hidden state before the embedding)."""
+    from safetensors.torch import save_file
+
+    if len(mtp.layers) != 1:
+        raise ValueError(f"num_nextn_predict_layers: the speculators mtp format holds one MTP layer, this model has "
+                         f"{len(mtp.layers)}")
+    if getattr(mtp, "use_shared_post_norm", False) or not getattr(mtp, "use_post_norm", True):
+        raise ValueError("post_norm: the speculators mtp format has one final norm per layer, this model has none "
+                         "(a shared post-norm)")
+    if getattr(mtp.config, "mtp_hidden_states_first", False):
+        raise ValueError("mtp_hidden_states_first: the speculators mtp format projects [embedding; hidden]")
+    if getattr(mtp.config, "logits_mup_width_multiplier", None) is not None:
+        raise ValueError("logits_mup_width_multiplier: the speculators mtp format applies the head unscaled")
+    back = {new: old for old, new in _RENAMES.items()}
+    state = {}
+    for name, tensor in mtp.layers[0].state_dict().items():
+        for new, old in back.items():
+            if name.startswith(new):
+                name = old + name[len(new):]
+                break
+        else:
+            name = name.removeprefix("mtp_block.")
+        state["mtp_layers.0." + name] = tensor.detach().contiguous().cpu()
+    kept = getattr(mtp, "spec_ext_speculators", None) or {}
+    layer = kept.get("transformer_layer_config") or target.config.get_text_config().to_diff_dict()
+    verifier = dict(name_or_path=getattr(target.config, "name_or_path", None) or None,
+                    architectures=list(getattr(target.config, "architectures", None) or []))
+    speculators = kept.get("speculators_config") or dict(
+        algorithm="mtp", default_proposal_method="greedy",
+        proposal_methods=[dict(proposal_type="greedy", speculative_tokens=int(speculative_tokens),
+                               verifier_accept_k=1, accept_tolerance=0.0)], verifier=verifier)
+    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    config = dict(architectures=["MTPDraftModel"], auto_map={"": "config.MTPSpeculatorConfig"}, dtype=dtype,
+                  num_nextn_predict_layers=1, speculators_config=speculators, speculators_model_type="mtp",
+                  speculators_version="0.9.0", tie_word_embeddings=bool(layer.get("tie_word_embeddings", False)),
+                  transformer_layer_config=layer)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
