@@ -277,3 +277,268 @@ def test_length_policies_and_hf_settings_with_mtp_drafts(policy):
                                pad_token_id=0, **settings)
     got = spec_ext.generate(target, "mtp", [prompt], max_new_tokens=16, eos_token_id=[], policy=policy, **settings)
     assert got.sequences[0].tolist() == expected[0].tolist()
+
+
+# ---------------------------------------------------------------- the speculators mtp directory
+class LibraryMtpLayer(torch.nn.Module):
+    """The speculators 0.9.0 ``mtp`` layer as the library defines it (``MTPLayerMixin`` over
+    a Qwen3 decoder layer), written here as the reference: ``final_layernorm(block(
+    input_proj([token_layernorm(embed); hidden_layernorm(h)])))`` at the hidden state's own
+    position, causal attention over the same step's earlier columns."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
+        width, eps = config.hidden_size, config.rms_norm_eps
+        self.block = Qwen3DecoderLayer(config, 0)
+        self.hidden_layernorm, self.token_layernorm = Qwen3RMSNorm(width, eps), Qwen3RMSNorm(width, eps)
+        self.input_proj = torch.nn.Linear(2 * width, width, bias=False)
+        self.final_layernorm = Qwen3RMSNorm(width, eps)
+        self.rotary = Qwen3RotaryEmbedding(config)
+        self.width, self.vocab = width, config.vocab_size
+
+    def forward(self, embeds, hidden):
+        positions = torch.arange(hidden.shape[1])[None].expand(len(hidden), -1)
+        x = self.input_proj(torch.cat([self.token_layernorm(embeds), self.hidden_layernorm(hidden)], -1))
+        x = self.block(x, attention_mask=None, position_ids=positions, position_embeddings=self.rotary(x, positions))
+        return self.final_layernorm(x[0] if isinstance(x, tuple) else x)
+
+    def library_state_dict(self):
+        """The weight names the library saves (``mtp_layers.0.*``, the decoder layer's own at its
+        top level; ``verifier_lm_head`` as it saves it, never loaded: NaN)."""
+        state = {f"mtp_layers.0.{k.removeprefix('block.')}": v.detach().clone() for k, v in self.state_dict().items()
+                 if not k.startswith("rotary")}
+        state["verifier_lm_head.weight"] = torch.full((self.vocab, self.width), float("nan"))
+        return state
+
+
+def qwen3_target(path, vocab=61, seed=0):
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                      tie_word_embeddings=False)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    model.save_pretrained(path)
+    return transformers.Qwen3ForCausalLM.from_pretrained(path).eval()
+
+
+def library_config(target, **changes):
+    """config.json as speculators 0.9.0's ``MTPDraftModel.save_pretrained`` writes it."""
+    config = {"architectures": ["MTPDraftModel"], "auto_map": {"": "config.MTPSpeculatorConfig"}, "dtype": "float32",
+              "num_nextn_predict_layers": 1,
+              "speculators_config": {"algorithm": "mtp", "default_proposal_method": "greedy",
+                                     "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy",
+                                                           "speculative_tokens": 3, "verifier_accept_k": 1}],
+                                     "verifier": {"architectures": ["Qwen3ForCausalLM"],
+                                                  "name_or_path": target.config.name_or_path}},
+              "speculators_model_type": "mtp", "speculators_version": "0.9.0", "tie_word_embeddings": False,
+              "transformer_layer_config": target.config.to_diff_dict(), "transformers_version": "5.19.0"}
+    config.update(changes)
+    return config
+
+
+def write_library_mtp(path, target, layer, config=None, state=None):
+    import json
+    os.makedirs(path, exist_ok=True)
+    save_file(state or layer.library_state_dict(), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config or library_config(target), f, indent=2)
+
+
+_LIBRARY: dict = {}
+
+
+def library_mtp(vocab=61):
+    """A tiny Qwen3 target and a speculators ``mtp`` directory for it, the layer trained a
+    little (step 0 and the re-applied step 1, as the library's FastMTP loss) on the target's
+    continuations: (target, directory, reference layer)."""
+    if vocab not in _LIBRARY:
+        transformers.logging.set_verbosity_error()
+        root = tempfile.mkdtemp(prefix="mtp-speculators-")
+        target = qwen3_target(os.path.join(root, "target"), vocab)
+        torch.manual_seed(1)
+        layer = LibraryMtpLayer(target.config).train()
+        g = torch.Generator().manual_seed(2)
+        embed = target.get_input_embeddings()
+        with torch.no_grad():
+            seqs = target.generate(torch.randint(3, vocab, (24, 4), generator=g), max_new_tokens=20, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)
+            h = target(seqs, output_hidden_states=True).hidden_states[-1]
+        optimizer = torch.optim.Adam(layer.parameters(), lr=3e-3)
+        n = seqs.shape[1] - 3
+        for _ in range(60):
+            optimizer.zero_grad()
+            hidden, loss = h[:, :n], 0.0
+            for step in range(2):
+                hidden = layer(embed(seqs[:, step + 1:step + 1 + n]).detach(), hidden)
+                logits = target.lm_head(hidden)
+                loss = loss + torch.nn.functional.cross_entropy(logits.reshape(-1, vocab),
+                                                                seqs[:, step + 2:step + 2 + n].reshape(-1))
+            loss.backward()
+            optimizer.step()
+        layer.eval()
+        write_library_mtp(os.path.join(root, "mtp"), target, layer)
+        _LIBRARY[vocab] = target, os.path.join(root, "mtp"), layer
+    return _LIBRARY[vocab]
+
+
+def test_a_speculators_mtp_directory_drafts_what_the_library_computes():
+    """Loaded from the directory (``load``, what ``accelerate``/``--draft DIR`` call), the first
+    round's draft distribution of every row of a ragged batch is the library layer's at the
+    row's last hidden state (its step 0), and the MTP weights are the written ones."""
+    from spec_ext.drafters import load
+    target, path, layer = library_mtp()
+    mtp = load(path, target)
+    assert type(mtp).__name__ == "MtpModel" and mtp.embed_tokens is target.get_input_embeddings()
+    written = layer.library_state_dict()
+    renames = {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj",
+               "post_norm": "final_layernorm"}
+    for name, tensor in mtp.layers[0].state_dict().items():
+        head, _, rest = name.partition(".")
+        theirs = f"mtp_layers.0.{renames[head]}.{rest}" if head in renames else f"mtp_layers.0.{rest}"
+        assert torch.equal(tensor, written[theirs]), name
+    sampled, _ = fresh_proposal(target, mtp, Fixed(1), PROMPTS, Sampler(1.0))
+    for b, seq in enumerate(PROMPTS):
+        with torch.no_grad():
+            out = layer(target.get_input_embeddings()(torch.tensor([seq[1:]])), target_features(target, seq))
+            expected = torch.softmax(target.lm_head(out)[0, -1].float(), -1)
+        torch.testing.assert_close(sampled.q[b, 0], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", [Fixed(4), "auto", DynamicTree(depth=3, top_k=2, nodes=6)])
+def test_a_speculators_mtp_directory_greedy_equals_the_target(policy):
+    target, path, _ = library_mtp()
+    out = ragged_greedy_equals_target(target, path, PROMPTS, policy, 24, range(4, 11))
+    assert out.stats.accepted > 0
+    fast = spec_ext.accelerate(target, path, policy=policy)
+    prompt = torch.tensor([PROMPTS[0]])
+    assert torch.equal(fast.generate(prompt, max_new_tokens=12, eos_token_id=None, pad_token_id=0),
+                       target.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0))
+
+
+def test_a_speculators_mtp_directory_round_trips_bit_equal():
+    """Loaded and written again: the same tensors under the same names (the verifier's head,
+    which the library saves unloaded, is not written), the same config."""
+    import json
+    from safetensors.torch import load_file
+    from spec_ext.models.mtp import load_speculators_mtp, save_speculators_mtp
+    target, path, _ = library_mtp()
+    mtp = load_speculators_mtp(path, target)
+    with tempfile.TemporaryDirectory() as again:
+        save_speculators_mtp(mtp, again, target)
+        mine, theirs = load_file(os.path.join(again, "model.safetensors")), load_file(os.path.join(path, "model.safetensors"))
+        theirs.pop("verifier_lm_head.weight")
+        assert sorted(mine) == sorted(theirs)
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+        config = json.loads(open(os.path.join(again, "config.json")).read())
+        expected = json.loads(open(os.path.join(path, "config.json")).read())
+        expected.pop("transformers_version")
+        assert config == expected
+        reloaded = load_speculators_mtp(again, target)
+        assert all(torch.equal(a, b) for a, b in zip(mtp.state_dict().values(), reloaded.state_dict().values()))
+    glm, _ = target_with_mtp("glm4_moe", 2)
+    with tempfile.TemporaryDirectory() as out, pytest.raises(ValueError, match="num_nextn_predict_layers: .* has 2"):
+        save_speculators_mtp(load_mtp(glm), out, glm)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(num_nextn_predict_layers=2), "num_nextn_predict_layers: 2"),
+    (dict(num_centroids=64), "num_centroids: a speculators mtp field spec_ext does not know"),
+    (dict(speculators_config={"algorithm": "eagle3"}), "speculators_config.algorithm: 'eagle3'"),
+    ({"transformer_layer_config.hidden_size": 64}, r"transformer_layer_config.hidden_size: 64, but the target's is 32"),
+    ({"transformer_layer_config.vocab_size": 99}, r"transformer_layer_config.vocab_size: 99, but the target's is 61"),
+    ({"transformer_layer_config.num_hidden_layers": 3}, "transformer_layer_config.num_hidden_layers: 3"),
+    ({"transformer_layer_config.model_type": "qwen2"}, "transformer_layer_config.model_type: 'qwen2', but the target"),
+    ({"weights": "masked_embedding.centroids.weight"}, "weights spec_ext does not know .*masked_embedding"),
+], ids=["layers", "centroids", "algorithm", "hidden", "vocab", "layer-count", "model-type", "weights"])
+def test_a_speculators_mtp_directory_spec_ext_cannot_honour_is_refused_by_field(change, message):
+    from spec_ext.drafters import load
+    target, _, layer = library_mtp()
+    config, state = library_config(target), layer.library_state_dict()
+    for key, value in change.items():
+        if key == "weights":
+            state[value] = torch.zeros(4, 32)
+        elif key.startswith("transformer_layer_config."):
+            config["transformer_layer_config"][key.split(".", 1)[1]] = value
+        else:
+            config[key] = value
+    with tempfile.TemporaryDirectory() as path:
+        write_library_mtp(path, target, layer, config, state)
+        with pytest.raises(ValueError, match=message):
+            load(path, target)
+
+
+# ---------------------------------------------------------------- HF's logits settings and grammars
+SETTINGS = dict(repetition_penalty=1.3, no_repeat_ngram_size=3)
+
+
+def hf_row(target, prompt, max_new, eos, **settings):
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
+                          pad_token_id=0, **settings)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("mtp_layers,policy", [(2, Fixed(4)), (2, "confidence"), (2, "svip"), (2, "auto"),
+                                               (1, "tree"), (1, DynamicTree(depth=3, top_k=2, nodes=6))],
+                         ids=["fixed", "confidence", "svip", "auto", "tree", "dynamic-tree"])
+def test_hf_logits_settings_greedy_on_a_ragged_batch_with_eos(mtp_layers, policy):
+    """repetition_penalty and no_repeat_ngram_size, applied to p and q alike: each row of a
+    left-padded batch equals ``target.generate`` of its prompt alone with the same settings,
+    an EOS ending row 0 early."""
+    target, _ = target_with_mtp("glm4_moe", mtp_layers)
+    free = hf_row(target, PROMPTS[0], 20, [], **SETTINGS)
+    eos = next(free[i] for i in range(4, 11) if free[i] not in free[:i])
+    L = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (L - len(p)) + p for p in PROMPTS])
+    mask = (torch.arange(L)[None] >= torch.tensor([L - len(p) for p in PROMPTS])[:, None]).long()
+    out = spec_ext.generate(target, "mtp", ids, attention_mask=mask, max_new_tokens=20, eos_token_id=eos,
+                            pad_token_id=0, policy=policy, **SETTINGS)
+    for b, prompt in enumerate(PROMPTS):
+        expected = hf_row(target, prompt, 20, eos, **SETTINGS)
+        got = out.sequences[b, L:].tolist()
+        assert got == expected + [0] * (len(got) - len(expected)), f"row {b}"
+    assert out.sequences[0, L:].tolist().index(eos) < 19
+    assert out.stats.accepted > 0
+
+
+@pytest.mark.parametrize("mtp_layers,policy,temperature,top_k,top_p",
+                         [(2, Fixed(3), 1.0, None, 0.8), (1, DynamicTree(depth=2, top_k=2, nodes=4), 0.8, 5, 0.9)],
+                         ids=["chain-top-p", "dynamic-tree-top-k-top-p"])
+def test_top_k_top_p_sampling_follows_the_target_distribution(mtp_layers, policy, temperature, top_k, top_p):
+    target, _ = target_with_mtp("glm4_moe", mtp_layers, vocab=VOCAB)
+    out = spec_ext.generate(target, "mtp", [PROMPT] * 20_000, max_new_tokens=3, temperature=temperature, top_k=top_k,
+                            top_p=top_p, eos_token_id=[], policy=policy, seed=11)
+    assert_follows(out.sequences[:, len(PROMPT):].numpy(), exact_joint(target, Sampler(temperature, top_k, top_p)))
+    assert 0 < out.stats.accepted < out.stats.drafted
+
+
+@pytest.mark.parametrize("mtp_layers,policy", [(2, "fixed"), (2, "confidence"), (2, "svip"), (2, "auto"),
+                                               (1, "tree"), (1, "dynamictree")])
+def test_grammars_with_mtp_drafts_greedy_equal_hf(mtp_layers, policy):
+    """Per-row grammars (a regex, a JSON schema, none) on a ragged batch with EOS, a one-token
+    prompt among them: equal to ``target.generate`` with the grammar engine's masks as an HF
+    processor (tests/test_grammar.py's oracle)."""
+    from helpers import byte_tokenizer
+    from spec_ext import Grammar
+    from test_grammar import EOS, SCHEMA, LLGuidanceProcessor
+    tokenizer = byte_tokenizer()
+    target, _ = target_with_mtp("glm4_moe", mtp_layers, vocab=len(tokenizer) + 4)
+    prompts = [[1, 70, 71], [1], [1, 80, 81, 82, 83]]
+    grammars = [Grammar.regex("(ab|c)+b"), Grammar.json_schema(SCHEMA), None]
+    L = max(map(len, prompts))
+    ids = torch.tensor([[EOS] * (L - len(p)) + p for p in prompts])
+    mask = (torch.arange(L)[None] >= torch.tensor([L - len(p) for p in prompts])[:, None]).long()
+    processor = LLGuidanceProcessor(grammars, tokenizer, target.config.vocab_size, L)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=EOS,
+                               pad_token_id=EOS, logits_processor=[processor])
+    fast = spec_ext.accelerate(target, "mtp", policy=policy)
+    got = fast.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=EOS,
+                        pad_token_id=EOS, tokenizer=tokenizer, grammar=grammars)
+    assert torch.equal(got, expected)
+    assert EOS in got[1, L:].tolist(), "the JSON object completes"
+    assert fast.last_stats.accepted > 0
