@@ -143,16 +143,26 @@ def test_greedy_ragged_batch_with_eos_where_transformers_refuses(kind, mtp_layer
     with pytest.raises(ValueError):
         target.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=4, use_mtp=True, do_sample=False)
     policies = {("glm4_moe", 1): [Fixed(4), DynamicTree(depth=3, top_k=2, nodes=6)],
-                ("deepseek_v3", 1): [Fixed(4), "tree"], ("glm4_moe", 2): [Fixed(4)]}[kind, mtp_layers]
+                ("deepseek_v3", 1): [Fixed(4), "tree"],
+                ("glm4_moe", 2): [Fixed(4), Tree(), DynamicTree(depth=4, top_k=2, nodes=8)]}[kind, mtp_layers]
     for policy in policies:
         out = ragged_greedy_equals_target(target, "mtp", PROMPTS, policy, 24, range(4, 11))
         assert out.stats.accepted > 0
 
 
-def test_trees_need_one_mtp_layer():
+def test_a_trees_first_children_are_the_greedy_chain():
+    """Trees of a checkpoint of two MTP layers draft each depth with the layer a chain uses
+    there (layer min(d, K) - 1 for depth d, the last one again past K): the path of first
+    children of a static tree is the greedy chain, row by row of a ragged batch (a two-token
+    prompt among them, whose first round has no committed index for layer 1's root)."""
     target, _ = target_with_mtp("glm4_moe", 2)
-    with pytest.raises(ValueError, match="policy: Tree grows a tree.*this one has 2"):
-        spec_ext.generate(target, "mtp", [[5, 6]], max_new_tokens=4, policy="tree")
+    mtp = load_mtp(target)
+    policy = Tree((2, 2, 2, 1))
+    tree, _ = fresh_proposal(target, mtp, policy, PROMPTS)
+    chain, _ = fresh_proposal(target, mtp, Fixed(4), PROMPTS)
+    first = [level[0] for level in policy.levels]
+    assert torch.equal(tree.tokens[:, first], chain.tokens)
+    assert len({tuple(row) for row in chain.tokens.tolist()}) == len(PROMPTS)
 
 
 def test_a_target_without_mtp_layers_is_refused_by_name():
@@ -230,8 +240,10 @@ class Recording(MtpDrafter):
 
 
 @pytest.mark.parametrize("kind,mtp_layers,policy", [("glm4_moe", 1, Fixed(4)), ("deepseek_v3", 1, Tree()),
-                                                    ("glm4_moe", 2, Fixed(4)), ("glm4_moe", 1, DynamicTree(3, 2, 6))],
-                         ids=["glm-chain", "mla-tree", "glm2-chain", "glm-dynamic-tree"])
+                                                    ("glm4_moe", 2, Fixed(4)), ("glm4_moe", 1, DynamicTree(3, 2, 6)),
+                                                    ("glm4_moe", 2, Tree()), ("glm4_moe", 2, DynamicTree(4, 2, 8))],
+                         ids=["glm-chain", "mla-tree", "glm2-chain", "glm-dynamic-tree", "glm2-tree",
+                              "glm2-dynamic-tree"])
 def test_after_every_commit_the_next_proposal_is_a_fresh_drafters(kind, mtp_layers, policy):
     """Every round of a ragged batch (accepted and rejected drafts, chains past the layers,
     trees): the drafter's proposal on its incremental state equals a new drafter's on the
@@ -248,15 +260,15 @@ def test_after_every_commit_the_next_proposal_is_a_fresh_drafters(kind, mtp_laye
 
 
 # ---------------------------------------------------------------- exact sampling
-@pytest.mark.parametrize("kind,mtp_layers,temperature,top_k", [("glm4_moe", 1, 1.0, None),
-                                                               ("deepseek_v3", 1, 0.7, 4),
-                                                               ("glm4_moe", 2, 1.0, None)])
-def test_sampling_follows_the_target_distribution(kind, mtp_layers, temperature, top_k):
+@pytest.mark.parametrize("kind,mtp_layers,temperature,top_k,policy", [
+    ("glm4_moe", 1, 1.0, None, None), ("deepseek_v3", 1, 0.7, 4, None), ("glm4_moe", 2, 1.0, None, None),
+    ("glm4_moe", 2, 1.0, None, Tree((2, 1, 1)))], ids=["glm", "mla-top-k", "glm2", "glm2-tree"])
+def test_sampling_follows_the_target_distribution(kind, mtp_layers, temperature, top_k, policy):
     """The first 3 tokens after a 3-token prompt, 20,000 rows, against the enumerated joint
-    distribution; chains past the MTP layers."""
+    distribution; chains past the MTP layers (Fixed(K + 1)), a tree past them."""
     target, _ = target_with_mtp(kind, mtp_layers, vocab=VOCAB)
     out = spec_ext.generate(target, "mtp", [PROMPT] * 20_000, max_new_tokens=3, temperature=temperature, top_k=top_k,
-                            eos_token_id=[], policy=Fixed(mtp_layers + 1), seed=7)
+                            eos_token_id=[], policy=policy or Fixed(mtp_layers + 1), seed=7)
     assert_follows(out.sequences[:, len(PROMPT):].numpy(), exact_joint(target, Sampler(temperature, top_k)))
     assert 0 < out.stats.accepted < out.stats.drafted
 

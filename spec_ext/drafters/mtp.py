@@ -19,8 +19,8 @@ class MtpDrafter(Drafter):
     text (n + 2 tokens, x_{n+1} the root), from layer i-2's output there (layer 0: the
     target's hidden state h_n) and the embedding of the token before it (draft i-1; the root
     for draft 1). A chain longer than K re-applies the last layer to its own output at
-    indices n+1, n+2, ... (as vLLM does); trees (``Tree``, ``DynamicTree``: top-k children)
-    for K = 1, the last layer grown over the tree.
+    indices n+1, n+2, ... (as vLLM does); trees (``Tree``, ``DynamicTree``: top-k children),
+    a node at depth d drafting its children with layer min(d + 1, K) - 1 as chains do.
 
     State: one :class:`SpecCache` layer per MTP layer, all of one length per row: the indices
     every layer has seen with committed tokens only (layer i at index p reads tokens up to
@@ -41,10 +41,6 @@ class MtpDrafter(Drafter):
         self.num_mtp = len(mtp.layers)
         self.shift = position_shift(mtp)  # layer i at index p runs at position p + i + shift
         self.hidden = policy.uses_draft_hidden
-        if self.num_mtp > 1 and (policy.grows_dynamic_tree or policy.branching is not None):
-            raise ValueError(f"policy: {type(policy).__name__} grows a tree, which the MTP drafter grows for a "
-                             f"checkpoint of one MTP layer; this one has {self.num_mtp} (each layer past the first "
-                             "reads drafts of the steps before it): use a chain policy")
 
     @property
     def proposer(self):
@@ -99,7 +95,7 @@ class MtpDrafter(Drafter):
         first_t = torch.tensor(first, device=device)
         positions = first_t[:, None] + self.shift + torch.arange(M, device=device)  # layer 0's: index + shift
         rows, last = torch.arange(B, device=device), span_t - 1
-        self._valid, self._layers_run = list(valid), 1
+        self._valid, self._layers_run, self._tree_round = list(valid), 1, False
         out = self._step(0, tokens[:, :M], self.pending[:, :M], positions)  # rows that finished may have been wider
         if K == 1:  # every layer has its catch-up: the cache keeps it until commit says how much
             self.cache.advance(span, span_t)
@@ -107,7 +103,7 @@ class MtpDrafter(Drafter):
         if self.policy.uses_bonus_agreement:  # layer 0 at index p predicts x_{p+2}: the bonus is tokens[last]
             self.policy.see_bonus_agreement(self.bonus_agreement(self._logits(out), tokens[:, :M], last))
         if self.policy.grows_dynamic_tree or self.policy.branching is not None:
-            return self._tree(out, logits, roots, first_t, last)
+            return self._tree(out, logits, roots, first_t, span_t, tokens, positions)
         state = {"drafts": 0, "out": out, "hidden": out[rows, last]}
 
         def step(token: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -131,27 +127,59 @@ class MtpDrafter(Drafter):
                                                        self.policy.plan())
         return Proposal(drafts, num_draft, q, confidence=confidence)
 
-    def _tree(self, out: Tensor, logits: Tensor, roots: Tensor, first_t: Tensor, last: Tensor) -> Proposal:
-        """A static tree (``Tree``) or EAGLE-2's (``DynamicTree``) of the one MTP layer: each
-        level re-feeds the root (the root token with the target's hidden state, at its own
-        index) and the tree so far, each node paired with its parent's output."""
-        B, rows = len(roots), torch.arange(len(roots), device=self.device)
-        root_input = self.pending[rows, last]
-        fake = torch.tensor(self.fake, dtype=torch.int64, device=self.device)
-        state = {"out": out[rows, last][:, None]}
+    def _tree(self, out: Tensor, logits: Tensor, roots: Tensor, first_t: Tensor, span_t: Tensor, tokens: Tensor,
+              positions: Tensor) -> Proposal:
+        """A static tree (``Tree``) or EAGLE-2's (``DynamicTree``): the children of a node at
+        depth d are drafted by layer min(d + 1, K) - 1, as a chain's draft d + 1 is. Layer l runs
+        at index n - l + j for a node at depth j (the root x_{n+1} at n - l, its last committed
+        index) from layer l-1's output for the node's parent there (layer l's own past the
+        layers; the root's: layer l-1's catch-up at n - l, the target's h_n for layer 0),
+        attending to its committed indices and the node's ancestors. Each level re-feeds the
+        root and the tree so far through its layer; a node at an index below the row's first
+        (a short prompt's first round) does not exist, as in a chain, and nothing sees it."""
+        B, K, device = len(roots), self.num_mtp, self.device
+        rows, M, valid, span = torch.arange(B, device=device), positions.shape[1], self._valid, self.span
+        if K == 1:
+            self.cache.rollback(valid, self.cache.lengths - span_t)
+        if tokens.shape[1] < M + K:
+            tokens = F.pad(tokens, (0, M + K - tokens.shape[1]))
+        catch = [out]  # every layer over the committed indices (columns past span - 1 - l read no committed token)
+        for layer in range(1, K):
+            catch.append(self._step(layer, tokens[:, layer:layer + M], catch[-1], positions + layer))
+        self._layers_run = K
+        root_col = [(span_t - 1 - layer).clamp_min(0) for layer in range(K)]
+        root_in = [self.pending[rows, span_t - 1]] + [catch[layer - 1][rows, root_col[layer]] for layer in range(1, K)]
+        outs = {layer: catch[layer][rows, root_col[layer]][:, None] for layer in range(K)}  # A(layer, root)
+        level = [0]
 
-        def refeed(tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
-            width = root_input.shape[-1]
-            from_parents = state["out"].gather(1, parents[:, 1:, None].expand(-1, -1, width))
-            hidden_in = torch.cat([root_input[:, None], from_parents], 1)
-            self.cache.rollback([n - 1 for n in self.cache.host_lengths])  # the root is re-fed with the tree
-            positions = (self.cache.lengths - fake)[:, None] + depth + self.shift
-            state["out"] = self._step(0, tokens.clamp_min(0), hidden_in, positions, mask)
-            self.cache.advance([1] * B)
-            return self._logits(state["out"])
+        def refeed(nodes: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
+            level[0] += 1
+            layer = min(level[0], K - 1)
+            width = root_in[0].shape[-1]
+            parent = parents[:, 1:].clamp_min(0)
+
+            def of(source: Tensor) -> Tensor:
+                index = parent.clamp(max=source.shape[1] - 1)
+                return source.gather(1, index[..., None].expand(-1, -1, width))
+
+            own = of(outs[layer])
+            hidden_in = own if layer == 0 else torch.where((depth[:, 1:] <= layer)[..., None], of(outs[layer - 1]), own)
+            hidden_in = torch.cat([root_in[layer][:, None], hidden_in], 1)
+            if min(span) - 1 - layer < 0:  # a node at index n - layer + j < first exists in no row's text
+                mask = _without(mask, (span_t[:, None] - 1 - layer + depth) >= 0)
+            before = root_col[layer]  # layer's committed entries before its root
+            self.cache.advance(before.tolist(), before)
+            at = (first_t + span_t - 1)[:, None] + depth + self.shift  # index n - layer + j, position + layer + shift
+            outs[layer] = self._step(layer, nodes.clamp_min(0), hidden_in, at, mask)
+            self.cache.rollback(valid, self.cache.lengths - before)
+            return self._logits(outs[layer])
 
         grow = grow_static_tree if self.policy.branching is not None else grow_dynamic_tree
-        return grow(self.policy, logits, roots, refeed, self.sampler)
+        proposal = grow(self.policy, logits, roots, refeed, self.sampler)
+        self._tree_round = True  # every layer's entries up to index n - K + 1 are committed ones
+        kept = (span_t - K + 1).clamp_min(0)
+        self.cache.advance(kept.tolist(), kept)
+        return proposal
 
     def commit(self, outcome: Outcome) -> None:
         K, accepted = self.num_mtp, outcome.accepted
@@ -160,7 +188,8 @@ class MtpDrafter(Drafter):
         # computed: the indices every layer has now seen (the fake one of a one-token prompt
         # never counts); the last K of the committed text's indices read a draft past what
         # was accepted, or the bonus's position, through some layer: recomputed next round
-        computed = [n + 1 if self._layers_run == K else v for n, v in zip(last, self._valid)]
+        computed = [n - K + 2 if self._tree_round else n + 1 if self._layers_run == K else v
+                    for n, v in zip(last, self._valid)]
         kept = [max(0, min(c, n + a + 2 - K)) for c, n, a in zip(computed, last, accepted)]
         self.cache.rollback(kept)
         # what the layers have not seen: the target's hidden states from each row's kept
@@ -186,3 +215,18 @@ class MtpDrafter(Drafter):
         self.pending = self.pending[index]
         self.span, self.fake = [self.span[i] for i in rows], [self.fake[i] for i in rows]
         self.keep_bonus_rows(index)
+
+
+def _without(mask: Tensor, exists: Tensor) -> Tensor:
+    """Tree bits ``mask`` [B|1,T,W] int32 with every node j where ``exists[b, j]`` [B,T] is
+    False unseen by the others (each node still sees itself)."""
+    B, T = exists.shape
+    W = mask.shape[-1]
+    weights = torch.tensor([1 << k for k in range(32)], dtype=torch.int64, device=mask.device)
+
+    def pack(bits: Tensor) -> Tensor:
+        packed = (F.pad(bits, (0, W * 32 - T)).view(*bits.shape[:-1], W, 32).long() * weights).sum(-1)
+        return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+
+    eye = pack(torch.eye(T, dtype=torch.bool, device=mask.device))
+    return (mask.expand(B, -1, -1) & pack(exists)[:, None]) | eye[None]
