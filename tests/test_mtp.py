@@ -241,9 +241,10 @@ class Recording(MtpDrafter):
 
 @pytest.mark.parametrize("kind,mtp_layers,policy", [("glm4_moe", 1, Fixed(4)), ("deepseek_v3", 1, Tree()),
                                                     ("glm4_moe", 2, Fixed(4)), ("glm4_moe", 1, DynamicTree(3, 2, 6)),
-                                                    ("glm4_moe", 2, Tree()), ("glm4_moe", 2, DynamicTree(4, 2, 8))],
+                                                    ("glm4_moe", 2, Tree()), ("glm4_moe", 2, DynamicTree(4, 2, 8)),
+                                                    ("glm4_moe", 2, Fixed(1))],
                          ids=["glm-chain", "mla-tree", "glm2-chain", "glm-dynamic-tree", "glm2-tree",
-                              "glm2-dynamic-tree"])
+                              "glm2-dynamic-tree", "glm2-chain-shorter-than-the-layers"])
 def test_after_every_commit_the_next_proposal_is_a_fresh_drafters(kind, mtp_layers, policy):
     """Every round of a ragged batch (accepted and rejected drafts, chains past the layers,
     trees): the drafter's proposal on its incremental state equals a new drafter's on the

@@ -125,6 +125,16 @@ class MtpDrafter(Drafter):
         drafts, q, num_draft, confidence = draft_chain(self.policy, self.sampler, self.generator, logits,
                                                        state["hidden"] if self.hidden else None, step,
                                                        self.policy.plan())
+        if self._layers_run < K:  # the chain stopped before the last layer: the rest catch up on the committed
+            # indices, so the cache keeps what every layer saw (not recomputed next round); the drafts in
+            # place (the last one was never stepped), read by the indices an accepted draft keeps
+            tokens.scatter_(1, span_t[:, None] + torch.arange(drafts.shape[1], device=device), drafts.clamp_min(0))
+            if tokens.shape[1] < M + K:
+                tokens = F.pad(tokens, (0, M + K - tokens.shape[1]))
+            for i in range(self._layers_run, K):
+                state["out"] = self._step(i, tokens[:, i:i + M], state["out"], positions + i)
+            self._layers_run = K
+            self.cache.advance(span, span_t)
         return Proposal(drafts, num_draft, q, confidence=confidence)
 
     def _tree(self, out: Tensor, logits: Tensor, roots: Tensor, first_t: Tensor, span_t: Tensor, tokens: Tensor,
