@@ -101,8 +101,8 @@ def fake_clock():
 
 def survival(policy, confidences):
     out, alive = [], 1.0
-    for c in confidences:
-        alive *= policy.acceptance(c)
+    for depth, c in enumerate(confidences, 1):
+        alive *= policy.acceptance(c, depth)
         out.append(alive)
     return out
 
@@ -184,8 +184,12 @@ def test_tree_trim_is_the_brute_force_optimum_over_subtrees(seed):
                         int(depth.max()), confidence=confidence)
     trimmed = policy.select(proposal)
 
+    def node_depth(i):
+        return 0 if i == 0 else 1 + node_depth(parents[i])
+
     def node_survival(b, i):
-        return 1.0 if i == 0 else node_survival(b, parents[i]) * policy.acceptance(float(confidence[b, i]))
+        return 1.0 if i == 0 else node_survival(b, parents[i]) * policy.acceptance(float(confidence[b, i]),
+                                                                                   node_depth(i))
 
     def rate(sets):
         expected = sum(1 + sum(node_survival(b, i) for i in s) for b, s in enumerate(sets))
@@ -442,8 +446,9 @@ def test_sampling_with_hf_settings_follows_hf_processors(shape):
 # ---------------------------------------------------------------------------- calibration from trees
 def test_a_tree_rounds_reached_nodes_calibrate_the_confidence_bins():
     """By hand: a tree (root; 1, 2 under it; 3, 4 under 1; 5 under 2), nodes 1 and 3 accepted:
-    reached were 1 and 2 (the root's children) and 3 and 4 (node 1's); 5 (under the rejected
-    2) was never reached. Passed: 1 and 3. Also after a trim (node ids renumbered)."""
+    reached were 1 and 2 (the root's children: the first depth class) and 3 and 4 (node 1's:
+    the later one); 5 (under the rejected 2) was never reached. Passed: 1 and 3. Also after
+    a trim (node ids renumbered)."""
     parents = [-1, 0, 0, 1, 1, 2]
     conf = [1.0, 0.95, 0.05, 0.85, 0.35, 0.55]  # bins 9, 0, 8, 3, 5
     depth, mask = ops.tree_mask(torch.tensor(parents))
@@ -453,7 +458,7 @@ def test_a_tree_rounds_reached_nodes_calibrate_the_confidence_bins():
         cost = (lambda r, w: 1.0 + 0.1 * (w - 1)) if trimmed else (lambda r, w: 1.0)
         policy = Adaptive(tree=Tree((2, 2)), costs=FixedCosts(cost), forget=1.0, explore=False, clock=clock)
         policy.start(1, greedy=True)
-        before = list(policy._reached), list(policy._passed)
+        before = [list(r) for r in policy._reached], [list(p) for p in policy._passed]
         proposal = Proposal(torch.arange(6)[None], torch.tensor([5]), None, torch.tensor(parents), depth[0], mask,
                             int(depth.max()), confidence=torch.tensor([conf]))
         verified = policy.select(proposal)
@@ -464,10 +469,65 @@ def test_a_tree_rounds_reached_nodes_calibrate_the_confidence_bins():
         policy.see_tree_path(torch.tensor([[0, renumber[1], renumber[3]]]))
         policy.observe([len(kept)], [2])
         reached = [i for i in (1, 2, 3, 4) if i in kept]
-        for i in range(len(CENTRES)):
-            in_bin = [n for n in reached if bisect.bisect_left(EDGES, conf[n]) == i]
-            assert policy._reached[i] == pytest.approx(before[0][i] + len(in_bin)), i
-            assert policy._passed[i] == pytest.approx(before[1][i] + sum(n in (1, 3) for n in in_bin)), i
+        for d, nodes in enumerate(((1, 2), (3, 4))):  # depth 1, depth 2
+            for i in range(len(CENTRES)):
+                in_bin = [n for n in reached if n in nodes and bisect.bisect_left(EDGES, conf[n]) == i]
+                assert policy._reached[d][i] == pytest.approx(before[0][d][i] + len(in_bin)), (d, i)
+                assert policy._passed[d][i] == pytest.approx(before[1][d][i] + sum(n in (1, 3) for n in in_bin)), (d, i)
+
+
+def test_depth_classes_learn_bursty_acceptance_and_the_plan_follows_it():
+    """Chains of 4 drafts, every confidence 0.25, verified whole (a flat verification cost):
+    the first draft is accepted in half the rounds, and once it is, every later one. The first
+    depth class learns about 1/2, the later one about 1 (one table for all depths would say
+    2/3 everywhere, and price 4 drafts at a survival under 0.2 instead of 0.5). plan(), with a
+    verification that grows with the width, then bounds the chains at the most drafts it
+    allows; where no draft after the first is ever accepted, at the first and two more."""
+    def learned(accepted):
+        now, clock = fake_clock()
+        policy = Adaptive(max_draft=8, costs=FixedCosts(lambda r, w: 1.0), forget=1.0, explore=False, clock=clock)
+        policy.start(1, greedy=True)
+        for r in range(60):
+            verified = policy.select(Proposal(torch.arange(4)[None], torch.tensor([4]),
+                                              confidence=torch.full((1, 4), 0.25)))
+            assert verified.num_draft.tolist() == [4]
+            policy.observe([4], [accepted(r)])
+        policy.costs = FixedCosts(lambda r, w: 1.0 + 0.05 * (w - 1), step=0.02)
+        return policy
+
+    prior = Adaptive(max_draft=8, costs=FixedCosts(lambda r, w: 1.0 + 0.05 * (w - 1), step=0.02))
+    prior.start(1, greedy=True)
+    bursty = learned(lambda r: 4 if r % 2 else 0)
+    assert bursty.acceptance(0.25, 1) == pytest.approx(0.5, abs=0.03)
+    assert bursty.acceptance(0.25, 2) > 0.95 and bursty.acceptance(0.25, 3) == bursty.acceptance(0.25, 2)
+    assert bursty.plan() == [8] and prior.plan()[0] < 8, prior.plan()
+    first_only = learned(lambda r: 1)
+    assert first_only.acceptance(0.25, 1) > 0.95 and first_only.acceptance(0.25, 2) < 0.05
+    assert first_only.plan()[0] <= 4 < prior.plan()[0], (first_only.plan(), prior.plan())
+
+
+def test_a_stale_draft_step_cost_does_not_stop_every_chain_for_good():
+    """The draft step's cost read from the costs is stale (a second per step, from one stalled
+    round); a step really takes a millisecond. Confident drafts, a verification of 10 ms:
+    chains stop at their first draft until the exploring round drafts a second step, whose
+    measured time then lets the next chains go on."""
+    now, clock = fake_clock()
+    policy = Adaptive(max_draft=6, costs=FixedCosts(lambda r, w: 10e-3, step=1.0), clock=clock)
+    policy.start(1, greedy=True)
+    probs, token = torch.tensor([[0.02, 0.98]]), torch.tensor([1])
+    went = []
+    for r in range(10):
+        go = policy.keep_drafting(1, probs, token)
+        went.append(bool(go[0]))
+        if go[0]:
+            now[0] += 1e-3
+            policy.keep_drafting(2, probs, token)
+        verified = policy.select(Proposal(torch.tensor([[1, 1]]), torch.tensor([2]),
+                                          confidence=torch.tensor([[0.98, 0.98]])))
+        now[0] += 10e-3
+        n = int(verified.num_draft[0])
+        policy.observe([n], [n])
+    assert went[:7] == [False] * 7 and went[7] and all(went[8:]), went
 
 
 @pytest.mark.parametrize("drafter", ["model", "head"])
@@ -481,10 +541,10 @@ def test_tree_rounds_update_the_calibration_and_the_step_costs(request, drafter)
     prompts = [[p % V for p in prompt] for prompt in PROMPTS]
     costs = StepCosts()
     policy = Adaptive(tree=DynamicTree(depth=3, top_k=2, nodes=6), costs=costs, forget=1.0)
-    prior_reached, prior_passed = list(policy._reached), list(policy._passed)
+    prior_reached, prior_passed = sum(policy._reached, []), sum(policy._passed, [])
     out = ragged_greedy_equals_target(target, draft, prompts, policy, max_new=20)
-    passed = [a - b for a, b in zip(policy._passed, prior_passed)]
-    reached = [a - b for a, b in zip(policy._reached, prior_reached)]
+    passed = [a - b for a, b in zip(sum(policy._passed, []), prior_passed)]
+    reached = [a - b for a, b in zip(sum(policy._reached, []), prior_reached)]
     assert sum(passed) == pytest.approx(out.stats.accepted) and out.stats.accepted > 0
     assert all(r >= p - 1e-9 for r, p in zip(reached, passed)) and sum(reached) > sum(passed)
     assert costs.measured > 0 and costs._draft, (costs._verify, costs._draft)

@@ -5,7 +5,8 @@ its tree) that maximises the batch's expected accepted tokens per second of roun
 Expected tokens come from the drafts' confidences (:attr:`Proposal.confidence`, the
 drafter's probability of each draft given its prefix): a draft's chance of acceptance is
 its confidence corrected by what the target accepted of earlier drafts of the same
-confidence (per confidence bin, learned as rounds run), and a draft's survival (the chance
+confidence (per confidence bin, learned as rounds run; apart for a draft right after the
+root and one after an accepted draft, as acceptance is bursty), and a draft's survival (the chance
 that it and every draft before it on its path are accepted) is the product of those chances
 along its path. Round time is what this device measured (:class:`StepCosts`): the drafting
 already done this round plus the verification of the chosen width, whose cost is per
@@ -17,8 +18,9 @@ parent), the same ``W`` for all since they pay for the widest row anyway, and ``
 
 Sequential drafters (a draft model, a head) spend a forward per draft step, so the same
 estimates also bound the drafting: ``plan()`` gives the most steps worth drafting from the
-survival seen so far at each depth, and ``keep_drafting`` stops the batch once no longer
-chain is expected to pay for its further steps and their verification.
+mean acceptance of each depth class, and ``keep_drafting`` stops the batch once no longer
+chain is expected to pay for its further steps (a step's seconds as the last chains' steps
+took) and their verification.
 
 The guide, with the cost model, each drafter, what ``Auto`` does for block drafters and a
 runnable example: ``docs/adaptive.md``.
@@ -39,6 +41,9 @@ from spec_ext.policies.tree import DynamicTree, Tree
 
 EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97)  # upper edges of the confidence bins
 CENTRES = tuple((lo + hi) / 2 for lo, hi in zip((0.0,) + EDGES, EDGES + (1.0,)))
+# depth classes calibrated apart: a draft right after the root, and one after an accepted draft (acceptance is
+# bursty: after an accepted draft the next is accepted more often than its confidence alone says)
+DEPTHS = ("first", "later")
 
 
 @register
@@ -96,11 +101,12 @@ class Adaptive(Policy):
         self.costs = StepCosts() if costs is None else costs
         self.prior_weight, self.forget, self.explore = prior_weight, forget, explore
         self._clock = clock
-        # per confidence bin: drafts verified with every draft before them accepted, and of those accepted
-        self._reached = [prior_weight] * len(CENTRES)
-        self._passed = [prior_weight * c for c in CENTRES]
-        self._depth_survival: list[float] = []  # [j]: the batch's mean survival of draft j + 1, recent rounds
+        # per depth class (0: a draft right after the root; 1: after an accepted draft) and confidence
+        # bin: drafts verified with every draft before them accepted, and of those accepted
+        self._reached = [[prior_weight] * len(CENTRES) for _ in DEPTHS]
+        self._passed = [[prior_weight * c for c in CENTRES] for _ in DEPTHS]
         self._size_ratio = 0.1
+        self._step_seconds: float | None = None  # a draft step's seconds, as drafting measured it (recent mean)
 
     # ------------------------------------------------------------------ protocol
     def bind(self, target, draft) -> None:
@@ -113,11 +119,12 @@ class Adaptive(Policy):
         self._timed = greedy
         self._round, self._mark, self._pending, self._tree_path = 0, self._clock(), None, None
 
-    def acceptance(self, confidence: float) -> float:
-        """The estimated chance that a draft of this confidence is accepted once the drafts
-        before it were: its bin's observed rate (the prior: the bin's centre)."""
-        i = bisect.bisect_left(EDGES, confidence)
-        return self._passed[i] / self._reached[i]
+    def acceptance(self, confidence: float, depth: int = 1) -> float:
+        """The estimated chance that a draft of this confidence at this depth (1: right after
+        the root) is accepted once the drafts before it were: its bin's observed rate at that
+        depth class (the prior: the bin's centre)."""
+        d, i = min(depth, len(DEPTHS)) - 1, bisect.bisect_left(EDGES, confidence)
+        return self._passed[d][i] / self._reached[d][i]
 
     def verify_cost(self, rows: int, width: int) -> float | None:
         """Seconds (untimed: target forwards) of verifying ``rows`` x ``width`` tokens."""
@@ -134,14 +141,14 @@ class Adaptive(Policy):
         return [self._draft_bound()] * self.batch_size
 
     def _draft_bound(self) -> int:
-        """The chain length worth drafting from the survival seen at each depth (two more, to
-        keep the next depths measured; ``keep_drafting`` stops sooner where the drafts are weak)."""
-        survival = self._depth_survival[:self.max_draft]
-        if len(survival) < 2:
-            return self.max_draft
-        ratio = survival[-1] / survival[-2] if survival[-2] > 0 else 0.0
+        """The chain length worth drafting from the mean acceptance at each depth class (two
+        more, to keep the next depths measured; ``keep_drafting`` stops sooner where the drafts
+        are weak). The estimate is refreshed by every verification, so a length once judged too
+        long is drafted again when acceptance rises."""
+        first, later = self._mean_acceptance(0), self._mean_acceptance(1)
+        survival = [first]
         while len(survival) < self.max_draft:
-            survival.append(survival[-1] * min(ratio, 1.0))
+            survival.append(survival[-1] * later)
         B, best, best_rate, tokens = self.batch_size, self.max_draft, None, float(self.batch_size)
         for k in range(1, self.max_draft + 1):
             tokens += B * survival[k - 1]
@@ -156,9 +163,11 @@ class Adaptive(Policy):
     def keep_drafting(self, step: int, probs: Tensor, tokens: Tensor, hidden: Tensor | None = None) -> Tensor:
         """Go on while some longer chain is expected to pay for its steps: the batch's
         survivals after ``step`` drafts, the next drafts' chance of acceptance taken as the
-        recent rounds' mean at those depths, the draft steps' and the verification's measured
-        costs."""
-        chance = self._calibrated(probs.gather(1, tokens[:, None]).squeeze(1))
+        mean after an accepted draft, the verification's measured costs and a draft step's
+        (timed: as the last chains' steps took, kept across rounds; with ``explore`` every
+        eighth round drafts a second step, so that a stale high estimate cannot stop every
+        chain at its first draft for good)."""
+        chance = self._calibrated(probs.gather(1, tokens[:, None]).squeeze(1), step)
         if step == 1:  # a new chain: its first draft came from the catch-up, the next ones cost a step each
             self._alive, self._gained, self._first = chance, 0.0, self._clock()
         else:
@@ -171,8 +180,15 @@ class Adaptive(Policy):
             now_s = self._clock()
             drafted = now_s - self._mark
             fitted = [self.draft_cost(step), self.draft_cost(step + 1)]
-            per_step = (now_s - self._first) / (step - 1) if step > 1 else \
-                None if None in fitted else max(0.0, fitted[1] - fitted[0])
+            if step > 1:  # measured on this chain: kept, so the first step of the next chains reads it
+                per_step = (now_s - self._first) / (step - 1)
+                self._step_seconds = per_step if self._step_seconds is None else \
+                    0.7 * self._step_seconds + 0.3 * per_step
+            else:
+                per_step = self._step_seconds if self._step_seconds is not None else \
+                    None if None in fitted else max(0.0, fitted[1] - fitted[0])
+            if step == 1 and self.explore and self._round % 8 == 7:  # now and then a second step, measured
+                return go
         else:
             drafted = self.draft_cost(step)
             per_step = self.draft_cost(step + 1) - drafted
@@ -181,11 +197,9 @@ class Adaptive(Policy):
             return go
         base = B + self._gained
         rate_now = base / max(drafted + now, 1e-12)
-        ahead, gain = self._depth_survival, 0.0
+        gain, later = 0.0, self._mean_acceptance(1)  # a further draft: the mean chance after an accepted one
         for m in range(1, self.max_draft - step + 1):
-            j = step + m - 1  # the depth (0-based) of the m-th further draft
-            ratio = ahead[j] / ahead[j - 1] if j < len(ahead) and ahead[j - 1] > 0 else self._mean_acceptance()
-            alive *= min(ratio, 1.0)
+            alive *= later
             gain += alive
             cost = self.verify_cost(B, step + m + 1)
             if cost is not None and (base + gain) / max(drafted + m * per_step + cost, 1e-12) > rate_now:
@@ -226,18 +240,18 @@ class Adaptive(Policy):
             if isinstance(verified, _VerifiedTree):  # the tree's reached nodes (None: no path handed over)
                 events = None if path is None else verified.reached(path.tolist(), num_accepted)
             elif verified is not None:  # a chain: drafts 0..a-1 passed, draft a (if verified) failed
-                events = [[(confidences[j], j < a) for j in range(min(a + 1, n))]
+                events = [[(confidences[j], j + 1, j < a) for j in range(min(a + 1, n))]
                           for confidences, n, a in zip(verified, num_draft, num_accepted)]
             else:
                 events = None
             if events is not None:  # what the target made of each reached draft's confidence
-                self._reached = [self.forget * x for x in self._reached]
-                self._passed = [self.forget * x for x in self._passed]
+                self._reached = [[self.forget * x for x in row] for row in self._reached]
+                self._passed = [[self.forget * x for x in row] for row in self._passed]
                 for row in events:
-                    for confidence, passed in row:
-                        i = bisect.bisect_left(EDGES, confidence)
-                        self._reached[i] += 1
-                        self._passed[i] += passed
+                    for confidence, depth, passed in row:
+                        d, i = min(depth, len(DEPTHS)) - 1, bisect.bisect_left(EDGES, confidence)
+                        self._reached[d][i] += 1
+                        self._passed[d][i] += passed
         self._pending, self._mark = None, now
 
     # ------------------------------------------------------------------ choosing
@@ -276,11 +290,10 @@ class Adaptive(Policy):
         survival = []
         for row, n in zip(host, counts):
             alive, chain = 1.0, []
-            for c in row[1:n + 1]:
-                alive *= self.acceptance(c)
+            for j, c in enumerate(row[1:n + 1]):
+                alive *= self.acceptance(c, j + 1)
                 chain.append(alive)
             survival.append(chain)
-        self._remember_depths(survival)
         K = proposal.tokens.shape[1]
         # sampled drafts (q) are verified whole: only deterministic ones may be cut by what they are
         W = K if proposal.q is not None else self._explored(self.best_width(survival, drafted), K)
@@ -295,10 +308,11 @@ class Adaptive(Policy):
         host = torch.stack([proposal.confidence.float(), parents.float(), (proposal.tokens >= 0).float()], 1).tolist()
         order, survival = [], []
         for confidences, row_parents, present in host:
-            alive = [1.0] + [0.0] * (T - 1)
+            alive, depth = [1.0] + [0.0] * (T - 1), [0] * T
             for i in range(1, T):
                 if present[i]:
-                    alive[i] = alive[int(row_parents[i])] * self.acceptance(confidences[i])
+                    depth[i] = depth[int(row_parents[i])] + 1
+                    alive[i] = alive[int(row_parents[i])] * self.acceptance(confidences[i], depth[i])
             nodes = sorted((i for i in range(1, T) if present[i] and alive[i] > 0), key=lambda i: (-alive[i], i))
             order.append(nodes)
             survival.append([alive[i] for i in nodes])
@@ -315,24 +329,16 @@ class Adaptive(Policy):
         self._pending = (B, 1 + max(map(len, kept)), verified, now)
         return trim_tree(proposal, kept, verified.parents)
 
-    def _remember_depths(self, survival: list[list[float]]) -> None:
-        """The batch's mean survival at each depth this round drafted, into the recent means."""
-        depth = max(map(len, survival), default=0)
-        for j in range(depth):
-            mean = sum(s[j] if j < len(s) else 0.0 for s in survival) / len(survival)
-            if j < len(self._depth_survival):
-                self._depth_survival[j] = 0.8 * self._depth_survival[j] + 0.2 * mean
-            else:
-                self._depth_survival.append(mean)
-
-    def _calibrated(self, confidence: Tensor) -> Tensor:
-        """:meth:`acceptance` of every confidence [B], on its device."""
-        table = torch.tensor([p / r for p, r in zip(self._passed, self._reached)], device=confidence.device)
+    def _calibrated(self, confidence: Tensor, depth: int) -> Tensor:
+        """:meth:`acceptance` of every confidence [B] at ``depth``, on its device."""
+        d = min(depth, len(DEPTHS)) - 1
+        table = torch.tensor([p / r for p, r in zip(self._passed[d], self._reached[d])], device=confidence.device)
         edges = torch.tensor(EDGES, device=confidence.device, dtype=confidence.dtype)
         return table[torch.bucketize(confidence, edges)]
 
-    def _mean_acceptance(self) -> float:
-        return sum(self._passed) / sum(self._reached)
+    def _mean_acceptance(self, d: int) -> float:
+        """The chance of acceptance over every draft reached at depth class ``d`` (prior included)."""
+        return sum(self._passed[d]) / sum(self._reached[d])
 
 
 @dataclasses.dataclass
@@ -346,8 +352,8 @@ class _VerifiedTree:
     parents: list[list[int]]
     nodes: list[list[int]]
 
-    def reached(self, path: list[list[int]], num_accepted) -> list[list[tuple[float, bool]]]:
-        """Per row, (confidence, accepted) of every verified node the target reached: the
+    def reached(self, path: list[list[int]], num_accepted) -> list[list[tuple[float, int, bool]]]:
+        """Per row, (confidence, depth, accepted) of every verified node the target reached: the
         children of the root and of each accepted node (``path[b][1:a + 1]``, ids of the
         verified tree): the path's nodes were accepted, their siblings and the last accepted
         node's children were not."""
@@ -356,7 +362,10 @@ class _VerifiedTree:
                                                                    self.nodes, path, num_accepted):
             accepted = [index[j] for j in row_path[1:a + 1]]  # the proposal's ids
             on_path = set(accepted) | {0}
-            out.append([(confidence[i], i in on_path) for i in nodes if parents[i] in on_path])
+            depth = {0: 0}
+            for i in sorted(nodes):  # parents before children
+                depth[i] = depth[parents[i]] + 1
+            out.append([(confidence[i], depth[i], i in on_path) for i in nodes if parents[i] in on_path])
         return out
 
 
