@@ -553,3 +553,38 @@ def test_grammars_with_mtp_drafts_greedy_equal_hf(mtp_layers, policy):
     assert torch.equal(got, expected)
     assert EOS in got[1, L:].tolist(), "the JSON object completes"
     assert fast.last_stats.accepted > 0
+
+
+def test_the_cli_drafts_with_a_speculators_mtp_directory(tmp_path):
+    """``python -m spec_ext generate --draft DIR``: a speculators mtp directory for the bundled
+    target (a Llama-layer MTP, its block the target's last layer, written here in the library's
+    layout) drafts, and the completion is the target's greedy one."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    target_dir = Path(__file__).resolve().parents[1] / "models" / "stdlib-target"
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    H = target.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    state = {f"mtp_layers.0.{k}": v.clone() for k, v in target.model.layers[-1].state_dict().items()}
+    state.update({"mtp_layers.0.input_proj.weight": torch.cat([0.02 * torch.randn(H, H, generator=g), torch.eye(H)], 1),
+                  **{f"mtp_layers.0.{n}.weight": torch.ones(H) for n in ("token_layernorm", "hidden_layernorm",
+                                                                         "final_layernorm")}})
+    config = library_config(target)
+    config["speculators_config"]["verifier"] = {"architectures": ["LlamaForCausalLM"], "name_or_path": str(target_dir)}
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    prompt = "import os\n\n\ndef read_config(path):\n"
+    out = subprocess.run([sys.executable, "-m", "spec_ext", "generate", "--target", str(target_dir), "--draft",
+                          str(tmp_path), "--prompt", prompt, "--max-new-tokens", "12", "--policy", "fixed"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    expected = target.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    text = tokenizer.decode(expected[0])
+    assert out.stdout.startswith(text), (out.stdout, text)
+    stats = json.loads(out.stdout[len(text):])
+    assert stats["new_tokens"] == 12 and stats["drafted"] > 0
