@@ -6,7 +6,7 @@
 | :class:`TextDrafter` | each row's own text: chains or trees of continuations (``NGram``) | an n-gram index per row |
 | :class:`TextFirst` | the text, and the draft model (either tokenizer) for the rows without a match | both |
 | :class:`HeadDrafter` | an EAGLE-1/3 head on the target's hidden states: chains or trees | its KV cache |
-| :class:`MtpDrafter` | the target checkpoint's own MTP layers (``draft="mtp"``): chains, or trees for one layer | their KV cache |
+| :class:`MtpDrafter` | the target checkpoint's own MTP layers (``draft="mtp"``) or a speculators ``mtp`` directory: chains or trees | their KV cache |
 | :class:`BlockDrafter` | a DFlash block drafter: a block of drafts per forward, chains or trees | its context KV cache |
 | :class:`OtherTokenizerDrafter` | a draft model with another tokenizer: chains or trees of target ids (TLI, SLEM) | its tokens of the text, its KV cache |
 
