@@ -235,9 +235,9 @@ def compact_kv(caches: Tensor | list[Tensor], src: Tensor, dst_start: Tensor) ->
 
 # ------------------------------------------------------------------------ linear
 def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """x [..., K], weight [N, K], bias [N] or None -> x @ weight.T + bias [..., N], summed in
-    float64 and rounded once to x's dtype (the other backends sum in float32, in their own
-    order)."""
+    """x [..., K], weight [N, K] (x's dtype, or bfloat16 with float32 x), bias [N] or None ->
+    x @ weight.T + bias [..., N], summed in float64 and rounded once to x's dtype (the other
+    backends sum in float32, in their own order; bfloat16 weights widen exactly)."""
     y = x.double() @ weight.double().T
     if bias is not None:
         y = y + bias.double()

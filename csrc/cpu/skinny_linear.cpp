@@ -1,19 +1,36 @@
-// y = x @ weight.T (+ bias) for a few rows of x (decode steps, verification blocks),
-// float32, on AVX-512, AVX2 + FMA or portable C++, bit-equal on all three. MKL's GEMM reads cold weights at 4-7 GB/s on this machine for up to ~64 rows;
-// here each weight row is streamed from memory once and dotted with every row of x (which
-// stays in cache): 19-32 GB/s for 1-2 rows, 15-19 for 5-8, 8 at 16 and 1.1-1.3x MKL at
-// 24-64 (single runs; this box's speed varies by 2x between runs). Up to 24 rows of x one
-// weight row is streamed at a time; beyond, blocks of 4 weight rows x 6 rows of x keep 24
-// accumulators in registers. Each y[m, n] is one fixed-order dot product (see tail_dot),
-// so a row's result does not depend on how many other rows come with it.
+// y = x @ weight.T (+ bias) for a few rows of x (decode steps, verification blocks): float32
+// activations and accumulation, float32 or bfloat16 weights (bfloat16 -> float32 is a 16-bit
+// shift, exact: half the bytes to read), on AVX-512, AVX2 + FMA or portable C++, chosen at
+// run time (SPEC_EXT_CPU_ISA forces a lower path), bit-equal on all three.
+//
+// The weight-read limit: each weight element is loaded from memory once for all rows of x.
+// A register block holds MR rows of x times NR weight rows (NR * MR accumulators, e.g. 4 x 3
+// on AVX2, 4 x 8 on AVX-512); a k step loads NR weight vectors and MR vectors of x and does
+// NR * MR fused multiply-adds. With more rows than one block, the other row blocks reuse the
+// weight vectors from L1: when K is long (a down projection) the k range is cut into chunks
+// (the x chunk of every row stays in L1/L2), the partial sums of every block wait in a
+// buffer between chunks, and every weight chunk is read from memory once. Threads split the
+// weight rows (N).
+//
+// The order of every sum, on every path (so a row's result is the same bits whatever other
+// rows come with it, whatever the chunking, threading and ISA): 8 interleaved partial sums
+// over k < K8 = K - K % 8 (lane j takes k = j mod 8, one fused multiply-add per k, k rising),
+// added as a tree (j + j+4, then j + j+2, then 0 + 1), then the tail k >= K8 fused in
+// order, then + bias. AVX-512 keeps two weight rows' 8 lanes in one 16-lane register
+// (lanes 0-7: row n, 8-15: row n+1; x broadcast into both halves), AVX2 one per register,
+// the portable loop an array of 8.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -22,144 +39,307 @@
 namespace spec_ext {
 namespace {
 
-// The order of every sum, on every path: 16 interleaved partial sums over k (lane j takes
-// k = j mod 16, one fused multiply-add per step), added as a tree (j + j+8, then j + j+4,
-// j + j+2, j + j+1), then the tail k >= K - K % 16 fused in order.
-inline float tail_dot(float s, const float* w, const float* x, int64_t k, int64_t K) {
-  for (; k < K; ++k) s = std::fma(w[k], x[k], s);
-  return s;
+using bf16_bits = uint16_t;
+
+inline float widen(float w) { return w; }
+inline float widen(bf16_bits w) {
+  const uint32_t u = uint32_t{w} << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
 }
 
-float finish_portable(float* lanes, const float* w, const float* x, int64_t k, int64_t K) {
-  for (int64_t width = 8; width >= 1; width /= 2)
-    for (int64_t j = 0; j < width; ++j) lanes[j] = lanes[j] + lanes[j + width];
-  return tail_dot(lanes[0], w, x, k, K);
-}
+// What a register block works on. x rows [m0, m0 + MR) at x + m * ldx, weight rows
+// [n, n + NR) at w + n * ldw, the k range [k0, k1) (multiples of 8, k1 <= K8); partial
+// sums from / to `partial` (MR x NR x 8 floats in the path's own layout) unless the block
+// starts (k0 == 0) or ends (k1 == K8) the sum; at the end y[m, n] = tree + tail + bias.
+template <typename W>
+struct Block {
+  const float* x;
+  int64_t ldx;
+  const W* w;
+  int64_t ldw;
+  float* y;
+  int64_t ldy;
+  const float* bias;  // [N] or null
+  int64_t K, k0, k1;
+  bool first, last;
+  float* partial;
+  const char* prefetch;  // null, or where the block's weights would continue in memory plus a lead
+};
 
-void rows_portable(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
-                   int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const float* wr = w + n * K;
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xr = x + m * K;
-      float lanes[16] = {0.f};
-      int64_t k = 0;
-      for (; k + 16 <= K; k += 16)
-        for (int64_t j = 0; j < 16; ++j) lanes[j] = std::fma(wr[k + j], xr[k + j], lanes[j]);
-      y[m * N + n] = finish_portable(lanes, wr, xr, k, K);
+// y[m0 + i, n + r] = t[i * NR + r] (the tree of its 8 lanes) + the tail + the bias: the one
+// finish of every path
+template <int MR, int NR, typename W>
+inline void finish(const float* t, const Block<W>& b, int64_t m0, int64_t n) {
+  const int64_t K8 = b.K - b.K % 8;
+  for (int i = 0; i < MR; ++i) {
+    const float* xr = b.x + (m0 + i) * b.ldx;
+    float* yr = b.y + (m0 + i) * b.ldy + n;
+    for (int r = 0; r < NR; ++r) {
+      float s = t[i * NR + r];
+      const W* wr = b.w + (n + r) * b.ldw;
+      for (int64_t k = K8; k < b.K; ++k) s = std::fma(widen(wr[k]), xr[k], s);
+      yr[r] = b.bias != nullptr ? s + b.bias[n + r] : s;
     }
   }
 }
+
+// ------------------------------------------------------------------ portable
+struct Portable {
+  static constexpr int max_rows = 4, max_cols = 4;
+  static constexpr int padded(int nr) { return nr; }
+  // (MR, NR) of the main block, as on AVX2: the rows of x in one block (up to 4), and 4 weight
+  // rows (3 for 4 rows of x: 12 accumulators of the 16 ymm registers). Measured with AVX2 on
+  // an AMD EPYC (320 -> 16384, 1-4 rows): 4 weight rows beat 2, 3, 6 and 8 at one row of x
+  static std::pair<int, int> plan(int64_t M) {
+    return M <= 3 ? std::pair{static_cast<int>(M), 4} : std::pair{4, 3};
+  }
+
+  template <int MR, int NR, typename W>
+  static void block(const Block<W>& b, int64_t m0, int64_t n) {
+    float acc[MR][NR][8];
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < NR; ++r)
+        for (int j = 0; j < 8; ++j) acc[i][r][j] = b.first ? 0.f : b.partial[(i * NR + r) * 8 + j];
+    for (int64_t k = b.k0; k < b.k1; k += 8)
+      for (int i = 0; i < MR; ++i) {
+        const float* xr = b.x + (m0 + i) * b.ldx + k;
+        for (int r = 0; r < NR; ++r) {
+          const W* wr = b.w + (n + r) * b.ldw + k;
+          for (int j = 0; j < 8; ++j) acc[i][r][j] = std::fma(widen(wr[j]), xr[j], acc[i][r][j]);
+        }
+      }
+    if (!b.last) {
+      for (int i = 0; i < MR; ++i)
+        for (int r = 0; r < NR; ++r)
+          for (int j = 0; j < 8; ++j) b.partial[(i * NR + r) * 8 + j] = acc[i][r][j];
+      return;
+    }
+    float t[MR * NR];
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < NR; ++r) {
+        const float* l = acc[i][r];
+        const float u0 = l[0] + l[4], u1 = l[1] + l[5], u2 = l[2] + l[6], u3 = l[3] + l[7];
+        t[i * NR + r] = (u0 + u2) + (u1 + u3);
+      }
+    finish<MR, NR>(t, b, m0, n);
+  }
+};
 
 #if defined(__x86_64__)
-// finish_portable's tree over the 16 lanes, in registers
-__attribute__((target("avx512f,fma"))) inline float sum_lanes(__m512 v) {
-  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v),
-                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+// Rows of a few KB are short streams for the hardware prefetcher: a block of NR rows is one
+// contiguous span, so the block that reads it from memory prefetches the bytes that follow
+// it, a lead ahead of its own position (each k step consumes NR * 8 weights)
+template <int NR, typename W>
+constexpr int kPrefetches = static_cast<int>((NR * 8 * sizeof(W) + 63) / 64);
+// beyond the next block (prefetched while this one runs, since its last row is read from the
+// first k step): measured 2 KB > 1 KB, 8 KB (AMD EPYC, AVX2, 320 -> 16384)
+constexpr int64_t kPrefetchMargin = 2048;
+#define SPEC_EXT_AVX2 __attribute__((target("avx2,fma")))
+#define SPEC_EXT_AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+// the portable loop's tree (j + j+4, j + j+2, 0 + 1) of `count` registers' 8 lanes each, four
+// registers at a time: t[c] = the tree of v[c]
+SPEC_EXT_AVX2 inline __m128 tree4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31));
+  // lanes 0-3: a's j + j+4, 4-7: b's (ab); c's and d's (cd); then j + j+2: a, c | b, d
+  const __m256 acbd = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 sums = _mm256_hadd_ps(acbd, acbd);  // 0 + 1: lanes 0, 1 a and c; 4, 5 b and d
+  return _mm_unpacklo_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));  // a, b, c, d
+}
+SPEC_EXT_AVX2 inline float tree_avx2(__m256 v) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
+template <int count>
+SPEC_EXT_AVX2 inline void trees_avx2(const __m256* v, float* t) {
+  int c = 0;
+  for (; c + 4 <= count; c += 4) _mm_storeu_ps(t + c, tree4_avx2(v[c], v[c + 1], v[c + 2], v[c + 3]));
+  for (; c < count; ++c) t[c] = tree_avx2(v[c]);
+}
 
-// NR weight rows x MR rows of x per block: NR + MR loads feed NR * MR FMAs, the
-// accumulators stay in registers (24 of the 32 zmm at 4 x 6).
-template <int NR, int MR>
-__attribute__((target("avx512f,fma"))) void block_avx512(const float* x, const float* w, float* y, int64_t N,
-                                                          int64_t K, int64_t n, int64_t m0) {
-  __m512 acc[NR][MR];
-  for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < MR; ++i) acc[r][i] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 wv[NR];
-    for (int r = 0; r < NR; ++r) wv[r] = _mm512_loadu_ps(w + (n + r) * K + k);
-    for (int i = 0; i < MR; ++i) {
-      const __m512 xv = _mm512_loadu_ps(x + (m0 + i) * K + k);
-      for (int r = 0; r < NR; ++r) acc[r][i] = _mm512_fmadd_ps(wv[r], xv, acc[r][i]);
-    }
-  }
-  for (int r = 0; r < NR; ++r)
+SPEC_EXT_AVX2 inline __m256 load8_avx2(const float* p) { return _mm256_loadu_ps(p); }
+SPEC_EXT_AVX2 inline __m256 load8_avx2(const bf16_bits* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// ------------------------------------------------------------------ AVX2 + FMA
+struct Avx2 {
+  static constexpr int max_rows = 4, max_cols = 8;
+  static constexpr int padded(int nr) { return nr; }
+  // 12 accumulators of the 16 ymm registers where there are rows for it; one row of x
+  // streams 8 weight rows at a time
+  static std::pair<int, int> plan(int64_t M) { return Portable::plan(M); }
+
+  template <int MR, int NR, typename W>
+  SPEC_EXT_AVX2 static void block(const Block<W>& b, int64_t m0, int64_t n) {
+    __m256 acc[MR][NR];
     for (int i = 0; i < MR; ++i)
-      y[(m0 + i) * N + n + r] = tail_dot(sum_lanes(acc[r][i]), w + (n + r) * K, x + (m0 + i) * K, k, K);
-}
-
-template <int NR>
-__attribute__((target("avx512f,fma"))) void columns_avx512(const float* x, const float* w, float* y, int64_t M,
-                                                            int64_t N, int64_t K, int64_t n) {
-  int64_t m0 = 0;
-  for (; m0 + 6 <= M; m0 += 6) block_avx512<NR, 6>(x, w, y, N, K, n, m0);
-  switch (M - m0) {
-    case 5: return block_avx512<NR, 5>(x, w, y, N, K, n, m0);
-    case 4: return block_avx512<NR, 4>(x, w, y, N, K, n, m0);
-    case 3: return block_avx512<NR, 3>(x, w, y, N, K, n, m0);
-    case 2: return block_avx512<NR, 2>(x, w, y, N, K, n, m0);
-    case 1: return block_avx512<NR, 1>(x, w, y, N, K, n, m0);
-    default: return;
-  }
-}
-
-__attribute__((target("avx512f,fma"))) void rows_avx512(const float* x, const float* w, float* y, int64_t M,
-                                                         int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  if (M > 24)  // with fewer rows of x, one weight row at a time streams faster
-    for (; n + 4 <= n1; n += 4) columns_avx512<4>(x, w, y, M, N, K, n);
-  for (; n < n1; ++n) columns_avx512<1>(x, w, y, M, N, K, n);
-}
-
-// The AVX2 path keeps the same 16 lanes in two 8-wide registers (lanes 0-7 and 8-15):
-// every lane sees the same fused multiply-adds and lo + hi is the tree's first step, so
-// each result is bit-equal to the AVX-512 path's.
-__attribute__((target("avx2,fma"))) inline float sum_lanes(__m256 lo, __m256 hi) {
-  const __m256 s8 = _mm256_add_ps(lo, hi);
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
-// NR weight rows x MR rows of x per block, in the 16 ymm registers: 2 * NR * MR
-// accumulators, 2 * NR weight vectors and 2 for a row of x (1 x 4: 12, 2 x 2: 14).
-template <int NR, int MR>
-__attribute__((target("avx2,fma"))) void block_avx2(const float* x, const float* w, float* y, int64_t N, int64_t K,
-                                                    int64_t n, int64_t m0) {
-  __m256 lo[NR][MR], hi[NR][MR];
-  for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < MR; ++i) lo[r][i] = hi[r][i] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m256 wlo[NR], whi[NR];
-    for (int r = 0; r < NR; ++r) {
-      wlo[r] = _mm256_loadu_ps(w + (n + r) * K + k);
-      whi[r] = _mm256_loadu_ps(w + (n + r) * K + k + 8);
+      for (int r = 0; r < NR; ++r)
+        acc[i][r] = b.first ? _mm256_setzero_ps() : _mm256_loadu_ps(b.partial + (i * NR + r) * 8);
+    const float* x = b.x + m0 * b.ldx;
+    const W* w = b.w + n * b.ldw;
+    const char* ahead = b.prefetch;
+    for (int64_t k = b.k0; k < b.k1; k += 8) {
+      if (ahead != nullptr) {
+        for (int q = 0; q < kPrefetches<NR, W>; ++q) _mm_prefetch(ahead + 64 * q, _MM_HINT_T0);
+        ahead += NR * 8 * sizeof(W);
+      }
+      __m256 wv[NR];
+      for (int r = 0; r < NR; ++r) wv[r] = load8_avx2(w + r * b.ldw + k);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xv = _mm256_loadu_ps(x + i * b.ldx + k);
+        for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_fmadd_ps(wv[r], xv, acc[i][r]);
+      }
     }
-    for (int i = 0; i < MR; ++i) {
-      const __m256 xlo = _mm256_loadu_ps(x + (m0 + i) * K + k), xhi = _mm256_loadu_ps(x + (m0 + i) * K + k + 8);
+    if (!b.last) {
+      for (int i = 0; i < MR; ++i)
+        for (int r = 0; r < NR; ++r) _mm256_storeu_ps(b.partial + (i * NR + r) * 8, acc[i][r]);
+      return;
+    }
+    float t[MR * NR];
+    trees_avx2<MR * NR>(&acc[0][0], t);
+    finish<MR, NR>(t, b, m0, n);
+  }
+};
+
+SPEC_EXT_AVX512 inline __m512 pair_avx512(const float* a, const float* c) {
+  const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a)));
+  return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(c)), 1));
+}
+SPEC_EXT_AVX512 inline __m512 pair_avx512(const bf16_bits* a, const bf16_bits* c) {
+  const __m256i both = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(both), 16));
+}
+SPEC_EXT_AVX512 inline __m512 broadcast8_avx512(const float* p) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+}
+// ------------------------------------------------------------------ AVX-512
+struct Avx512 {
+  static constexpr int max_rows = 4, max_cols = 8;
+  static constexpr int padded(int nr) { return nr + nr % 2; }  // partial sums of whole pairs
+  // up to 4 rows of x x 8 weight rows: 4-16 accumulators (4 pairs a row) of the 32 zmm
+  static std::pair<int, int> plan(int64_t M) { return {static_cast<int>(std::min<int64_t>(M, 4)), 8}; }
+
+  template <int MR, int NR, typename W>
+  SPEC_EXT_AVX512 static void block(const Block<W>& b, int64_t m0, int64_t n) {
+    constexpr int NP = (NR + 1) / 2;  // an odd last row pairs with itself; its upper half is dropped
+    __m512 acc[MR][NP];
+    for (int i = 0; i < MR; ++i)
+      for (int p = 0; p < NP; ++p)
+        acc[i][p] = b.first ? _mm512_setzero_ps() : _mm512_loadu_ps(b.partial + (i * NP + p) * 16);
+    const float* x = b.x + m0 * b.ldx;
+    const W* w = b.w + n * b.ldw;
+    const char* ahead = b.prefetch;
+    for (int64_t k = b.k0; k < b.k1; k += 8) {
+      if (ahead != nullptr) {
+        for (int q = 0; q < kPrefetches<NR, W>; ++q) _mm_prefetch(ahead + 64 * q, _MM_HINT_T0);
+        ahead += NR * 8 * sizeof(W);
+      }
+      __m512 wv[NP];
+      for (int p = 0; p < NP; ++p)
+        wv[p] = pair_avx512(w + (2 * p) * b.ldw + k, w + std::min(2 * p + 1, NR - 1) * b.ldw + k);
+      for (int i = 0; i < MR; ++i) {
+        const __m512 xv = broadcast8_avx512(x + i * b.ldx + k);
+        for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_fmadd_ps(wv[p], xv, acc[i][p]);
+      }
+    }
+    if (!b.last) {
+      for (int i = 0; i < MR; ++i)
+        for (int p = 0; p < NP; ++p) _mm512_storeu_ps(b.partial + (i * NP + p) * 16, acc[i][p]);
+      return;
+    }
+    __m256 halves[MR * NR];  // row n + r's 8 lanes, in the AVX2 path's order
+    for (int i = 0; i < MR; ++i)
       for (int r = 0; r < NR; ++r) {
-        lo[r][i] = _mm256_fmadd_ps(wlo[r], xlo, lo[r][i]);
-        hi[r][i] = _mm256_fmadd_ps(whi[r], xhi, hi[r][i]);
+        const __m512 v = acc[i][r / 2];
+        halves[i * NR + r] =
+            r % 2 == 0 ? _mm512_castps512_ps256(v) : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+      }
+    float t[MR * NR];
+    trees_avx2<MR * NR>(halves, t);
+    finish<MR, NR>(t, b, m0, n);
+  }
+};
+#endif
+
+// block<MR, NR> of a path by run-time MR (1..max_rows) and NR (1..max_cols)
+template <class Path, typename W>
+struct Blocks {
+  using Fn = void (*)(const Block<W>&, int64_t, int64_t);
+  Fn table[Path::max_rows][Path::max_cols];
+
+  template <int MR, int... NR>
+  void fill_row(std::integer_sequence<int, NR...>) {
+    ((table[MR - 1][NR] = &Path::template block<MR, NR + 1, W>), ...);
+  }
+  template <int... MR>
+  void fill(std::integer_sequence<int, MR...>) {
+    (fill_row<MR + 1>(std::make_integer_sequence<int, Path::max_cols>{}), ...);
+  }
+  Blocks() { fill(std::make_integer_sequence<int, Path::max_rows>{}); }
+  void operator()(int mr, int nr, const Block<W>& b, int64_t m0, int64_t n) const { table[mr - 1][nr - 1](b, m0, n); }
+};
+
+// the L1-resident x chunk: M rows x (this many floats) of x stay near 32 KB
+constexpr int64_t kChunkFloats = 8192;
+
+// y[:, n0:n1] for every row of x; n0 is a multiple of the plan's NR
+template <class Path, typename W>
+void columns(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* bias, float* y, int64_t M,
+             int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  static const Blocks<Path, W> blocks;
+  const auto [MR, NR] = Path::plan(M);
+  const int64_t K8 = K - K % 8;
+  const bool one_block = M <= MR;  // every weight vector already serves every row: no chunks
+  int64_t chunk = one_block ? std::max<int64_t>(K8, 8) : std::max<int64_t>(256, (kChunkFloats / M) / 8 * 8);
+  if (K8 <= 2 * chunk) chunk = std::max<int64_t>(K8, 8);  // a buffered pass costs more than it saves
+  std::vector<float> partial;
+  if (K8 > chunk) partial.resize(static_cast<size_t>((n1 - n0 + 1) * M * 8));
+  Block<W> b{x, ldx, w, ldw, y, N, bias, K, 0, 0, true, true, nullptr, nullptr};
+#if defined(__x86_64__)
+  const bool prefetch = ldw == K && K8 <= chunk;  // whole contiguous rows, in one pass
+#endif
+  for (int64_t k0 = 0; k0 == 0 || k0 < K8; k0 += chunk) {
+    b.k0 = k0;
+    b.k1 = std::min(K8, k0 + chunk);
+    b.first = k0 == 0;
+    b.last = b.k1 == K8;
+    for (int64_t n = n0; n < n1; n += NR) {
+      const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int mr = static_cast<int>(std::min<int64_t>(MR, M - m0));
+        if (!partial.empty()) b.partial = partial.data() + ((n - n0) * M + m0 * Path::padded(nr)) * 8;
+#if defined(__x86_64__)
+        // an address only (it may lie past the weights: a prefetch never faults)
+        const uintptr_t ahead = reinterpret_cast<uintptr_t>(w + n * ldw) + kPrefetchMargin + NR * K * sizeof(W);
+        b.prefetch = prefetch && m0 == 0 ? reinterpret_cast<const char*>(ahead) : nullptr;
+#endif
+        blocks(mr, nr, b, m0, n);
       }
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < MR; ++i)
-      y[(m0 + i) * N + n + r] = tail_dot(sum_lanes(lo[r][i], hi[r][i]), w + (n + r) * K, x + (m0 + i) * K, k, K);
 }
 
-template <int NR, int MR>
-__attribute__((target("avx2,fma"))) void columns_avx2(const float* x, const float* w, float* y, int64_t M, int64_t N,
-                                                      int64_t K, int64_t n) {
-  int64_t m0 = 0;
-  for (; m0 + MR <= M; m0 += MR) block_avx2<NR, MR>(x, w, y, N, K, n, m0);
-  for (; m0 < M; ++m0) block_avx2<NR, 1>(x, w, y, N, K, n, m0);
+template <class Path, typename W>
+void run(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* bias, float* y, int64_t M, int64_t N,
+         int64_t K) {
+  const int64_t NR = Path::plan(M).second;
+  const int64_t groups = (N + NR - 1) / NR;
+  // a task takes at least 64 KB of weights, so a thread's wake-up pays
+  const int64_t grain =
+      std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, K * static_cast<int64_t>(sizeof(W)) * NR));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    columns<Path, W>(x, ldx, w, ldw, bias, y, M, N, K, g0 * NR, std::min(N, g1 * NR));
+  });
 }
-
-__attribute__((target("avx2,fma"))) void rows_avx2(const float* x, const float* w, float* y, int64_t M, int64_t N,
-                                                   int64_t K, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  if (M > 24)
-    for (; n + 2 <= n1; n += 2) columns_avx2<2, 2>(x, w, y, M, N, K, n);
-  for (; n < n1; ++n) columns_avx2<1, 4>(x, w, y, M, N, K, n);
-}
-#endif
 
 enum class Isa { portable = 0, avx2 = 1, avx512 = 2 };
 
@@ -187,6 +367,16 @@ Isa chosen_isa() {
   return std::min(wanted, supported_isa());
 }
 
+template <typename W>
+void dispatch(Isa isa, const float* x, int64_t ldx, const W* w, int64_t ldw, const float* bias, float* y, int64_t M,
+              int64_t N, int64_t K) {
+#if defined(__x86_64__)
+  if (isa == Isa::avx512) return run<Avx512, W>(x, ldx, w, ldw, bias, y, M, N, K);
+  if (isa == Isa::avx2) return run<Avx2, W>(x, ldx, w, ldw, bias, y, M, N, K);
+#endif
+  run<Portable, W>(x, ldx, w, ldw, bias, y, M, N, K);
+}
+
 }  // namespace
 
 // "avx512", "avx2" or "portable": the path skinny_linear takes now (spec_ext._C.skinny_linear_isa)
@@ -196,34 +386,38 @@ const char* skinny_linear_isa() {
 }
 
 at::Tensor skinny_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
-                             const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && weight_in.scalar_type() == at::kFloat,
-              "skinny_linear: float32 only");
+                             const std::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat &&
+                  (weight_in.scalar_type() == at::kFloat || weight_in.scalar_type() == at::kBFloat16),
+              "skinny_linear: x float32 and weight float32 or bfloat16, got ", x_in.scalar_type(), " and ",
+              weight_in.scalar_type());
   TORCH_CHECK(x_in.dim() >= 1 && weight_in.dim() == 2 && x_in.size(-1) == weight_in.size(1),
               "skinny_linear: expected x [..., K] and weight [N, K], got ", x_in.sizes(), " and ", weight_in.sizes());
-  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == weight_in.size(0)),
-              "skinny_linear: bias must be [N] = [", weight_in.size(0), "]");
-  auto weight = weight_in.contiguous();
-  const int64_t K = weight.size(1), N = weight.size(0);
-  auto x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0);
+  TORCH_CHECK(!bias_in || (bias_in->dim() == 1 && bias_in->size(0) == weight_in.size(0) &&
+                           (bias_in->scalar_type() == at::kFloat || bias_in->scalar_type() == weight_in.scalar_type())),
+              "skinny_linear: bias must be [N] = [", weight_in.size(0), "], float32 or the weight's dtype");
+  const int64_t K = weight_in.size(1), N = weight_in.size(0);
+  // rows may be strided (a view), elements must be adjacent
+  auto weight = weight_in.stride(1) == 1 && weight_in.stride(0) >= K ? weight_in : weight_in.contiguous();
+  int64_t M = 1;
+  for (int64_t d = 0; d + 1 < x_in.dim(); ++d) M *= x_in.size(d);
+  auto x = x_in.reshape({M, K});
+  if (x.stride(1) != 1 || x.stride(0) < K) x = x.contiguous();
   auto sizes = x_in.sizes().vec();
   sizes.back() = N;
   auto y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  if (M == 0 || N == 0) return y.view(sizes);
+  at::Tensor bias;
+  if (bias_in) bias = bias_in->to(at::kFloat).contiguous();
+  const float* bp = bias_in ? bias.data_ptr<float>() : nullptr;
   const Isa isa = chosen_isa();
-  // a chunk of weight rows per task: at least 64 KB of weights, so a thread's wake-up pays
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, K));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-#if defined(__x86_64__)
-    if (isa == Isa::avx512) return rows_avx512(xp, wp, yp, M, N, K, n0, n1);
-    if (isa == Isa::avx2) return rows_avx2(xp, wp, yp, M, N, K, n0, n1);
-#endif
-    rows_portable(xp, wp, yp, M, N, K, n0, n1);
-  });
-  if (bias) y.add_(*bias);
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = M > 1 ? x.stride(0) : K, ldw = N > 1 ? weight.stride(0) : K;
+  if (weight.scalar_type() == at::kBFloat16)
+    dispatch(isa, xp, ldx, reinterpret_cast<const bf16_bits*>(weight.data_ptr<at::BFloat16>()), ldw, bp,
+             y.data_ptr<float>(), M, N, K);
+  else
+    dispatch(isa, xp, ldx, weight.data_ptr<float>(), ldw, bp, y.data_ptr<float>(), M, N, K);
   return y.view(sizes);
 }
 

@@ -13,24 +13,51 @@ from spec_ext.ops import registry
 from spec_ext.ops.registry import _C
 from spec_ext.ops.checks import FLOAT_TYPES, check_shape, check_tensor, fail
 
-SKINNY_ROWS = 48  # up to this many rows the CPU kernel beats MKL (benchmarks/results/kernels_cpu.csv)
+# Where backend="auto" takes the CPU kernel (float32 x, AVX2 + FMA or AVX-512): up to FEW_ROWS
+# rows of x always, up to SKINNY_ROWS rows when the weight is at least SKINNY_BYTES (read from
+# memory, not from a core's L2). Measured by benchmarks/bench_linear.py
+# (benchmarks/results/linear_cpu.csv: AMD EPYC, AVX2, one thread, a loaded machine): the kernel
+# is 1.2-5x F.linear for 1-16 rows on 320x864-sized weights (1.1 MB) and on 5-21 MB ones up to
+# 32 rows; on the 1.1 MB weights at 32 rows MKL's GEMM is faster (compute-bound, it is in cache).
+FEW_ROWS = 16
+SKINNY_ROWS = 32
+SKINNY_BYTES = 4 << 20
 
 
 def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend: str = "auto",
                   validate: bool | None = None) -> Tensor:
     """``x @ weight.T + bias`` for a few rows of x (a decode step, a verification block):
-    what ``torch.nn.functional.linear`` computes, faster on CPU when x has at most
-    ``SKINNY_ROWS`` rows in all. The CPU kernel streams each weight row once for every row
-    of x (MKL packs cold weights first and reads them at a quarter of the speed here); it
-    sums in a fixed order, so a row's result is the same bits whatever other rows come with
-    it, but not the same bits as MKL's (float32 rounding apart).
+    what ``torch.nn.functional.linear`` computes, faster on CPU for up to ``SKINNY_ROWS``
+    rows of x in all (see ``FEW_ROWS`` and ``SKINNY_BYTES`` for where ``auto`` takes it).
+
+    The CPU kernel (csrc/cpu/skinny_linear.cpp) reads each weight once for all rows of x (a
+    register block of up to 4 rows of x times 3-8 weight rows; a long K is cut into chunks so
+    that every row block reuses the weight vectors loaded for the first), on AVX-512, AVX2 +
+    FMA or portable C++ (``cpu_isa``; ``SPEC_EXT_CPU_ISA`` forces a lower one). Weights may
+    be float32 or bfloat16 (x and the sums stay float32; bfloat16 -> float32 is exact, so a
+    bfloat16 weight gives the same bits as ``weight.float()``, reading half the bytes).
+
+    Rounding: each y[m, n] is one dot product in a fixed order, the same on every path,
+    thread count and batch: 8 interleaved float32 partial sums over k (lane j takes the k
+    with k mod 8 = j below K - K mod 8, one fused multiply-add each, k rising), added as a
+    tree (j + j+4, j + j+2, 0 + 1), then the last K mod 8 terms fused in order, then + bias.
+    So a row's result does not depend on the other rows with it, and is the same bits on
+    every machine, but not MKL's bits: F.linear sums in its own (blocked, shape-dependent)
+    order. Both are float32 dot products; they differ by float32 rounding, typically a few
+    units in the last place of the larger terms (|error| up to about K * 2^-24 * sum |w x|
+    in the worst case, ~sqrt(K) of that in practice). A model run on it (the lean forward's
+    ``fast_linear``) gives logits within ~1e-5 of HF's; greedy decoding picks the same tokens
+    unless two logits tie within that rounding. ``fast_linear=False`` keeps HF's own
+    arithmetic (F.linear) for the target; the draft's rounding never reaches the output.
 
     Args:
         x: [..., K] float32 (float16 and bfloat16 go to F.linear).
-        weight: [N, K], same dtype and device. bias: [N] or None.
-        backend: "auto" (the kernel where it applies: CPU, float32, AVX2 or AVX-512, at most
-            ``SKINNY_ROWS`` rows; F.linear otherwise), "cpu" (the kernel, any row count)
-            or "torch" (the float64 reference).
+        weight: [N, K], x's dtype, or bfloat16 with float32 x. bias: [N] (x's or the weight's
+            dtype) or None.
+        backend: "auto" (the kernel where it applies: CPU, float32 x, AVX2 or AVX-512, at
+            most ``FEW_ROWS`` rows, or ``SKINNY_ROWS`` for a weight of ``SKINNY_BYTES`` or
+            more; F.linear otherwise), "cpu" (the kernel, any row count, any ISA path) or
+            "torch" (the float64 reference).
         validate: False skips every check (a model forward calls this per layer).
     Returns:
         [..., N] in x's dtype.
@@ -46,44 +73,65 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend
     return registry.kernel("skinny_linear", backend, x.device)(x, weight, bias)
 
 
+def uses_kernel(rows: int, weight_bytes: int) -> bool:
+    """The rule ``auto`` follows where the kernel can run: whether x with ``rows`` rows in
+    all and a weight of ``weight_bytes`` take it (else F.linear)."""
+    return rows <= FEW_ROWS or (rows <= SKINNY_ROWS and weight_bytes >= SKINNY_BYTES)
+
+
 def cpu_isa() -> str | None:
     """The instruction set of the CPU kernel: "avx512", "avx2" (with FMA) or "portable"
     (the best this CPU has, or a lower one named by the environment variable
-    ``SPEC_EXT_CPU_ISA``, read at every call); None without the built extension. The
-    three paths give the same bits."""
+    ``SPEC_EXT_CPU_ISA``, read at every call: a path above the CPU's best gives its best);
+    None without the built extension. The three paths give the same bits."""
     return _C.skinny_linear_isa() if registry.registered("skinny_linear", "CPU") else None
 
 
 def kernel_applies(device: torch.device | str, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether ``backend="auto"`` runs the kernel (up to ``SKINNY_ROWS`` rows) for x on
-    ``device`` in ``dtype``, rather than F.linear: CPU float32 with AVX2 + FMA or AVX-512
-    (the portable path is correct but slower than MKL)."""
-    return _auto(torch.device(device), dtype, os.environ.get(ISA_VARIABLE)) is not F.linear
+    """Whether ``backend="auto"`` runs the kernel (for the rows :func:`uses_kernel` gives)
+    for x on ``device`` in ``dtype``, rather than F.linear: CPU float32 with AVX2 + FMA or
+    AVX-512 (the portable path is correct but slower than MKL)."""
+    return _auto(torch.device(device), dtype, os.environ.get(ISA_VARIABLE)) is not _f_linear
 
 
 ISA_VARIABLE = "SPEC_EXT_CPU_ISA"
+
+
+def _f_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear, with a bfloat16 weight (and bias) widened to x's dtype first."""
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    return F.linear(x, weight, bias)
 
 
 @functools.lru_cache(None)
 def _auto(device: torch.device, dtype: torch.dtype, forced_isa: str | None):
     if (dtype != torch.float32 or registry.resolve("skinny_linear", "auto", device) != "cpu"
             or cpu_isa() not in ("avx512", "avx2")):
-        return F.linear
+        return _f_linear
     kernel = registry.kernel("skinny_linear", "cpu", device)
+    few, most, least = FEW_ROWS, SKINNY_ROWS, SKINNY_BYTES
 
     def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        return kernel(x, weight, bias) if x.numel() <= SKINNY_ROWS * x.shape[-1] else F.linear(x, weight, bias)
+        size = x.numel()  # uses_kernel, inlined (a call per layer)
+        K = x.shape[-1]
+        if size <= few * K or (size <= most * K and weight.numel() * weight.element_size() >= least):
+            return kernel(x, weight, bias)
+        return _f_linear(x, weight, bias)
 
     return linear
 
 
 def _check(x, weight, bias, backend) -> None:
     check_tensor("x", x, tuple(range(1, 8)), FLOAT_TYPES)
-    check_tensor("weight", weight, 2, (x.dtype,), x.device)
+    weight_types = (torch.float32, torch.bfloat16) if x.dtype == torch.float32 else (x.dtype,)
+    check_tensor("weight", weight, 2, weight_types, x.device)
     if weight.shape[1] != x.shape[-1]:
         fail("weight", f"expected [N, K={x.shape[-1]}] (K = x's last dim), got {tuple(weight.shape)}")
     if bias is not None:
-        check_tensor("bias", bias, 1, (x.dtype,), x.device)
+        check_tensor("bias", bias, 1, tuple(dict.fromkeys((x.dtype, weight.dtype))), x.device)
         check_shape("bias", bias, (weight.shape[0],))
     if backend != "auto" and registry.resolve("skinny_linear", backend, x.device) == "cpu" \
             and x.dtype != torch.float32:
