@@ -588,3 +588,53 @@ def test_the_cli_drafts_with_a_speculators_mtp_directory(tmp_path):
     assert out.stdout.startswith(text), (out.stdout, text)
     stats = json.loads(out.stdout[len(text):])
     assert stats["new_tokens"] == 12 and stats["drafted"] > 0
+
+
+RAGGED = PROMPTS + [[12, 30, 44, 2, 19, 26, 33, 47, 5, 6, 58], [9]]  # left-padded to 11: one to ten pads
+
+
+@pytest.mark.parametrize("source,policy", [(("glm4_moe", 1), Fixed(1)), (("glm4_moe", 2), Fixed(1)),
+                                           (("glm4_moe", 2), Fixed(3)), (("deepseek_v3", 1), Fixed(2)),
+                                           ("speculators", Fixed(1)), ("speculators", Fixed(3)),
+                                           ("speculators-hf-modules", Fixed(1))],
+                         ids=["glm-1-layer", "glm-2-layers-fixed-1", "glm-2-layers-fixed-3", "mla-fixed-2",
+                              "speculators-fixed-1", "speculators-fixed-3", "speculators-hf-modules"])
+def test_each_rows_drafts_in_a_ragged_batch_are_its_drafts_alone(source, policy):
+    """Greedy, a ragged left-padded batch (a one-token prompt among them): every round's drafts
+    of each row, and its per-row accepted and round counts, equal that row's generated alone
+    (batch 1): the MTP layers' positions, cache, padded rows' hidden states and catch-up after
+    commits do not depend on the other rows. Native MTP layers (position shift 1, 1 and 2
+    layers; MoE targets: the HF modules) and a speculators directory (shift 0; a Qwen3 target:
+    the lean forward, and forced onto the HF modules)."""
+    import contextlib
+    from spec_ext.drafters import load
+    from spec_ext.models.lean import hf_modules, why_not_lean
+    if isinstance(source, str):
+        target, path, _ = library_mtp()
+        mtp = load(path, target)
+        assert why_not_lean(target) is None
+    else:
+        target, _ = target_with_mtp(*source)
+        mtp = load_mtp(target)
+        assert why_not_lean(target) is not None
+    forced = (lambda: hf_modules(target)) if source == "speculators-hf-modules" else contextlib.nullcontext
+
+    def run(prompts):
+        drafter = Recording(mtp, policy)
+        with forced():
+            out = spec_ext.generate(target, drafter, prompts, max_new_tokens=14, eos_token_id=[])
+        rounds = {i: [] for i in range(len(prompts))}
+        for seqs, proposal in drafter.rounds:
+            for b, seq in enumerate(seqs):
+                row = next(i for i, p in enumerate(prompts) if seq[:len(p)] == p and len(seq) >= len(p))
+                rounds[row].append(proposal.tokens[b, :int(proposal.num_draft[b])].tolist())
+        return out, rounds
+
+    batch, batch_rounds = run(RAGGED)
+    assert 0 < batch.stats.accepted < batch.stats.drafted
+    for i, prompt in enumerate(RAGGED):
+        alone, alone_rounds = run([prompt])
+        assert batch_rounds[i] == alone_rounds[0], i
+        assert (batch.stats.row_accepted[i], batch.stats.row_rounds[i]) == \
+            (alone.stats.row_accepted[0], alone.stats.row_rounds[0]), i
+        assert batch.sequences[i, -14:].tolist() == alone.sequences[0, -14:].tolist(), i
