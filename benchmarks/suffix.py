@@ -206,6 +206,7 @@ def run_config(target, head, requests, batch, temperature, n, repeats, pad):
                                  kinds=" ".join(r["kind"] for r in group), method=name, seconds=round(seconds, 4),
                                  new_tokens=int(new.numel()), target_calls="" if stats is None else stats.target_calls,
                                  accepted="" if stats is None else stats.accepted,
+                                 text_matched="" if stats is None else stats.matched,
                                  cache_matched="" if stats is None else stats.cache_matched,
                                  cache_accepted="" if stats is None else stats.cache_accepted,
                                  rounds="" if stats is None else stats.rounds,

@@ -107,12 +107,13 @@ def test_greedy_equals_target_across_calls_that_share_the_cache(pair, with_draft
     cache = SuffixCache(prompts=True)
     first = ragged_greedy_equals_target(target, draft if with_draft else None, PROMPTS, Suffix(cache))
     assert first.stats.cache_matched == 0 and cache.tokens > 0
+    assert (first.stats.draft_calls > 0) == with_draft  # nothing cached yet: the model drafts
     for prompts in (AGAIN, PROMPTS):
         stats = ragged_greedy_equals_target(target, draft if with_draft else None, prompts, Suffix(cache)).stats
         assert stats.cache_matched > 0 and stats.cache_accepted > 0, stats
         assert stats.cache_matched <= stats.matched and stats.cache_accepted <= stats.text_accepted
         assert sum(stats.row_cache_matched) == stats.cache_matched == stats.as_dict()["cache_matched"]
-        assert (stats.draft_calls > 0) == with_draft
+        assert with_draft or stats.draft_calls == 0  # beside a model, a call the cache predicts may not need it
     assert len(cache.texts()) == 3 * len(PROMPTS)
 
 
@@ -236,7 +237,10 @@ def test_beside_a_head_greedy_equals_target_and_the_head_drafts_the_other_rows()
     assert stats.accepted > stats.cache_accepted  # the head's drafts were accepted too
 
 
-def test_beside_a_head_sampling_follows_the_target_distribution():
+@pytest.mark.parametrize("min_score,model_memory", [(1.0, 0.8), (None, 0.0)], ids=["fixed rule", "measured rule"])
+def test_beside_a_head_sampling_follows_the_target_distribution(min_score, model_memory):
+    """The fixed rule (score >= 1), and the measured one with no memory (a row whose head round
+    was cut drafts its text next round: rows of both kinds in one verification)."""
     from test_heads import echo_head
     target = llama(VOCAB, 32, 4, seed=3, sharpen=3.0)
     head = echo_head(target, "eagle3", noise=0.01)
@@ -244,7 +248,8 @@ def test_beside_a_head_sampling_follows_the_target_distribution():
     spec_ext.generate(target, None, [REPEATING] * 64, max_new_tokens=3, temperature=1.0, eos_token_id=[],
                       suffix_cache=cache, seed=5)
     n = 12_000
-    policy = Suffix(cache, k=3, max_nodes=6, draft_k=2, round_tokens=6 * n, min_score=1.0)
+    policy = Suffix(cache, k=3, max_nodes=6, draft_k=2, round_tokens=6 * n, min_score=min_score,
+                    model_memory=model_memory)
     out = spec_ext.generate(target, head, [REPEATING] * n, max_new_tokens=3, temperature=1.0, eos_token_id=[],
                             policy=policy, seed=6)
     samples = out.sequences[:, len(REPEATING):].numpy()
@@ -252,3 +257,100 @@ def test_beside_a_head_sampling_follows_the_target_distribution():
     stats = out.stats
     assert stats.cache_matched > 0 and stats.cache_accepted > 0 and stats.draft_calls > 0, stats
     assert stats.accepted > stats.cache_accepted
+
+
+# ------------------------------------------------------------------------ text or model: the measured rule
+def _beside(cache, rows, draft_cost=0.0, draft_k=3):
+    """A Suffix policy as beside a model (bound with a draft), its TextDrafter started on ``rows``."""
+    from spec_ext.drafters import TextDrafter
+    target = llama(97, 16, 1, seed=0)
+    policy = Suffix(cache, draft_k=draft_k, draft_cost=draft_cost)
+    policy.bind(target, target)
+    policy.start(batch_size=len(rows))
+    drafter = TextDrafter(policy)
+    drafter.start([list(r) for r in rows], capacity=256, sampler=Sampler())
+    return policy, drafter
+
+
+STORED = list(range(1, 41))  # one earlier request: 40 distinct tokens
+WEAK = [60, 61, 62, 5, 6]  # a 2-token match: the cache's tree is [7, 8], scoring 2 (each seen once)
+STRONG = [50] + list(range(1, 21))  # a 20-token match: a chain of the 20 tokens after it
+
+
+def test_a_weak_match_drafts_the_models_chain_and_a_strong_one_the_text():
+    """Beside a model, the cache's tree of a short match seen once scores its size (2: the old
+    fixed rule, score >= 2, drafted it) but is expected to get 2 x 0.25 accepted: below the
+    model's 2 per round, so that row is the model's; the long match's chain is the text's."""
+    cache = SuffixCache(prompts=False)
+    cache.add([], STORED)
+    assert cache.propose(cache.match(list(WEAK)), 31, 32)[2:] == (2, 2.0)
+    policy, drafter = _beside(cache, [WEAK, STRONG])
+    trees = drafter.trees()
+    assert trees[0] == ([-1], [-1]) and drafter.from_cache == [False, True]
+    # as deep as the round's 16 nodes at batch 2 allow, past the own text's k = 10
+    assert trees[1] == ([-1] + list(range(21, 36)), [-1] + list(range(15)))
+    assert policy.expected(0, True, 2, 2.0) == pytest.approx(0.5) and policy.model_mean(0) == 2.0
+
+
+def test_the_text_is_drafted_where_the_model_would_cost_more_than_it_brings():
+    """Batch 1, the weak match alone: a model forward as costly as a verification (draft_cost 1,
+    3 drafts) makes the model's 3 tokens cost 4 verifications: the text's 1.5 in one wins."""
+    cache = SuffixCache(prompts=False)
+    cache.add([], STORED)
+    assert _beside(cache, [WEAK], draft_cost=0.0)[1].trees() == [([-1], [-1])]
+    assert _beside(cache, [WEAK], draft_cost=1.0)[1].trees() == [([-1, 7, 8], [-1, 0, 1])]
+
+
+def test_the_rule_follows_what_is_accepted():
+    """The model's running mean per row and the cache's accepted share per kind of match move
+    with the rounds observed: a model that stops being accepted loses the weak row to the text;
+    a long match whose drafts keep failing loses its row to a model that is accepted."""
+    cache = SuffixCache(prompts=False)
+    cache.add([], STORED)
+    policy, drafter = _beside(cache, [WEAK, STRONG])
+    for _ in range(7):  # row 0 the model's, none accepted; row 1 the text's, all 15 accepted
+        assert drafter.trees()[0] == ([-1], [-1])
+        policy.observe([3, 15], [0, 15])
+    assert policy.model_mean(0) == pytest.approx(2.0 * 0.8 ** 7) and policy.model_mean(0) < 0.5
+    assert drafter.trees()[0] == ([-1, 7, 8], [-1, 0, 1]) and drafter.from_cache == [True, True]
+    policy.observe([2, 15], [2, 15])
+    share = cache.expected(("cache", 16), 1.0)
+    assert share > 0.9
+    for _ in range(40):  # now the text's drafts all fail, the model's (3) are all accepted
+        drafter.trees()
+        text = list(drafter.from_cache)
+        policy.observe([15 if t else 3 for t in text], [0 if t else 3 for t in text])
+    assert cache.expected(("cache", 16), 1.0) < 0.2 * share  # the share fell until the model took the row
+    assert cache.expected(("cache", 16), 15.0) < policy.model_mean(1)
+    assert drafter.trees()[1] == ([-1], [-1]) and drafter.from_cache == [False, False]
+    with pytest.raises(ValueError, match="draft_cost: need a number >= 0"):
+        Suffix(draft_cost=-1.0)
+    with pytest.raises(ValueError, match="max_depth: need an int >= 1"):
+        Suffix(max_depth=0)
+
+
+def test_beside_a_head_never_more_target_calls_than_the_head_alone_where_the_cache_matches_weakly():
+    """A cache of other requests (random prompts over 12 tokens: their texts share short runs
+    with the new requests, seen once or twice): beside a head that the target accepts, no
+    request takes more target forwards than the head alone (the old fixed rule: one took 41,
+    every round a weak cache tree, against the head's 12), outputs equal."""
+    from test_heads import V, echo_head
+    target = llama(V, 32, 4, seed=3, sharpen=3.0)
+    head = echo_head(target, "eagle3", draft_vocab=10, noise=0.01)
+    rng = random.Random(0)
+    cache_rounds = 0
+    for trial in range(4):
+        primers = [[rng.randrange(1, V) for _ in range(rng.randrange(3, 9))] for _ in range(4)]
+        later = [[rng.randrange(1, V) for _ in range(rng.randrange(3, 9))] for _ in range(3)]
+        cache = SuffixCache()
+        for p in primers:
+            spec_ext.generate(target, None, [p], max_new_tokens=40, eos_token_id=[], suffix_cache=cache)
+        for p in later:
+            alone = spec_ext.generate(target, head, [p], max_new_tokens=40, eos_token_id=[],
+                                      policy=Suffix(SuffixCache(), own_text=False, draft_k=3))
+            beside = spec_ext.generate(target, head, [p], max_new_tokens=40, eos_token_id=[],
+                                       policy=Suffix(cache, draft_k=3))
+            assert torch.equal(alone.sequences, beside.sequences)
+            assert beside.stats.target_calls <= alone.stats.target_calls, (trial, p)
+            cache_rounds += beside.stats.cache_matched
+    assert cache_rounds > 20  # the cache drafted where it was expected to win

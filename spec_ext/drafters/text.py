@@ -57,23 +57,25 @@ class TextDrafter(Drafter):
     def _suffix_trees(self, depths: list[int], nodes: int) -> list[tuple[list[int], list[int]]]:
         """A Suffix policy's trees: the cache's where its match is longer than the row's own
         text's (when the policy's ``uses_own_text``), else the own text's; the root alone where
-        the tree scores below the policy's ``text_min_score`` (beside a model, those rows are
-        the model's)."""
-        policy, trees = self.policy, []
-        least, own = policy.text_min_score, policy.uses_own_text
+        the policy's ``text_rows`` says no (beside a model, those rows are the model's)."""
+        policy, trees, offers = self.policy, [], []
+        own = policy.uses_own_text
         for r, (index, match, depth) in enumerate(zip(self.rows, self.matches, depths)):
             n, tokens, parents, score = 0, [-1], [-1], 0.0
             if own:
                 n, starts = index.occurrences(policy.max_continuations)
                 tokens, parents, score = continuation_tree(index.continuations(starts, depth), nodes, scored=True)
-            cached = policy.cache.propose(match, depth, nodes, policy.alpha, policy.min_prob)
+            cached = policy.cache.propose(match, policy.cache_depth(depth, nodes), nodes, policy.alpha,
+                                          policy.min_prob)
             self.from_cache[r] = cached[2] > n and len(cached[0]) > 1
             if self.from_cache[r]:
-                tokens, parents, _, score = cached
-            if score < least or len(tokens) == 1:
-                self.from_cache[r] = False
-                tokens, parents = [-1], [-1]
+                tokens, parents, n, score = cached
             trees.append((tokens, parents))
+            offers.append((self.from_cache[r], n, score) if len(tokens) > 1 else None)
+        for r, text in enumerate(policy.text_rows(offers)):
+            if not text:
+                self.from_cache[r] = False
+                trees[r] = ([-1], [-1])
         return trees
 
     def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:

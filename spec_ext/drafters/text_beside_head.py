@@ -13,12 +13,13 @@ from spec_ext.drafters.text import TextDrafter, tree_proposal
 
 class TextBesideHead(Drafter):
     """Each row drafts its text's tree (:class:`TextDrafter` under a
-    :class:`~spec_ext.policies.Suffix` policy: the cache's tree where it scores at least the
-    policy's ``text_min_score``); the other rows take the head's chain of ``policy.draft_k``
-    (:class:`HeadDrafter`), verified with the q it was drawn from, as a chain among the text's
-    trees. The head runs every round: its catch-up feeds it the target's features of what was
-    committed, whoever drafted it, so it stays in step; in a round where every row drafts its
-    text it only catches up (no draft steps)."""
+    :class:`~spec_ext.policies.Suffix` policy: the cache's tree, or the row's own text's, where
+    the policy's ``text_rows`` expects it to get more accepted than the head, measured: see
+    :meth:`~spec_ext.policies.Suffix.measured_choice`); the other rows take the head's chain of
+    ``policy.draft_k`` (:class:`HeadDrafter`), verified with the q it was drawn from, as a chain
+    among the text's trees. The head runs every round: its catch-up feeds it the target's
+    features of what was committed, whoever drafted it, so it stays in step; in a round where
+    every row drafts its text it only catches up (no draft steps)."""
 
     def __init__(self, text: TextDrafter, head: HeadDrafter):
         super().__init__(text.policy)

@@ -12,7 +12,10 @@ scan of the stored texts, which the automata are tested against.
 
 :class:`Suffix` is the policy: :class:`~spec_ext.policies.NGram`'s settings and the row's
 own text (today's matcher), plus the cache; a row drafts the cache's tree where its match is
-longer than the own text's, else the own text's tree.
+longer than the own text's, else the own text's tree. Beside a draft model or a head, a row
+drafts that tree only where it is expected to get more accepted than the model (the tree's
+score times the accepted share measured for its kind of match, against the model's running
+mean per row; :meth:`Suffix.measured_choice`).
 
 Memory is bounded by ``budget`` stored tokens: requests go into the newest of ``segments``
 automata; once it holds ``budget / segments`` tokens a new one opens, and the oldest whole
@@ -209,6 +212,28 @@ class SuffixCache:
         self._next_id = self._next_request = 0
         self._texts: dict[int, list[int]] = {}  # request id -> its stored text (for texts())
         self._lock = threading.Lock()
+        # beside a model: per kind of match, [accepted, score] summed over the rounds that drafted it
+        self._calibration: dict[tuple[str, int], list[float]] = {}
+
+    def expected(self, kind: tuple[str, int], score: float) -> float:
+        """The drafts a text tree of ``score`` and match ``kind`` (:func:`match_kind`) is expected
+        to get accepted: ``score`` x the accepted share of the score over the earlier rounds of
+        that kind (decayed; a prior of ``PRIOR_SHARE`` before any). The empirical probabilities
+        of a match seen once are all 1: a short one's tree scores its size, yet is rarely
+        accepted whole; this share is what the rounds measured."""
+        accepted, scored = self._calibration.get(kind) or _prior(kind)
+        return score * accepted / scored
+
+    def calibrate(self, kind: tuple[str, int], accepted: int, score: float) -> None:
+        """One round that drafted a text tree of ``score`` and match ``kind``: ``accepted`` drafts."""
+        if score <= 0:
+            return
+        with self._lock:
+            entry = self._calibration.get(kind)
+            if entry is None:
+                entry = self._calibration[kind] = _prior(kind)
+            entry[0] = CALIBRATION_DECAY * entry[0] + min(accepted, score)
+            entry[1] = CALIBRATION_DECAY * entry[1] + score
 
     @property
     def tokens(self) -> int:
@@ -313,9 +338,51 @@ def _best_first(start, depth: int, most: int, min_prob: float) -> tuple[list[int
     return tokens, parents, score
 
 
-# beside a draft model or a head, a row drafts from the text only where its tree expects at
-# least this many accepted tokens (the model's rounds accept about this many on the bundled pair)
+# beside a draft model or a head: the model's accepted drafts per round assumed before a row
+# measured its own (the bundled head's rounds accept about this many on the bundled pair)
 BESIDE_MIN_SCORE = 2.0
+# the accepted share of a text tree's score before any round of its kind measured it, by
+# (source, match length bucket): short matches seen once score their size yet rarely hold
+PRIOR_SHARE = {("own", 0): 0.5, ("cache", 1): 0.25, ("cache", 4): 0.4, ("cache", 8): 0.6, ("cache", 16): 0.8,
+               ("cache", 32): 0.9}
+PRIOR_WEIGHT = 8.0  # the prior counts as this much score
+CALIBRATION_DECAY = 0.97  # the cache's, per round of the kind: the share follows the workload
+OWN_DECAY = 0.8  # a row's own text's, per round it drafted it (a row repeats itself or not: it shows soon)
+
+
+def match_kind(from_cache: bool, n: int) -> tuple[str, int]:
+    """The kind a text tree's calibration is kept by: its source and its match length (the
+    own text's n-gram length; the cache's by powers of two: 1-3, 4-7, 8-15, 16-31, 32+)."""
+    if not from_cache:
+        return "own", max(1, min(n, 2))
+    return "cache", next(b for b in (32, 16, 8, 4, 1) if n >= b)
+
+
+def modeled_draft_cost(target, draft) -> float:
+    """One draft forward's cost in target verifications, modeled (deterministic, not timed): the
+    smaller of the draft's share of the target's parameters (a step that reads its weights) and
+    of its layers (a small model's step on CPU, where each layer's kernels cost their launch)."""
+    def count(model) -> int:
+        return sum(p.numel() for p in model.parameters())
+
+    def layers(model) -> int | None:
+        found = getattr(model, "num_layers", None)
+        if isinstance(found, int):
+            return found
+        config = getattr(model, "config", None)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return getattr(config, "num_hidden_layers", None)
+
+    shares = []
+    if count(target):
+        shares.append(count(draft) / count(target))
+    if layers(draft) and layers(target):
+        shares.append(layers(draft) / layers(target))
+    return min(shares, default=0.0)
+
+
+def _prior(kind: tuple[str, int]) -> list[float]:
+    return [PRIOR_SHARE.get(kind, 0.3) * PRIOR_WEIGHT, PRIOR_WEIGHT]
 
 
 @register
@@ -328,15 +395,30 @@ class Suffix(NGram):
     Drafts are deterministic (one-hot q): exact at every temperature. ``generate`` adds each
     finished row to the cache after the call.
 
+    Beside a draft model or a head (``min_score`` None), a row drafts its text tree only where
+    the tree is expected to get more drafts accepted than the model's chain: the tree's score
+    times the accepted share of the score measured so far for its kind of match
+    (:meth:`SuffixCache.expected`, kept in the cache across calls: a short match seen once
+    scores its size, yet is rarely accepted whole) against the model's accepted drafts per
+    round, a running mean per row (``BESIDE_MIN_SCORE`` before the row measured one).
+
     Args:
         cache: the :class:`SuffixCache` (shared across calls and threads); None: a new one.
         alpha, min_prob: the paper's size factor and probability floor (vLLM's defaults 1.0, 0.1).
-        min_score: a row drafts from the text (cache or own) only where its tree's score (the
-            drafts expected accepted) is at least this; beside a draft model or a head the other
-            rows are drafted by the model. None: 0 alone, ``BESIDE_MIN_SCORE`` beside a model.
-        own_text: also draft from the row's own text (NGram's matcher). None: alone yes;
-            beside a model no (its one- and two-token matches would take rows from the model,
-            which drafts them better; the cache's matches are long and counted).
+        min_score: a fixed rule instead: a row drafts from the text (cache or own) only where its
+            tree's score is at least this; beside a draft model or a head the other rows are
+            drafted by the model. None: alone 0 (every match); beside a model the measured
+            rule above.
+        own_text: also draft from the row's own text (NGram's matcher). None: yes, except beside
+            a model under a fixed ``min_score`` (its one- and two-token matches would take rows
+            from the model unmeasured).
+        model_memory: the weight of a row's earlier rounds in the model's running mean (each
+            round it drafted: mean = memory * mean + (1 - memory) * accepted).
+        max_depth: the deepest a cache tree goes (None: as deep as the round's node budget,
+            ``NGram.tree_budget``; the paper's rule sizes it: a 64-token match of a request seen
+            before drafts a chain of 31 at batch 1). The own text's trees keep NGram's ``k``.
+        draft_cost: one draft forward's cost in target verifications (what a round where the
+            model drafts costs more: ``draft_k`` of them). None: :func:`modeled_draft_cost`.
         **ngram: :class:`NGram`'s settings (trees only).
 
     Example:
@@ -346,7 +428,8 @@ class Suffix(NGram):
     """
 
     def __init__(self, cache: SuffixCache | None = None, alpha: float = 1.0, min_prob: float = 0.1,
-                 min_score: float | None = None, own_text: bool | None = None, **ngram):
+                 min_score: float | None = None, own_text: bool | None = None, model_memory: float = 0.8,
+                 draft_cost: float | None = None, max_depth: int | None = None, **ngram):
         super().__init__(**ngram)
         if not self.tree:
             raise ValueError("tree: Suffix drafts trees (tree=True)")
@@ -354,25 +437,124 @@ class Suffix(NGram):
             raise ValueError(f"cache: expected a SuffixCache, got {type(cache).__name__}")
         if not alpha > 0 or not 0 <= min_prob <= 1:
             raise ValueError(f"alpha, min_prob: need alpha > 0 and 0 <= min_prob <= 1, got {alpha}, {min_prob}")
+        if not 0 <= model_memory < 1:
+            raise ValueError(f"model_memory: need 0 <= model_memory < 1, got {model_memory}")
+        if max_depth is not None and (not isinstance(max_depth, int) or max_depth < 1):
+            raise ValueError(f"max_depth: need an int >= 1 or None, got {max_depth!r}")
+        self.max_depth = max_depth
+        if draft_cost is not None and not draft_cost >= 0:
+            raise ValueError(f"draft_cost: need a number >= 0 (a draft forward's cost in verifications), got "
+                             f"{draft_cost}")
         self.cache = SuffixCache() if cache is None else cache
         self.alpha, self.min_prob, self.min_score, self.own_text = alpha, min_prob, min_score, own_text
+        self.model_memory = model_memory
+        self._draft_cost, self.draft_cost = draft_cost, draft_cost or 0.0
         self.beside_model = False
 
     def bind(self, target, draft) -> None:
         super().bind(target, draft)
         self.beside_model = draft is not None
+        self.draft_cost = (self._draft_cost if self._draft_cost is not None
+                           else 0.0 if draft is None else modeled_draft_cost(target, draft))
+
+    def start(self, batch_size: int, greedy: bool = True) -> None:
+        super().start(batch_size, greedy)
+        self._model_mean = [BESIDE_MIN_SCORE] * batch_size  # the model's accepted drafts per round, per row
+        self._own = [_prior(("own", 0)) for _ in range(batch_size)]  # per row: its own text's [accepted, score]
+        self._chosen: list[tuple | None] = [None] * batch_size  # this round: (kind, score) of a row's text tree
+
+    @property
+    def measured(self) -> bool:
+        """Whether rows choose text or model by the measured rule this call (see the class)."""
+        return self.beside_model and self.min_score is None
 
     @property
     def text_min_score(self) -> float:
         """The least score of a row's text tree this call (see ``min_score``)."""
-        if self.min_score is not None:
-            return self.min_score
-        return BESIDE_MIN_SCORE if self.beside_model else 0.0
+        return 0.0 if self.min_score is None else self.min_score
 
     @property
     def uses_own_text(self) -> bool:
         """Whether rows draft from their own text this call (see ``own_text``)."""
-        return (not self.beside_model) if self.own_text is None else bool(self.own_text)
+        if self.own_text is not None:
+            return bool(self.own_text)
+        return not self.beside_model or self.min_score is None
+
+    def model_mean(self, row: int) -> float:
+        """The model's accepted drafts per round on ``row`` (its running mean)."""
+        return self._model_mean[row]
+
+    def cache_depth(self, depth: int, nodes: int) -> int:
+        """The deepest a row's cache tree may go this round (its own text's: ``depth``, NGram's
+        ``k``): ``max_depth`` (None: the tree's node budget; the paper's rule, at most ``alpha``
+        x the match length nodes, sizes it), never shallower than ``depth``."""
+        most = nodes - 1 if self.max_depth is None else min(self.max_depth, nodes - 1)
+        return max(depth, most)
+
+    def text_rows(self, offers: Sequence[tuple[bool, int, float] | None]) -> list[bool]:
+        """Which rows draft their text tree this round, from each row's offer (from the cache or
+        not, match length n, score; None: no tree): alone or with a fixed ``min_score``, those
+        scoring at least it; the measured rule (beside a model) see :meth:`measured_choice`.
+        Recorded for :meth:`observe`."""
+        self._chosen = [None] * len(offers)
+        if not self.measured:
+            return [offer is not None and offer[2] >= self.text_min_score for offer in offers]
+        expected = [None if offer is None else self.expected(r, *offer) for r, offer in enumerate(offers)]
+        chosen = self.measured_choice(expected)
+        for r, (text, offer) in enumerate(zip(chosen, offers)):
+            if text:
+                self._chosen[r] = (match_kind(offer[0], offer[1]), offer[2])
+        return chosen
+
+    def expected(self, row: int, from_cache: bool, n: int, score: float) -> float:
+        """The drafts a row's text tree is expected to get accepted: its score times the accepted
+        share of the score measured for its kind of match (the cache's, across calls:
+        :meth:`SuffixCache.expected`; the row's own text's, this call)."""
+        if from_cache:
+            return self.cache.expected(match_kind(True, n), score)
+        accepted, scored = self._own[row]
+        return score * accepted / scored
+
+    def measured_choice(self, expected: Sequence[float | None]) -> list[bool]:
+        """Per row, text (True) or the model, from its text tree's expected accepted drafts (None:
+        no tree) and the model's running mean: the better of (a) each row the larger of the two,
+        the model run for its rows, and (b) every row with a tree drafting it, the model not run
+        (each row's 1 + drafts over a round's cost: 1 without the model, 1 + ``draft_k`` x
+        :attr:`draft_cost` with it). At batch 1: the text where 1 + expected >= (1 + the model's
+        mean) / (1 + draft_k x draft_cost)."""
+        means = self._model_mean
+        by_row = [e is not None and e > m for e, m in zip(expected, means)]
+        if all(by_row):
+            return by_row
+        with_model = sum(1 + (e if text else m) for e, m, text in zip(expected, means, by_row))
+        without = sum(1 + (e or 0.0) for e in expected)
+        if any(e is not None for e in expected) and without >= with_model / (1 + self.draft_k * self.draft_cost):
+            return [e is not None for e in expected]
+        return by_row
+
+    def observe(self, num_draft, num_accepted) -> None:
+        """The measured rule's counts: a text row's accepted drafts calibrate its kind of match
+        (in the cache), a model row's go into the row's running mean."""
+        if self.measured:
+            memory = self.model_memory
+            for r, (drafted, accepted) in enumerate(zip(num_draft, num_accepted)):
+                chosen = self._chosen[r]
+                if chosen is not None and chosen[0][0] == "cache":
+                    self.cache.calibrate(chosen[0], int(accepted), chosen[1])
+                elif chosen is not None:
+                    own = self._own[r]
+                    own[0] = OWN_DECAY * own[0] + min(int(accepted), chosen[1])
+                    own[1] = OWN_DECAY * own[1] + chosen[1]
+                elif drafted > 0:
+                    self._model_mean[r] = memory * self._model_mean[r] + (1 - memory) * int(accepted)
+        self._chosen = [None] * len(self._chosen)
+        super().observe(num_draft, num_accepted)
+
+    def keep_rows(self, rows) -> None:
+        super().keep_rows(rows)
+        self._model_mean = [self._model_mean[r] for r in rows]
+        self._own = [self._own[r] for r in rows]
+        self._chosen = [self._chosen[r] for r in rows]
 
     def remember(self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> None:
         """Add a call's finished rows (prompt, new tokens) to the cache."""
