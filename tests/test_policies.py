@@ -101,6 +101,32 @@ def test_auto_drafts_less_when_drafts_cost_more_and_follows_rows_finishing():
     assert policy.verify_cost(chosen[-1] + 1) == pytest.approx(10.0 + 0.2 * chosen[-1], rel=0.1)
 
 
+def test_auto_prices_a_block_drafter_as_one_forward_and_caps_k_at_its_block():
+    """A draft forward costs 6 (a verification 10-14): one forward per draft pays for about 2
+    drafts; a block drafter (7 drafts per forward) pays one forward for its whole block, so
+    Auto drafts the whole block and never past it."""
+    picks = {}
+    for per_forward in (1, 7):
+        clock = FakeClock()
+        policy = Auto(max_draft=12, forget_runs=1.0, forget_cost=1.0, clock=clock)
+        policy.bind(torch.nn.Linear(2, 2), None)
+        policy.see_draft_shape(per_forward)
+        policy.start(1)
+        rng, chosen = random.Random(0), []
+        for _ in range(300):
+            k = policy.plan()[0]
+            forwards = policy.draft_forwards(k)
+            policy.drafted(6.0 * forwards, forwards)
+            clock.now += 10.0 + 0.5 * k + 6.0 * forwards
+            policy.observe([k], [min(k, geometric(0.9)(rng))])
+            chosen.append(k)
+        assert max(chosen) <= 7 or per_forward == 1, "never past the block, exploring rounds included"
+        picks[per_forward] = plain_picks(policy, chosen)
+        assert policy.draft_cost() == pytest.approx(6.0)
+    assert max(picks[1]) <= 3
+    assert set(picks[7]) == {7}
+
+
 def test_auto_round_cost_shrugs_off_stalls():
     clock = FakeClock()
     policy = Auto(forget_runs=1.0, forget_cost=1.0, clock=clock)

@@ -109,6 +109,7 @@ class Drafter:
 
     calls: int = 0
     model = None
+    drafts_per_forward: int = 1  # drafts one forward proposes (a block drafter: its whole block)
     target_layers: tuple[int, ...] | None = None
     # what ``uses_bonus_agreement`` policies need of the last round (see :meth:`bonus_agreement`):
     # all_accepted [B] bool, whether each row accepted every draft; bonus_p [B,V] the target's

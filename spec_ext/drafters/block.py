@@ -53,6 +53,10 @@ class BlockDrafter(Drafter):
         """The most drafts one block proposes (b - 1, or b with ``sample_from_anchor``)."""
         return self.draft.config.num_drafts
 
+    @property
+    def drafts_per_forward(self) -> int:
+        return self.num_drafts
+
     def bind(self, target) -> None:
         check_model(target, "target")
         draft, config = self.draft, self.draft.config

@@ -47,6 +47,10 @@ class TextFirst(Drafter):
         return self.model_drafter.proposer
 
     @property
+    def drafts_per_forward(self) -> int:
+        return self.model_drafter.drafts_per_forward
+
+    @property
     def target_layers(self):
         return self.model_drafter.target_layers
 
@@ -128,7 +132,7 @@ class TextFirst(Drafter):
         by_text = torch.tensor(proposal.from_text, device=device)
         started = time.perf_counter()
         proposal = self._beside(seqs, roots, proposal, by_text, k)
-        self.chooser.drafted(time.perf_counter() - started, max(k, int(head)))
+        self.chooser.drafted(time.perf_counter() - started, max(self.chooser.draft_forwards(k), int(head)))
         return proposal
 
     def commit(self, outcome: Outcome) -> None:

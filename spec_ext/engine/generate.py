@@ -300,6 +300,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     if seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(seed)
     policy.bind(target, None if drafter is None else drafter.proposer)
+    policy.see_draft_shape(1 if drafter is None else drafter.drafts_per_forward)
     # a draft of another tokenizer keeps its own vocabulary (its drafter maps it to the target's)
     fitted = [m for m in (target, None if across is not None else draft) if m is not None]
     processors = make_processors(call, prompts, max(map(vocabulary_size, fitted)), tokenizer, grammar,

@@ -135,8 +135,8 @@ class SerialEngine(Rows):
             if self.sampler.processors is not None:
                 self.sampler.processors.commit(outcome.tokens, outcome.num_accepted + 1, outcome.committed)
             if not proposal.explores:
-                if outcome.path is not None and getattr(self.policy, "uses_tree_paths", False):
-                    self.policy.see_tree_path(outcome.path)  # Adaptive's calibration reads the accepted nodes
+                if outcome.path is not None and self.policy.uses_tree_paths:
+                    self.policy.see_tree_path(outcome.path)
                 self.policy.observe(outcome.drafted, outcome.accepted)
             self.drafter.commit(outcome)
             from_text = proposal.from_text or [False] * len(self.active)

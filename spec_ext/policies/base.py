@@ -33,7 +33,8 @@ class Policy:
     policies that ask):
       * ``uses_draft_hidden``: ``keep_drafting`` gets the draft's last hidden state;
       * ``uses_target_hidden``: :meth:`see_target` is called after every verification;
-      * ``uses_bonus_agreement``: :meth:`see_bonus_agreement` is called before ``plan()``.
+      * ``uses_bonus_agreement``: :meth:`see_bonus_agreement` is called before ``plan()``;
+      * ``uses_tree_paths``: :meth:`see_tree_path` is called after every tree round.
     """
 
     max_draft: int = 5
@@ -44,9 +45,14 @@ class Policy:
     uses_draft_hidden: ClassVar[bool] = False
     uses_target_hidden: ClassVar[bool] = False
     uses_bonus_agreement: ClassVar[bool] = False
+    uses_tree_paths: ClassVar[bool] = False
 
     def bind(self, target, draft) -> None:
         """Called once per generate call with the models (draft None when it runs on another rank)."""
+
+    def see_draft_shape(self, drafts_per_forward: int) -> None:
+        """Once per generate call, after ``bind``: how many drafts one draft forward proposes
+        (1: each draft costs a forward; a block drafter's whole block, ``b - 1``, costs one)."""
 
     def start(self, batch_size: int, greedy: bool = True) -> None:
         """Before the first round: the number of rows and the decoding mode."""
@@ -85,6 +91,10 @@ class Policy:
         round accepted every draft and the draft agrees with the target's token after them
         (greedy: proposes it; sampling: a draw that accepts with probability sum_x min(p, q)
         at that position), i.e. whether acceptance ran on unbroken through the root."""
+
+    def see_tree_path(self, path: Tensor) -> None:
+        """(``uses_tree_paths``) After a tree round's verification (not an exploring one): the
+        accepted path [B,Dmax+1] of node indices (-1 past each row's end)."""
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Only ``rows`` (indices into the current batch) go on."""

@@ -148,6 +148,20 @@ class Auto(Policy):
     def bind(self, target, draft) -> None:
         size = sum(p.numel() for p in target.parameters())
         self._size_ratio = sum(p.numel() for p in draft.parameters()) / size if size and draft is not None else None
+        self._per_forward = 1
+
+    def see_draft_shape(self, drafts_per_forward: int) -> None:
+        self._per_forward = drafts_per_forward
+
+    @property
+    def _largest_k(self) -> int:
+        """The model's largest k: ``max_draft``, or a block drafter's block if smaller."""
+        per_forward = getattr(self, "_per_forward", 1)
+        return min(self.max_draft, per_forward) if per_forward > 1 else self.max_draft
+
+    def draft_forwards(self, k: int) -> int:
+        """The draft forwards k drafts cost: k, or one per block of a block drafter."""
+        return -(-k // getattr(self, "_per_forward", 1))
 
     def start(self, batch_size: int, greedy: bool = True) -> None:
         super().start(batch_size, greedy)
@@ -232,7 +246,7 @@ class Auto(Policy):
         """``k``, or one more / one less in the exploring rounds."""
         phase = self._rounds % (2 * self.explore_every)
         step = 1 if phase == self.explore_every else -1 if phase == 0 else 0
-        return min(self.max_draft, max(1, k + step))
+        return min(self._largest_k, max(1, k + step))
 
     # ------------------------------------------------------------------ choices
     def _cumulative(self, kind: str) -> list[float]:
@@ -252,7 +266,8 @@ class Auto(Policy):
         D = self.draft_cost() or 0.0  # unreported: V(k + 1) holds the drafts' cost
         best = self.initial
         if self.verify_cost(self.initial + 1) is not None:
-            best = max(range(1, self.max_draft + 1), key=lambda k: (1 + model[k]) / (self.verify_cost(k + 1) + k * D))
+            best = max(range(1, self._largest_k + 1),
+                       key=lambda k: (1 + model[k]) / (self.verify_cost(k + 1) + self.draft_forwards(k) * D))
         self._k = self._explored(best)
         self._width, self._from_text = self._k + 1, [False] * self.batch_size
         return [self._k] * self.batch_size
@@ -276,7 +291,7 @@ class Auto(Policy):
                 cut = Counter()
                 for n, rows in offers.items():
                     cut[min(n, cap)] += rows
-                for k in range(0, self.max_draft + 1):
+                for k in range(0, self._largest_k + 1):
                     tokens, widest, runs = 0.0, 0, False
                     for n, rows in cut.items():
                         if n > 0 and text[n] >= model[k]:
@@ -285,7 +300,7 @@ class Auto(Policy):
                             tokens, runs = tokens + rows * (1 + model[k]), runs or k > 0
                     if not runs and widest == 0:  # nothing drafts: a round of one token (processors want a draft)
                         continue
-                    forwards = k if runs else forwards_without_model
+                    forwards = max(self.draft_forwards(k), forwards_without_model) if runs else forwards_without_model
                     seconds = V[1 + max(widest, k if runs else 0)] + (D or 0.0) * forwards
                     if best is None or tokens / seconds > best[0]:
                         best = tokens / seconds, k if runs else 0, cap, runs
