@@ -125,7 +125,7 @@ def bench_shape(K: int, N: int, dtype: torch.dtype, rows: tuple[int, ...], isas:
                             of_copy=round(copy_best / best, 3), speedup_vs_f_linear=round(linear_best / best, 3),
                             cpu_best_us=round(best_cpu * 1e6, 2), cpu_of_copy=round(copy_cpu / max(best_cpu, 1e-9), 3),
                             cpu_speedup_vs_f_linear=round(linear_cpu / max(best_cpu, 1e-9), 3),
-                            auto_takes_kernel=uses_kernel(M, weight_bytes), rounds=len(t)))
+                            auto_takes_kernel=uses_kernel(M, weight_bytes, K), rounds=len(t)))
     return out
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import spec_ext
 from spec_ext import ops, reference
-from spec_ext.ops.linear import FEW_ROWS, ISA_VARIABLE, SKINNY_BYTES, SKINNY_ROWS, uses_kernel
+from spec_ext.ops.linear import FEW_ROWS, ISA_VARIABLE, LONG_K, SKINNY_BYTES, SKINNY_ROWS, uses_kernel
 
 pytestmark = pytest.mark.skipif(not ops.registered("skinny_linear", "CPU"), reason="C++ kernels not built")
 
@@ -189,11 +189,13 @@ def test_backends_match_float64(backend, lead, K, N):
 
 
 def test_the_auto_rule():
-    """uses_kernel: FEW_ROWS rows always, SKINNY_ROWS rows from SKINNY_BYTES of weights, never more."""
+    """uses_kernel: FEW_ROWS rows always, SKINNY_ROWS rows from SKINNY_BYTES of weights with
+    rows shorter than LONG_K, never more."""
     assert FEW_ROWS <= SKINNY_ROWS
-    assert uses_kernel(1, 1) and uses_kernel(FEW_ROWS, 1)
-    assert not uses_kernel(FEW_ROWS + 1, SKINNY_BYTES - 1) and uses_kernel(FEW_ROWS + 1, SKINNY_BYTES)
-    assert uses_kernel(SKINNY_ROWS, SKINNY_BYTES) and not uses_kernel(SKINNY_ROWS + 1, 1 << 40)
+    assert uses_kernel(1, 1, 1 << 20) and uses_kernel(FEW_ROWS, 1, 1 << 20)
+    assert not uses_kernel(FEW_ROWS + 1, SKINNY_BYTES - 1, 64) and uses_kernel(FEW_ROWS + 1, SKINNY_BYTES, 64)
+    assert uses_kernel(SKINNY_ROWS, SKINNY_BYTES, LONG_K - 1) and not uses_kernel(SKINNY_ROWS, SKINNY_BYTES, LONG_K)
+    assert not uses_kernel(SKINNY_ROWS + 1, 1 << 40, 64)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -208,11 +210,13 @@ def test_auto_takes_the_kernel_where_the_rule_says(isa, monkeypatch):
     g = torch.Generator().manual_seed(1)
     small = torch.randn(64, 96, generator=g)                         # 24 KB
     large = torch.randn(SKINNY_BYTES // (4 * 96) + 1, 96, generator=g)  # just over SKINNY_BYTES
-    for w in (small, large, large.bfloat16()):
+    long = torch.randn(SKINNY_BYTES // (4 * LONG_K) + 1, LONG_K, generator=g)  # as large, with long rows
+    for w in (small, large, large.bfloat16(), long):
+        K = w.shape[1]
         for rows in (1, FEW_ROWS, FEW_ROWS + 1, SKINNY_ROWS, SKINNY_ROWS + 1):
-            x = torch.randn(rows // 2, 2, 96, generator=g) if rows % 2 == 0 else torch.randn(rows, 96, generator=g)
+            x = torch.randn(rows // 2, 2, K, generator=g) if rows % 2 == 0 else torch.randn(rows, K, generator=g)
             b = torch.randn(w.shape[0], generator=g)
-            takes = vector and uses_kernel(rows, w.numel() * w.element_size())
+            takes = vector and uses_kernel(rows, w.numel() * w.element_size(), K)
             expected = torch.ops.spec_ext.skinny_linear(x, w, b) if takes else F.linear(x, w.float(), b)
             assert torch.equal(spec_ext.ops.skinny_linear(x, w, b), expected), (isa, rows, tuple(w.shape), w.dtype)
     half = torch.randn(2, 96, generator=g).bfloat16()

@@ -14,14 +14,17 @@ from spec_ext.ops.registry import _C
 from spec_ext.ops.checks import FLOAT_TYPES, check_shape, check_tensor, fail
 
 # Where backend="auto" takes the CPU kernel (float32 x, AVX2 + FMA or AVX-512): up to FEW_ROWS
-# rows of x always, up to SKINNY_ROWS rows when the weight is at least SKINNY_BYTES (read from
-# memory, not from a core's L2). Measured by benchmarks/bench_linear.py
-# (benchmarks/results/linear_cpu.csv: AMD EPYC, AVX2, one thread, a loaded machine): the kernel
-# is 1.2-5x F.linear for 1-16 rows on 320x864-sized weights (1.1 MB) and on 5-21 MB ones up to
-# 32 rows; on the 1.1 MB weights at 32 rows MKL's GEMM is faster (compute-bound, it is in cache).
+# rows of x always; up to SKINNY_ROWS rows when the weight is at least SKINNY_BYTES (read from
+# memory, not from a core's L2) and its rows are shorter than LONG_K. Measured by
+# benchmarks/bench_linear.py (benchmarks/results/linear_cpu.csv; AMD EPYC, AVX2, one thread, a
+# loaded machine, load 2.3-2.5), kernel over F.linear, float32 / bfloat16 weights: 1-16 rows 1.04-8x
+# on every shape but 16384 -> 320 at 1 row (0.98x); 32 rows: 1.07-1.19x on the
+# 5-21 MB weights with short rows (320 -> 4096, 320 -> 16384), but 0.82-0.92x where the weight
+# is in cache (1.1 MB) or its rows are long (16384 -> 320: 0.93-0.98x, MKL wins there).
 FEW_ROWS = 16
 SKINNY_ROWS = 32
 SKINNY_BYTES = 4 << 20
+LONG_K = 8192
 
 
 def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend: str = "auto",
@@ -56,7 +59,7 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend
             dtype) or None.
         backend: "auto" (the kernel where it applies: CPU, float32 x, AVX2 or AVX-512, at
             most ``FEW_ROWS`` rows, or ``SKINNY_ROWS`` for a weight of ``SKINNY_BYTES`` or
-            more; F.linear otherwise), "cpu" (the kernel, any row count, any ISA path) or
+            more with K below ``LONG_K``: :func:`uses_kernel`; F.linear otherwise), "cpu" (the kernel, any row count, any ISA path) or
             "torch" (the float64 reference).
         validate: False skips every check (a model forward calls this per layer).
     Returns:
@@ -73,10 +76,10 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend
     return registry.kernel("skinny_linear", backend, x.device)(x, weight, bias)
 
 
-def uses_kernel(rows: int, weight_bytes: int) -> bool:
+def uses_kernel(rows: int, weight_bytes: int, K: int = 0) -> bool:
     """The rule ``auto`` follows where the kernel can run: whether x with ``rows`` rows in
-    all and a weight of ``weight_bytes`` take it (else F.linear)."""
-    return rows <= FEW_ROWS or (rows <= SKINNY_ROWS and weight_bytes >= SKINNY_BYTES)
+    all and a weight [N, K] of ``weight_bytes`` take it (else F.linear)."""
+    return rows <= FEW_ROWS or (rows <= SKINNY_ROWS and weight_bytes >= SKINNY_BYTES and K < LONG_K)
 
 
 def cpu_isa() -> str | None:
@@ -112,12 +115,12 @@ def _auto(device: torch.device, dtype: torch.dtype, forced_isa: str | None):
             or cpu_isa() not in ("avx512", "avx2")):
         return _f_linear
     kernel = registry.kernel("skinny_linear", "cpu", device)
-    few, most, least = FEW_ROWS, SKINNY_ROWS, SKINNY_BYTES
+    few, most, least, long = FEW_ROWS, SKINNY_ROWS, SKINNY_BYTES, LONG_K
 
     def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         size = x.numel()  # uses_kernel, inlined (a call per layer)
         K = x.shape[-1]
-        if size <= few * K or (size <= most * K and weight.numel() * weight.element_size() >= least):
+        if size <= few * K or (size <= most * K and K < long and weight.numel() * weight.element_size() >= least):
             return kernel(x, weight, bias)
         return _f_linear(x, weight, bias)
 
