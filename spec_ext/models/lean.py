@@ -145,8 +145,9 @@ class LeanDecoder:
     """The forward of one Llama-family model, reading its parameters in place (so later
     in-place weight updates are seen; replacing modules needs a new LeanDecoder).
     ``fast_linear``: the linear layers take :func:`spec_ext.ops.skinny_linear` (CPU,
-    float32, AVX2 + FMA or AVX-512, up to 48 token rows per forward: faster there, equal
-    to F.linear up to float32 rounding, so no longer bit-equal to the HF forward)."""
+    float32, AVX2 + FMA or AVX-512, where ``spec_ext.ops.linear.uses_kernel`` says it is faster:
+    up to 16 token rows, 32 for large weights with short rows; equal to F.linear up to float32
+    rounding, so no longer bit-equal to the HF forward)."""
 
     def __init__(self, model, fast_linear: bool = False):
         base = model.model
