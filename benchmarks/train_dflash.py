@@ -21,10 +21,10 @@ from stdlib_data import split_files  # noqa: E402
 from spec_ext.training.dflash import DFlashTraining, train_dflash  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-# sized for a 2-core machine shared with other jobs (about an hour): see docs/training_dflash.md
-BUNDLED = DFlashTraining(sequences=1536, validation_sequences=32, prompt_tokens=128, new_tokens=64, steps=450,
-                         batch=8, anchors=8, block_size=16, layers=1, lr=2e-3, warmup=20, draft_vocab=2048,
-                         layer_ids=(2, 4, 6, 7), validate_every=225, checkpoint_every=25)
+# sized for a 2-core machine shared with other jobs (about an hour of training): see docs/block_drafters.md
+BUNDLED = DFlashTraining(sequences=2048, validation_sequences=32, prompt_tokens=128, new_tokens=96, steps=800,
+                         batch=8, anchors=48, block_size=16, layers=1, loss="kl", lr=1.5e-3, warmup=50,
+                         draft_vocab=2048, layer_ids=(2, 4, 6, 7), validate_every=250, checkpoint_every=50)
 
 
 def main():
@@ -34,7 +34,7 @@ def main():
     parser.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".train_work" / "dflash")
     parser.add_argument("--steps", type=int, default=BUNDLED.steps)
     parser.add_argument("--layers", type=int, default=BUNDLED.layers)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the cores are shared)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
