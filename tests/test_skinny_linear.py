@@ -190,11 +190,11 @@ def test_backends_match_float64(backend, lead, K, N):
 
 def test_the_auto_rule():
     """uses_kernel: FEW_ROWS rows always, SKINNY_ROWS rows from SKINNY_BYTES of weights with
-    rows shorter than LONG_K, never more."""
+    rows of at most LONG_K, never more."""
     assert FEW_ROWS <= SKINNY_ROWS
     assert uses_kernel(1, 1, 1 << 20) and uses_kernel(FEW_ROWS, 1, 1 << 20)
     assert not uses_kernel(FEW_ROWS + 1, SKINNY_BYTES - 1, 64) and uses_kernel(FEW_ROWS + 1, SKINNY_BYTES, 64)
-    assert uses_kernel(SKINNY_ROWS, SKINNY_BYTES, LONG_K - 1) and not uses_kernel(SKINNY_ROWS, SKINNY_BYTES, LONG_K)
+    assert uses_kernel(SKINNY_ROWS, SKINNY_BYTES, LONG_K) and not uses_kernel(SKINNY_ROWS, SKINNY_BYTES, LONG_K + 1)
     assert not uses_kernel(SKINNY_ROWS + 1, 1 << 40, 64)
 
 
@@ -210,7 +210,7 @@ def test_auto_takes_the_kernel_where_the_rule_says(isa, monkeypatch):
     g = torch.Generator().manual_seed(1)
     small = torch.randn(64, 96, generator=g)                         # 24 KB
     large = torch.randn(SKINNY_BYTES // (4 * 96) + 1, 96, generator=g)  # just over SKINNY_BYTES
-    long = torch.randn(SKINNY_BYTES // (4 * LONG_K) + 1, LONG_K, generator=g)  # as large, with long rows
+    long = torch.randn(SKINNY_BYTES // (4 * LONG_K) + 1, LONG_K + 8, generator=g)  # as large, with long rows
     for w in (small, large, large.bfloat16(), long):
         K = w.shape[1]
         for rows in (1, FEW_ROWS, FEW_ROWS + 1, SKINNY_ROWS, SKINNY_ROWS + 1):

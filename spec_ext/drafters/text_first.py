@@ -22,7 +22,7 @@ class TextFirst(Drafter):
     Trees: the model's rows are chains among the text's trees, verified with the q they
     were drawn from, the text's rows as deterministic trees.
 
-    With a ``chooser`` (a policy with ``choose`` and ``drafted``: :class:`spec_ext.policies.Auto`),
+    With a ``chooser`` (a policy with ``choose``, ``drafted`` and ``draft_forwards``: :class:`spec_ext.policies.Auto`),
     the chooser decides each round, from the text's match lengths, which rows draft their
     text (cut to what length) and how many drafts the model makes for the others (0: the
     model does not run); the drafter reports the seconds of the model's forwards to it.

@@ -15,16 +15,19 @@ from spec_ext.ops.checks import FLOAT_TYPES, check_shape, check_tensor, fail
 
 # Where backend="auto" takes the CPU kernel (float32 x, AVX2 + FMA or AVX-512): up to FEW_ROWS
 # rows of x always; up to SKINNY_ROWS rows when the weight is at least SKINNY_BYTES (read from
-# memory, not from a core's L2) and its rows are shorter than LONG_K. Measured by
+# memory, not from a core's L2) and its rows are at most LONG_K floats. Measured by
 # benchmarks/bench_linear.py (benchmarks/results/linear_cpu.csv; AMD EPYC, AVX2, one thread, a
 # loaded machine, load 2.3-2.5), kernel over F.linear, float32 / bfloat16 weights: 1-16 rows 1.04-8x
 # on every shape but 16384 -> 320 at 1 row (0.98x); 32 rows: 1.07-1.19x on the
 # 5-21 MB weights with short rows (320 -> 4096, 320 -> 16384), but 0.82-0.92x where the weight
 # is in cache (1.1 MB) or its rows are long (16384 -> 320: 0.93-0.98x, MKL wins there).
+# LONG_K: past it, 17-32 rows cut K into chunks whose partial sums (N x rows x 8 floats) go to
+# memory and back every chunk, up to twice the weight's own traffic at 32 rows with a large N
+# (not measured: 17-32 rows over long rows stay on F.linear until the kernel keeps them per column block).
 FEW_ROWS = 16
 SKINNY_ROWS = 32
 SKINNY_BYTES = 4 << 20
-LONG_K = 8192
+LONG_K = 512
 
 
 def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend: str = "auto",
@@ -59,7 +62,7 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend
             dtype) or None.
         backend: "auto" (the kernel where it applies: CPU, float32 x, AVX2 or AVX-512, at
             most ``FEW_ROWS`` rows, or ``SKINNY_ROWS`` for a weight of ``SKINNY_BYTES`` or
-            more with K below ``LONG_K``: :func:`uses_kernel`; F.linear otherwise), "cpu" (the kernel, any row count, any ISA path) or
+            more with K at most ``LONG_K``: :func:`uses_kernel`; F.linear otherwise), "cpu" (the kernel, any row count, any ISA path) or
             "torch" (the float64 reference).
         validate: False skips every check (a model forward calls this per layer).
     Returns:
@@ -76,10 +79,10 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend
     return registry.kernel("skinny_linear", backend, x.device)(x, weight, bias)
 
 
-def uses_kernel(rows: int, weight_bytes: int, K: int = 0) -> bool:
+def uses_kernel(rows: int, weight_bytes: int, K: int) -> bool:
     """The rule ``auto`` follows where the kernel can run: whether x with ``rows`` rows in
     all and a weight [N, K] of ``weight_bytes`` take it (else F.linear)."""
-    return rows <= FEW_ROWS or (rows <= SKINNY_ROWS and weight_bytes >= SKINNY_BYTES and K < LONG_K)
+    return rows <= FEW_ROWS or (rows <= SKINNY_ROWS and weight_bytes >= SKINNY_BYTES and K <= LONG_K)
 
 
 def cpu_isa() -> str | None:
@@ -120,7 +123,7 @@ def _auto(device: torch.device, dtype: torch.dtype, forced_isa: str | None):
     def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         size = x.numel()  # uses_kernel, inlined (a call per layer)
         K = x.shape[-1]
-        if size <= few * K or (size <= most * K and K < long and weight.numel() * weight.element_size() >= least):
+        if size <= few * K or (size <= most * K and K <= long and weight.numel() * weight.element_size() >= least):
             return kernel(x, weight, bias)
         return _f_linear(x, weight, bias)
 

@@ -113,6 +113,10 @@ class Adaptive(Policy):
         size = sum(p.numel() for p in target.parameters())
         if size and draft is not None:
             self._size_ratio = max(0.02, sum(p.numel() for p in draft.parameters()) / size)
+        self._per_forward = 1
+
+    def see_draft_shape(self, drafts_per_forward: int) -> None:
+        self._per_forward = drafts_per_forward
 
     def start(self, batch_size: int, greedy: bool = True) -> None:
         super().start(batch_size, greedy)
@@ -135,7 +139,7 @@ class Adaptive(Policy):
     def draft_cost(self, steps: int) -> float | None:
         if self._timed or self.costs.measured:
             return self.costs.draft(steps)
-        return steps * self._size_ratio
+        return -(-steps // getattr(self, "_per_forward", 1)) * self._size_ratio  # a block: one forward
 
     def plan(self) -> list[int]:
         return [self._draft_bound()] * self.batch_size

@@ -284,7 +284,7 @@ class Auto(Policy):
         D = self.draft_cost()
         known = self.verify_cost(self.initial + 1) is not None and (D is not None or not any(text_lengths))
         if not known:  # the first rounds: the text where it matches, the initial k, the model run to be timed
-            k, cap, runs = self.initial, self.max_draft, True
+            k, cap, runs = min(self.initial, self._largest_k), self.max_draft, True
         else:
             best, V = None, [None] + [self.verify_cost(w) for w in range(1, 2 + self.max_draft)]
             for cap in sorted(n for n in offers if n > 0) or [0]:

@@ -212,8 +212,8 @@ class SuffixCache:
         self._next_id = self._next_request = 0
         self._texts: dict[int, list[int]] = {}  # request id -> its stored text (for texts())
         self._lock = threading.Lock()
-        # beside a model: per kind of match, [accepted, score] summed over the rounds that drafted it
-        self._calibration: dict[tuple[str, int], list[float]] = {}
+        # beside a model: per kind of match, (accepted, score) summed over the rounds that drafted it
+        self._calibration: dict[tuple[str, int], tuple[float, float]] = {}
 
     def expected(self, kind: tuple[str, int], score: float) -> float:
         """The drafts a text tree of ``score`` and match ``kind`` (:func:`match_kind`) is expected
@@ -229,11 +229,9 @@ class SuffixCache:
         if score <= 0:
             return
         with self._lock:
-            entry = self._calibration.get(kind)
-            if entry is None:
-                entry = self._calibration[kind] = _prior(kind)
-            entry[0] = CALIBRATION_DECAY * entry[0] + min(accepted, score)
-            entry[1] = CALIBRATION_DECAY * entry[1] + score
+            before_accepted, before_scored = self._calibration.get(kind) or _prior(kind)
+            self._calibration[kind] = (CALIBRATION_DECAY * before_accepted + min(accepted, score),
+                                       CALIBRATION_DECAY * before_scored + score)  # one assignment: readers take no lock
 
     @property
     def tokens(self) -> int:
@@ -381,8 +379,8 @@ def modeled_draft_cost(target, draft) -> float:
     return min(shares, default=0.0)
 
 
-def _prior(kind: tuple[str, int]) -> list[float]:
-    return [PRIOR_SHARE.get(kind, 0.3) * PRIOR_WEIGHT, PRIOR_WEIGHT]
+def _prior(kind: tuple[str, int]) -> tuple[float, float]:
+    return PRIOR_SHARE.get(kind, 0.3) * PRIOR_WEIGHT, PRIOR_WEIGHT
 
 
 @register
@@ -460,7 +458,7 @@ class Suffix(NGram):
     def start(self, batch_size: int, greedy: bool = True) -> None:
         super().start(batch_size, greedy)
         self._model_mean = [BESIDE_MIN_SCORE] * batch_size  # the model's accepted drafts per round, per row
-        self._own = [_prior(("own", 0)) for _ in range(batch_size)]  # per row: its own text's [accepted, score]
+        self._own = [_prior(("own", 0)) for _ in range(batch_size)]  # per row: its own text's (accepted, score)
         self._chosen: list[tuple | None] = [None] * batch_size  # this round: (kind, score) of a row's text tree
 
     @property
@@ -542,9 +540,9 @@ class Suffix(NGram):
                 if chosen is not None and chosen[0][0] == "cache":
                     self.cache.calibrate(chosen[0], int(accepted), chosen[1])
                 elif chosen is not None:
-                    own = self._own[r]
-                    own[0] = OWN_DECAY * own[0] + min(int(accepted), chosen[1])
-                    own[1] = OWN_DECAY * own[1] + chosen[1]
+                    before_accepted, before_scored = self._own[r]
+                    self._own[r] = (OWN_DECAY * before_accepted + min(int(accepted), chosen[1]),
+                                    OWN_DECAY * before_scored + chosen[1])
                 elif drafted > 0:
                     self._model_mean[r] = memory * self._model_mean[r] + (1 - memory) * int(accepted)
         self._chosen = [None] * len(self._chosen)
