@@ -51,6 +51,24 @@ class Adaptive(Policy):
     """Adaptive verification (see the module docstring) of chains up to ``max_draft`` drafts,
     or of the trees that ``tree`` (a :class:`Tree` or :class:`DynamicTree`) grows.
 
+    The choice. Each round's trim (and, for sequential drafters, each decision to draft one
+    more step) maximises the round's expected tokens minus ``R`` x its expected seconds, ``R``
+    the long-run tokens per second the rounds have reached so far (an exponentially weighted
+    ratio of the committed tokens to the rounds' seconds): a draft is worth verifying where
+    what it adds beats what the same seconds give on average (Dinkelbach's rule, which
+    maximises the whole call's tokens per second; maximising each round's own ratio instead
+    asks a strong round's last draft to beat that round's high ratio, and verifies too few).
+    Before ``R`` is known (a call's first round) each round's own ratio is maximised.
+
+    The prior. A draft's chance of acceptance is its confidence bin's observed rate shrunk
+    toward its depth class's pooled rate (``prior_weight`` observations of it), and that
+    pooled rate starts at ``prior_acceptance`` (``prior_weight`` observations): a fresh
+    policy treats every draft alike, as a fixed length does, and ranks drafts by
+    confidence as the bins fill. The drafters' confidences are not acceptance rates (on the
+    bundled pair drafts of confidence under 0.1 are accepted 30-50% of the time at T=0),
+    so they order the bins and never set a bin's prior. Until the verification's cost has
+    been measured, chains of a sequential drafter are ``initial`` drafts long.
+
     Exactness: greedy, any trim is exact. Sampling: a draft's inclusion must not depend on
     the draft itself (the rejection sampler assumes each verified draft was drawn from its
     q), so sampled chains are never trimmed after drafting: only ``keep_drafting`` stops
@@ -67,7 +85,10 @@ class Adaptive(Policy):
         tree: the tree shape to grow and trim (None: chains).
         costs: measured costs to start from (None: measured as rounds run); greedy rounds
             add to it.
-        prior_weight: how many observations the prior (acceptance = confidence) is worth per bin.
+        prior_weight: how many observations each prior is worth (a bin's pull toward its
+            depth class's pooled rate, and the pooled rate's ``prior_acceptance``).
+        prior_acceptance: the pooled chance of acceptance before any round, per depth class.
+        initial: a sequential drafter's chain length until the verification's cost is known.
         forget: the weight old acceptance observations keep per round.
         explore: now and then verify a width next to the best, so that its cost stays measured
             (greedy rounds; off: always the best by the current estimates).
@@ -80,15 +101,21 @@ class Adaptive(Policy):
     """
 
     uses_tree_paths = True  # the serial engine calls see_tree_path(path) after a tree round's verification
+    RATE_FORGET = 0.8  # the weight the long-run rate's old rounds keep per round
 
     def __init__(self, max_draft: int = 10, tree: Tree | DynamicTree | None = None, costs: StepCosts | None = None,
-                 prior_weight: float = 2.0, forget: float = 0.99, explore: bool = True, clock=time.perf_counter):
+                 prior_weight: float = 4.0, prior_acceptance: float = 0.8, initial: int = 4, forget: float = 0.99,
+                 explore: bool = True, clock=time.perf_counter):
         if max_draft < 1:
             raise ValueError(f"max_draft: must be >= 1, got {max_draft}")
         if tree is not None and not isinstance(tree, (Tree, DynamicTree)):
             raise ValueError(f"tree: expected a Tree or a DynamicTree, got {tree!r}")
         if prior_weight <= 0 or not 0 < forget <= 1:
             raise ValueError(f"prior_weight, forget: need > 0 and in (0, 1], got {prior_weight}, {forget}")
+        if not 0 < prior_acceptance < 1:
+            raise ValueError(f"prior_acceptance: must be in (0, 1), got {prior_acceptance}")
+        if initial < 1:
+            raise ValueError(f"initial: must be >= 1, got {initial}")
         self.max_draft = max_draft
         self.tree = tree
         if isinstance(tree, Tree):
@@ -99,14 +126,17 @@ class Adaptive(Policy):
         if tree is not None:
             self.max_draft = tree.max_draft
         self.costs = StepCosts() if costs is None else costs
-        self.prior_weight, self.forget, self.explore = prior_weight, forget, explore
+        self.prior_weight, self.prior_acceptance, self.initial = prior_weight, prior_acceptance, initial
+        self.forget, self.explore = forget, explore
         self._clock = clock
         # per depth class (0: a draft right after the root; 1: after an accepted draft) and confidence
-        # bin: drafts verified with every draft before them accepted, and of those accepted
-        self._reached = [[prior_weight] * len(CENTRES) for _ in DEPTHS]
-        self._passed = [[prior_weight * c for c in CENTRES] for _ in DEPTHS]
+        # bin: the drafts verified with every draft before them accepted, and of those the accepted
+        # (observations only; the priors enter in _refresh)
+        self._reached = [[0.0] * len(CENTRES) for _ in DEPTHS]
+        self._passed = [[0.0] * len(CENTRES) for _ in DEPTHS]
+        self._refresh()
         self._size_ratio = 0.1
-        self._step_seconds: float | None = None  # a draft step's seconds, as drafting measured it (recent mean)
+        self._step_seconds: dict[int, list[float]] = {}  # rows -> recent draft steps' seconds (low median: a step)
 
     # ------------------------------------------------------------------ protocol
     def bind(self, target, draft) -> None:
@@ -122,13 +152,29 @@ class Adaptive(Policy):
         super().start(batch_size, greedy)
         self._timed = greedy
         self._round, self._mark, self._pending, self._tree_path = 0, self._clock(), None, None
+        self._rate = [0.0, 0.0]  # weighted tokens, weighted seconds of this call's rounds (the first aside)
+        self._bound = self.max_draft
+
+    @property
+    def rate(self) -> float | None:
+        """R: the long-run tokens per second (untimed: per target forward) of this call's
+        rounds so far, the first (which holds the prefill) aside; None before one was seen."""
+        tokens, seconds = self._rate
+        return tokens / seconds if seconds > 0 else None
 
     def acceptance(self, confidence: float, depth: int = 1) -> float:
         """The estimated chance that a draft of this confidence at this depth (1: right after
         the root) is accepted once the drafts before it were: its bin's observed rate at that
-        depth class (the prior: the bin's centre)."""
-        d, i = min(depth, len(DEPTHS)) - 1, bisect.bisect_left(EDGES, confidence)
-        return self._passed[d][i] / self._reached[d][i]
+        depth class, shrunk toward the class's pooled rate (see the class docstring)."""
+        return self._table[min(depth, len(DEPTHS)) - 1][bisect.bisect_left(EDGES, confidence)]
+
+    def _refresh(self) -> None:
+        """The acceptance table and the pooled rates from the observations and the priors."""
+        w = self.prior_weight
+        self._pooled = [(sum(p) + w * self.prior_acceptance) / (sum(r) + w)
+                        for r, p in zip(self._reached, self._passed)]
+        self._table = [[(p + w * m) / (r + w) for r, p in zip(reached, passed)]
+                       for reached, passed, m in zip(self._reached, self._passed, self._pooled)]
 
     def verify_cost(self, rows: int, width: int) -> float | None:
         """Seconds (untimed: target forwards) of verifying ``rows`` x ``width`` tokens."""
@@ -142,55 +188,64 @@ class Adaptive(Policy):
         return -(-steps // getattr(self, "_per_forward", 1)) * self._size_ratio  # a block: one forward
 
     def plan(self) -> list[int]:
-        return [self._draft_bound()] * self.batch_size
+        self._bound = self._draft_bound()
+        return [self._bound] * self.batch_size
 
     def _draft_bound(self) -> int:
-        """The chain length worth drafting from the mean acceptance at each depth class (two
+        """The chain length worth drafting from the pooled acceptance of each depth class (two
         more, to keep the next depths measured; ``keep_drafting`` stops sooner where the drafts
-        are weak). The estimate is refreshed by every verification, so a length once judged too
-        long is drafted again when acceptance rises."""
-        first, later = self._mean_acceptance(0), self._mean_acceptance(1)
-        survival = [first]
-        while len(survival) < self.max_draft:
-            survival.append(survival[-1] * later)
-        B, best, best_rate, tokens = self.batch_size, self.max_draft, None, float(self.batch_size)
+        are weak; ``initial`` while the costs are unknown; a block drafter: its whole block,
+        which costs one forward). The estimate is refreshed by every verification, so a length
+        once judged too long is drafted again when acceptance rises."""
+        if getattr(self, "_per_forward", 1) > 1:
+            return self.max_draft
+        first, later = self._pooled
+        B, best, best_value, tokens = self.batch_size, None, None, float(self.batch_size)
+        R, alive = self.rate, first
         for k in range(1, self.max_draft + 1):
-            tokens += B * survival[k - 1]
+            tokens += B * alive
+            alive *= later
             cost = [self.draft_cost(k), self.verify_cost(B, k + 1)]
             if None in cost:
-                return self.max_draft
-            rate = tokens / max(sum(cost), 1e-12)
-            if best_rate is None or rate > best_rate:
-                best, best_rate = k, rate
+                return min(self.initial, self.max_draft)
+            value = tokens - R * sum(cost) if R is not None else tokens / max(sum(cost), 1e-12)
+            if best_value is None or value > best_value:
+                best, best_value = k, value
         return min(self.max_draft, best + 2)
 
     def keep_drafting(self, step: int, probs: Tensor, tokens: Tensor, hidden: Tensor | None = None) -> Tensor:
-        """Go on while some longer chain is expected to pay for its steps: the batch's
-        survivals after ``step`` drafts, the next drafts' chance of acceptance taken as the
-        mean after an accepted draft, the verification's measured costs and a draft step's
-        (timed: as the last chains' steps took, kept across rounds; with ``explore`` every
-        eighth round drafts a second step, so that a stale high estimate cannot stop every
-        chain at its first draft for good)."""
-        chance = self._calibrated(probs.gather(1, tokens[:, None]).squeeze(1), step)
+        """Go on while some longer chain is expected to pay for its steps and their
+        verification: the batch's survivals after ``step`` drafts, the next drafts' chance of
+        acceptance taken as the pooled rate after an accepted draft, the verification's
+        measured costs and a draft step's (timed: the low median of the recent steps, kept
+        across rounds; with ``explore`` every eighth round drafts a second step, so that a
+        stale high estimate cannot stop every chain at its first draft for good). One host
+        sync per draft step (the drafts' confidences)."""
+        confidence = probs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        d = min(step, len(DEPTHS)) - 1
+        table = self._table[d]
+        chances = [table[bisect.bisect_left(EDGES, c)] for c in confidence]
         if step == 1:  # a new chain: its first draft came from the catch-up, the next ones cost a step each
-            self._alive, self._gained, self._first = chance, 0.0, self._clock()
+            self._alive, self._gained = chances, 0.0
         else:
-            self._alive = self._alive * chance
-        alive = float(self._alive.sum())  # one host sync per draft step
+            self._alive = [a * c for a, c in zip(self._alive, chances)]
+        alive = sum(self._alive)
         self._gained += alive
-        B = len(tokens)
+        B = len(confidence)
         go = torch.ones(B, dtype=torch.bool, device=tokens.device)
         if self._timed:  # this round so far (the catch-up included), and a draft step: what the last ones took
             now_s = self._clock()
             drafted = now_s - self._mark
-            fitted = [self.draft_cost(step), self.draft_cost(step + 1)]
-            if step > 1:  # measured on this chain: kept, so the first step of the next chains reads it
-                per_step = (now_s - self._first) / (step - 1)
-                self._step_seconds = per_step if self._step_seconds is None else \
-                    0.7 * self._step_seconds + 0.3 * per_step
+            recent = self._step_seconds.setdefault(B, [])
+            if step > 1:
+                recent.append(now_s - self._last_step)
+                del recent[:-9]
+            self._last_step = now_s
+            if recent:
+                per_step = sorted(recent)[(len(recent) - 1) // 2]
             else:
-                per_step = self._step_seconds if self._step_seconds is not None else \
-                    None if None in fitted else max(0.0, fitted[1] - fitted[0])
+                fitted = [self.draft_cost(step), self.draft_cost(step + 1)]
+                per_step = None if None in fitted else max(0.0, fitted[1] - fitted[0])
             if step == 1 and self.explore and self._round % 8 == 7:  # now and then a second step, measured
                 return go
         else:
@@ -199,14 +254,20 @@ class Adaptive(Policy):
         now = self.verify_cost(B, step + 1)
         if now is None or per_step is None:
             return go
+        R = self.rate
         base = B + self._gained
         rate_now = base / max(drafted + now, 1e-12)
-        gain, later = 0.0, self._mean_acceptance(1)  # a further draft: the mean chance after an accepted one
-        for m in range(1, self.max_draft - step + 1):
+        gain, later = 0.0, self._pooled[1]  # a further draft: the pooled chance after an accepted one
+        for m in range(1, max(self._bound, step) - step + 1):
             alive *= later
             gain += alive
             cost = self.verify_cost(B, step + m + 1)
-            if cost is not None and (base + gain) / max(drafted + m * per_step + cost, 1e-12) > rate_now:
+            if cost is None:
+                continue
+            if R is not None:  # Dinkelbach: what the further drafts add beats what their seconds give on average
+                if gain - R * (m * per_step + cost - now) > 0:
+                    return go
+            elif (base + gain) / max(drafted + m * per_step + cost, 1e-12) > rate_now:
                 return go
         return ~go
 
@@ -221,7 +282,7 @@ class Adaptive(Policy):
         drafted = now - self._mark if self._timed else self.draft_cost(steps)
         if self._timed and self._round > 1:  # the first round's time holds the prefill
             self.costs.record_draft(steps, drafted)
-        self._pending = (B, width, None, now)
+        self._pending = (B, width, None, now, drafted)
         if proposal.confidence is None or proposal.explores:
             return proposal
         if tree:
@@ -238,9 +299,16 @@ class Adaptive(Policy):
         now = self._clock()
         path, self._tree_path = self._tree_path, None
         if self._pending is not None:
-            B, width, verified, started = self._pending
+            B, width, verified, started, drafted = self._pending
             if self._timed:
                 self.costs.record_verify(B, width, now - started)
+                seconds = now - self._mark
+            else:
+                seconds = (drafted or 0.0) + (self.verify_cost(B, width) or 0.0)
+            if self._round > 1:  # the long-run rate: the first round holds the prefill
+                keep = self.RATE_FORGET
+                self._rate = [keep * self._rate[0] + sum(a + 1 for a in num_accepted),
+                              keep * self._rate[1] + seconds]
             if isinstance(verified, _VerifiedTree):  # the tree's reached nodes (None: no path handed over)
                 events = None if path is None else verified.reached(path.tolist(), num_accepted)
             elif verified is not None:  # a chain: drafts 0..a-1 passed, draft a (if verified) failed
@@ -249,32 +317,35 @@ class Adaptive(Policy):
             else:
                 events = None
             if events is not None:  # what the target made of each reached draft's confidence
-                self._reached = [[self.forget * x for x in row] for row in self._reached]
-                self._passed = [[self.forget * x for x in row] for row in self._passed]
+                if self.forget < 1:
+                    self._reached = [[self.forget * x for x in row] for row in self._reached]
+                    self._passed = [[self.forget * x for x in row] for row in self._passed]
                 for row in events:
                     for confidence, depth, passed in row:
                         d, i = min(depth, len(DEPTHS)) - 1, bisect.bisect_left(EDGES, confidence)
                         self._reached[d][i] += 1
                         self._passed[d][i] += passed
+                self._refresh()
         self._pending, self._mark = None, now
 
     # ------------------------------------------------------------------ choosing
     def best_width(self, survival: list[list[float]], drafted: float) -> int | None:
         """The number of drafts per row W (0: the roots alone) that maximises the batch's
         expected tokens, sum over rows of 1 + the sum of its first W ``survival`` values (each
-        row's, best first), per second of ``drafted`` + verify(rows, W + 1); None while the
+        row's, best first), less R x verify(rows, W + 1) (:attr:`rate`; before it is known:
+        the expected tokens per second of ``drafted`` + verify(rows, W + 1)); None while the
         verification's cost is unknown."""
         B, K = len(survival), max(map(len, survival), default=0)
-        best, best_rate, tokens = None, None, float(B)
+        best, best_value, tokens, R = None, None, float(B), self.rate
         for W in range(K + 1):
             if W:
                 tokens += sum(s[W - 1] for s in survival if len(s) >= W)
             cost = self.verify_cost(B, W + 1)
             if cost is None:
                 return None
-            rate = tokens / max(drafted + cost, 1e-12)
-            if best_rate is None or rate > best_rate + 1e-12 * abs(rate):
-                best, best_rate = W, rate
+            value = tokens - R * cost if R is not None else tokens / max(drafted + cost, 1e-12)
+            if best_value is None or value > best_value + 1e-12 * abs(value):
+                best, best_value = W, value
         return best
 
     def _explored(self, W: int | None, K: int) -> int:
@@ -291,11 +362,12 @@ class Adaptive(Policy):
         confidence = proposal.confidence
         host = torch.cat([proposal.num_draft[:, None].to(confidence.dtype), confidence], 1).tolist()
         counts = [int(row[0]) for row in host]
+        first, later = self._table
         survival = []
         for row, n in zip(host, counts):
             alive, chain = 1.0, []
             for j, c in enumerate(row[1:n + 1]):
-                alive *= self.acceptance(c, j + 1)
+                alive *= (later if j else first)[bisect.bisect_left(EDGES, c)]
                 chain.append(alive)
             survival.append(chain)
         K = proposal.tokens.shape[1]
@@ -303,7 +375,7 @@ class Adaptive(Policy):
         W = K if proposal.q is not None else self._explored(self.best_width(survival, drafted), K)
         kept = [min(W, n) for n in counts]
         W = max(kept, default=0)
-        self._pending = (len(counts), W + 1, [row[1:k + 1] for row, k in zip(host, kept)], now)
+        self._pending = (len(counts), W + 1, [row[1:k + 1] for row, k in zip(host, kept)], now, drafted)
         return proposal if W == K and kept == counts else trim_chain(proposal, kept)
 
     def _select_tree(self, proposal, drafted: float, now: float):
@@ -328,21 +400,14 @@ class Adaptive(Policy):
         verified = _VerifiedTree(index, [[c for c in row[0]] for row in host],
                                  [[int(p) for p in row[1]] for row in host], every if untrimmed else kept)
         if untrimmed:
-            self._pending = (B, T, verified, now)
+            self._pending = (B, T, verified, now, drafted)
             return proposal
-        self._pending = (B, 1 + max(map(len, kept)), verified, now)
+        self._pending = (B, 1 + max(map(len, kept)), verified, now, drafted)
         return trim_tree(proposal, kept, verified.parents)
 
-    def _calibrated(self, confidence: Tensor, depth: int) -> Tensor:
-        """:meth:`acceptance` of every confidence [B] at ``depth``, on its device."""
-        d = min(depth, len(DEPTHS)) - 1
-        table = torch.tensor([p / r for p, r in zip(self._passed[d], self._reached[d])], device=confidence.device)
-        edges = torch.tensor(EDGES, device=confidence.device, dtype=confidence.dtype)
-        return table[torch.bucketize(confidence, edges)]
-
     def _mean_acceptance(self, d: int) -> float:
-        """The chance of acceptance over every draft reached at depth class ``d`` (prior included)."""
-        return sum(self._passed[d]) / sum(self._reached[d])
+        """The pooled chance of acceptance over every draft reached at depth class ``d`` (prior included)."""
+        return self._pooled[d]
 
 
 @dataclasses.dataclass

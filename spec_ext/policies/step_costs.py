@@ -1,14 +1,20 @@
 """What a round costs on this device, by shape: the target's verification of ``rows`` x
 ``width`` tokens (measured as rounds run, or once by :func:`calibrate`) and the drafting
-before it (a + b * draft steps).
+before it (by draft steps).
 
 Measured costs are kept per shape, because the verification's cost is irregular in its
 width (the weight-read regime of the bundled target, DESIGN.md section 6: 2 tokens 1.78x one
 token, 5 tokens 1.37x, 8 tokens 1.28x): a shape measured is read back as measured, a shape
 not yet measured is read from a least-squares line through the shapes measured with the
 same number of rows (or, with one width measured so far, from all shapes: seconds =
-a + b * rows * width). Each shape's estimate forgets at rate ``forget`` per new measurement
-of it, and a measurement over 3x its shape's estimate (the machine stalled) counts as 3x.
+a + b * rows * width). A shape's estimate is the low median of its last ``window``
+measurements (of 1: it; of 2: the faster; of 3 or more: the middle one, the faster of the
+two middle ones for an even count), so a loaded machine's occasional slow step (a stall
+adds time, it never takes any away) does not move it, while a machine that stays slower
+moves it within half a window. Each measured shape is then shrunk toward the line through
+the shapes of its rows (weighted by their measurements), worth ``PULL`` = 3 measurements: a
+width seldom verified, measured a few times on a loaded machine, reads mostly the line,
+one verified every round mostly its own median.
 
 Used by :class:`spec_ext.policies.Adaptive`; any policy can keep one (``record_*`` after
 a timed round, ``verify``/``draft`` to plan the next).
@@ -24,56 +30,77 @@ class StepCosts:
     """Seconds of a round's parts by shape on one device (see the module docstring).
 
     Args:
-        forget: the weight an old measurement of a shape keeps per new one (in (0, 1]).
+        window: how many recent measurements of each shape its estimate (their low median)
+            reads (>= 1).
     """
 
-    def __init__(self, forget: float = 0.8):
-        if not 0 < forget <= 1:
-            raise ValueError(f"forget: must be in (0, 1], got {forget}")
-        self.forget = forget
-        self._verify: dict[tuple[int, int], list[float]] = {}  # (rows, width) -> [weight, mean seconds]
-        self._draft: dict[int, list[float]] = {}  # draft steps -> [weight, mean seconds]
+    PULL = 3.0  # how many measurements the line through a shape's neighbours is worth in its estimate
+
+    def __init__(self, window: int = 9):
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window: must be an int >= 1, got {window!r}")
+        self.window = window
+        self._verify: dict[tuple[int, int], list] = {}  # (rows, width) -> [estimate, recent seconds]
+        self._draft: dict[int, list] = {}  # draft steps -> [estimate, recent seconds]
+        self._memo: dict[tuple[int, int], float | None] = {}  # verify()'s answers since the last record_verify
 
     # ------------------------------------------------------------------ measurements
     def record_verify(self, rows: int, width: int, seconds: float) -> None:
         """One verification of ``rows`` rows of ``width`` tokens each (the root included) took ``seconds``."""
         self._record(self._verify, (rows, width), seconds)
+        self._memo.clear()
 
     def record_draft(self, steps: int, seconds: float) -> None:
         """One round's drafting of ``steps`` sequential steps (a chain's length; 1 for one forward) took ``seconds``."""
         self._record(self._draft, steps, seconds)
 
     def _record(self, table: dict, key, seconds: float) -> None:
-        weight, mean = table.get(key, (0.0, 0.0))
-        if weight:
-            seconds = min(seconds, 3 * mean)
-        weight = self.forget * weight
-        table[key] = [weight + 1, (weight * mean + seconds) / (weight + 1)]
+        entry = table.setdefault(key, [0.0, []])
+        recent = entry[1]
+        recent.append(float(seconds))
+        if len(recent) > self.window:
+            del recent[0]
+        entry[0] = sorted(recent)[(len(recent) - 1) // 2]  # the low median
 
     # ------------------------------------------------------------------ estimates
     def verify(self, rows: int, width: int) -> float | None:
         """Estimated seconds of verifying ``rows`` x ``width`` tokens; None before any measurement."""
-        if (rows, width) in self._verify:
-            return self._verify[(rows, width)][1]
-        same = {w: m for (r, w), (_, m) in self._verify.items() if r == rows}
-        if len(same) >= 2:
-            return max(0.0, _line(list(same.items()), width))
+        key = (rows, width)
+        if key not in self._memo:
+            self._memo[key] = self._estimate(rows, width)
+        return self._memo[key]
+
+    def _estimate(self, rows: int, width: int) -> float | None:
+        """:meth:`verify`, computed: a measured shape's low median shrunk toward the line
+        through the shapes of its rows (each weighted by its measurements), worth ``PULL``
+        measurements; a shape not measured: that line (or the line over rows x width)."""
+        same = [(w, e[0], len(e[1])) for (r, w), e in self._verify.items() if r == rows]
+        line = max(0.0, _line(same, width)) if len(same) >= 2 else None
+        entry = self._verify.get((rows, width))
+        if entry is not None:
+            if line is None:
+                return entry[0]
+            n = len(entry[1])
+            return (n * entry[0] + self.PULL * line) / (n + self.PULL)
+        if line is not None:
+            return line
         if not self._verify:
             return None
-        points = [(r * w, m) for (r, w), (_, m) in self._verify.items()]
-        if len({x for x, _ in points}) < 2:  # one shape measured: the same seconds per forward
-            return sum(m for _, m in points) / len(points)
+        points = [(r * w, e[0], 1) for (r, w), e in self._verify.items()]
+        if len({x for x, _, _ in points}) < 2:  # one shape measured: the same seconds per forward
+            return sum(m for _, m, _ in points) / len(points)
         return max(0.0, _line(points, rows * width))
 
     def draft(self, steps: int) -> float | None:
         """Estimated seconds of drafting ``steps`` steps; None before any measurement."""
-        if steps in self._draft:
-            return self._draft[steps][1]
-        points = [(s, m) for s, (_, m) in self._draft.items()]
+        entry = self._draft.get(steps)
+        if entry is not None:
+            return entry[0]
+        points = [(s, e[0], 1) for s, e in self._draft.items()]
         if not points:
             return None
         if len(points) == 1:  # one length measured: its seconds per step
-            (s, m), = points
+            (s, m, _), = points
             return m * steps / max(s, 1)
         return max(0.0, _line(points, steps))
 
@@ -83,13 +110,13 @@ class StepCosts:
         return len(self._verify)
 
 
-def _line(points: list[tuple[float, float]], x: float) -> float:
-    """The least-squares line through ``points`` (x, y) at ``x``."""
-    n = len(points)
-    mx = sum(p[0] for p in points) / n
-    my = sum(p[1] for p in points) / n
-    sxx = sum((p[0] - mx) ** 2 for p in points)
-    slope = sum((p[0] - mx) * (p[1] - my) for p in points) / sxx if sxx > 0 else 0.0
+def _line(points: list[tuple[float, float, float]], x: float) -> float:
+    """The weighted least-squares line through ``points`` (x, y, weight) at ``x``."""
+    n = sum(p[2] for p in points)
+    mx = sum(p[2] * p[0] for p in points) / n
+    my = sum(p[2] * p[1] for p in points) / n
+    sxx = sum(p[2] * (p[0] - mx) ** 2 for p in points)
+    slope = sum(p[2] * (p[0] - mx) * (p[1] - my) for p in points) / sxx if sxx > 0 else 0.0
     return my + slope * (x - mx)
 
 
