@@ -8,6 +8,7 @@ checkpoints live under --work: a rerun resumes (a killed run too).
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
 import time
 from pathlib import Path
@@ -35,14 +36,23 @@ def main():
     parser.add_argument("--steps", type=int, default=BUNDLED.steps)
     parser.add_argument("--layers", type=int, default=BUNDLED.layers)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--stop-at", default=None, help="HH:MM (UTC, today): stop after the first step past it")
+    parser.add_argument("--validate-every", type=int, default=BUNDLED.validate_every)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
     target.config._name_or_path = args.target.name  # the drafter's speculators_config.verifier, not this path
-    settings = DFlashTraining(**(vars(BUNDLED) | dict(steps=args.steps, layers=args.layers)))
+    settings = DFlashTraining(**(vars(BUNDLED) | dict(steps=args.steps, layers=args.layers,
+                                                      validate_every=args.validate_every)))
+    deadline = None
+    if args.stop_at is not None:
+        hours, minutes = (int(x) for x in args.stop_at.split(":"))
+        now = datetime.datetime.now(datetime.timezone.utc)
+        deadline = now.replace(hour=hours, minute=minutes, second=0, microsecond=0).timestamp()
     started = time.perf_counter()
-    train_dflash(target, tokenizer, split_files("train"), args.out, args.work, settings, split_files("validation"))
+    train_dflash(target, tokenizer, split_files("train"), args.out, args.work, settings, split_files("validation"),
+                 deadline=deadline)
     print(f"{time.perf_counter() - started:.0f} s; the drafter is at {args.out}")
 
 

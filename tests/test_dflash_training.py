@@ -140,6 +140,20 @@ def test_training_learns_resumes_and_decodes_exactly(tmp_path):
         train_dflash(target, tokenizer, files, tmp_path / "other", tmp_path / "work", small_settings(steps=41))
 
 
+def test_a_deadline_stops_training_validated_checkpointed_and_saved(tmp_path):
+    target = llama(WORDS + 1, 32, 3, seed=0, sharpen=4.0)
+    tokenizer, files = word_tokenizer(), word_files(tmp_path)
+    messages = []
+    draft = train_dflash(target, tokenizer, files, tmp_path / "dflash", tmp_path / "work", small_settings(),
+                         log=messages.append, deadline=0.0)  # long past: the first step is the last
+    history = json.loads((tmp_path / "dflash" / "training.json").read_text())["history"]
+    assert [h["step"] for h in history] == [0, 1]
+    state = load_checkpoint(tmp_path / "work" / "dflash_checkpoint.pt", dict(vars(small_settings())))
+    assert state["step"] == 1 and any("stopped at step 1 of 40" in m for m in messages)
+    for (name, a), b in zip(draft.state_dict().items(), load_dflash(tmp_path / "dflash").state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_checkpoints_are_replaced_whole(tmp_path):
     path = tmp_path / "checkpoint.pt"
     save_checkpoint(path, dict(steps=3), step=1)

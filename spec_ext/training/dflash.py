@@ -239,12 +239,14 @@ def block_agreement(draft: DFlashDraft, target, data: tuple[Tensor, Tensor, Tens
 
 def train_dflash(target, tokenizer, files: list[Path], out: str | Path, work: str | Path,
                  settings: DFlashTraining | None = None, validation_files: list[Path] | None = None,
-                 log=print) -> DFlashDraft:
+                 log=print, deadline: float | None = None) -> DFlashDraft:
     """Train a DFlash drafter for ``target`` (converted to float32 in place, frozen) on its
     continuations of prompts cut from ``files`` (see the module docstring); save it at ``out``
     in the speculators layout and return it. Everything slow is cached or checkpointed under
     ``work``: a rerun resumes. ``validation_files`` (default: ``files`` with another seed) give
-    the held-out sequences."""
+    the held-out sequences. ``deadline`` (a ``time.time()`` value): stop after the first step past
+    it (validated and checkpointed there; the learning rate is then where the schedule of
+    ``settings.steps`` has it), for a job that must end by a given time."""
     settings = settings or DFlashTraining()
     started = time.perf_counter()
     if not files:
@@ -330,9 +332,15 @@ def train_dflash(target, tokenizer, files: list[Path], out: str | Path, work: st
             bar.update()
             if step % settings.validate_every == 0 or step == settings.steps:
                 validate()
-            if step % settings.checkpoint_every == 0 or step == settings.steps:
+            stop = deadline is not None and time.time() >= deadline
+            if stop and step % settings.validate_every != 0 and step != settings.steps:
+                validate()
+            if step % settings.checkpoint_every == 0 or step == settings.steps or stop:
                 save_checkpoint(checkpoint, asdict(settings), draft=draft.state_dict(),
                                 optimizer=optimizer.state_dict(), step=step, history=history, seconds=elapsed())
+            if stop:
+                log(f"deadline reached: stopped at step {step} of {settings.steps}")
+                break
     draft.eval()
     draft.save(out)
     (out / "training.json").write_text(json.dumps(dict(settings=asdict(settings), history=history), indent=2))
