@@ -21,12 +21,14 @@ calibrated acceptance per confidence bin (the "bins" rows).
     OMP_NUM_THREADS=1 python benchmarks/adaptive.py [--prompts 8] [--repeats 2] [--new-tokens 64]
         [--batches 1 8] [--workload test|thirdparty] [--name adaptive_cpu] [--label loaded]
 
-Writes benchmarks/results/<name>.csv and <name>_costs.csv.
+Writes benchmarks/results/<name>.csv and <name>_costs.csv; ``load_1min`` is the range of the
+machine's 1-minute load average over the passes (2 cores: above 2, others' jobs share them).
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import os
 import statistics
 import subprocess
 import sys
@@ -122,6 +124,7 @@ def run(args, target, draft, head, prompts, pad, batch, warm, round_seconds):
             for label in ("draft model", "head"):
                 results.setdefault(f"_pass_{label}", dict(rates=[]))["rates"].append(
                     {n: r for n, r in rates.items() if n.startswith(label)})
+            results.setdefault("_load", dict(rates=[]))["rates"].append(os.getloadavg()[0])
             print(f"batch {batch} repeat {repeat} group {g}: " + ", ".join(
                 f"{n} {results[n]['ratios'][-1]:.2f}x" for n in names), flush=True)
     return results
@@ -150,7 +153,8 @@ def rows_of(args, results, batch, commit, label):
                 target_calls=sum(s.target_calls for s in stats) if stats else "",
                 draft_calls=sum(s.draft_calls for s in stats) if stats else "",
                 passes=len(r["ratios"]), new_tokens=args.new_tokens, prompts=args.prompts, workload=args.workload,
-                machine=label, device=f"cpu-{torch.get_num_threads()}threads", commit=commit))
+                machine=label, load_1min=f"{min(results['_load']['rates']):.1f}-{max(results['_load']['rates']):.1f}",
+                device=f"cpu-{torch.get_num_threads()}threads", commit=commit))
     return rows
 
 

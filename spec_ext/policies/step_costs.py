@@ -43,6 +43,7 @@ class StepCosts:
         self._verify: dict[tuple[int, int], list] = {}  # (rows, width) -> [estimate, recent seconds]
         self._draft: dict[int, list] = {}  # draft steps -> [estimate, recent seconds]
         self._memo: dict[tuple[int, int], float | None] = {}  # verify()'s answers since the last record_verify
+        self._draft_memo: dict[int, float | None] = {}  # draft()'s answers since the last record_draft
 
     # ------------------------------------------------------------------ measurements
     def record_verify(self, rows: int, width: int, seconds: float) -> None:
@@ -53,6 +54,7 @@ class StepCosts:
     def record_draft(self, steps: int, seconds: float) -> None:
         """One round's drafting of ``steps`` sequential steps (a chain's length; 1 for one forward) took ``seconds``."""
         self._record(self._draft, steps, seconds)
+        self._draft_memo.clear()
 
     def _record(self, table: dict, key, seconds: float) -> None:
         entry = table.setdefault(key, [0.0, []])
@@ -93,6 +95,11 @@ class StepCosts:
 
     def draft(self, steps: int) -> float | None:
         """Estimated seconds of drafting ``steps`` steps; None before any measurement."""
+        if steps not in self._draft_memo:
+            self._draft_memo[steps] = self._draft_estimate(steps)
+        return self._draft_memo[steps]
+
+    def _draft_estimate(self, steps: int) -> float | None:
         entry = self._draft.get(steps)
         if entry is not None:
             return entry[0]
