@@ -15,7 +15,8 @@ over rounds, ms), the verification's cost in target steps (each verification's w
 by the lean forward's measured cost by width), draft forwards per round and one draft
 forward's cost in target steps, and ``bound`` = (1 + accepted) / (verify_steps +
 draft_forwards x draft_step), what the rounds allow over the lean target alone if nothing
-but the forwards cost. Writes benchmarks/results/<name>.csv and <name>.png.
+but the forwards cost, and ``load``: the machine's 1-minute load average before and after the
+configuration. Writes benchmarks/results/<name>.csv and <name>.png.
 
     python benchmarks/block_drafters.py [--prompts 8] [--new-tokens 96] [--repeats 1] [--weight-read]
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -190,12 +192,14 @@ def main():
     for workload, model in targets:
         for config in args.configs:
             batch, temperature = int(config.split(":")[0]), float(config.split(":")[1])
+            load_before = os.getloadavg()[0]
             costs = width_costs(model, draft, head, prompts[0], batch)
             costs["dflash"] = block_cost(model, dflash, prompts[0], batch)
             kinds = {name: kind for name, (kind, _, _) in methods(dflash, head, draft, temperature == 0, batch).items()}
             results = run(model, (dflash, head, draft), prompts, batch, temperature, args.new_tokens, args.repeats,
                           pad)
-            rows += rows_of(results, costs, kinds, workload, batch, temperature)
+            machine_load = f"{load_before:.1f}-{os.getloadavg()[0]:.1f}"  # 1-minute load average before and after
+            rows += [row | dict(load=machine_load) for row in rows_of(results, costs, kinds, workload, batch, temperature)]
             print(f"{workload} batch {batch} T={temperature}: one target step {1e3 * costs['target'][1]:.2f} ms; "
                   f"draft model step {costs['draft'] / costs['target'][1]:.3f}, head step "
                   f"{costs['head'] / costs['target'][1]:.3f}, dflash round {costs['dflash'] / costs['target'][1]:.3f}"
