@@ -521,7 +521,8 @@ def test_depth_classes_learn_bursty_acceptance_and_the_plan_follows_it():
     depth class learns about 1/2, the later one about 1 (one table for all depths would say
     2/3 everywhere, and price 4 drafts at a survival under 0.2 instead of 0.5). plan(), with a
     verification that grows with the width, then bounds the chains at the most drafts it
-    allows; where no draft after the first is ever accepted, at the first and two more."""
+    allows, where the one table (2/3) bounds them sooner; where no draft after the first is
+    ever accepted, at the first and two more."""
     def learned(accepted):
         now, clock = fake_clock()
         policy = Adaptive(max_draft=8, costs=FixedCosts(lambda r, w: 1.0), forget=1.0, explore=False, clock=clock)
@@ -535,16 +536,16 @@ def test_depth_classes_learn_bursty_acceptance_and_the_plan_follows_it():
         return policy
 
     # one table for all depths: 2/3 everywhere
-    prior = taught(Adaptive(max_draft=8, costs=FixedCosts(lambda r, w: 1.0 + 0.05 * (w - 1), step=0.02)),
+    one_table = taught(Adaptive(max_draft=8, costs=FixedCosts(lambda r, w: 1.0 + 0.05 * (w - 1), step=0.02)),
                    rates=[2 / 3] * len(CENTRES))
-    prior.start(1, greedy=True)
+    one_table.start(1, greedy=True)
     bursty = learned(lambda r: 4 if r % 2 else 0)
     assert bursty.acceptance(0.25, 1) == pytest.approx(0.5, abs=0.03)
     assert bursty.acceptance(0.25, 2) > 0.95 and bursty.acceptance(0.25, 3) == bursty.acceptance(0.25, 2)
-    assert bursty.plan() == [8] and prior.plan()[0] < 8, prior.plan()
+    assert bursty.plan() == [8] and one_table.plan()[0] < 8, one_table.plan()
     first_only = learned(lambda r: 1)
     assert first_only.acceptance(0.25, 1) > 0.95 and first_only.acceptance(0.25, 2) < 0.05
-    assert first_only.plan()[0] <= 4 < prior.plan()[0], (first_only.plan(), prior.plan())
+    assert first_only.plan()[0] <= 4 < one_table.plan()[0], (first_only.plan(), one_table.plan())
 
 
 def test_a_stale_draft_step_cost_does_not_stop_every_chain_for_good():
@@ -700,3 +701,20 @@ def test_a_width_seldom_measured_reads_mostly_the_line_through_its_neighbours():
     assert costs.verify(1, 6) < 3.0
     line3 = np.polyval(np.polyfit(x, y, 1, w=np.sqrt(n)), 3)
     assert costs.verify(1, 3) == pytest.approx((9 * 1.2 + 3 * line3) / 12)
+
+
+def test_a_shape_measured_only_while_the_machine_was_slow_does_not_stay_dear():
+    """Width 6 measured nine times while the machine was slow (4 s), then 64 measurements of
+    widths 1..3 at their normal cost (1 + 0.1 (w - 1)): width 6 reads the fresh widths' line
+    (1.5), not its stale median; so does a drafting length no longer drafted."""
+    costs = StepCosts()
+    for _ in range(9):
+        costs.record_verify(1, 6, 4.0)
+        costs.record_draft(6, 4.0)
+    assert costs.verify(1, 6) == 4.0
+    for i in range(64):
+        w = 1 + i % 3
+        costs.record_verify(1, w, 1 + 0.1 * (w - 1))
+        costs.record_draft(w, 0.1 * w)
+    assert costs.verify(1, 6) == pytest.approx(1.5)
+    assert costs.draft(6) == pytest.approx(0.6)

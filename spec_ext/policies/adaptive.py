@@ -1,26 +1,31 @@
 """Adaptive verification (vLLM's confidence-scheduled verification, DSpark's D-Cut): each
 round the target verifies, of every row's drafts, the prefix of its chain (the subtree of
-its tree) that maximises the batch's expected accepted tokens per second of round time.
+its tree) worth its cost: what the batch's expected accepted tokens gain, less what the
+same seconds give at the call's long-run rate.
 
 Expected tokens come from the drafts' confidences (:attr:`Proposal.confidence`, the
 drafter's probability of each draft given its prefix): a draft's chance of acceptance is
-its confidence corrected by what the target accepted of earlier drafts of the same
-confidence (per confidence bin, learned as rounds run; apart for a draft right after the
-root and one after an accepted draft, as acceptance is bursty), and a draft's survival (the chance
-that it and every draft before it on its path are accepted) is the product of those chances
-along its path. Round time is what this device measured (:class:`StepCosts`): the drafting
-already done this round plus the verification of the chosen width, whose cost is per
-(rows, width), since the verification is one forward of the padded batch. One budget over
-the batch: every row gets its best ``W`` drafts (chains: its first ``W``; trees: the ``W``
-with the highest survival, which hold their parents, as a child never survives its
-parent), the same ``W`` for all since they pay for the widest row anyway, and ``W`` maximises
-(sum over rows of 1 + their kept survivals) / (drafting + verify(rows, W + 1)).
+the rate the target has shown for drafts of the same confidence (per confidence bin, learned
+as rounds run; apart for a draft right after the root and one after an accepted draft, as
+acceptance is bursty), shrunk toward its depth class's pooled rate, which starts at an
+optimistic prior (a fresh policy verifies as a fixed length does, and ranks by confidence as
+the bins fill), and a draft's survival (the chance that it and every draft before it on its
+path are accepted) is the product of those chances along its path. Round time is what this
+device measured (:class:`StepCosts`: the low median of recent measurements per (rows,
+width), shrunk toward the line through its neighbours), since the verification is one
+forward of the padded batch. One budget over the batch: every row gets its best ``W`` drafts
+(chains: its first ``W``; trees: the ``W`` with the highest survival, which hold their
+parents, as a child never survives its parent), the same ``W`` for all since they pay for
+the widest row anyway, and ``W`` maximises (sum over rows of 1 + their kept survivals) -
+R x verify(rows, W + 1), R the call's long-run tokens per second so far (Dinkelbach's rule:
+it maximises the call's tokens per second; before R is known, the round's own ratio).
 
 Sequential drafters (a draft model, a head) spend a forward per draft step, so the same
 estimates also bound the drafting: ``plan()`` gives the most steps worth drafting from the
-mean acceptance of each depth class, and ``keep_drafting`` stops the batch once no longer
-chain is expected to pay for its further steps (a step's seconds as the last chains' steps
-took) and their verification.
+pooled acceptance of each depth class (``initial`` while the costs are unknown), and
+``keep_drafting`` stops the batch once no longer chain is expected to add more than R x its
+further steps' seconds (a step's seconds: the low median of the recent steps) and their
+verification.
 
 The guide, with the cost model, each drafter, what ``Auto`` does for block drafters and a
 runnable example: ``docs/adaptive.md``.

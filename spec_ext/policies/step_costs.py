@@ -14,7 +14,10 @@ adds time, it never takes any away) does not move it, while a machine that stays
 moves it within half a window. Each measured shape is then shrunk toward the line through
 the shapes of its rows (weighted by their measurements), worth ``PULL`` = 3 measurements: a
 width seldom verified, measured a few times on a loaded machine, reads mostly the line,
-one verified every round mostly its own median.
+one verified every round mostly its own median. A shape not measured in the last ``STALE`` =
+64 measurements reads the line through the fresh ones (and a drafting length likewise): a
+width measured only while the machine was slow, and never chosen again because it seemed
+dear, would otherwise stay dear for good.
 
 Used by :class:`spec_ext.policies.Adaptive`; any policy can keep one (``record_*`` after
 a timed round, ``verify``/``draft`` to plan the next).
@@ -35,6 +38,7 @@ class StepCosts:
     """
 
     PULL = 3.0  # how many measurements the line through a shape's neighbours is worth in its estimate
+    STALE = 64  # a shape last measured this many measurements (of its table) ago reads the fresh shapes' line
 
     def __init__(self, window: int = 9):
         if not isinstance(window, int) or window < 1:
@@ -44,20 +48,23 @@ class StepCosts:
         self._draft: dict[int, list] = {}  # draft steps -> [estimate, recent seconds]
         self._memo: dict[tuple[int, int], float | None] = {}  # verify()'s answers since the last record_verify
         self._draft_memo: dict[int, float | None] = {}  # draft()'s answers since the last record_draft
+        self._ticks = {"verify": 0, "draft": 0}  # measurements recorded so far, per table
 
     # ------------------------------------------------------------------ measurements
     def record_verify(self, rows: int, width: int, seconds: float) -> None:
         """One verification of ``rows`` rows of ``width`` tokens each (the root included) took ``seconds``."""
-        self._record(self._verify, (rows, width), seconds)
+        self._record(self._verify, (rows, width), seconds, "verify")
         self._memo.clear()
 
     def record_draft(self, steps: int, seconds: float) -> None:
         """One round's drafting of ``steps`` sequential steps (a chain's length; 1 for one forward) took ``seconds``."""
-        self._record(self._draft, steps, seconds)
+        self._record(self._draft, steps, seconds, "draft")
         self._draft_memo.clear()
 
-    def _record(self, table: dict, key, seconds: float) -> None:
-        entry = table.setdefault(key, [0.0, []])
+    def _record(self, table: dict, key, seconds: float, name: str) -> None:
+        self._ticks[name] += 1
+        entry = table.setdefault(key, [0.0, [], 0])
+        entry[2] = self._ticks[name]  # when it was last measured
         recent = entry[1]
         recent.append(float(seconds))
         if len(recent) > self.window:
@@ -76,9 +83,12 @@ class StepCosts:
         """:meth:`verify`, computed: a measured shape's low median shrunk toward the line
         through the shapes of its rows (each weighted by its measurements), worth ``PULL``
         measurements; a shape not measured: that line (or the line over rows x width)."""
-        same = [(w, e[0], len(e[1])) for (r, w), e in self._verify.items() if r == rows]
+        fresh = self._ticks["verify"] - self.STALE
+        same = [(w, e[0], len(e[1])) for (r, w), e in self._verify.items() if r == rows and e[2] > fresh]
         line = max(0.0, _line(same, width)) if len(same) >= 2 else None
         entry = self._verify.get((rows, width))
+        if entry is not None and entry[2] <= fresh and line is not None:  # stale: measured before a change of load
+            return line
         if entry is not None:
             if line is None:
                 return entry[0]
@@ -100,10 +110,12 @@ class StepCosts:
         return self._draft_memo[steps]
 
     def _draft_estimate(self, steps: int) -> float | None:
+        fresh = self._ticks["draft"] - self.STALE
         entry = self._draft.get(steps)
-        if entry is not None:
+        if entry is not None and (entry[2] > fresh or len(self._draft) == 1):
             return entry[0]
-        points = [(s, e[0], 1) for s, e in self._draft.items()]
+        points = [(s, e[0], 1) for s, e in self._draft.items() if e[2] > fresh] or \
+            [(s, e[0], 1) for s, e in self._draft.items()]
         if not points:
             return None
         if len(points) == 1:  # one length measured: its seconds per step
