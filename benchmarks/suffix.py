@@ -24,6 +24,7 @@ import argparse
 import ast
 import csv
 import math
+import os
 import random
 import statistics
 import subprocess
@@ -210,6 +211,7 @@ def run_config(target, head, requests, batch, temperature, n, repeats, pad):
                                  cache_matched="" if stats is None else stats.cache_matched,
                                  cache_accepted="" if stats is None else stats.cache_accepted,
                                  rounds="" if stats is None else stats.rounds,
+                                 load=round(os.getloadavg()[0], 2),
                                  equal_to_target="" if temperature else bool(torch.equal(new, outputs["target alone"]))))
             print(f"B={batch} T={temperature} pass {repeat} batch {g}: " + ", ".join(
                 f"{r['method']} {r['seconds']:.2f}s" for r in rows[-len(table):]), flush=True)
@@ -247,8 +249,33 @@ def summary(rows) -> list[str]:
         if "suffix beside head" in names and "head" in names:
             worst = min(time_of["head"][g] / time_of["suffix beside head"][g] for g in base)
             lines.append(f"  suffix beside head / head alone, per batch: min {worst:.2f}x")
+            lines += per_batch(mine, time_of)
+        loads = [r["load"] for r in mine]
+        lines.append(f"  machine load (1-minute average at each batch's end): min {min(loads):.2f} median "
+                     f"{statistics.median(loads):.2f} max {max(loads):.2f} on {os.cpu_count()} cores")
         if "suffix" in names and "ngram" in names:
             lines.append(f"  suffix / ngram, total: {sum(time_of['ngram'].values()) / sum(time_of['suffix'].values()):.2f}x")
+    return lines
+
+
+def per_batch(mine, time_of) -> list[str]:
+    """Per batch, the head alone against the suffix beside it: target forwards, accepted drafts,
+    the rounds whose drafts came from the text (own or cache) and from the cache, the time ratio
+    (median of the passes) and the median time per target forward (each pass's seconds / forwards)."""
+    def first(name, g):
+        return next(r for r in mine if r["method"] == name and r["group"] == g)
+
+    def per_call(name, g):
+        return statistics.median(r["seconds"] / max(1, r["target_calls"]) for r in mine
+                                 if r["method"] == name and r["group"] == g) * 1e3
+
+    lines = ["  per batch: head alone (forwards, accepted, ms per forward) | suffix beside head (forwards, accepted, "
+             "text rounds, cache rounds, ms per forward) | time ratio head / beside"]
+    for g in sorted(time_of["head"]):
+        h, s = first("head", g), first("suffix beside head", g)
+        lines.append(f"    {g:2d} {h['kinds']:8.8s} head {h['target_calls']:3d} {h['accepted']:4d} {per_call('head', g):6.1f}"
+                     f" | beside {s['target_calls']:3d} {s['accepted']:4d} {s['text_matched']:3d} {s['cache_matched']:3d} "
+                     f"{per_call('suffix beside head', g):6.1f} | {time_of['head'][g] / time_of['suffix beside head'][g]:.2f}x")
     return lines
 
 

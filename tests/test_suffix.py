@@ -354,3 +354,36 @@ def test_beside_a_head_never_more_target_calls_than_the_head_alone_where_the_cac
             assert beside.stats.target_calls <= alone.stats.target_calls, (trial, p)
             cache_rounds += beside.stats.cache_matched
     assert cache_rounds > 20  # the cache drafted where it was expected to win
+
+
+def test_greedy_beside_a_head_a_weak_match_is_verified_beside_the_heads_chain():
+    """Greedy: a row the rule gives to the head also verifies its offered (weak) text tree as a
+    second branch of the same tree; outputs equal the head alone's (= the target's greedy), and
+    against the head's chain alone (branch_nodes=0, the behaviour before) no request takes more
+    target forwards and some take fewer."""
+    from test_heads import V, echo_head
+    target = llama(V, 32, 4, seed=3, sharpen=3.0)
+    head = echo_head(target, "eagle3", draft_vocab=10, noise=0.01)
+    rng = random.Random(0)
+    old_total = new_total = 0
+    for trial in range(2):
+        primers = [[rng.randrange(1, V) for _ in range(rng.randrange(3, 9))] for _ in range(4)]
+        later = [[rng.randrange(1, V) for _ in range(rng.randrange(3, 9))] for _ in range(3)]
+
+        def primed():
+            cache = SuffixCache()
+            for p in primers:
+                spec_ext.generate(target, None, [p], max_new_tokens=40, eos_token_id=[], suffix_cache=cache)
+            return cache
+        for p in later:
+            expected = hf_greedy(target, p, 40, None)
+            old = spec_ext.generate(target, head, [p], max_new_tokens=40, eos_token_id=[],
+                                    policy=Suffix(primed(), draft_k=3, branch_nodes=0))
+            new = spec_ext.generate(target, head, [p], max_new_tokens=40, eos_token_id=[],
+                                    policy=Suffix(primed(), draft_k=3))
+            assert torch.equal(new.sequences, old.sequences) and new.sequences[0, len(p):].tolist() == expected, (trial, p)
+            assert new.stats.target_calls <= old.stats.target_calls, (trial, p)
+            old_total, new_total = old_total + old.stats.target_calls, new_total + new.stats.target_calls
+    assert new_total < old_total, (new_total, old_total)
+    with pytest.raises(ValueError, match="branch_nodes: need an int >= 0"):
+        Suffix(branch_nodes=-1)

@@ -31,6 +31,7 @@ class TextDrafter(Drafter):
         cache = getattr(self.policy, "cache", None)  # a Suffix policy's: each row's place in it
         self.matches = None if cache is None else [cache.match(index.tokens) for index in self.rows]
         self.from_cache = [False] * len(seqs)  # the rows whose trees this round came from the cache
+        self.offered: list[tuple[list[int], list[int]]] = [([-1], [-1])] * len(seqs)  # this round's text trees
 
     def chains(self) -> list[list[int]]:
         """Per row, its drafts this round ([] where its suffix never occurred before)."""
@@ -72,6 +73,7 @@ class TextDrafter(Drafter):
                 tokens, parents, n, score = cached
             trees.append((tokens, parents))
             offers.append((self.from_cache[r], n, score) if len(tokens) > 1 else None)
+        self.offered = list(trees)  # before the rule: a head row may still verify its text beside the head's chain
         for r, text in enumerate(policy.text_rows(offers)):
             if not text:
                 self.from_cache[r] = False
@@ -96,6 +98,7 @@ class TextDrafter(Drafter):
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
         self.rows = [self.rows[r] for r in rows]
         self.from_cache = [self.from_cache[r] for r in rows]
+        self.offered = [self.offered[r] for r in rows]
         if self.matches is not None:
             self.matches = [self.matches[r] for r in rows]
 

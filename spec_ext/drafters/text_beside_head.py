@@ -53,6 +53,18 @@ class TextBesideHead(Drafter):
         self.policy.proposed([int(text) for text in from_text])  # the head's plan: none when all rows have text
         drafted = self.head.propose(seqs, roots)
         k = drafted.tokens.shape[1]
+        side = min(getattr(self.policy, "branch_nodes", 0), self.policy.tree_budget()[1] - 1 - k)
+        if drafted.q is None and side > 0 and not all(from_text):
+            # greedy: a head row verifies its offered text tree (its first ``side`` nodes) beside
+            # the head's chain, merged where they agree: exact (greedy verification follows the
+            # target's argmax down any tree of fixed tokens); one host copy of the head's drafts
+            chains, counts = drafted.tokens.tolist(), drafted.num_draft.tolist()
+            trees = [tree if text else with_chain(self.text.offered[r], side, chains[r][:counts[r]])
+                     for r, (tree, text) in enumerate(zip(trees, from_text))]
+            proposal, depths = tree_proposal(trees, device, from_text=from_text)
+            proposal.from_cache = list(self.text.from_cache)
+            self.policy.proposed(depths)
+            return proposal
         trees = [tree if text else ([-1] * (k + 1), [-1] + list(range(k)))  # a chain for the head's drafts
                  for tree, text in zip(trees, from_text)]
         proposal, depths = tree_proposal(trees, device, from_text=from_text)
@@ -76,3 +88,24 @@ class TextBesideHead(Drafter):
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
         self.text.keep_rows(rows, index)
         self.head.keep_rows(rows, index)
+
+
+def with_chain(tree: tuple[list[int], list[int]], side: int, chain: list[int]) -> tuple[list[int], list[int]]:
+    """The first ``side`` nodes past the root of ``tree`` (tokens, parents; parents before
+    children, so any prefix is a tree) with ``chain`` (host token list) hung from the root,
+    sharing the tree's nodes as far as they agree (no two siblings with one token).
+
+    Example:
+        >>> with_chain(([-1, 7, 8, 9], [-1, 0, 1, 0]), 3, [7, 5])
+        ([-1, 7, 8, 9, 5], [-1, 0, 1, 0, 1])
+    """
+    tokens, parents = list(tree[0][:side + 1]), list(tree[1][:side + 1])
+    node = 0
+    for token in chain:
+        child = next((i for i in range(1, len(tokens)) if parents[i] == node and tokens[i] == token), None)
+        if child is None:
+            tokens.append(int(token))
+            parents.append(node)
+            child = len(tokens) - 1
+        node = child
+    return tokens, parents

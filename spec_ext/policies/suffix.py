@@ -417,6 +417,14 @@ class Suffix(NGram):
             before drafts a chain of 31 at batch 1). The own text's trees keep NGram's ``k``.
         draft_cost: one draft forward's cost in target verifications (what a round where the
             model drafts costs more: ``draft_k`` of them). None: :func:`modeled_draft_cost`.
+        branch_nodes: greedy, beside a feature head: a row the head drafts also verifies, in the
+            same tree, the first ``branch_nodes`` nodes of the text tree it offered (the one the
+            rule above gave to the head: a weak match), as a second branch beside the head's
+            chain (merged where they agree), so a row gets the text's drafts where they hold and
+            the head's where they do not, in one round. 0: the head's chain alone (the rule
+            before). Greedy only: under sampling the existing tree sampler draws all of a node's
+            children from one q, and a sampled head chain beside deterministic text siblings is
+            not exact under it, so sampled rounds keep the head's chain alone.
         **ngram: :class:`NGram`'s settings (trees only).
 
     Example:
@@ -427,7 +435,7 @@ class Suffix(NGram):
 
     def __init__(self, cache: SuffixCache | None = None, alpha: float = 1.0, min_prob: float = 0.1,
                  min_score: float | None = None, own_text: bool | None = None, model_memory: float = 0.8,
-                 draft_cost: float | None = None, max_depth: int | None = None, **ngram):
+                 draft_cost: float | None = None, max_depth: int | None = None, branch_nodes: int = 10, **ngram):
         super().__init__(**ngram)
         if not self.tree:
             raise ValueError("tree: Suffix drafts trees (tree=True)")
@@ -440,6 +448,9 @@ class Suffix(NGram):
         if max_depth is not None and (not isinstance(max_depth, int) or max_depth < 1):
             raise ValueError(f"max_depth: need an int >= 1 or None, got {max_depth!r}")
         self.max_depth = max_depth
+        if not isinstance(branch_nodes, int) or isinstance(branch_nodes, bool) or branch_nodes < 0:
+            raise ValueError(f"branch_nodes: need an int >= 0, got {branch_nodes!r}")
+        self.branch_nodes = branch_nodes
         if draft_cost is not None and not draft_cost >= 0:
             raise ValueError(f"draft_cost: need a number >= 0 (a draft forward's cost in verifications), got "
                              f"{draft_cost}")
