@@ -7,7 +7,7 @@ layout save_pretrained writes a decoder layer), with ``enorm``, ``hnorm``, ``eh_
 ``shared_head.norm`` beside them; the MTP layers are trained a little on the target's own
 greedy continuations so that their drafts are accepted often (and rejected often)."""
 import os
-import tempfile
+import shutil
 
 import pytest
 import torch
@@ -80,11 +80,12 @@ def write_mtp_checkpoint(kind: str, path: str, mtp_layers: int = 1, vocab: int =
     state = load_file(os.path.join(path, "model.safetensors"))
     for i in range(mtp_layers):
         full.model.layers[LAYERS + i].load_state_dict(mtp.layers[i].mtp_block.state_dict())
-    with tempfile.TemporaryDirectory() as blocks:
-        full.save_pretrained(blocks)
-        for name, tensor in load_file(os.path.join(blocks, "model.safetensors")).items():
-            if any(name.startswith(f"model.layers.{LAYERS + i}.") for i in range(mtp_layers)):
-                state[name] = tensor
+    blocks = os.path.join(path, "blocks")  # removed below: from_pretrained reads path's own files only
+    full.save_pretrained(blocks)
+    for name, tensor in load_file(os.path.join(blocks, "model.safetensors")).items():
+        if any(name.startswith(f"model.layers.{LAYERS + i}.") for i in range(mtp_layers)):
+            state[name] = tensor
+    shutil.rmtree(blocks)
     for i in range(mtp_layers):
         for part, key in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
                           ("post_norm", "shared_head.norm")):
@@ -99,13 +100,27 @@ def write_mtp_checkpoint(kind: str, path: str, mtp_layers: int = 1, vocab: int =
 
 _TARGETS: dict = {}
 CASES = [("glm4_moe", 1), ("deepseek_v3", 1), ("glm4_moe", 2)]
+_TMP: list = []  # pytest's tmp_path_factory: the checkpoints the module shares live under its base temp
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _checkpoints_under_pytest_tmp(tmp_path_factory):
+    _TMP[:] = [tmp_path_factory]
+    yield
+    _TARGETS.clear()
+    _LIBRARY.clear()
+
+
+def scratch(name: str) -> str:
+    """A new directory for ``name`` under pytest's base temp (never /tmp itself)."""
+    return str(_TMP[0].mktemp(name))
 
 
 def target_with_mtp(kind: str, mtp_layers: int = 1, vocab: int = 61):
     key = kind, mtp_layers, vocab
     if key not in _TARGETS:
         transformers.logging.set_verbosity_error()
-        _TARGETS[key] = write_mtp_checkpoint(kind, tempfile.mkdtemp(prefix=f"mtp-{kind}-"), mtp_layers, vocab)
+        _TARGETS[key] = write_mtp_checkpoint(kind, scratch(f"mtp-{kind}-"), mtp_layers, vocab)
     return _TARGETS[key]
 
 
@@ -165,7 +180,7 @@ def test_a_trees_first_children_are_the_greedy_chain():
     assert len({tuple(row) for row in chain.tokens.tolist()}) == len(PROMPTS)
 
 
-def test_a_target_without_mtp_layers_is_refused_by_name():
+def test_a_target_without_mtp_layers_is_refused_by_name(tmp_path):
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=61, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)).eval()
     with pytest.raises(ValueError, match=r"draft: 'mtp' drafts with the target's own MTP layers, but the target "
@@ -174,12 +189,11 @@ def test_a_target_without_mtp_layers_is_refused_by_name():
     unsaved = transformers.Glm4MoeForCausalLM(tiny_config("glm4_moe", 1, 61, LAYERS)).eval()
     with pytest.raises(ValueError, match="was not loaded from one"):
         spec_ext.accelerate(unsaved, "mtp").generate(torch.tensor([[5, 6]]), max_new_tokens=4)
-    with tempfile.TemporaryDirectory() as path:  # declared, but the checkpoint holds no MTP weights
-        unsaved.save_pretrained(path)
-        bare = transformers.Glm4MoeForCausalLM.from_pretrained(path).eval()
-        bare._keys_to_ignore_on_load_unexpected = [r"model\.layers\.2\..*"]
-        with pytest.raises(ValueError, match="declares 1 MTP layers but its checkpoint .* has no usable MTP weights"):
-            spec_ext.generate(bare, "mtp", [[5, 6]], max_new_tokens=4)
+    unsaved.save_pretrained(tmp_path)  # declared, but the checkpoint holds no MTP weights
+    bare = transformers.Glm4MoeForCausalLM.from_pretrained(tmp_path).eval()
+    bare._keys_to_ignore_on_load_unexpected = [r"model\.layers\.2\..*"]
+    with pytest.raises(ValueError, match="declares 1 MTP layers but its checkpoint .* has no usable MTP weights"):
+        spec_ext.generate(bare, "mtp", [[5, 6]], max_new_tokens=4)
 
 
 # ---------------------------------------------------------------- the drafts themselves
@@ -370,7 +384,7 @@ def library_mtp(vocab=61):
     continuations: (target, directory, reference layer)."""
     if vocab not in _LIBRARY:
         transformers.logging.set_verbosity_error()
-        root = tempfile.mkdtemp(prefix="mtp-speculators-")
+        root = scratch("mtp-speculators-")
         target = qwen3_target(os.path.join(root, "target"), vocab)
         torch.manual_seed(1)
         layer = LibraryMtpLayer(target.config).train()
@@ -432,7 +446,7 @@ def test_a_speculators_mtp_directory_greedy_equals_the_target(policy):
                        target.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0))
 
 
-def test_a_speculators_mtp_directory_round_trips_bit_equal():
+def test_a_speculators_mtp_directory_round_trips_bit_equal(tmp_path):
     """Loaded and written again: the same tensors under the same names (the verifier's head,
     which the library saves unloaded, is not written), the same config."""
     import json
@@ -440,21 +454,21 @@ def test_a_speculators_mtp_directory_round_trips_bit_equal():
     from spec_ext.models.mtp import load_speculators_mtp, save_speculators_mtp
     target, path, _ = library_mtp()
     mtp = load_speculators_mtp(path, target)
-    with tempfile.TemporaryDirectory() as again:
-        save_speculators_mtp(mtp, again, target)
-        mine, theirs = load_file(os.path.join(again, "model.safetensors")), load_file(os.path.join(path, "model.safetensors"))
-        theirs.pop("verifier_lm_head.weight")
-        assert sorted(mine) == sorted(theirs)
-        assert all(torch.equal(mine[k], theirs[k]) for k in mine)
-        config = json.loads(open(os.path.join(again, "config.json")).read())
-        expected = json.loads(open(os.path.join(path, "config.json")).read())
-        expected.pop("transformers_version")
-        assert config == expected
-        reloaded = load_speculators_mtp(again, target)
-        assert all(torch.equal(a, b) for a, b in zip(mtp.state_dict().values(), reloaded.state_dict().values()))
+    again = str(tmp_path / "again")
+    save_speculators_mtp(mtp, again, target)
+    mine, theirs = load_file(os.path.join(again, "model.safetensors")), load_file(os.path.join(path, "model.safetensors"))
+    theirs.pop("verifier_lm_head.weight")
+    assert sorted(mine) == sorted(theirs)
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    config = json.loads(open(os.path.join(again, "config.json")).read())
+    expected = json.loads(open(os.path.join(path, "config.json")).read())
+    expected.pop("transformers_version")
+    assert config == expected
+    reloaded = load_speculators_mtp(again, target)
+    assert all(torch.equal(a, b) for a, b in zip(mtp.state_dict().values(), reloaded.state_dict().values()))
     glm, _ = target_with_mtp("glm4_moe", 2)
-    with tempfile.TemporaryDirectory() as out, pytest.raises(ValueError, match="num_nextn_predict_layers: .* has 2"):
-        save_speculators_mtp(load_mtp(glm), out, glm)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers: .* has 2"):
+        save_speculators_mtp(load_mtp(glm), str(tmp_path / "out"), glm)
 
 
 @pytest.mark.parametrize("change,message", [
@@ -467,7 +481,7 @@ def test_a_speculators_mtp_directory_round_trips_bit_equal():
     ({"transformer_layer_config.model_type": "qwen2"}, "transformer_layer_config.model_type: 'qwen2', but the target"),
     ({"weights": "masked_embedding.centroids.weight"}, "weights spec_ext does not know .*masked_embedding"),
 ], ids=["layers", "centroids", "algorithm", "hidden", "vocab", "layer-count", "model-type", "weights"])
-def test_a_speculators_mtp_directory_spec_ext_cannot_honour_is_refused_by_field(change, message):
+def test_a_speculators_mtp_directory_spec_ext_cannot_honour_is_refused_by_field(change, message, tmp_path):
     from spec_ext.drafters import load
     target, _, layer = library_mtp()
     config, state = library_config(target), layer.library_state_dict()
@@ -478,10 +492,9 @@ def test_a_speculators_mtp_directory_spec_ext_cannot_honour_is_refused_by_field(
             config["transformer_layer_config"][key.split(".", 1)[1]] = value
         else:
             config[key] = value
-    with tempfile.TemporaryDirectory() as path:
-        write_library_mtp(path, target, layer, config, state)
-        with pytest.raises(ValueError, match=message):
-            load(path, target)
+    write_library_mtp(str(tmp_path), target, layer, config, state)
+    with pytest.raises(ValueError, match=message):
+        load(str(tmp_path), target)
 
 
 # ---------------------------------------------------------------- HF's logits settings and grammars
@@ -605,7 +618,7 @@ def test_each_rows_drafts_in_a_ragged_batch_are_its_drafts_alone(source, policy)
     (batch 1): the MTP layers' positions, cache, padded rows' hidden states and catch-up after
     commits do not depend on the other rows. Native MTP layers (position shift 1, 1 and 2
     layers; MoE targets: the HF modules) and a speculators directory (shift 0; a Qwen3 target:
-    the lean forward, and forced onto the HF modules)."""
+    the lean forward and the lean MTP step, and both forced onto the HF modules)."""
     import contextlib
     from spec_ext.drafters import load
     from spec_ext.models.lean import hf_modules, why_not_lean
@@ -617,7 +630,7 @@ def test_each_rows_drafts_in_a_ragged_batch_are_its_drafts_alone(source, policy)
         target, _ = target_with_mtp(*source)
         mtp = load_mtp(target)
         assert why_not_lean(target) is not None
-    forced = (lambda: hf_modules(target)) if source == "speculators-hf-modules" else contextlib.nullcontext
+    forced = (lambda: hf_modules(target, mtp)) if source == "speculators-hf-modules" else contextlib.nullcontext
 
     def run(prompts):
         drafter = Recording(mtp, policy)
@@ -638,3 +651,91 @@ def test_each_rows_drafts_in_a_ragged_batch_are_its_drafts_alone(source, policy)
         assert (batch.stats.row_accepted[i], batch.stats.row_rounds[i]) == \
             (alone.stats.row_accepted[0], alone.stats.row_rounds[0]), i
         assert batch.sequences[i, -14:].tolist() == alone.sequences[0, -14:].tolist(), i
+
+
+# ---------------------------------------------------------------- the lean MTP step
+def llama_with_mtp(mtp_layers: int, vocab: int = 61, seed: int = 0):
+    """A tiny random Llama target and ``mtp_layers`` random transformers ``MtpModel`` layers
+    for it (Llama decoder blocks), in memory."""
+    from transformers import initialization
+    from transformers.modeling_layers import MtpModel
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    target = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    target.config.num_mtp_layers = mtp_layers
+    with initialization.no_tie_weights():
+        mtp = MtpModel(target, mtp_layers)
+    with torch.no_grad():  # each layer mostly passes the hidden state on: drafts accepted and rejected
+        for layer in mtp.layers:
+            layer.mtp_block.load_state_dict(target.model.layers[-1].state_dict())
+            layer.eh_proj.weight.copy_(torch.cat([0.3 * torch.randn(32, 32), torch.eye(32)], 1))
+    return target, mtp.eval()
+
+
+def test_which_mtp_layers_take_the_lean_step():
+    """Llama and Qwen3 blocks take it (the drafter decides at start); glm4_moe's MoE block, a
+    hooked layer and an MTP model forced with hf_modules do not, each with its reason."""
+    from spec_ext.drafters import load
+    from spec_ext.models.lean import hf_modules
+    from spec_ext.models.mtp import why_not_lean_mtp
+    llama, llama_mtp = llama_with_mtp(1)
+    qwen3, path, _ = library_mtp()
+    glm, _ = target_with_mtp("glm4_moe", 1)
+    assert why_not_lean_mtp(llama_mtp) is None and why_not_lean_mtp(load(path, qwen3)) is None
+    assert "unknown MTP block modules in Glm4MoeDecoderLayer" in why_not_lean_mtp(load_mtp(glm))
+    with hf_modules(llama_mtp):
+        assert "forced onto the HF modules" in why_not_lean_mtp(llama_mtp)
+        drafter = MtpDrafter(llama_mtp, Fixed(1))
+        drafter.bind(llama)
+        drafter.start([[5, 6, 7]], 16, Sampler())
+        assert drafter.lean is None
+    drafter.start([[5, 6, 7]], 16, Sampler())
+    assert drafter.lean is not None
+    hook = llama_mtp.layers[0].mtp_block.mlp.register_forward_hook(lambda *_: None)
+    try:
+        assert "forward hooks or a patched forward on layers.0.mtp_block.mlp" in why_not_lean_mtp(llama_mtp)
+    finally:
+        hook.remove()
+    assert why_not_lean_mtp(llama_mtp) is None
+
+
+@pytest.mark.parametrize("source", ["llama-2-layers", "speculators"])
+@pytest.mark.parametrize("policy,temperature", [(Fixed(4), 0.0), (DynamicTree(4, 2, 8), 0.0), (Fixed(3), 1.0)],
+                         ids=["chain-past-the-layers", "dynamic-tree", "sampled-chain"])
+def test_the_lean_mtp_step_drafts_what_the_hf_modules_draft(source, policy, temperature):
+    """On a ragged batch, every round's drafts and their q through the lean MTP step are
+    bit-equal to the same drafter's on the HF modules (``hf_modules(mtp)``), and so are the
+    outputs (greedy: equal to the target's)."""
+    from spec_ext.drafters import load
+    from spec_ext.models.lean import hf_modules
+    if source == "speculators":
+        target, path, _ = library_mtp()
+        mtp = load(path, target)
+    else:
+        target, mtp = llama_with_mtp(2)
+    for prompts in (RAGGED, [[9]]):  # alone, a one-token prompt's first round runs at index -1
+        runs = []
+        for forced in (False, True):
+            drafter = Recording(mtp, policy)
+            with hf_modules(mtp) if forced else torch.no_grad():
+                out = spec_ext.generate(target, drafter, prompts, max_new_tokens=12, eos_token_id=[],
+                                        temperature=temperature, seed=5)
+            assert (drafter.lean is None) == forced
+            runs.append((out, drafter.rounds))
+        (lean_out, lean_rounds), (hf_out, hf_rounds) = runs
+        assert torch.equal(lean_out.sequences, hf_out.sequences)
+        assert len(lean_rounds) == len(hf_rounds)
+        for (seqs, mine), (_, theirs) in zip(lean_rounds, hf_rounds):
+            assert torch.equal(mine.tokens, theirs.tokens) and torch.equal(mine.num_draft, theirs.num_draft)
+            assert (mine.q is None) == (theirs.q is None) and (mine.q is None or torch.equal(mine.q, theirs.q))
+        if prompts is RAGGED:
+            assert 0 < lean_out.stats.accepted < lean_out.stats.drafted
+        if temperature == 0.0:
+            for i, prompt in enumerate(prompts):
+                assert lean_out.sequences[i, -12:].tolist() == hf_greedy(target, prompt, 12, eos=[])

@@ -9,7 +9,7 @@ from torch import Tensor
 from spec_ext.drafters.base import (Drafter, Outcome, Proposal, Sampler, draft_chain, grow_dynamic_tree,
                                     grow_static_tree)
 from spec_ext.models import SpecCache, check_model, num_layers, vocabulary_size
-from spec_ext.models.mtp import layer_step, mtp_logits, position_shift, spec_attention
+from spec_ext.models.mtp import LeanMtp, layer_step, mtp_logits, position_shift, spec_attention, why_not_lean_mtp
 from spec_ext.policies import Policy
 
 
@@ -30,6 +30,11 @@ class MtpDrafter(Drafter):
     device and is run through every layer at the next round's start, each layer in one
     forward; each layer's last output drafts its step. A one-token prompt has no hidden state:
     its first round reads a zero one, never kept.
+
+    Llama-family MTP blocks (``spec_ext.models.mtp.why_not_lean_mtp`` None) run through
+    :class:`~spec_ext.models.mtp.LeanMtp` (the same numbers as the modules, without their
+    per-call machinery), decided at each ``start``; others, and MTP models forced with
+    ``spec_ext.models.hf_modules(mtp)``, through the HF modules.
 
     Example:
         >>> spec_ext.generate(target, "mtp", ids)    # doctest: +SKIP
@@ -58,6 +63,7 @@ class MtpDrafter(Drafter):
     def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None,
               features: Tensor | None = None) -> None:
         self.sampler, self.generator, self.calls = sampler, generator, 0
+        self.lean = None if why_not_lean_mtp(self.mtp) else LeanMtp(self.mtp)
         self.all_accepted = self.bonus_p = None
         weight = self.mtp.layers[0].eh_proj.weight
         self.device, dtype = weight.device, weight.dtype
@@ -73,6 +79,8 @@ class MtpDrafter(Drafter):
     # ------------------------------------------------------------------ a round
     def _step(self, layer: int, ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor | None = None) -> Tensor:
         self.calls += 1
+        if self.lean is not None:
+            return self.lean.step(layer, ids, hidden, positions, self.cache, mask)
         with spec_attention(self.mtp):
             return layer_step(self.mtp, layer, ids, hidden, positions, self.cache, mask)
 

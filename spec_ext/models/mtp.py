@@ -13,6 +13,9 @@ target's ``lm_head``) turns the output into the logits of x_{p+i+2}.
 :func:`load_mtp` loads them for a target; :func:`layer_step` runs one layer over a
 :class:`~spec_ext.models.cache.SpecCache` (one cache layer per MTP layer) with spec_ext's
 attention (per-row offsets, tree masks), :func:`mtp_logits` applies the shared head.
+:class:`LeanMtp` computes the same layer step for Llama-family blocks (Llama, Mistral, Qwen2,
+Qwen3: the classes :mod:`spec_ext.models.lean` reproduces) without the modules' per-call
+machinery (the same numbers, bit for bit); :func:`why_not_lean_mtp` says when it cannot.
 
 The speculators ``mtp`` directory format (speculators 0.9.0's ``MTPDraftModel``: one MTP layer,
 ``transformer_layer_config`` a config of the target's architecture, weights
@@ -37,8 +40,8 @@ from torch import Tensor
 
 from spec_ext.models.hf import ATTENTION
 
-__all__ = ["is_mtp_directory", "layer_step", "load_mtp", "load_speculators_mtp", "mtp_layers", "mtp_logits",
-           "position_shift", "save_speculators_mtp"]
+__all__ = ["LeanMtp", "is_mtp_directory", "layer_step", "load_mtp", "load_speculators_mtp", "mtp_layers",
+           "mtp_logits", "position_shift", "save_speculators_mtp", "why_not_lean_mtp"]
 
 
 def mtp_layers(model) -> int:
@@ -116,6 +119,131 @@ def layer_step(mtp, layer: int, ids: Tensor, hidden: Tensor, positions: Tensor, 
     if mtp.use_shared_post_norm:
         out = mtp.shared_post_norm(out)
     return out
+
+
+def why_not_lean_mtp(mtp) -> str | None:
+    """Why :class:`LeanMtp` cannot reproduce ``mtp``'s layers (so they run on the HF modules),
+    or None when it can: every MTP block a Llama-family decoder layer (the classes
+    :mod:`spec_ext.models.lean` knows) with its norms, ``enorm``/``hnorm``/``post_norm`` and
+    the shared post-norm of those norm classes, a plain embedding, a static RoPE the same for
+    every layer, no forward hooks; not in train mode, not forced onto the HF modules
+    (``spec_ext.models.hf_modules(mtp)``)."""
+    from torch import nn
+    from torch.nn.modules import module as nn_module
+    from transformers.modeling_layers import MtpLayer
+
+    from spec_ext.models import lean
+    if mtp in lean._FORCED:
+        return "forced onto the HF modules (spec_ext.models.hf_modules)"
+    if mtp.training:
+        return "in train mode (the HF modules apply dropout)"
+    blocks, attentions, mlps, norms = lean._known_layer_classes()
+    if type(mtp.embed_tokens) is not nn.Embedding:
+        return f"the embedding is a {type(mtp.embed_tokens).__name__}"
+    if mtp.rotary_emb is None or mtp.has_per_layer_rope:
+        return "no rotary embedding, or one per layer type"
+    rope = getattr(mtp.config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") not in lean._STATIC_ROPE:
+        return f"rope_type {rope.get('rope_type')!r} changes with the sequence length"
+    hooked = [name or "the MTP model" for name, m in mtp.named_modules() if lean._hooked(m)]
+    if hooked:
+        return f"forward hooks or a patched forward on {hooked[0]}"
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return "global module forward hooks"
+    if mtp.use_shared_post_norm and type(mtp.shared_post_norm) not in norms:
+        return "unknown shared post-norm"
+    for layer in mtp.layers:
+        block = layer.mtp_block
+        if type(layer) is not MtpLayer or type(layer.eh_proj) is not nn.Linear or layer.eh_proj.bias is not None:
+            return f"unknown MTP layer {type(layer).__name__}"
+        if (type(block) not in blocks or type(block.self_attn) not in attentions or type(block.mlp) not in mlps
+                or type(block.input_layernorm) not in norms or type(block.post_attention_layernorm) not in norms):
+            return f"unknown MTP block modules in {type(block).__name__}"
+        head_norms = [getattr(block.self_attn, n, None) for n in ("q_norm", "k_norm")]
+        if any(n is not None and type(n) not in norms for n in head_norms):
+            return f"unknown q/k norms in {type(block.self_attn).__name__}"
+        own = [layer.enorm, layer.hnorm] + ([layer.post_norm] if layer.use_post_norm else [])
+        if any(type(n) not in norms for n in own):
+            return "unknown enorm, hnorm or post_norm"
+    return None
+
+
+class LeanMtp:
+    """:func:`layer_step` for MTP layers whose blocks :mod:`spec_ext.models.lean` knows
+    (:func:`why_not_lean_mtp` is None), op for op what ``MtpLayer.forward`` and the
+    decoder layer compute (bit-equal outputs and cache entries), reading the parameters in
+    place, the rotary cos/sin from a table of what ``mtp.rotary_emb`` returns."""
+
+    def __init__(self, mtp):
+        from spec_ext.models import lean
+        self.embed, self.padding_idx = mtp.embed_tokens.weight, mtp.embed_tokens.padding_idx
+        self.rotary_emb, self.hidden_first = mtp.rotary_emb, bool(getattr(mtp.config, "mtp_hidden_states_first", False))
+        self.shared_post_norm = lean._norm(mtp.shared_post_norm) if mtp.use_shared_post_norm else None
+        self.layers = []
+        for layer in mtp.layers:
+            block = layer.mtp_block
+            attn, mlp = block.self_attn, block.mlp
+            self.layers.append(dict(
+                enorm=lean._norm(layer.enorm), hnorm=lean._norm(layer.hnorm), eh_proj=layer.eh_proj.weight,
+                post=lean._norm(layer.post_norm) if layer.use_post_norm else None,
+                input_norm=lean._norm(block.input_layernorm), post_norm=lean._norm(block.post_attention_layernorm),
+                q=lean._linear(attn.q_proj), k=lean._linear(attn.k_proj), v=lean._linear(attn.v_proj),
+                o=lean._linear(attn.o_proj), gate=lean._linear(mlp.gate_proj), up=lean._linear(mlp.up_proj),
+                down=lean._linear(mlp.down_proj), act=mlp.act_fn, head_dim=attn.head_dim, scaling=attn.scaling,
+                window=lean._window(attn), q_norm=lean._head_norm(attn, "q_norm"), k_norm=lean._head_norm(attn, "k_norm")))
+        self._rope: tuple[Tensor, Tensor] | None = None
+
+    # positions start below 0: a one-token prompt's first round runs layer i at index -1 (its zero hidden state)
+    _BELOW = 8
+
+    def _rotary(self, positions: Tensor, dtype: torch.dtype, size: int) -> tuple[Tensor, Tensor]:
+        """cos, signed sin [B,1,T,D] for ``positions`` [B,T] (from -8 to below ``size``), from
+        a table made once per size (the sin's first half negated:
+        :func:`spec_ext.models.lean._rotate`)."""
+        table, below = self._rope, self._BELOW
+        if table is None or table[0].shape[0] < size + below or table[0].dtype != dtype or \
+                table[0].device != positions.device:
+            probe = torch.empty(0, dtype=dtype, device=positions.device)
+            cos, sin = self.rotary_emb(probe, torch.arange(-below, size, device=positions.device)[None])
+            half = sin.shape[-1] // 2
+            table = self._rope = (cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1))
+        index = positions + below
+        return table[0][index].unsqueeze(1), table[1][index].unsqueeze(1)
+
+    def step(self, layer: int, ids: Tensor, hidden: Tensor, positions: Tensor, cache,
+             tree_mask: Tensor | None = None) -> Tensor:
+        """What :func:`layer_step` returns for the same arguments (``tree_mask`` [B|1,T,W]
+        int32 or None: causal), writing the same cache entries."""
+        import torch.nn.functional as F
+
+        from spec_ext import ops
+        from spec_ext.models.lean import _rms_norm, _rotate
+        p = self.layers[layer]
+        B, T = ids.shape
+        embeds = F.embedding(ids, self.embed, self.padding_idx).to(hidden.dtype)
+        parts = [_rms_norm(embeds, *p["enorm"]), _rms_norm(hidden, *p["hnorm"])]
+        x = F.linear(torch.cat(parts[::-1] if self.hidden_first else parts, -1), p["eh_proj"])
+        # the capacity may grow (SpecCache.reserve); positions run up to a few past it (index + layer + shift)
+        cos, signed_sin = self._rotary(positions, x.dtype, cache.capacity + len(self.layers) + 2)
+        h = _rms_norm(x, *p["input_norm"])
+        shape = (B, T, -1, p["head_dim"])
+        q, k = F.linear(h, *p["q"]).view(shape), F.linear(h, *p["k"]).view(shape)
+        if p["q_norm"] is not None:
+            q, k = _rms_norm(q, *p["q_norm"]), _rms_norm(k, *p["k_norm"])
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = F.linear(h, *p["v"]).view(shape).transpose(1, 2)
+        q, k = _rotate(q, cos, signed_sin), _rotate(k, cos, signed_sin)
+        keys, values = cache.update(k, v, layer)
+        a = ops.tree_attention(q, keys, values, cache.lengths, tree_mask, scale=p["scaling"], window=p["window"],
+                               validate=False)
+        x = x + F.linear(a.transpose(1, 2).reshape(B, T, -1), *p["o"])
+        h = _rms_norm(x, *p["post_norm"])
+        x = x + F.linear(p["act"](F.linear(h, *p["gate"])) * F.linear(h, *p["up"]), *p["down"])
+        if p["post"] is not None:
+            x = _rms_norm(x, *p["post"])
+        if self.shared_post_norm is not None:
+            x = _rms_norm(x, *self.shared_post_norm)
+        return x
 
 
 def mtp_logits(mtp, hidden: Tensor) -> Tensor:
