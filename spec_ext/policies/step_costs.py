@@ -46,7 +46,7 @@ class StepCosts:
         self.window = window
         self._verify: dict[tuple[int, int], list] = {}  # (rows, width) -> [estimate, recent seconds]
         self._draft: dict[int, list] = {}  # draft steps -> [estimate, recent seconds]
-        self._memo: dict[tuple[int, int], float | None] = {}  # verify()'s answers since the last record_verify
+        self._memo: dict[tuple, object] = {}  # verify()'s answers (and lines) since the last record_verify
         self._draft_memo: dict[int, float | None] = {}  # draft()'s answers since the last record_draft
         self._ticks = {"verify": 0, "draft": 0}  # measurements recorded so far, per table
 
@@ -84,8 +84,11 @@ class StepCosts:
         through the shapes of its rows (each weighted by its measurements), worth ``PULL``
         measurements; a shape not measured: that line (or the line over rows x width)."""
         fresh = self._ticks["verify"] - self.STALE
-        same = [(w, e[0], len(e[1])) for (r, w), e in self._verify.items() if r == rows and e[2] > fresh]
-        line = max(0.0, _line(same, width)) if len(same) >= 2 else None
+        if ("line", rows) not in self._memo:  # the fit once per rows until the next measurement
+            same = [(w, e[0], len(e[1])) for (r, w), e in self._verify.items() if r == rows and e[2] > fresh]
+            self._memo[("line", rows)] = _fit(same) if len(same) >= 2 else None
+        fit = self._memo[("line", rows)]
+        line = None if fit is None else max(0.0, fit[0] + fit[1] * width)
         entry = self._verify.get((rows, width))
         if entry is not None and entry[2] <= fresh and line is not None:  # stale: measured before a change of load
             return line
@@ -129,14 +132,20 @@ class StepCosts:
         return len(self._verify)
 
 
-def _line(points: list[tuple[float, float, float]], x: float) -> float:
-    """The weighted least-squares line through ``points`` (x, y, weight) at ``x``."""
+def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the weighted least-squares line through ``points`` (x, y, weight)."""
     n = sum(p[2] for p in points)
     mx = sum(p[2] * p[0] for p in points) / n
     my = sum(p[2] * p[1] for p in points) / n
     sxx = sum(p[2] * (p[0] - mx) ** 2 for p in points)
     slope = sum(p[2] * (p[0] - mx) * (p[1] - my) for p in points) / sxx if sxx > 0 else 0.0
-    return my + slope * (x - mx)
+    return my - slope * mx, slope
+
+
+def _line(points: list[tuple[float, float, float]], x: float) -> float:
+    """The weighted least-squares line through ``points`` (x, y, weight) at ``x``."""
+    intercept, slope = _fit(points)
+    return intercept + slope * x
 
 
 @torch.no_grad()
