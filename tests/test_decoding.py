@@ -48,7 +48,7 @@ def test_greedy_with_fast_linear_equals_target(greedy_pair, policy):
 
 
 def test_the_draft_takes_the_skinny_kernel_and_the_target_stays_exact(greedy_pair):
-    """Without fast_linear the target keeps HF's linear (bit-equal logits) and the draft
+    """With fast_linear=False the target keeps HF's linear (bit-equal logits) and the draft
     takes skinny_linear where it applies, silently; fast_linear=True puts both on it."""
     from spec_ext.models.lean import lean_decoder
     target, draft = greedy_pair
@@ -56,7 +56,8 @@ def test_the_draft_takes_the_skinny_kernel_and_the_target_stays_exact(greedy_pai
     applies = spec_ext.ops.linear.kernel_applies(draft.device, draft.dtype)  # AVX-512 here?
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        spec_ext.generate(target, draft, [[5, 17]], max_new_tokens=4, eos_token_id=[], policy="fixed")
+        spec_ext.generate(target, draft, [[5, 17]], max_new_tokens=4, eos_token_id=[], policy="fixed",
+                          fast_linear=False)
     assert lean_decoder(target).linear is aten
     assert lean_decoder(draft).fast_linear == applies
     with warnings.catch_warnings():
@@ -72,10 +73,10 @@ def test_the_draft_takes_the_skinny_kernel_and_the_target_stays_exact(greedy_pai
     with pytest.raises(ValueError, match="fast_linear: 1 settings for 2 models"):
         with spec_ext.models.attention_implementation(target, draft, fast_linear=[True]):
             pass
-    with pytest.raises(ValueError, match="fast_linear: expected True or False, got 'yes'"):
+    with pytest.raises(ValueError, match="fast_linear: expected 'auto', True or False, got 'yes'"):
         spec_ext.generate(target, draft, [[5, 17]], max_new_tokens=4, policy="fixed", fast_linear="yes")
-    with pytest.raises(ValueError, match="fast_linear: expected True or False, got 'auto'"):
-        spec_ext.accelerate(target, draft, policy="fixed", fast_linear="auto")
+    with pytest.raises(ValueError, match="fast_linear: expected 'auto', True or False, got 2"):
+        spec_ext.accelerate(target, draft, policy="fixed", fast_linear=2)
     with pytest.raises(ValueError, match="fast_linear: expected False, True or 'auto', got 2"):
         spec_ext.models.lean.prepare(draft, fast_linear=2)
 

@@ -23,8 +23,8 @@ from spec_ext.vocab import fingerprint
 
 
 def _check_fast_linear(fast_linear) -> None:
-    if not isinstance(fast_linear, bool):
-        raise ValueError(f"fast_linear: expected True or False, got {fast_linear!r}")
+    if not (isinstance(fast_linear, bool) or (isinstance(fast_linear, str) and fast_linear == "auto")):
+        raise ValueError(f"fast_linear: expected 'auto', True or False, got {fast_linear!r}")
 
 
 # generation_config fields that change what HF's generate computes and that spec_ext does
@@ -193,7 +193,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | list[int] | Tensor | None = None, pad_token_id: int | None = None,
              policy: str | Policy = "auto", seed: int | None = None, streamer=None,
-             fast_linear: bool = False, tokenizer=None, grammar=None, logits_processor=None,
+             fast_linear: bool | str = "auto", tokenizer=None, grammar=None, logits_processor=None,
              prefix_allowed_tokens_fn=None, assistant_tokenizer=None, tokenizer_mode: str = "auto",
              suffix_cache: SuffixCache | None = None, **settings) -> Output:
     """Speculative decoding of ``target`` with ``draft``: greedy output equals the
@@ -212,11 +212,16 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
             no tuning, see the table in :mod:`spec_ext.policies`).
         seed: seeds a private generator; None uses torch's global generator.
         streamer: an HF streamer (batch size 1).
-        fast_linear: run the target's linear layers through :func:`spec_ext.ops.skinny_linear`
-            too (CPU float32 Llama-family models; faster matmuls at decode and
-            verification sizes). Output is then exact with respect to that forward, whose
-            logits differ from HF's by float32 rounding: greedy text can differ from
-            ``target.generate`` where two tokens tie to within that rounding. The draft
+        fast_linear: ``"auto"`` (the default) or True: the target's linear layers in the
+            lean forward take :func:`spec_ext.ops.skinny_linear` where its measured rule
+            (``spec_ext.ops.linear.uses_kernel``: CPU float32 Llama-family models, AVX2 + FMA
+            or AVX-512, up to 16 token rows, 32 for large weights with short rows) says it is
+            faster than F.linear, per layer and call (True also warns where it cannot apply);
+            False: HF's own arithmetic (F.linear) for the target. Output is exact with
+            respect to the forward used; skinny_linear's logits differ from HF's by float32
+            rounding (a dot product summed in another order: a few units in the last place),
+            so greedy text can differ from ``target.generate`` only where two tokens tie to
+            within that rounding (not seen on the bundled pair's held-out prompts). The draft
             takes skinny_linear wherever it applies, whatever this says: its rounding
             changes only which tokens are proposed, never the output.
         tokenizer: the target's tokenizer (for ``grammar``, ``stop_strings`` and ``assistant_tokenizer``).
@@ -357,7 +362,7 @@ class Accelerated:
     """The target model with a speculative ``generate``; every other attribute is the
     target's. ``last_stats`` holds the stats of the latest call."""
 
-    def __init__(self, target, draft, policy: str | Policy = "auto", fast_linear: bool = False, tokenizer=None,
+    def __init__(self, target, draft, policy: str | Policy = "auto", fast_linear: bool | str = "auto", tokenizer=None,
                  draft_tokenizer=None, tokenizer_mode: str = "auto", suffix_cache: SuffixCache | bool = True):
         if isinstance(draft, (str, Path)):
             draft = load(draft, target)
@@ -419,7 +424,7 @@ class Accelerated:
         return out.sequences
 
 
-def accelerate(target, draft, policy: str | Policy = "auto", fast_linear: bool = False, tokenizer=None,
+def accelerate(target, draft, policy: str | Policy = "auto", fast_linear: bool | str = "auto", tokenizer=None,
                draft_tokenizer=None, tokenizer_mode: str = "auto",
                suffix_cache: SuffixCache | bool = True) -> Accelerated:
     """Wrap ``target`` so that ``.generate(...)`` runs speculative decoding with ``draft``
