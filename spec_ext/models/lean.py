@@ -228,8 +228,9 @@ _REASONS: "weakref.WeakKeyDictionary[object, str | None]" = weakref.WeakKeyDicti
 def prepare(model, fast_linear: bool | str = False) -> None:
     """Decide (again) whether ``model`` takes the lean forward: its modules, hooks and
     weights may have changed since the last generate call. ``fast_linear``: see
-    :class:`LeanDecoder`; True warns when it cannot apply, "auto" applies it silently
-    where it can (a draft's rounding never reaches the output)."""
+    :class:`LeanDecoder`; True warns when it cannot apply, "auto" (generate's default for
+    target and draft) applies it silently where it can, layer by layer where
+    ``uses_kernel`` says it is faster; False: F.linear, HF's own arithmetic."""
     if fast_linear not in (False, True, "auto"):
         raise ValueError(f"fast_linear: expected False, True or 'auto', got {fast_linear!r}")
     reason = _REASONS[model] = why_not_lean(model)
