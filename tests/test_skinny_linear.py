@@ -83,11 +83,15 @@ def test_every_path_matches_float64_for_1_to_32_rows(isa, dtype, monkeypatch):
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_long_k_in_chunks_matches_float64(isa, monkeypatch):
-    """K beyond two chunks (the partial sums wait in a buffer between chunks) for 5-33 rows."""
+    """K beyond two chunks (a tile's partial sums wait in a small buffer between chunks) for
+    5-33 rows, with N over several tiles of weight rows (the last one partial) too."""
     force(monkeypatch, isa)
-    for M, K in [(5, 3301), (9, 1900), (33, 777), (2, 3000)]:
-        x, w, b = case(M, K, 7, seed=K, bias=True)
-        assert_within_rounding(cpu(x, w, b), x, w, b)
+    for M, K, N in [(5, 3301, 7), (9, 1900, 7), (33, 777, 7), (2, 3000, 7), (16, 1100, 150), (32, 700, 97)]:
+        x, w, b = case(M, K, N, seed=K, bias=True)
+        y = cpu(x, w, b)
+        assert_within_rounding(y, x, w, b)
+        for m in range(0, M, 5):  # a row alone (one block, no chunks): the same bits
+            assert torch.equal(cpu(x[m:m + 1], w, b)[0], y[m]), (M, K, N, m)
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -7,10 +7,12 @@
 // A register block holds MR rows of x times NR weight rows (NR * MR accumulators, e.g. 4 x 3
 // on AVX2, 4 x 8 on AVX-512); a k step loads NR weight vectors and MR vectors of x and does
 // NR * MR fused multiply-adds. With more rows than one block, the other row blocks reuse the
-// weight vectors from L1: when K is long (a down projection) the k range is cut into chunks
-// (the x chunk of every row stays in L1/L2), the partial sums of every block wait in a
-// buffer between chunks, and every weight chunk is read from memory once. Threads split the
-// weight rows (N).
+// weight vectors from L1: when K is long (a down projection) the weight rows go by in tiles of
+// a few register blocks, and within a tile the k range is cut into chunks (the x chunk of every
+// row stays in L1/L2); the tile's partial sums wait in a small buffer between chunks (its size
+// does not grow with N), and every weight chunk is read from memory once. Threads split the
+// weight rows (N). One register block (block_body) serves every path, over the path's own
+// vector operations (PortableOps, Avx2Ops, Avx512Ops), compiled into each path's target.
 //
 // The order of every sum, on every path (so a row's result is the same bits whatever other
 // rows come with it, whatever the chunking, threading and ISA): 8 interleaved partial sums
@@ -85,58 +87,112 @@ inline void finish(const float* t, const Block<W>& b, int64_t m0, int64_t n) {
   }
 }
 
-// ------------------------------------------------------------------ portable
-struct Portable {
-  static constexpr int max_rows = 4, max_cols = 4;
-  static constexpr int padded(int nr) { return nr; }
-  // (MR, NR) of the main block, as on AVX2: the rows of x in one block (up to 4), and 4 weight
-  // rows (3 for 4 rows of x: 12 accumulators of the 16 ymm registers). Measured with AVX2 on
-  // an AMD EPYC (320 -> 16384, 1-4 rows): 4 weight rows beat 2, 3, 6 and 8 at one row of x
-  static std::pair<int, int> plan(int64_t M) {
-    return M <= 3 ? std::pair{static_cast<int>(M), 4} : std::pair{4, 3};
+// ------------------------------------------------------------------ the paths' vector operations
+// Every path runs the one register block below (block_body) over its own operations: V holds
+// `rows` weight rows' 8 lanes (the portable loop and AVX2 one, AVX-512 two: lanes 0-7 row n,
+// 8-15 row n + 1, x broadcast into both halves). load_w(a, b) loads 8 weights of row a (and of
+// row b into the upper half where V holds two); load_x 8 floats of a row of x (into every
+// half); fma(w, x, acc) = w * x + acc, fused, lane by lane; load / store move the partial
+// sums of a V (rows * 8 floats); trees gives each weight row's tree of its 8 lanes.
+struct PortableOps {
+  struct V {
+    float l[8];
+  };
+  static constexpr int rows = 1;
+  static V zero() { return V{}; }
+  template <typename W>
+  static V load_w(const W* a, const W*) {
+    V v;
+    for (int j = 0; j < 8; ++j) v.l[j] = widen(a[j]);
+    return v;
   }
-
-  template <int MR, int NR, typename W>
-  static void block(const Block<W>& b, int64_t m0, int64_t n) {
-    float acc[MR][NR][8];
-    for (int i = 0; i < MR; ++i)
-      for (int r = 0; r < NR; ++r)
-        for (int j = 0; j < 8; ++j) acc[i][r][j] = b.first ? 0.f : b.partial[(i * NR + r) * 8 + j];
-    for (int64_t k = b.k0; k < b.k1; k += 8)
-      for (int i = 0; i < MR; ++i) {
-        const float* xr = b.x + (m0 + i) * b.ldx + k;
-        for (int r = 0; r < NR; ++r) {
-          const W* wr = b.w + (n + r) * b.ldw + k;
-          for (int j = 0; j < 8; ++j) acc[i][r][j] = std::fma(widen(wr[j]), xr[j], acc[i][r][j]);
-        }
-      }
-    if (!b.last) {
-      for (int i = 0; i < MR; ++i)
-        for (int r = 0; r < NR; ++r)
-          for (int j = 0; j < 8; ++j) b.partial[(i * NR + r) * 8 + j] = acc[i][r][j];
-      return;
-    }
-    float t[MR * NR];
+  static V load_x(const float* p) {
+    V v;
+    for (int j = 0; j < 8; ++j) v.l[j] = p[j];
+    return v;
+  }
+  static V fma(const V& w, const V& x, V acc) {
+    for (int j = 0; j < 8; ++j) acc.l[j] = std::fma(w.l[j], x.l[j], acc.l[j]);
+    return acc;
+  }
+  static V load(const float* p) { return load_x(p); }
+  static void store(float* p, const V& v) {
+    for (int j = 0; j < 8; ++j) p[j] = v.l[j];
+  }
+  template <int MR, int NP, int NR>
+  static void trees(const V (&acc)[MR][NP], float* t) {
     for (int i = 0; i < MR; ++i)
       for (int r = 0; r < NR; ++r) {
-        const float* l = acc[i][r];
+        const float* l = acc[i][r].l;
         const float u0 = l[0] + l[4], u1 = l[1] + l[5], u2 = l[2] + l[6], u3 = l[3] + l[7];
         t[i * NR + r] = (u0 + u2) + (u1 + u3);
       }
-    finish<MR, NR>(t, b, m0, n);
+  }
+};
+
+// the cache lines one k step of NR weight rows moves
+template <int NR, typename W>
+constexpr int kPrefetches = static_cast<int>((NR * 8 * sizeof(W) + 63) / 64);
+
+// One register block: y[m0 .. m0 + MR, n .. n + NR] over k in [b.k0, b.k1) (see Block). A k
+// step loads the NR weight rows' 8 weights once (NP vectors) and each of the MR rows of x
+// once, and does MR * NP fused multiply-adds. Compiled into each path's own `block` (which
+// carries the path's target and flattens this and the operations into it).
+template <class Ops, int MR, int NR, typename W>
+inline void block_body(const Block<W>& b, int64_t m0, int64_t n) {
+  using V = typename Ops::V;
+  constexpr int R = Ops::rows, NP = (NR + R - 1) / R;  // an odd last row pairs with itself (R = 2)
+  V acc[MR][NP];
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p) acc[i][p] = b.first ? Ops::zero() : Ops::load(b.partial + (i * NP + p) * 8 * R);
+  const float* x = b.x + m0 * b.ldx;
+  const W* w = b.w + n * b.ldw;
+  const char* ahead = b.prefetch;
+  for (int64_t k = b.k0; k < b.k1; k += 8) {
+    if (ahead != nullptr) {
+      // __builtin_prefetch (_mm_prefetch's T0), here: in an operation of its own, GCC finds the
+      // call free of effects and drops it
+      for (int q = 0; q < kPrefetches<NR, W>; ++q) __builtin_prefetch(ahead + 64 * q, 0, 3);
+      ahead += NR * 8 * sizeof(W);
+    }
+    V wv[NP];
+    for (int p = 0; p < NP; ++p) wv[p] = Ops::load_w(w + (R * p) * b.ldw + k, w + std::min(R * p + R - 1, NR - 1) * b.ldw + k);
+    for (int i = 0; i < MR; ++i) {
+      const V xv = Ops::load_x(x + i * b.ldx + k);
+      for (int p = 0; p < NP; ++p) acc[i][p] = Ops::fma(wv[p], xv, acc[i][p]);
+    }
+  }
+  if (!b.last) {
+    for (int i = 0; i < MR; ++i)
+      for (int p = 0; p < NP; ++p) Ops::store(b.partial + (i * NP + p) * 8 * R, acc[i][p]);
+    return;
+  }
+  float t[MR * NR];
+  Ops::template trees<MR, NP, NR>(acc, t);
+  finish<MR, NR>(t, b, m0, n);
+}
+
+// (MR, NR) of the main block on the portable and AVX2 paths: the rows of x in one block (up
+// to 4), and 4 weight rows (3 for 4 rows of x: 12 accumulators of the 16 ymm registers).
+// Measured with AVX2 on an AMD EPYC (320 -> 16384, 1-4 rows): 4 weight rows beat 2, 3, 6 and 8
+// at one row of x
+inline std::pair<int, int> plan_16_registers(int64_t M) {
+  return M <= 3 ? std::pair{static_cast<int>(M), 4} : std::pair{4, 3};
+}
+
+#define SPEC_EXT_FLATTEN __attribute__((flatten))
+struct Portable {
+  static constexpr int max_rows = 4, max_cols = 4;
+  static constexpr bool prefetches = false;
+  static constexpr int padded(int nr) { return nr; }
+  static std::pair<int, int> plan(int64_t M) { return plan_16_registers(M); }
+  template <int MR, int NR, typename W>
+  SPEC_EXT_FLATTEN static void block(const Block<W>& b, int64_t m0, int64_t n) {
+    block_body<PortableOps, MR, NR, W>(b, m0, n);
   }
 };
 
 #if defined(__x86_64__)
-// Rows of a few KB are short streams for the hardware prefetcher: a block of NR rows is one
-// contiguous span, so the block that reads it from memory prefetches the bytes that follow
-// it, a lead ahead of its own position (each k step consumes NR * 8 weights)
-template <int NR, typename W>
-constexpr int kPrefetches = static_cast<int>((NR * 8 * sizeof(W) + 63) / 64);
-// beyond the next block (prefetched while this one runs, since its last row is read from the
-// first k step): measured 2 KB > 1 KB, 8 KB (AMD EPYC, AVX2, 320 -> 16384)
-constexpr int64_t kPrefetchMargin = 2048;
-constexpr int64_t kPrefetchBlockBytes = 32 << 10;
 #define SPEC_EXT_AVX2 __attribute__((target("avx2,fma")))
 #define SPEC_EXT_AVX512 __attribute__((target("avx512f,avx2,fma")))
 
@@ -163,100 +219,47 @@ SPEC_EXT_AVX2 inline void trees_avx2(const __m256* v, float* t) {
   for (; c < count; ++c) t[c] = tree_avx2(v[c]);
 }
 
-SPEC_EXT_AVX2 inline __m256 load8_avx2(const float* p) { return _mm256_loadu_ps(p); }
-SPEC_EXT_AVX2 inline __m256 load8_avx2(const bf16_bits* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-// ------------------------------------------------------------------ AVX2 + FMA
-struct Avx2 {
-  static constexpr int max_rows = 4, max_cols = 8;
-  static constexpr int padded(int nr) { return nr; }
-  // 12 accumulators of the 16 ymm registers where there are rows for it; one row of x
-  // streams 8 weight rows at a time
-  static std::pair<int, int> plan(int64_t M) { return Portable::plan(M); }
-
-  template <int MR, int NR, typename W>
-  SPEC_EXT_AVX2 static void block(const Block<W>& b, int64_t m0, int64_t n) {
-    __m256 acc[MR][NR];
-    for (int i = 0; i < MR; ++i)
-      for (int r = 0; r < NR; ++r)
-        acc[i][r] = b.first ? _mm256_setzero_ps() : _mm256_loadu_ps(b.partial + (i * NR + r) * 8);
-    const float* x = b.x + m0 * b.ldx;
-    const W* w = b.w + n * b.ldw;
-    const char* ahead = b.prefetch;
-    for (int64_t k = b.k0; k < b.k1; k += 8) {
-      if (ahead != nullptr) {
-        for (int q = 0; q < kPrefetches<NR, W>; ++q) _mm_prefetch(ahead + 64 * q, _MM_HINT_T0);
-        ahead += NR * 8 * sizeof(W);
-      }
-      __m256 wv[NR];
-      for (int r = 0; r < NR; ++r) wv[r] = load8_avx2(w + r * b.ldw + k);
-      for (int i = 0; i < MR; ++i) {
-        const __m256 xv = _mm256_loadu_ps(x + i * b.ldx + k);
-        for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_fmadd_ps(wv[r], xv, acc[i][r]);
-      }
-    }
-    if (!b.last) {
-      for (int i = 0; i < MR; ++i)
-        for (int r = 0; r < NR; ++r) _mm256_storeu_ps(b.partial + (i * NR + r) * 8, acc[i][r]);
-      return;
-    }
-    float t[MR * NR];
+struct Avx2Ops {
+  using V = __m256;
+  static constexpr int rows = 1;
+  SPEC_EXT_AVX2 static inline V zero() { return _mm256_setzero_ps(); }
+  SPEC_EXT_AVX2 static inline V load_w(const float* a, const float*) { return _mm256_loadu_ps(a); }
+  SPEC_EXT_AVX2 static inline V load_w(const bf16_bits* a, const bf16_bits*) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  SPEC_EXT_AVX2 static inline V load_x(const float* p) { return _mm256_loadu_ps(p); }
+  SPEC_EXT_AVX2 static inline V fma(V w, V x, V acc) { return _mm256_fmadd_ps(w, x, acc); }
+  SPEC_EXT_AVX2 static inline V load(const float* p) { return _mm256_loadu_ps(p); }
+  SPEC_EXT_AVX2 static inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  template <int MR, int NP, int NR>
+  SPEC_EXT_AVX2 static inline void trees(const V (&acc)[MR][NP], float* t) {
     trees_avx2<MR * NR>(&acc[0][0], t);
-    finish<MR, NR>(t, b, m0, n);
   }
 };
 
-SPEC_EXT_AVX512 inline __m512 pair_avx512(const float* a, const float* c) {
-  const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a)));
-  return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(c)), 1));
-}
-SPEC_EXT_AVX512 inline __m512 pair_avx512(const bf16_bits* a, const bf16_bits* c) {
-  const __m256i both = _mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), 1);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(both), 16));
-}
-SPEC_EXT_AVX512 inline __m512 broadcast8_avx512(const float* p) {
-  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
-}
-// ------------------------------------------------------------------ AVX-512
-struct Avx512 {
-  static constexpr int max_rows = 4, max_cols = 8;
-  static constexpr int padded(int nr) { return nr + nr % 2; }  // partial sums of whole pairs
-  // up to 4 rows of x x 8 weight rows: 4-16 accumulators (4 pairs a row) of the 32 zmm
-  static std::pair<int, int> plan(int64_t M) { return {static_cast<int>(std::min<int64_t>(M, 4)), 8}; }
-
-  template <int MR, int NR, typename W>
-  SPEC_EXT_AVX512 static void block(const Block<W>& b, int64_t m0, int64_t n) {
-    constexpr int NP = (NR + 1) / 2;  // an odd last row pairs with itself; its upper half is dropped
-    __m512 acc[MR][NP];
-    for (int i = 0; i < MR; ++i)
-      for (int p = 0; p < NP; ++p)
-        acc[i][p] = b.first ? _mm512_setzero_ps() : _mm512_loadu_ps(b.partial + (i * NP + p) * 16);
-    const float* x = b.x + m0 * b.ldx;
-    const W* w = b.w + n * b.ldw;
-    const char* ahead = b.prefetch;
-    for (int64_t k = b.k0; k < b.k1; k += 8) {
-      if (ahead != nullptr) {
-        for (int q = 0; q < kPrefetches<NR, W>; ++q) _mm_prefetch(ahead + 64 * q, _MM_HINT_T0);
-        ahead += NR * 8 * sizeof(W);
-      }
-      __m512 wv[NP];
-      for (int p = 0; p < NP; ++p)
-        wv[p] = pair_avx512(w + (2 * p) * b.ldw + k, w + std::min(2 * p + 1, NR - 1) * b.ldw + k);
-      for (int i = 0; i < MR; ++i) {
-        const __m512 xv = broadcast8_avx512(x + i * b.ldx + k);
-        for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_fmadd_ps(wv[p], xv, acc[i][p]);
-      }
-    }
-    if (!b.last) {
-      for (int i = 0; i < MR; ++i)
-        for (int p = 0; p < NP; ++p) _mm512_storeu_ps(b.partial + (i * NP + p) * 16, acc[i][p]);
-      return;
-    }
+struct Avx512Ops {
+  using V = __m512;
+  static constexpr int rows = 2;
+  SPEC_EXT_AVX512 static inline V zero() { return _mm512_setzero_ps(); }
+  SPEC_EXT_AVX512 static inline V load_w(const float* a, const float* c) {
+    const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(c)), 1));
+  }
+  SPEC_EXT_AVX512 static inline V load_w(const bf16_bits* a, const bf16_bits* c) {
+    const __m256i both = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), 1);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(both), 16));
+  }
+  SPEC_EXT_AVX512 static inline V load_x(const float* p) {
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+  }
+  SPEC_EXT_AVX512 static inline V fma(V w, V x, V acc) { return _mm512_fmadd_ps(w, x, acc); }
+  SPEC_EXT_AVX512 static inline V load(const float* p) { return _mm512_loadu_ps(p); }
+  SPEC_EXT_AVX512 static inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  template <int MR, int NP, int NR>
+  SPEC_EXT_AVX512 static inline void trees(const V (&acc)[MR][NP], float* t) {
     __m256 halves[MR * NR];  // row n + r's 8 lanes, in the AVX2 path's order
     for (int i = 0; i < MR; ++i)
       for (int r = 0; r < NR; ++r) {
@@ -264,9 +267,33 @@ struct Avx512 {
         halves[i * NR + r] =
             r % 2 == 0 ? _mm512_castps512_ps256(v) : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
       }
-    float t[MR * NR];
     trees_avx2<MR * NR>(halves, t);
-    finish<MR, NR>(t, b, m0, n);
+  }
+};
+
+// ------------------------------------------------------------------ AVX2 + FMA
+struct Avx2 {
+  static constexpr int max_rows = 4, max_cols = 8;
+  static constexpr bool prefetches = true;
+  static constexpr int padded(int nr) { return nr; }
+  // 12 accumulators of the 16 ymm registers where there are rows for it
+  static std::pair<int, int> plan(int64_t M) { return plan_16_registers(M); }
+  template <int MR, int NR, typename W>
+  SPEC_EXT_AVX2 SPEC_EXT_FLATTEN static void block(const Block<W>& b, int64_t m0, int64_t n) {
+    block_body<Avx2Ops, MR, NR, W>(b, m0, n);
+  }
+};
+
+// ------------------------------------------------------------------ AVX-512
+struct Avx512 {
+  static constexpr int max_rows = 4, max_cols = 8;
+  static constexpr bool prefetches = true;
+  static constexpr int padded(int nr) { return nr + nr % 2; }  // partial sums of whole pairs
+  // up to 4 rows of x x 8 weight rows: 4-16 accumulators (4 pairs a row) of the 32 zmm
+  static std::pair<int, int> plan(int64_t M) { return {static_cast<int>(std::min<int64_t>(M, 4)), 8}; }
+  template <int MR, int NR, typename W>
+  SPEC_EXT_AVX512 SPEC_EXT_FLATTEN static void block(const Block<W>& b, int64_t m0, int64_t n) {
+    block_body<Avx512Ops, MR, NR, W>(b, m0, n);
   }
 };
 #endif
@@ -289,44 +316,72 @@ struct Blocks {
   void operator()(int mr, int nr, const Block<W>& b, int64_t m0, int64_t n) const { table[mr - 1][nr - 1](b, m0, n); }
 };
 
-// the L1-resident x chunk: M rows x (this many floats) of x stay near 32 KB
+// K chunks (more rows of x than one register block, long rows): M rows x (at most this many
+// floats) of x stay near L1 while the weight rows of a tile go by; the partial sums of one tile
+// of weight rows wait between chunks in at most about kTileFloats floats (M x tile x 8, L1/L2).
+// Measured (16384 -> 320, 8 and 16 rows, AVX2, one thread, loaded machine): 8192 / 8192 beat
+// 4096 (a 256-wide chunk at 16 rows: 1.5-2x slower) and a 2048- or 65536-float tile
 constexpr int64_t kChunkFloats = 8192;
+constexpr int64_t kTileFloats = 8192;
+#if defined(__x86_64__)
+// Rows of a few KB are short streams for the hardware prefetcher: a block of NR rows is one
+// contiguous span, so the block that reads it from memory prefetches the bytes that follow
+// it, a lead ahead of its own position (each k step consumes NR * 8 weights), beyond the next
+// block (prefetched while this one runs, since its last row is read from the first k step):
+// measured 2 KB > 1 KB, 8 KB (AMD EPYC, AVX2, 320 -> 16384)
+constexpr int64_t kPrefetchMargin = 2048;
+constexpr int64_t kPrefetchBlockBytes = 32 << 10;
+#endif
 
-// y[:, n0:n1] for every row of x; n0 is a multiple of the plan's NR
+// y[:, n0:n1] for every row of x; n0 is a multiple of the plan's NR.
+//
+// Short rows (K8 <= 2 chunks) or at most one row block: one pass over k per register block,
+// the partial sums in registers throughout. Long rows with several row blocks: the weight
+// rows go by in tiles of a few register blocks; for each K chunk every register block of the
+// tile is read from memory once (by the first row block) and from L1 by the other row blocks,
+// the x chunk stays in L1 across the tile, and the tile's partial sums (M x tile x 8 floats)
+// wait in a small buffer between chunks (L1): nothing grows with N.
 template <class Path, typename W>
 void columns(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* bias, float* y, int64_t M,
              int64_t N, int64_t K, int64_t n0, int64_t n1) {
   static const Blocks<Path, W> blocks;
   const auto [MR, NR] = Path::plan(M);
   const int64_t K8 = K - K % 8;
-  const bool one_block = M <= MR;  // every weight vector already serves every row: no chunks
-  int64_t chunk = one_block ? std::max<int64_t>(K8, 8) : std::max<int64_t>(256, (kChunkFloats / M) / 8 * 8);
-  if (K8 <= 2 * chunk) chunk = std::max<int64_t>(K8, 8);  // a buffered pass costs more than it saves
+  int64_t chunk = M <= MR ? K8 : std::max<int64_t>(128, (kChunkFloats / M) / 8 * 8);
+  if (K8 <= 2 * chunk) chunk = K8;  // a buffered pass costs more than it saves
+  chunk = std::max<int64_t>(chunk, 8);
+  const bool chunked = K8 > chunk;
+  const int64_t tile =
+      chunked ? NR * std::max<int64_t>(1, kTileFloats / (M * Path::padded(NR) * 8)) : NR;
   std::vector<float> partial;
-  if (K8 > chunk) partial.resize(static_cast<size_t>((n1 - n0 + 1) * M * 8));
+  if (chunked) partial.resize(static_cast<size_t>(tile * M * 8));
   Block<W> b{x, ldx, w, ldw, y, N, bias, K, 0, 0, true, true, nullptr, nullptr};
 #if defined(__x86_64__)
   // whole contiguous rows in one pass, and short: long rows are long streams, which the
   // hardware prefetcher follows (a software prefetch a block ahead of 4 x 64 KB rows slowed the
   // 16384 -> 320 down projection at one row of x by 1.25x)
-  const bool prefetch = ldw == K && K8 <= chunk && NR * K * static_cast<int64_t>(sizeof(W)) <= kPrefetchBlockBytes;
+  const bool prefetch = Path::prefetches && ldw == K && !chunked &&
+                        NR * K * static_cast<int64_t>(sizeof(W)) <= kPrefetchBlockBytes;
 #endif
-  for (int64_t k0 = 0; k0 == 0 || k0 < K8; k0 += chunk) {
-    b.k0 = k0;
-    b.k1 = std::min(K8, k0 + chunk);
-    b.first = k0 == 0;
-    b.last = b.k1 == K8;
-    for (int64_t n = n0; n < n1; n += NR) {
-      const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
-      for (int64_t m0 = 0; m0 < M; m0 += MR) {
-        const int mr = static_cast<int>(std::min<int64_t>(MR, M - m0));
-        if (!partial.empty()) b.partial = partial.data() + ((n - n0) * M + m0 * Path::padded(nr)) * 8;
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(n1, t0 + tile);
+    for (int64_t k0 = 0; k0 == 0 || k0 < K8; k0 += chunk) {
+      b.k0 = k0;
+      b.k1 = std::min(K8, k0 + chunk);
+      b.first = k0 == 0;
+      b.last = b.k1 == K8;
+      for (int64_t n = t0; n < t1; n += NR) {
+        const int nr = static_cast<int>(std::min<int64_t>(NR, t1 - n));
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(MR, M - m0));
+          if (chunked) b.partial = partial.data() + ((n - t0) * M + m0 * Path::padded(nr)) * 8;
 #if defined(__x86_64__)
-        // an address only (it may lie past the weights: a prefetch never faults)
-        const uintptr_t ahead = reinterpret_cast<uintptr_t>(w + n * ldw) + kPrefetchMargin + NR * K * sizeof(W);
-        b.prefetch = prefetch && m0 == 0 ? reinterpret_cast<const char*>(ahead) : nullptr;
+          // an address only (it may lie past the weights: a prefetch never faults)
+          const uintptr_t ahead = reinterpret_cast<uintptr_t>(w + n * ldw) + kPrefetchMargin + NR * K * sizeof(W);
+          b.prefetch = prefetch && m0 == 0 ? reinterpret_cast<const char*>(ahead) : nullptr;
 #endif
-        blocks(mr, nr, b, m0, n);
+          blocks(mr, nr, b, m0, n);
+        }
       }
     }
   }

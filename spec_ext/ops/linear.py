@@ -21,9 +21,9 @@ from spec_ext.ops.checks import FLOAT_TYPES, check_shape, check_tensor, fail
 # on every shape but 16384 -> 320 at 1 row (0.98x); 32 rows: 1.07-1.19x on the
 # 5-21 MB weights with short rows (320 -> 4096, 320 -> 16384), but 0.82-0.92x where the weight
 # is in cache (1.1 MB) or its rows are long (16384 -> 320: 0.93-0.98x, MKL wins there).
-# LONG_K: past it, 17-32 rows cut K into chunks whose partial sums (N x rows x 8 floats) go to
-# memory and back every chunk, up to twice the weight's own traffic at 32 rows with a large N
-# (not measured: 17-32 rows over long rows stay on F.linear until the kernel keeps them per column block).
+# LONG_K: past it, 17-32 rows stay on F.linear: the kernel cuts long rows into K chunks (since
+# issue 49 per tile of a few register blocks, the partial sums M x tile x 8 floats, not growing
+# with N), but at 32 rows over long rows it measured 0.85-0.98x F.linear before that change.
 FEW_ROWS = 16
 SKINNY_ROWS = 32
 SKINNY_BYTES = 4 << 20
@@ -37,8 +37,9 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend
     rows of x in all (see ``FEW_ROWS`` and ``SKINNY_BYTES`` for where ``auto`` takes it).
 
     The CPU kernel (csrc/cpu/skinny_linear.cpp) reads each weight once for all rows of x (a
-    register block of up to 4 rows of x times 3-8 weight rows; a long K is cut into chunks so
-    that every row block reuses the weight vectors loaded for the first), on AVX-512, AVX2 +
+    register block of up to 4 rows of x times 3-8 weight rows; a long K is cut into chunks,
+    tile by tile of weight rows, so that every row block reuses the weight vectors loaded for
+    the first), on AVX-512, AVX2 +
     FMA or portable C++ (``cpu_isa``; ``SPEC_EXT_CPU_ISA`` forces a lower one). Weights may
     be float32 or bfloat16 (x and the sums stay float32; bfloat16 -> float32 is exact, so a
     bfloat16 weight gives the same bits as ``weight.float()``, reading half the bytes).
@@ -52,8 +53,9 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend
     order. Both are float32 dot products; they differ by float32 rounding, typically a few
     units in the last place of the larger terms (|error| up to about K * 2^-24 * sum |w x|
     in the worst case, ~sqrt(K) of that in practice). A model run on it (the lean forward's
-    ``fast_linear``) gives logits within ~1e-5 of HF's; greedy decoding picks the same tokens
-    unless two logits tie within that rounding. ``fast_linear=False`` keeps HF's own
+    ``fast_linear``, "auto" by default in generate/accelerate) gives logits within ~1e-5 of
+    HF's; greedy decoding picks the same tokens unless two logits tie within that rounding
+    (none on the bundled pair's held-out prompts). ``fast_linear=False`` keeps HF's own
     arithmetic (F.linear) for the target; the draft's rounding never reaches the output.
 
     Args:
