@@ -35,6 +35,7 @@ DEMO_PROMPT = '''def median(data):
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+FAST_LINEAR = {"auto": "auto", "on": True, "off": False}  # --fast-linear -> generate(fast_linear=)
 
 
 def load_pair(target_dir: Path, draft_dir: Path | None, dtype: str = "float32"):
@@ -69,7 +70,8 @@ def cmd_generate(args) -> None:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         out = spec_ext.generate(target, draft, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, policy=args.policy, seed=args.seed,
-                                streamer=_streamer(tokenizer), fast_linear=args.fast_linear, suffix_cache=cache)
+                                streamer=_streamer(tokenizer), fast_linear=FAST_LINEAR[args.fast_linear],
+                                suffix_cache=cache)
         print("\n" + json.dumps(out.stats.as_dict(), indent=2))
 
 
@@ -156,9 +158,9 @@ def cmd_demo(args) -> None:
     rows = []
     base, reference = _tokens_per_s(alone, args.repeats)
     rows.append(("target alone (HF generate)", base, None))
-    runs = [(f"spec_ext {policy}", policy, draft, False) for policy in args.policies]
-    runs += [("spec_ext fixed, fast_linear", "fixed", draft, True),
-             ("spec_ext ngram, no draft model", "ngram", None, False)]  # drafts from the prompt and output
+    runs = [(f"spec_ext {policy}", policy, draft, "auto") for policy in args.policies]
+    runs += [("spec_ext fixed, HF's F.linear", "fixed", draft, False),
+             ("spec_ext ngram, no draft model", "ngram", None, "auto")]  # drafts from the prompt and output
     for name, policy, drafter, fast_linear in runs:
         def run():
             out = spec_ext.generate(target, drafter, ids, max_new_tokens=n, eos_token_id=[], policy=policy,
@@ -174,7 +176,8 @@ def cmd_demo(args) -> None:
         print(f"{name:34} {rate:9.1f} {rate / base:8.2f}x {extra[0]:>14} {extra[1]:>12} {extra[2]:>13}")
     kernel = "the skinny-GEMM kernel" if spec_ext.ops.linear.kernel_applies(draft.device, draft.dtype) else "F.linear"
     print(f"\n(medians of {args.repeats} runs; greedy output identical to the target's own unless marked;"
-          f" the draft's linear layers run on {kernel}; fast_linear: the target's too; ngram: drafts copied from"
+          f" the linear layers run on {kernel} where it is faster; HF's F.linear: the target's on HF's arithmetic;"
+          f" ngram: drafts copied from"
           f" the prompt and output, verified like a draft model's)")
 
 
@@ -220,9 +223,9 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, help="sample from the smallest set holding this much probability")
     gen.add_argument("--seed", type=int, help="makes a sampled run reproducible")
     gen.add_argument("--dtype", default="float32", choices=DTYPES, help="auto: as stored")
-    gen.add_argument("--fast-linear", action="store_true",
-                     help="the target's linear layers through spec_ext's skinny GEMM too, as the draft's always "
-                     "are (CPU float32; the target's logits are then not bit-equal to HF's)")
+    gen.add_argument("--fast-linear", default="auto", choices=list(FAST_LINEAR),
+                     help="the target's linear layers through spec_ext's skinny GEMM (CPU float32): auto where it "
+                     "is faster, on everywhere it applies, off keeps HF's F.linear (the logits then bit-equal HF's)")
     demo = sub.add_parser("demo", help="the bundled pair: streamed completion and a speed table",
                           formatter_class=defaults)
     demo.add_argument("--target", type=_model_folder, help=f"default: the bundled stdlib-target (${ENV} to look "

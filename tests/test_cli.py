@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from spec_ext.__main__ import POLICY_NAMES
 from spec_ext.policies import POLICIES
 
@@ -36,6 +38,8 @@ def test_bad_arguments_are_one_line_errors_before_any_model_loads(tmp_path):
         f"argument --target: no Hugging Face model folder (config.json) at {tmp_path}")
     out = run("demo", "--policies", "fixd")
     assert out.returncode == 2 and "invalid choice: 'fixd'" in out.stderr and "Traceback" not in out.stderr
+    out = run("generate", "--target", str(ROOT / "models" / "stdlib-target"), "--prompt", "x", "--fast-linear", "yes")
+    assert out.returncode == 2 and "argument --fast-linear: invalid choice: 'yes'" in out.stderr
     out = run("demo", "--max-new-tokens", "0")
     assert out.returncode == 2 and "must be at least 1, got 0" in out.stderr
 
@@ -48,13 +52,15 @@ def test_backends_prints_each_backends_status():
     assert status == spec_ext.backends() and set(status) >= {"torch", "cpu", "triton", "cuda"}
 
 
-def test_generate_streams_the_targets_greedy_completion_and_prints_the_stats():
+@pytest.mark.parametrize("fast_linear", [[], ["--fast-linear", "off"], ["--fast-linear", "on"]],
+                         ids=["default", "off", "on"])
+def test_generate_streams_the_targets_greedy_completion_and_prints_the_stats(fast_linear):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     target_dir, draft_dir = ROOT / "models" / "stdlib-target", ROOT / "models" / "stdlib-draft"
     prompt = "import os\n\n\ndef read_config(path):\n"
     out = run("generate", "--target", str(target_dir), "--draft", str(draft_dir), "--prompt", prompt,
-              "--max-new-tokens", "12", "--policy", "fixed")
+              "--max-new-tokens", "12", "--policy", "fixed", *fast_linear)
     assert out.returncode == 0, out.stderr
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
