@@ -71,10 +71,10 @@ def extension():
 
 
 setup(
-    # kernels/ installs as spec_ext.kernels; models/ (the bundled pair and the policies' predictors) as
-    # spec_ext/_models, where spec_ext.bundled finds it in a non-editable install
-    packages=find_packages(include=["spec_ext", "spec_ext.*"]) + ["spec_ext.kernels", "spec_ext._models"],
-    package_dir={"spec_ext": "spec_ext", "spec_ext.kernels": "kernels", "spec_ext._models": "models"},
+    # models/ (the bundled pair and the policies' predictors) installs as spec_ext/_models, where
+    # spec_ext.bundled finds it in a non-editable install
+    packages=find_packages(include=["spec_ext", "spec_ext.*"]) + ["spec_ext._models"],
+    package_dir={"spec_ext": "spec_ext", "spec_ext._models": "models"},
     package_data={"spec_ext": ["_build_info.json"],
                   "spec_ext._models": ["*.json", "*/*.json", "*/*.safetensors", "*/*/*.json", "*/*/*.safetensors"]},
     ext_modules=[extension()],

@@ -1,7 +1,7 @@
 """Static resource report of every GPU kernel for an H200 (sm_90), without a GPU.
 
 Triton: every launcher's launches at the benchmark shapes (and the compile test's odd
-ones), compiled ahead of time by kernels/aot.py -> benchmarks/results/triton_static_sm90.csv.
+ones), compiled ahead of time by spec_ext/kernels/aot.py -> benchmarks/results/triton_static_sm90.csv.
 CUDA: the sm_90 cubins of the built extension (spec_ext/_C*.so), read with cuobjdump
 (-res-usage, -sass) -> benchmarks/results/cuda_static_sm90.csv.
 

@@ -1,6 +1,6 @@
-"""Every Triton kernel of kernels/ compiles ahead of time for sm_80 and sm_90, as its
+"""Every Triton kernel of spec_ext/kernels/ compiles ahead of time for sm_80 and sm_90, as its
 launcher would launch it (constexprs, num_warps, num_stages, argument specialisation),
-without spills: kernels/aot.py plans the launchers on meta tensors at a few benchmark and
+without spills: spec_ext/kernels/aot.py plans the launchers on meta tensors at a few benchmark and
 odd shapes and compiles each launch for a GPU that is not here (static figures).
 
 The interpreter (TRITON_INTERPRET=1, set for this suite) replaces @triton.jit at import,
@@ -52,7 +52,7 @@ def rows(tmp_path_factory):
 
 
 def test_the_kernels_plan_every_launcher_without_the_layers_above_them():
-    """kernels/ sits below spec_ext.ops (docs/architecture.md): planning every launch the
+    """spec_ext/kernels/ sits below spec_ext.ops (docs/architecture.md): planning every launch the
     compile makes loads no spec_ext module outside spec_ext.kernels, and plans every Triton
     backend the op registry dispatches to."""
     code = ("import json, sys\n"
@@ -93,7 +93,7 @@ def kernel_modules():
 
 
 def test_every_kernel_of_kernels_is_compiled(rows):
-    """Each @triton.jit function of kernels/ is launched by a plan, or called (transitively)
+    """Each @triton.jit function of spec_ext/kernels/ is launched by a plan, or called (transitively)
     by a kernel that is."""
     import triton
     jitted = {}

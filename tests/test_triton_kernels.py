@@ -1,4 +1,4 @@
-"""The Triton launchers' own choices, planned for an H200 (kernels/launch.py: launchers
+"""The Triton launchers' own choices, planned for an H200 (spec_ext/kernels/launch.py: launchers
 called on meta tensors record their launches), and the cases that cover them, replayed
 against the reference in the interpreter (or on a GPU)."""
 import pytest

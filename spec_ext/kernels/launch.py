@@ -5,7 +5,7 @@ Every launcher launches through this module's :func:`wrap_triton`. Outside :func
 it is ``torch.library.wrap_triton``. Inside, each launch is recorded (kernel, grid,
 arguments, constexprs and launch options, as the launcher chose them) and nothing runs,
 so a launcher called on meta tensors says what it would compile and launch on the
-planned GPU: ``kernels/aot.py`` compiles exactly those launches ahead of time
+planned GPU: ``spec_ext/kernels/aot.py`` compiles exactly those launches ahead of time
 (tests/test_triton_compile.py, benchmarks/gpu_static.py).
 
 Example::
@@ -41,7 +41,7 @@ A100 = Target("A100", 80, 108)
 # (op, backend) -> (module of spec_ext.kernels, function): every Triton launcher and the op of
 # spec_ext.ops it serves (same arguments as the op's schema, csrc/ops.cpp). The kernels say
 # what they serve; the layers above read it: ``spec_ext.ops.registry`` dispatches to these
-# launchers and kernels/aot.py compiles each one's launches. "triton_split" (tree_attention
+# launchers and spec_ext/kernels/aot.py compiles each one's launches. "triton_split" (tree_attention
 # split over the keys, chain and greedy tree verification over the vocabulary) has not run
 # on a GPU yet: the registry keeps it opt-in.
 LAUNCHERS = {("tree_mask", "triton"): ("tree", "tree_mask"),
@@ -131,5 +131,5 @@ def capability(device: torch.device) -> int | None:
 
 def resident_per_sm(table: dict[int, int], device: torch.device) -> int:
     """A kernel's programs resident per SM on ``device``: ``table`` maps compute capability x
-    10 to the count its compile reports (kernels/aot.py); 1 for a GPU not in it, or none."""
+    10 to the count its compile reports (spec_ext/kernels/aot.py); 1 for a GPU not in it, or none."""
     return table.get(capability(device), 1)

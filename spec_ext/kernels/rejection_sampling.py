@@ -242,7 +242,7 @@ def chain_verify(target: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: 
 
 
 # _tree_verify_kernel's vocabulary block by compute capability: 4096 spills registers on
-# sm_80, 2048 on sm_90 (ptxas's choices; kernels/aot.py)
+# sm_80, 2048 on sm_90 (ptxas's choices; spec_ext/kernels/aot.py)
 TREE_BLOCK_V = {90: 4096}
 
 

@@ -32,12 +32,12 @@ from spec_ext.kernels.launch import resident_per_sm, sm_count, wrap_triton
 from spec_ext.kernels.rejection_sampling import (_mass, clear_tree_row,  # _mass(..., end, kind): 0 outside
                                                   inverse_cdf_step)
 
-# Triton emits 128-bit loads only where a block holds at least 4 float32 a thread (kernels/aot.py):
+# Triton emits 128-bit loads only where a block holds at least 4 float32 a thread (spec_ext/kernels/aot.py):
 # 128 entries a warp. The partials kernels take a warp per 128 entries of their block (up to 4),
 # and the planned splits read no fewer than one warp's 128 entries of a row.
 ENTRIES_PER_WARP = 128
 MIN_CHUNK = ENTRIES_PER_WARP
-# larger blocks spill registers (4 warps; kernels/aot.py): _tree_sample_kernel's fp64 tiles at
+# larger blocks spill registers (4 warps; spec_ext/kernels/aot.py): _tree_sample_kernel's fp64 tiles at
 # 4096 on sm_80 and sm_90, _finish's scan at 1024 on sm_80
 TREE_SAMPLE_BLOCK_V = 2048
 FINISH_BLOCK_V = 512
@@ -320,7 +320,7 @@ def _tree_sample_kernel(P, X, PAR, Q, U, XS, ZS, SS, PATH, TOK, ACC, T, V, HAS_Q
 
 # Programs resident per SM, by compute capability: the fewest over the kernel's launch
 # configurations, from the compile's registers and shared memory against the SM's limits
-# (kernels/aot.py; tests/test_triton_compile.py checks them). A GPU not listed: 1.
+# (spec_ext/kernels/aot.py; tests/test_triton_compile.py checks them). A GPU not listed: 1.
 ARGMAX_RESIDENT = {80: 16, 90: 16}
 MASS_RESIDENT = {80: 8, 90: 7}
 

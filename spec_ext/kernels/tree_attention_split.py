@@ -10,7 +10,7 @@ log-sum-exp; a second kernel merges the splits. The number of splits comes from
 B x Hkv against the programs resident per SM that the compile reports, so one row fills
 the GPU.
 
-Window and softcap as in kernels/tree_attention.py (splits below every query's window skip
+Window and softcap as in spec_ext/kernels/tree_attention.py (splits below every query's window skip
 their keys); the merge adds each head's sink to the denominator.
 
 Not yet run on a GPU: this is the opt-in backend ``"triton_split"`` of
@@ -109,7 +109,7 @@ def _merge_kernel(part_ptr, lse_ptr, sinks_ptr, out_ptr, num_splits, Hq, T, D, B
 
 # Programs of _split_kernel resident per SM, by (compute capability, BLOCK_R, BLOCK_D,
 # bytes per q/k/v element), from the compile's registers and shared memory against the SM's
-# limits (kernels/aot.py; tests/test_triton_compile.py checks each entry). Others: 1.
+# limits (spec_ext/kernels/aot.py; tests/test_triton_compile.py checks each entry). Others: 1.
 SPLIT_RESIDENT = {(80, 32, 128, 2): 2, (80, 64, 128, 2): 1, (90, 32, 128, 2): 2, (90, 64, 128, 2): 1}
 
 
@@ -146,7 +146,7 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix
     mask = q if causal else tree_mask.contiguous()  # an unused pointer when causal
     ieee = q.dtype == torch.float32
     # D=256, fp32 (IEEE dots) and the window/softcap paths spill registers at 64 keys and 4
-    # warps (kernels/aot.py)
+    # warps (spec_ext/kernels/aot.py)
     if BLOCK_D >= 256 and ieee:
         block_s, warps = FP32_D256_BLOCK_S, 8
     elif BLOCK_D >= 256 or ieee or window or softcap:

@@ -185,7 +185,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len
     mask = q if causal else tree_mask.contiguous()  # unused pointer when causal
     W = 1 if causal else tree_mask.shape[2]
     grid = (B, Hq, triton.cdiv(T, BLOCK_T))
-    # 8 warps at D=256 (4 spill registers on sm_80), and 16-key blocks in fp32 there (kernels/aot.py)
+    # 8 warps at D=256 (4 spill registers on sm_80), and 16-key blocks in fp32 there (spec_ext/kernels/aot.py)
     wrap_triton(_tree_attention_kernel)[grid](
         q.contiguous(), k.contiguous(), v.contiguous(), prefix_lens.to(torch.int32).contiguous(), mask,
         q if sinks is None else sinks.float().contiguous(), out, scale, window, softcap, Hq, Hkv, T, S, D, W,
