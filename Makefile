@@ -8,7 +8,7 @@ ifneq ($(wildcard /usr/local/cuda/bin/nvcc),)
 CUDA_HOME ?= /usr/local/cuda
 export CUDA_HOME
 endif
-SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
+SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh)
 
 .PHONY: test demo bench install clean
 

@@ -3,16 +3,36 @@
 #include <Python.h>
 #include <torch/library.h>
 
-namespace spec_ext {
-const char* skinny_linear_isa();  // csrc/cpu/skinny_linear.cpp
-}
+#include "cpu/skinny_linear.h"
 
 namespace {
 PyObject* skinny_linear_isa(PyObject*, PyObject*) { return PyUnicode_FromString(spec_ext::skinny_linear_isa()); }
 
+PyObject* skinny_linear_choices(PyObject*, PyObject*) {
+  const auto rows = spec_ext::skinny_linear_choices();
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(rows.size()));
+  if (list == nullptr) return nullptr;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const auto& r = rows[i];
+    PyObject* row = Py_BuildValue("{s:L,s:L,s:L,s:s,s:s,s:d,s:d}", "rows", static_cast<long long>(r.rows), "n",
+                                  static_cast<long long>(r.n), "k", static_cast<long long>(r.k), "weight_dtype",
+                                  r.weight_dtype, "chosen", r.chosen, "avx2_us", r.avx2_us, "avx512_us", r.avx512_us);
+    if (row == nullptr) {
+      Py_DECREF(list);
+      return nullptr;
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), row);
+  }
+  return list;
+}
+
 PyMethodDef methods[] = {
     {"skinny_linear_isa", skinny_linear_isa, METH_NOARGS,
-     "The instruction set skinny_linear's CPU kernel uses now: avx512, avx2 or portable."},
+     "The best instruction set skinny_linear's CPU kernel may use now (the CPU's, or the one SPEC_EXT_CPU_ISA "
+     "forces): avx512, avx2 or portable."},
+    {"skinny_linear_choices", skinny_linear_choices, METH_NOARGS,
+     "The shapes skinny_linear has timed on the AVX2 and AVX-512 paths (a CPU with AVX-512, no SPEC_EXT_CPU_ISA): "
+     "dicts of rows, n, k, weight_dtype, chosen ('' while still timing) and each path's best time in us (-1: not run)."},
     {nullptr, nullptr, 0, nullptr}};
 }  // namespace
 

@@ -263,3 +263,40 @@ def test_an_unknown_isa_is_refused_by_name(monkeypatch):
     monkeypatch.setenv(ISA_VARIABLE, "sse9")
     with pytest.raises(RuntimeError, match="SPEC_EXT_CPU_ISA must be portable, avx2 or avx512, got 'sse9'"):
         cpu(torch.randn(2, 8), torch.randn(3, 8))
+
+
+def choices_for(rows: int, n: int, k: int) -> list[dict]:
+    return [c for c in spec_ext.ops.registry._C.skinny_linear_choices() if (c["rows"], c["n"], c["k"]) == (rows, n, k)]
+
+
+def test_with_avx512_each_shape_keeps_the_path_it_timed_faster(monkeypatch):
+    """Unforced on an AVX-512 CPU, a shape's first calls alternate between the AVX2 and the
+    AVX-512 path, timed; later calls take the faster one. Same bits throughout."""
+    if best_isa() != "avx512":
+        pytest.skip(f"this CPU has no avx512 path (best: {best_isa()}): auto has one path, nothing to time")
+    monkeypatch.delenv(ISA_VARIABLE, raising=False)
+    M, K, N = 3, 72, 37  # a shape no other test runs
+    x, w, b = case(M, K, N, seed=5)
+    with monkeypatch.context() as forced:
+        forced.setenv(ISA_VARIABLE, "avx2")
+        expected = cpu(x, w, b)
+    assert choices_for(M, N, K) == []  # a forced call times nothing
+    for call in range(8):
+        assert torch.equal(cpu(x, w, b), expected)
+        (entry,) = choices_for(M, N, K)
+        if call < 5:  # three timed trials each, alternating, before the choice
+            assert entry["chosen"] == ""
+    assert entry["chosen"] == ("avx512" if entry["avx512_us"] <= entry["avx2_us"] else "avx2")
+    assert entry["avx2_us"] > 0 and entry["avx512_us"] > 0 and entry["weight_dtype"] == "float32"
+
+
+def test_without_avx512_nothing_is_timed(monkeypatch):
+    """On a CPU whose best path is AVX2 or portable (or with a path forced) a call runs that
+    path untimed: no shape is ever recorded."""
+    M, K, N = 2, 40, 11
+    x, w, b = case(M, K, N, seed=6)
+    if best_isa() == "avx512":
+        monkeypatch.setenv(ISA_VARIABLE, "avx2")
+    for _ in range(8):
+        cpu(x, w, b)
+    assert choices_for(M, N, K) == []

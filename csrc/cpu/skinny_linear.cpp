@@ -26,17 +26,23 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+
+#include "skinny_linear.h"
 
 namespace spec_ext {
 namespace {
@@ -426,6 +432,51 @@ Isa chosen_isa() {
   return std::min(wanted, supported_isa());
 }
 
+// With AVX-512 the AVX2 path is not always the slower one: on AMD Zen 4 (a 512-bit FMA runs as
+// two 256-bit halves) AVX2 measured 1.2-1.5x faster on 320 -> 16384 at 4-16 rows and AVX-512
+// 1.2-1.6x faster on 16384 -> 320 (one thread, calls interleaved). Both give the same bits, so
+// unless SPEC_EXT_CPU_ISA forces a path, the first calls of each shape (rows, N, K, weight
+// dtype) alternate between the two, timed, kTrials each, and later calls take the faster.
+class PathChooser {
+ public:
+  static constexpr int kTrials = 3;
+  using Key = std::tuple<int64_t, int64_t, int64_t, bool>;  // M, N, K, bfloat16 weights
+  struct Entry {
+    int trials[2] = {0, 0};  // [avx2, avx512]
+    double best[2] = {0, 0};
+    int chosen = -1;
+  };
+
+  // the path for this call of `key`, and whether the call is a timed trial
+  std::pair<Isa, bool> next(const Key& key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const Entry& e = entries_[key];
+    if (e.chosen >= 0) return {path(e.chosen), false};
+    return {path(e.trials[1] <= e.trials[0] ? 1 : 0), true};
+  }
+  void record(const Key& key, Isa isa, double seconds) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Entry& e = entries_[key];
+    const int p = isa == Isa::avx512 ? 1 : 0;
+    e.best[p] = e.trials[p] == 0 ? seconds : std::min(e.best[p], seconds);
+    if (++e.trials[p] >= kTrials && e.trials[1 - p] >= kTrials && e.chosen < 0) e.chosen = e.best[1] <= e.best[0];
+  }
+  std::vector<std::pair<Key, Entry>> entries() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return {entries_.begin(), entries_.end()};
+  }
+
+ private:
+  static Isa path(int p) { return p == 1 ? Isa::avx512 : Isa::avx2; }
+  std::mutex mutex_;
+  std::map<Key, Entry> entries_;
+};
+
+PathChooser& path_chooser() {
+  static PathChooser chooser;
+  return chooser;
+}
+
 template <typename W>
 void dispatch(Isa isa, const float* x, int64_t ldx, const W* w, int64_t ldw, const float* bias, float* y, int64_t M,
               int64_t N, int64_t K) {
@@ -438,10 +489,22 @@ void dispatch(Isa isa, const float* x, int64_t ldx, const W* w, int64_t ldw, con
 
 }  // namespace
 
-// "avx512", "avx2" or "portable": the path skinny_linear takes now (spec_ext._C.skinny_linear_isa)
-const char* skinny_linear_isa() {
-  static const char* names[] = {"portable", "avx2", "avx512"};
-  return names[static_cast<int>(chosen_isa())];
+const char* const kIsaNames[] = {"portable", "avx2", "avx512"};
+
+// "avx512", "avx2" or "portable": the best path skinny_linear may take now, the CPU's or the one
+// SPEC_EXT_CPU_ISA forces (spec_ext._C.skinny_linear_isa); with AVX-512 unforced, each shape
+// takes AVX2 or AVX-512 as PathChooser measured
+const char* skinny_linear_isa() { return kIsaNames[static_cast<int>(chosen_isa())]; }
+
+// PathChooser's entries (spec_ext._C.skinny_linear_choices)
+std::vector<SkinnyLinearChoice> skinny_linear_choices() {
+  std::vector<SkinnyLinearChoice> rows;
+  for (const auto& [key, e] : path_chooser().entries()) {
+    const auto& [M, N, K, bf16] = key;
+    rows.push_back({M, N, K, bf16 ? "bfloat16" : "float32", e.chosen < 0 ? "" : kIsaNames[e.chosen + 1],
+                    e.trials[0] > 0 ? e.best[0] * 1e6 : -1.0, e.trials[1] > 0 ? e.best[1] * 1e6 : -1.0});
+  }
+  return rows;
 }
 
 at::Tensor skinny_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
@@ -469,14 +532,27 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
   at::Tensor bias;
   if (bias_in) bias = bias_in->to(at::kFloat).contiguous();
   const float* bp = bias_in ? bias.data_ptr<float>() : nullptr;
-  const Isa isa = chosen_isa();
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = M > 1 ? x.stride(0) : K, ldw = N > 1 ? weight.stride(0) : K;
-  if (weight.scalar_type() == at::kBFloat16)
-    dispatch(isa, xp, ldx, reinterpret_cast<const bf16_bits*>(weight.data_ptr<at::BFloat16>()), ldw, bp,
-             y.data_ptr<float>(), M, N, K);
-  else
-    dispatch(isa, xp, ldx, weight.data_ptr<float>(), ldw, bp, y.data_ptr<float>(), M, N, K);
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  auto compute = [&](Isa isa) {
+    if (bf16)
+      dispatch(isa, xp, ldx, reinterpret_cast<const bf16_bits*>(weight.data_ptr<at::BFloat16>()), ldw, bp,
+               y.data_ptr<float>(), M, N, K);
+    else
+      dispatch(isa, xp, ldx, weight.data_ptr<float>(), ldw, bp, y.data_ptr<float>(), M, N, K);
+  };
+  const char* forced = std::getenv("SPEC_EXT_CPU_ISA");
+  if ((forced != nullptr && *forced != '\0') || supported_isa() != Isa::avx512) {
+    compute(chosen_isa());
+    return y.view(sizes);
+  }
+  const PathChooser::Key key{M, N, K, bf16};
+  const auto [isa, timed] = path_chooser().next(key);
+  const auto start = std::chrono::steady_clock::now();
+  compute(isa);
+  if (timed)
+    path_chooser().record(key, isa, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   return y.view(sizes);
 }
 
