@@ -387,3 +387,31 @@ def test_greedy_beside_a_head_a_weak_match_is_verified_beside_the_heads_chain():
     assert new_total < old_total, (new_total, old_total)
     with pytest.raises(ValueError, match="branch_nodes: need an int >= 0"):
         Suffix(branch_nodes=-1)
+
+
+
+@pytest.mark.parametrize("draft_seconds, accepted_share, expected_k", [(10.0, 0.5, 1), (0.0, 1.0, 12)])
+def test_beside_a_head_the_chain_length_is_the_one_auto_chooses_from_the_measured_costs(
+        draft_seconds, accepted_share, expected_k):
+    """The head's chain is as long as Auto's cost model makes it (not a fixed draft_k = 5), on a
+    fake clock (each round: a 1 s verification plus its head forwards): forwards 10x a
+    verification and half the drafts accepted give chains of 1; free forwards, all accepted,
+    Auto's longest (12). The model's drafts are priced at their measured cost."""
+    from spec_ext.policies import Auto
+    now = [0.0]
+    policy = Suffix(SuffixCache(), draft_k=5)
+    policy.model_chain = Auto(max_draft=12, text=False, clock=lambda: now[0])
+    policy.beside_model = True
+    policy.start(1)
+    chosen = []
+    for _ in range(40):
+        policy.text_rows([None])
+        policy.proposed([0])
+        k = policy.plan()[0]
+        chosen.append(k)
+        policy.drafted(draft_seconds * k, k)
+        now[0] += 1.0 + draft_seconds * k
+        policy.observe([k], [int(accepted_share * k)])
+    settled = chosen[20:]
+    assert max(set(settled), key=settled.count) == expected_k
+    assert policy.model_round_cost() == pytest.approx(policy._chain_k * draft_seconds / 1.0)

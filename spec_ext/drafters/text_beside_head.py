@@ -2,6 +2,8 @@
 forward for both kinds of row."""
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -16,7 +18,7 @@ class TextBesideHead(Drafter):
     :class:`~spec_ext.policies.Suffix` policy: the cache's tree, or the row's own text's, where
     the policy's ``text_rows`` expects it to get more accepted than the head, measured: see
     :meth:`~spec_ext.policies.Suffix.measured_choice`); the other rows take the head's chain of
-    ``policy.draft_k`` (:class:`HeadDrafter`), verified with the q it was drawn from, as a chain
+    the length ``policy.plan()`` chooses (:class:`HeadDrafter`; timed here), verified with the q it was drawn from, as a chain
     among the text's trees. The head runs every round: its catch-up feeds it the target's
     features of what was committed, whoever drafted it, so it stays in step; in a round where
     every row drafts its text it only catches up (no draft steps)."""
@@ -51,8 +53,10 @@ class TextBesideHead(Drafter):
         trees = self.text.trees()
         from_text = [len(tokens) > 1 for tokens, _ in trees]
         self.policy.proposed([int(text) for text in from_text])  # the head's plan: none when all rows have text
+        started = time.perf_counter()
         drafted = self.head.propose(seqs, roots)
         k = drafted.tokens.shape[1]
+        self.policy.drafted(time.perf_counter() - started, max(k, 1))  # prices the head's chain (Suffix.plan)
         side = min(getattr(self.policy, "branch_nodes", 0), self.policy.tree_budget()[1] - 1 - k)
         if drafted.q is None and side > 0 and not all(from_text):
             # greedy: a head row verifies its offered text tree (its first ``side`` nodes) beside

@@ -33,6 +33,7 @@ from typing import Sequence
 
 from spec_ext.policies.base import register
 from spec_ext.policies.ngram import NGram
+from spec_ext.policies.rules import Auto
 
 
 def reference_tree(texts: Sequence[Sequence[int]], history: Sequence[int], depth: int, nodes: int,
@@ -459,15 +460,21 @@ class Suffix(NGram):
         self.model_memory = model_memory
         self._draft_cost, self.draft_cost = draft_cost, draft_cost or 0.0
         self.beside_model = False
+        # beside a head: the model's chain length, chosen and timed as the default policy does
+        self.model_chain = Auto(max_draft=max(self.draft_k, 12), text=False)
 
     def bind(self, target, draft) -> None:
         super().bind(target, draft)
         self.beside_model = draft is not None
         self.draft_cost = (self._draft_cost if self._draft_cost is not None
                            else 0.0 if draft is None else modeled_draft_cost(target, draft))
+        if draft is not None:
+            self.model_chain.bind(target, draft)
 
     def start(self, batch_size: int, greedy: bool = True) -> None:
         super().start(batch_size, greedy)
+        self.model_chain.start(batch_size, greedy)
+        self._chain_k = self.draft_k
         self._model_mean = [BESIDE_MIN_SCORE] * batch_size  # the model's accepted drafts per round, per row
         self._own = [_prior(("own", 0)) for _ in range(batch_size)]  # per row: its own text's (accepted, score)
         self._chosen: list[tuple | None] = [None] * batch_size  # this round: (kind, score) of a row's text tree
@@ -537,9 +544,25 @@ class Suffix(NGram):
             return by_row
         with_model = sum(1 + (e if text else m) for e, m, text in zip(expected, means, by_row))
         without = sum(1 + (e or 0.0) for e in expected)
-        if any(e is not None for e in expected) and without >= with_model / (1 + self.draft_k * self.draft_cost):
+        if any(e is not None for e in expected) and without >= with_model / (1 + self.model_round_cost()):
             return [e is not None for e in expected]
         return by_row
+
+    def model_round_cost(self) -> float:
+        """What the model's drafts add to a round, in verifications: its chain's forwards
+        (:meth:`plan`'s length) x one forward's cost, measured by :attr:`model_chain` (greedy:
+        the timed draft forward over the timed verification of the chain) where both are known,
+        else ``draft_cost`` (given, or :func:`modeled_draft_cost`)."""
+        k = self._chain_k
+        if self._draft_cost is None and self.model_chain._timed:
+            seconds, verify = self.model_chain.draft_cost(), self.model_chain.verify_cost(k + 1)
+            if seconds is not None and verify:
+                return self.model_chain.draft_forwards(k) * seconds / verify
+        return k * self.draft_cost
+
+    def drafted(self, seconds: float, forwards: int) -> None:
+        """The drafter's report: this round's model forwards took ``seconds``."""
+        self.model_chain.drafted(seconds, forwards)
 
     def observe(self, num_draft, num_accepted) -> None:
         """The measured rule's counts: a text row's accepted drafts calibrate its kind of match
@@ -556,6 +579,9 @@ class Suffix(NGram):
                                     OWN_DECAY * before_scored + chosen[1])
                 elif drafted > 0:
                     self._model_mean[r] = memory * self._model_mean[r] + (1 - memory) * int(accepted)
+        if self.beside_model:  # the chain's acceptance: the model's rows alone
+            model_rows = [0 if chosen is not None else int(n) for chosen, n in zip(self._chosen, num_draft)]
+            self.model_chain.observe(model_rows, num_accepted)
         self._chosen = [None] * len(self._chosen)
         super().observe(num_draft, num_accepted)
 
@@ -564,6 +590,8 @@ class Suffix(NGram):
         self._model_mean = [self._model_mean[r] for r in rows]
         self._own = [self._own[r] for r in rows]
         self._chosen = [self._chosen[r] for r in rows]
+        if self.beside_model:
+            self.model_chain.keep_rows(rows)
 
     def remember(self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> None:
         """Add a call's finished rows (prompt, new tokens) to the cache."""
@@ -571,7 +599,10 @@ class Suffix(NGram):
             self.cache.add(prompt, output)
 
     def plan(self) -> list[int]:
-        """Beside a feature head (which runs every round): its drafts for each row, ``draft_k``,
-        none in a round where every row drafts its text (set through :meth:`proposed`)."""
-        k = 0 if all(self._proposed) else self.draft_k
+        """Beside a feature head (which runs every round): its drafts for each row, the length
+        :class:`~spec_ext.policies.Auto` chooses from the chain's measured acceptance and
+        costs (:attr:`model_chain`, clocked every round), none in a round where every row
+        drafts its text (set through :meth:`proposed`)."""
+        self._chain_k = self.model_chain.plan()[0]
+        k = 0 if all(self._proposed) else self._chain_k
         return [k] * len(self._proposed)
