@@ -522,7 +522,7 @@ def test_depth_classes_learn_bursty_acceptance_and_the_plan_follows_it():
     2/3 everywhere, and price 4 drafts at a survival under 0.2 instead of 0.5). plan(), with a
     verification that grows with the width, then bounds the chains at the most drafts it
     allows, where the one table (2/3) bounds them sooner; where no draft after the first is
-    ever accepted, at the first and two more."""
+    ever accepted, at the first."""
     def learned(accepted):
         now, clock = fake_clock()
         policy = Adaptive(max_draft=8, costs=FixedCosts(lambda r, w: 1.0), forget=1.0, explore=False, clock=clock)
@@ -545,7 +545,32 @@ def test_depth_classes_learn_bursty_acceptance_and_the_plan_follows_it():
     assert bursty.plan() == [8] and one_table.plan()[0] < 8, one_table.plan()
     first_only = learned(lambda r: 1)
     assert first_only.acceptance(0.25, 1) > 0.95 and first_only.acceptance(0.25, 2) < 0.05
-    assert first_only.plan()[0] <= 4 < one_table.plan()[0], (first_only.plan(), one_table.plan())
+    assert first_only.plan()[0] == 1 < one_table.plan()[0], (first_only.plan(), one_table.plan())
+
+
+def test_plan_drafts_the_best_length_and_one_more_only_when_exploring():
+    """A fresh policy (pooled prior 0.8 at every depth, R unknown: the ratio of expected
+    tokens to seconds) with a verification of 1 + 0.3 (w - 1) and draft steps of 0.2: the
+    brute force over k of (1 + sum_j 0.8^j) / (0.2 k + verify(k + 1)) gives k = 2. plan()
+    drafts that many, and with ``explore`` one more in every fourth timed round only."""
+    def verify(rows, width):
+        return 1.0 + 0.3 * (width - 1)
+
+    def ratio(k):
+        return (1 + sum(0.8 ** j for j in range(1, k + 1))) / (0.2 * k + verify(1, k + 1))
+    best = max(range(1, 9), key=ratio)
+    assert best == 2
+    steady = Adaptive(max_draft=8, costs=FixedCosts(verify, step=0.2), explore=False)
+    steady.start(1, greedy=True)
+    assert [steady.plan() for _ in range(8)] == [[best]] * 8
+    now, clock = fake_clock()
+    exploring = Adaptive(max_draft=8, costs=FixedCosts(verify, step=0.2), clock=clock)
+    exploring.start(1, greedy=True)
+    plans = []
+    for r in range(8):
+        plans.append(exploring.plan()[0])
+        exploring._round += 1  # (select counts the rounds)
+    assert plans == [best, best, best, best + 1] * 2, plans
 
 
 def test_a_stale_draft_step_cost_does_not_stop_every_chain_for_good():
