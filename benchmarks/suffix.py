@@ -279,10 +279,12 @@ def per_batch(mine, time_of) -> list[str]:
     return lines
 
 
-def cache_cost(target, tokenizer, requests, n, budget: int = 1_000_000) -> list[str]:
-    """The cache's own cost at ``budget`` stored tokens: fill it with the stdlib train split's
-    files (300-token requests), then run the B=1 greedy workload through it, every lookup timed."""
+def cache_cost(target, tokenizer, requests, n, stored_tokens: int = 1_000_000) -> list[str]:
+    """The cache's own cost at ``stored_tokens`` stored tokens: fill it with the stdlib train
+    split's files (300-token requests), then run the B=1 greedy workload through it, every lookup
+    timed. Its budget is twice that, so no segment is evicted and all of them stay stored."""
     before = rss_bytes()
+    budget = 2 * stored_tokens
     cache = SuffixCache(budget=budget)
     started, stored = time.perf_counter(), 0
     for path in split_files("train"):
@@ -290,7 +292,7 @@ def cache_cost(target, tokenizer, requests, n, budget: int = 1_000_000) -> list[
         for i in range(0, len(ids), 300):
             cache.add([], ids[i:i + 300])
             stored += len(ids[i:i + 300])
-        if stored >= budget:
+        if cache.tokens >= stored_tokens:
             break
     fill = time.perf_counter() - started
     memory = rss_bytes() - before
