@@ -34,15 +34,19 @@ import contextlib
 import functools
 import inspect
 import threading
+import types
 import weakref
 from typing import Sequence
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 from transformers import AttentionInterface
 
 from spec_ext import ops
 from spec_ext.models import lean
+from spec_ext.models.cache import split_size
+from spec_ext.ops.linear import kernel_applies
 
 ATTENTION = "spec_ext"
 
@@ -205,12 +209,56 @@ def _placeholder(model, rows: int) -> int:
     return pad if isinstance(pad, int) and 0 <= pad < rows else 0
 
 
+def _skinny_forward(module: nn.Linear, x: Tensor) -> Tensor:
+    """nn.Linear's forward on :func:`spec_ext.ops.skinny_linear` (backend auto: the kernel
+    where its measured rule says it is faster, F.linear elsewhere), for the HF modules of a
+    model inside a block with ``fast_linear``. The kernel has no backward and ignores
+    autocast, so a forward that records gradients or runs under CPU autocast keeps F.linear."""
+    if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+        return F.linear(x, module.weight, module.bias)
+    return ops.skinny_linear(x, module.weight, module.bias, validate=False)
+
+
+_skinny_forward.spec_ext_linear = True  # lean._hooked: this replaced forward is not a user's patch
+
+# model -> the nn.Linear modules whose forward a block replaced, each with the bound method
+# set. Why a forward set on the instances (not a pre-hook, a function mode or a patched
+# class): nothing is installed, so nothing costs, while fast_linear is off or the model is
+# lean; a hook cannot replace the computation (it could only redo it); a torch function
+# mode would see every op of every thread; and nn.Module.__call__ still runs the user's
+# hooks around an instance's forward (torch.compile traces it like any forward). Modules
+# that are not exactly nn.Linear (quantized, LoRA, parametrized subclasses), that already
+# have a forward of their own (offloading hooks) or whose weight is not float32 on the CPU
+# are left alone.
+_ROUTED: "weakref.WeakKeyDictionary[object, list[tuple[nn.Linear, object]]]" = weakref.WeakKeyDictionary()
+
+
+def _route_linear(model, on: bool) -> None:
+    """Put the nn.Linear modules of ``model`` on :func:`_skinny_forward` (``on``), or hand
+    them back exactly as they were (no forward of their own). Callers hold _OPEN_LOCK."""
+    routed = _ROUTED.get(model)
+    if on and routed is None:
+        routed = _ROUTED[model] = []  # recorded before each module changes: a failure midway is undone by _close
+        for module in model.modules():
+            if (type(module) is nn.Linear and "forward" not in module.__dict__
+                    and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32):
+                forward = types.MethodType(_skinny_forward, module)
+                routed.append((module, forward))
+                module.forward = forward
+    elif not on and routed is not None:
+        for module, forward in routed:
+            if module.__dict__.get("forward") is forward:
+                del module.forward
+        del _ROUTED[model]
+
+
 class _Block:
     """What one open :func:`attention_implementation` block set for one model: its padded
-    vocabulary entry (or None) and the lean forward's decision."""
+    vocabulary entry (or None), the lean forward's decision, and whether the HF modules'
+    linear layers take skinny_linear (a model on the HF modules with ``fast_linear``)."""
 
-    def __init__(self, vocab: tuple[int, int, int] | None, decided: tuple):
-        self.vocab, self.decided = vocab, decided
+    def __init__(self, vocab: tuple[int, int, int] | None, decided: tuple, route_linear: bool):
+        self.vocab, self.decided, self.route_linear = vocab, decided, route_linear
 
     def apply(self, model) -> None:
         if self.vocab is None:
@@ -218,6 +266,7 @@ class _Block:
         else:
             _VOCAB[model] = self.vocab
         lean.restore(model, self.decided)
+        _route_linear(model, self.route_linear)
 
 
 # model -> (its attention implementation before the first open block, the open blocks oldest
@@ -238,6 +287,7 @@ def _close(opened: list[tuple[object, _Block]]) -> None:
                 del _OPEN[m]
                 m.config._attn_implementation = original
                 _VOCAB.pop(m, None)  # the lean decision stays: forward_path reports the last block
+                _route_linear(m, False)
             elif newest:
                 blocks[-1].apply(m)
 
@@ -247,7 +297,11 @@ def attention_implementation(*models, fast_linear: bool | str | Sequence[bool | 
                              vocab_size: int | None = None):
     """Route the models' attention through spec_ext for the duration of the block (and
     choose, per model, between the lean forward and the HF modules; ``fast_linear``, one
-    for all models or one per model: see :func:`spec_ext.models.lean.prepare`).
+    for all models or one per model: see :func:`spec_ext.models.lean.prepare`; True or
+    "auto" on a model that takes the HF modules puts their ``nn.Linear`` layers (the decoder
+    layers' projections, the LM head) on :func:`spec_ext.ops.skinny_linear` with backend
+    auto for the block, and hands them back unchanged when the model's last block closes;
+    False: HF's own arithmetic).
     ``vocab_size``: :func:`forward` returns logits [B,T,vocab_size] for every model (the
     target's V; see the module docstring); None: each model's own.
 
@@ -267,11 +321,14 @@ def attention_implementation(*models, fast_linear: bool | str | Sequence[bool | 
                 lean.prepare(m, f)
                 rows = _embeddable(m)
                 padded = vocab_size is not None and (rows < vocab_size or vocabulary_size(m) != vocab_size)
-                block = _Block((rows, _placeholder(m, rows), vocab_size) if padded else None, lean.decision(m))
-                block.apply(m)
+                decided = lean.decision(m)
+                # a tensor-parallel target's shards keep F.linear: its weights may be DTensors
+                route = bool(f) and decided[0] is None and split_size(m) == 1 and kernel_applies(m.device, m.dtype)
+                block = _Block((rows, _placeholder(m, rows), vocab_size) if padded else None, decided, route)
                 _OPEN.setdefault(m, (m.config._attn_implementation, []))[1].append(block)
+                opened.append((m, block))  # before apply: _close undoes whatever apply got to
                 m.config._attn_implementation = ATTENTION
-                opened.append((m, block))
+                block.apply(m)
         yield
     finally:
         _close(opened)

@@ -53,10 +53,12 @@ def _window(attention) -> int | None:
 
 def _hooked(module) -> bool:
     """A forward hook or a patched forward, other than the output-capturing hooks that
-    transformers itself leaves on its layers (inactive outside its own forward)."""
+    transformers itself leaves on its layers (inactive outside its own forward) and the
+    skinny_linear forward an open block of ``hf.attention_implementation`` gave a linear layer."""
     hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
     foreign = [h for h in hooks if getattr(h, "__module__", None) != "transformers.utils.output_capturing"]
-    return bool(foreign) or "forward" in module.__dict__
+    forward = module.__dict__.get("forward")
+    return bool(foreign) or (forward is not None and not getattr(forward, "spec_ext_linear", False))
 
 
 _FORCED: "weakref.WeakSet" = weakref.WeakSet()
@@ -228,16 +230,17 @@ _REASONS: "weakref.WeakKeyDictionary[object, str | None]" = weakref.WeakKeyDicti
 def prepare(model, fast_linear: bool | str = False) -> None:
     """Decide (again) whether ``model`` takes the lean forward: its modules, hooks and
     weights may have changed since the last generate call. ``fast_linear``: see
-    :class:`LeanDecoder`; True warns when it cannot apply, "auto" (generate's default for
-    target and draft) applies it silently where it can, layer by layer where
-    ``uses_kernel`` says it is faster; False: F.linear, HF's own arithmetic."""
+    :class:`LeanDecoder` (a model left to the HF modules gets the same per call rule from
+    ``hf.attention_implementation``, on its ``nn.Linear`` layers); True warns when it cannot
+    apply, "auto" (generate's default for target and draft) applies it silently where it can,
+    layer by layer where ``uses_kernel`` says it is faster; False: F.linear, HF's own arithmetic."""
     if fast_linear not in (False, True, "auto"):
         raise ValueError(f"fast_linear: expected False, True or 'auto', got {fast_linear!r}")
     reason = _REASONS[model] = why_not_lean(model)
-    decoder = _DECODERS[model] = None if reason else LeanDecoder(model, bool(fast_linear))
-    if fast_linear is True and (decoder is None or not decoder.fast_linear):
-        why = reason or "skinny_linear's kernel runs on CPU float32 models, on x86-64 with AVX2 and FMA or AVX-512"
-        warnings.warn(f"fast_linear: no effect on this {type(model).__name__} ({model.dtype}, {model.device}): {why}",
+    _DECODERS[model] = None if reason else LeanDecoder(model, bool(fast_linear))
+    if fast_linear is True and not kernel_applies(model.device, model.dtype):
+        warnings.warn(f"fast_linear: no effect on this {type(model).__name__} ({model.dtype}, {model.device}): "
+                      "skinny_linear's kernel runs on CPU float32 models, on x86-64 with AVX2 and FMA or AVX-512",
                       stacklevel=3)
 
 
