@@ -212,9 +212,10 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
             no tuning, see the table in :mod:`spec_ext.policies`).
         seed: seeds a private generator; None uses torch's global generator.
         streamer: an HF streamer (batch size 1).
-        fast_linear: ``"auto"`` (the default) or True: the target's linear layers in the
-            lean forward take :func:`spec_ext.ops.skinny_linear` where its measured rule
-            (``spec_ext.ops.linear.uses_kernel``: CPU float32 Llama-family models, AVX2 + FMA
+        fast_linear: ``"auto"`` (the default) or True: the target's linear layers (in the
+            lean forward, or its float32 ``nn.Linear`` modules on the HF-modules path) take
+            :func:`spec_ext.ops.skinny_linear` where its measured rule
+            (``spec_ext.ops.linear.uses_kernel``: CPU float32, AVX2 + FMA
             or AVX-512, up to 16 token rows, 32 for large weights with short rows) says it is
             faster than F.linear, per layer and call (True also warns where it cannot apply);
             False: HF's own arithmetic (F.linear) for the target. Output is exact with
