@@ -238,9 +238,15 @@ def prepare(model, fast_linear: bool | str = False) -> None:
         raise ValueError(f"fast_linear: expected False, True or 'auto', got {fast_linear!r}")
     reason = _REASONS[model] = why_not_lean(model)
     _DECODERS[model] = None if reason else LeanDecoder(model, bool(fast_linear))
-    if fast_linear is True and not kernel_applies(model.device, model.dtype):
-        warnings.warn(f"fast_linear: no effect on this {type(model).__name__} ({model.dtype}, {model.device}): "
-                      "skinny_linear's kernel runs on CPU float32 models, on x86-64 with AVX2 and FMA or AVX-512",
+    if fast_linear is not True:
+        return
+    why = None
+    if not kernel_applies(model.device, model.dtype):
+        why = "skinny_linear's kernel runs on CPU float32 models, on x86-64 with AVX2 and FMA or AVX-512"
+    elif split_size(model) > 1:  # hf.attention_implementation leaves a split model's shards on F.linear
+        why = reason
+    if why:
+        warnings.warn(f"fast_linear: no effect on this {type(model).__name__} ({model.dtype}, {model.device}): {why}",
                       stacklevel=3)
 
 
