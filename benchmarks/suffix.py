@@ -9,7 +9,10 @@ Methods: the target alone (HF generate), HF prompt lookup (``prompt_lookup_num_t
 batch 1 only: HF refuses it for batches), ``NGram`` (spec_ext, the row's own text), the bundled
 head (models/stdlib-head, policy auto), ``Suffix`` alone (the cache and the row's own text),
 and ``Suffix`` beside the head where the build supports it (rows without a cache match drafted
-by the head). Greedy outputs are checked equal to the target's.
+by the head; with ``--unpriced``, also the same with ``price_width=False``: the rule before the
+round's width was priced, interleaved in the same run). Greedy outputs are checked equal to the
+target's. ``--requests`` times a subset of the requests (the others still go into the caches,
+their output computed once, so the timed ones see the caches the whole workload gives them).
 
 The cache's own cost is measured apart: a SuffixCache filled to 1M tokens (the stdlib train
 split's files, then the workload), the B=1 greedy workload run through it, every lookup timed;
@@ -151,7 +154,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def methods(target, head, batch: int) -> dict:
+def methods(target, head, batch: int, unpriced: bool = False) -> dict:
     """Name -> (a function that makes the method's per-pass state, then runs a batch)."""
     def hf(prompt_lookup):
         def run(state, ids, mask, n, temperature, seed):
@@ -181,20 +184,34 @@ def methods(target, head, batch: int) -> dict:
         try:
             spec_ext.drafters.build(head, Suffix(SuffixCache()))
             table["suffix beside head"] = (cached, ours(lambda cache: Suffix(cache), head))
+            if unpriced:
+                table["beside head unpriced"] = (cached, ours(lambda cache: Suffix(cache, price_width=False), head))
         except ValueError as error:
             print(f"suffix beside head: not run ({error})")
     return table
 
 
-def run_config(target, head, requests, batch, temperature, n, repeats, pad):
-    """Per pass, per batch of requests, every method in turn: rows of the CSV."""
-    table = methods(target, head, batch)
+def run_config(target, head, requests, batch, temperature, n, repeats, pad, unpriced=False, timed=None):
+    """Per pass, per batch of requests, every method in turn: rows of the CSV. ``timed``: the
+    batch indices to time (None: all); the others' outputs (greedy, by NGram: the target's, computed once)
+    go into the methods' caches only (greedy)."""
+    table = methods(target, head, batch, unpriced)
     groups = [requests[i:i + batch] for i in range(0, len(requests), batch)]
     rows = []
     for repeat in range(repeats):
         states = {name: make() for name, (make, _) in table.items()}
         for g, group in enumerate(groups):
             ids, mask = left_pad([r["ids"] for r in group], pad)
+            if timed is not None and g not in timed:
+                if temperature:
+                    raise ValueError("--requests: greedy only (a skipped batch's output is the target's greedy)")
+                new = spec_ext.generate(target, None, ids, attention_mask=mask, max_new_tokens=n, eos_token_id=[],
+                                        pad_token_id=0, policy=NGram()).sequences[:, ids.shape[1]:]
+                for state in states.values():
+                    if isinstance(state, SuffixCache):
+                        for r, row in zip(group, new.tolist()):
+                            state.add(r["ids"], row)
+                continue
             outputs = {}
             for name, (_, run) in table.items():
                 seed = 1000 * repeat + g
@@ -246,9 +263,13 @@ def summary(rows) -> list[str]:
             lines.append(f"  {name:20s} geomean {geo:5.2f}x  total {total:5.2f}x  per batch min {min(ratios):.2f}x "
                          f"max {max(ratios):.2f}x (slowest pass min {min(spread):.2f}x)"
                          + (f"  greedy equal: {equal == {True}}" if equal else ""))
+        for beside in ("suffix beside head", "beside head unpriced"):
+            if beside in names and "head" in names:
+                ratios = [time_of["head"][g] / time_of[beside][g] for g in base]
+                total = sum(time_of["head"].values()) / sum(time_of[beside].values())
+                lines.append(f"  {beside} / head alone, per batch: min {min(ratios):.2f}x, "
+                             f"{sum(x < 1 for x in ratios)} of {len(ratios)} below 1, total {total:.2f}x")
         if "suffix beside head" in names and "head" in names:
-            worst = min(time_of["head"][g] / time_of["suffix beside head"][g] for g in base)
-            lines.append(f"  suffix beside head / head alone, per batch: min {worst:.2f}x")
             lines += per_batch(mine, time_of)
         loads = [r["load"] for r in mine]
         lines.append(f"  machine load (1-minute average at each batch's end): min {min(loads):.2f} median "
@@ -269,13 +290,18 @@ def per_batch(mine, time_of) -> list[str]:
         return statistics.median(r["seconds"] / max(1, r["target_calls"]) for r in mine
                                  if r["method"] == name and r["group"] == g) * 1e3
 
-    lines = ["  per batch: head alone (forwards, accepted, ms per forward) | suffix beside head (forwards, accepted, "
-             "text rounds, cache rounds, ms per forward) | time ratio head / beside"]
+    others = [name for name in ("suffix beside head", "beside head unpriced") if name in time_of]
+    lines = ["  per batch: head alone (forwards, accepted, ms per forward) | " + " | ".join(
+        f"{name} (forwards, accepted, text rounds, cache rounds, ms per forward, time ratio head / it)"
+        for name in others)]
     for g in sorted(time_of["head"]):
-        h, s = first("head", g), first("suffix beside head", g)
-        lines.append(f"    {g:2d} {h['kinds']:8.8s} head {h['target_calls']:3d} {h['accepted']:4d} {per_call('head', g):6.1f}"
-                     f" | beside {s['target_calls']:3d} {s['accepted']:4d} {s['text_matched']:3d} {s['cache_matched']:3d} "
-                     f"{per_call('suffix beside head', g):6.1f} | {time_of['head'][g] / time_of['suffix beside head'][g]:.2f}x")
+        h = first("head", g)
+        line = f"    {g:2d} {h['kinds']:8.8s} head {h['target_calls']:3d} {h['accepted']:4d} {per_call('head', g):6.1f}"
+        for name in others:
+            s = first(name, g)
+            line += (f" | {s['target_calls']:3d} {s['accepted']:4d} {s['text_matched']:3d} {s['cache_matched']:3d} "
+                     f"{per_call(name, g):6.1f} {time_of['head'][g] / time_of[name][g]:.2f}x")
+        lines.append(line)
     return lines
 
 
@@ -328,6 +354,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=2, help="passes over the whole workload (fresh caches each)")
     parser.add_argument("--no-cost", action="store_true", help="skip the 1M-token cache cost")
     parser.add_argument("--name", default="suffix_cpu")
+    parser.add_argument("--unpriced", action="store_true",
+                        help="also run the suffix beside the head with price_width=False (the rule before), interleaved")
+    parser.add_argument("--requests", type=int, nargs="+", default=None,
+                        help="time only these batches (B=1: request indices); the others only feed the caches")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: on a shared machine, spinning OpenMP threads cost more than they give)")
     args = parser.parse_args()
@@ -343,13 +373,15 @@ def main():
     head_line = (f"commit {commit}, cpu {torch.get_num_threads()} threads, {args.new_tokens} new tokens, "
                  f"{args.repeats} passes, {len(requests)} requests: "
                  + ", ".join(f"{k} {sum(r['kind'] == k for r in requests)}" for k in ("new", "again", "changed",
-                                                                                      "quoted")))
+                                                                                      "quoted"))
+                 + (f"; timed: requests {args.requests}" if args.requests else ""))
     RESULTS.mkdir(exist_ok=True)
     cost = [] if args.no_cost else cache_cost(target, tokenizer, requests, args.new_tokens)
     rows = []
     for config in args.configs:  # the files are written after each configuration
         batch, temperature = int(config.split(":")[0]), float(config.split(":")[1])
-        rows += run_config(target, head, requests, batch, temperature, args.new_tokens, args.repeats, pad)
+        rows += run_config(target, head, requests, batch, temperature, args.new_tokens, args.repeats, pad,
+                           args.unpriced, None if args.requests is None else set(args.requests))
         with open(RESULTS / f"{args.name}.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()

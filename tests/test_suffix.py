@@ -333,7 +333,9 @@ def test_beside_a_head_never_more_target_calls_than_the_head_alone_where_the_cac
     """A cache of other requests (random prompts over 12 tokens: their texts share short runs
     with the new requests, seen once or twice): beside a head that the target accepts, no
     request takes more target forwards than the head alone (the old fixed rule: one took 41,
-    every round a weak cache tree, against the head's 12), outputs equal."""
+    every round a weak cache tree, against the head's 12), outputs equal. The rule's acceptance
+    side, in forwards: the round's width unpriced (``price_width=False``; pricing trades forwards
+    for seconds, tested on a modeled clock below)."""
     from test_heads import V, echo_head
     target = llama(V, 32, 4, seed=3, sharpen=3.0)
     head = echo_head(target, "eagle3", draft_vocab=10, noise=0.01)
@@ -347,9 +349,9 @@ def test_beside_a_head_never_more_target_calls_than_the_head_alone_where_the_cac
             spec_ext.generate(target, None, [p], max_new_tokens=40, eos_token_id=[], suffix_cache=cache)
         for p in later:
             alone = spec_ext.generate(target, head, [p], max_new_tokens=40, eos_token_id=[],
-                                      policy=Suffix(SuffixCache(), own_text=False, draft_k=3))
+                                      policy=Suffix(SuffixCache(), own_text=False, draft_k=3, price_width=False))
             beside = spec_ext.generate(target, head, [p], max_new_tokens=40, eos_token_id=[],
-                                       policy=Suffix(cache, draft_k=3))
+                                       policy=Suffix(cache, draft_k=3, price_width=False))
             assert torch.equal(alone.sequences, beside.sequences)
             assert beside.stats.target_calls <= alone.stats.target_calls, (trial, p)
             cache_rounds += beside.stats.cache_matched
@@ -360,7 +362,7 @@ def test_greedy_beside_a_head_a_weak_match_is_verified_beside_the_heads_chain():
     """Greedy: a row the rule gives to the head also verifies its offered (weak) text tree as a
     second branch of the same tree; outputs equal the head alone's (= the target's greedy), and
     against the head's chain alone (branch_nodes=0, the behaviour before) no request takes more
-    target forwards and some take fewer."""
+    target forwards and some take fewer (the branch whole: ``price_width=False``)."""
     from test_heads import V, echo_head
     target = llama(V, 32, 4, seed=3, sharpen=3.0)
     head = echo_head(target, "eagle3", draft_vocab=10, noise=0.01)
@@ -378,9 +380,9 @@ def test_greedy_beside_a_head_a_weak_match_is_verified_beside_the_heads_chain():
         for p in later:
             expected = hf_greedy(target, p, 40, None)
             old = spec_ext.generate(target, head, [p], max_new_tokens=40, eos_token_id=[],
-                                    policy=Suffix(primed(), draft_k=3, branch_nodes=0))
+                                    policy=Suffix(primed(), draft_k=3, branch_nodes=0, price_width=False))
             new = spec_ext.generate(target, head, [p], max_new_tokens=40, eos_token_id=[],
-                                    policy=Suffix(primed(), draft_k=3))
+                                    policy=Suffix(primed(), draft_k=3, price_width=False))
             assert torch.equal(new.sequences, old.sequences) and new.sequences[0, len(p):].tolist() == expected, (trial, p)
             assert new.stats.target_calls <= old.stats.target_calls, (trial, p)
             old_total, new_total = old_total + old.stats.target_calls, new_total + new.stats.target_calls
@@ -415,3 +417,141 @@ def test_beside_a_head_the_chain_length_is_the_one_auto_chooses_from_the_measure
     settled = chosen[20:]
     assert max(set(settled), key=settled.count) == expected_k
     assert policy.model_round_cost() == pytest.approx(policy._chain_k * draft_seconds / 1.0)
+
+
+# ------------------------------------------------------------------------ the round's width, priced
+def _clocked_beside(cost, forward=0.1, head_accepted=0, rounds=(2, 4, 8, 16, 32) * 2):
+    """A Suffix policy as beside a head (greedy), its head chain's Auto on a fake clock: rounds
+    verified at ``rounds`` widths, each taking ``cost(width)`` + the head's forwards x
+    ``forward`` seconds; the head's drafts accepted ``head_accepted`` at most per round."""
+    from spec_ext.policies import Auto
+    now = [0.0]
+    policy = Suffix(SuffixCache(), draft_k=3)
+    policy.model_chain = Auto(max_draft=12, text=False, clock=lambda: now[0])
+    policy.beside_model = True
+    policy.start(1)
+    for width in rounds:
+        policy.begin_round()
+        policy.text_rows([None])
+        policy.proposed([0])
+        k = policy.plan()[0]
+        policy.drafted(forward * k, k)
+        policy.verifies(width)
+        now[0] += cost(width) + forward * k
+        policy.observe([k], [min(k, head_accepted)])
+    policy.begin_round()  # clocks the last round
+    return policy
+
+
+# a wide, weakly supported cache tree: 8 continuations seen once each after a 40-token match, 31
+# nodes of probability 1/8 (4 deep); scored 3.9, expected 0.9 x 3.9 = 3.5 accepted (the 32+ prior)
+WIDE = ([1 / 8] * 31, [1 + i // 8 for i in range(31)])
+
+
+def test_the_text_tree_is_cut_to_the_width_that_pays():
+    """Priced with the timed cost by width: where a verification's width is dear (1 s + 0.25 s
+    per token, a head forward 0.1 s), the wide weak tree (expected 3.5 accepted over 32 tokens)
+    is cut to its best node or two; where every width costs the same it is verified whole, as
+    the rule before did (it counted every round as one verification whatever its width). The
+    head, never accepted here, does not take the row in either case."""
+    offer = (True, 40, sum(WIDE[0]))
+    for cost, most, least in ((lambda w: 1.0 + 0.25 * w, 2, 1), (lambda w: 1.0, 31, 31)):
+        policy = _clocked_beside(cost, rounds=(2, 4, 8, 16, 32) * 4)
+        assert policy.pricing and policy.model_mean(0) < 0.05
+        assert policy.text_rows([offer]) == [True]  # the rule's choice: the text, whole
+        keep, side = policy.priced([WIDE[0]], [WIDE[1]])
+        assert least <= keep[0] <= most and side == [0], (keep, side)
+    # the same cut on the drafter's trees: the best nodes, parents kept
+    from spec_ext.policies.suffix import best_nodes
+    assert best_nodes(([-1, 5, 6, 7, 8], [-1, 0, 1, 0, 3]), [0.5, 0.5, 0.4, 0.4], 3) == ([-1, 5, 6, 7],
+                                                                                       [-1, 0, 1, 0])
+
+
+def test_a_head_row_verifies_the_text_branch_only_where_its_width_pays():
+    """A head accepted 2 per round and a weak own-text chain of 10 (each node 1/2: expected
+    0.5 x 5 = 2.5, so the rule before drafted it alone, 11 wide): priced where width is free,
+    the row takes the head's chain with the whole chain of text beside it (``branch_nodes``,
+    10: the branch past the head's depth adds what the text gets there); where it is dear
+    (0.25 s per token against a 1 s verification), the head's chain alone."""
+    probs, depths = [0.5] * 10, list(range(1, 11))
+    sides = []
+    for cost in (lambda w: 1.0, lambda w: 1.0 + 0.25 * w):
+        policy = _clocked_beside(cost, forward=0.01, head_accepted=2)
+        assert policy.text_rows([(False, 2, sum(probs))]) == [True]
+        keep, side = policy.priced([probs], [depths])
+        assert keep == [0]
+        sides.append(side[0])
+    assert sides == [10, 0], sides
+
+
+def test_width_costs_read_the_timed_widths():
+    """``width_costs`` is Auto's table by width, read once per round: measured widths shrunk
+    toward the line through all of them, the others on the line (never cheaper when wider); the
+    line's slope is shrunk toward 5% of the mean per token until the widths measured spread, so
+    that a few narrow, noisy widths do not price a wide one at several times its cost."""
+    from spec_ext.policies.suffix import width_costs
+    policy = _clocked_beside(lambda w: 1.0 + 0.25 * w)
+    table = width_costs(policy.model_chain._widths, 40)
+    for w in (2, 3, 4, 8, 16, 32, 40):  # spread widths measured: the line they lie on (the slope's prior aside)
+        assert table[w] == pytest.approx(1.0 + 0.25 * w, rel=0.06), (w, table[w])
+    assert all(a <= b + 1e-12 for a, b in zip(table[1:], table[2:]))
+    assert width_costs({}, 3) == [0.0] * 4
+    # two narrow widths measured 3 times, one on a stall (2 tokens: 1.0 s, 3 tokens: 2.0 s): the line
+    # through them alone prices 32 tokens at 31 s; shrunk toward 5% of the mean per token, under 5 s
+    narrow = width_costs({2: [3.0, 3.0], 3: [3.0, 6.0]}, 32)
+    assert narrow[32] < 5.0 and narrow[3] > narrow[2]
+
+
+def test_beside_a_head_on_a_modeled_clock_the_width_is_priced_and_greedy_equals_target():
+    """End to end, the head's Auto on a modeled clock (a round: 1 + 0.3 per verified token, or
+    1 whatever its width; head forwards at 0.1 of a 1-token verification): with the cache
+    matching weakly and the rows' own texts looping, outputs equal HF's greedy either way; dear
+    width verifies narrower rounds than free width, and on the dear clock the priced rounds
+    take no more modeled time than the rule before (``price_width=False``) in total."""
+    from spec_ext.policies import Auto
+    from test_heads import V, echo_head
+    target = llama(V, 32, 4, seed=3, sharpen=3.0)
+    head = echo_head(target, "eagle3", draft_vocab=10, noise=0.01)
+    rng = random.Random(0)
+    primers = [[rng.randrange(1, V) for _ in range(rng.randrange(3, 9))] for _ in range(4)]
+    later = [[rng.randrange(1, V) for _ in range(rng.randrange(3, 9))] for _ in range(3)]
+
+    def run(prompt, cost, price_width):
+        cache = SuffixCache()
+        for p in primers:
+            spec_ext.generate(target, None, [p], max_new_tokens=40, eos_token_id=[], suffix_cache=cache)
+        policy = Suffix(cache, draft_k=3, draft_cost=0.1, price_width=price_width)
+        now, widths = [0.0], []
+
+        def clock():  # Auto's tick: the round that ended took cost(its width) + its head seconds
+            if chain._width is not None:
+                now[0] += cost(chain._width) + chain._round_draft
+            return now[0]
+        chain = policy.model_chain = Auto(max_draft=12, text=False, clock=clock)
+        verifies, drafted, forwards = policy.verifies, policy.drafted, []
+
+        def verified(width, *args):
+            widths.append(width)
+            verifies(width, *args)
+
+        def timed(seconds, count):
+            forwards.append(count)
+            drafted(seconds, count)
+        policy.verifies, policy.drafted = verified, timed
+        out = spec_ext.generate(target, head, [prompt], max_new_tokens=40, eos_token_id=[], policy=policy)
+        assert out.sequences[0, len(prompt):].tolist() == hf_greedy(target, prompt, 40, None)
+        return widths, sum(map(cost, widths)) + 0.1 * cost(1) * sum(forwards)
+
+    def dear(w):
+        return 1.0 + 0.3 * w
+
+    narrow = wide = priced = unpriced = 0.0
+    for prompt in later:
+        dear_widths, dear_seconds = run(prompt, dear, True)
+        free_widths, _ = run(prompt, lambda w: 1.0, True)
+        narrow, wide = narrow + sum(dear_widths) / len(dear_widths), wide + sum(free_widths) / len(free_widths)
+        old_widths, old_seconds = run(prompt, dear, False)  # its widths: as the drafter built them
+        priced += dear_seconds
+        unpriced += old_seconds
+    assert narrow < wide, (narrow, wide)
+    assert priced <= unpriced, (priced, unpriced)

@@ -11,6 +11,8 @@ from torch import Tensor
 from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler
 from spec_ext.drafters.head import HeadDrafter
 from spec_ext.drafters.text import TextDrafter, tree_proposal
+from spec_ext.policies import continuation_tree
+from spec_ext.policies.suffix import best_nodes, node_shares
 
 
 class TextBesideHead(Drafter):
@@ -21,7 +23,12 @@ class TextBesideHead(Drafter):
     the length ``policy.plan()`` chooses (:class:`HeadDrafter`; timed here), verified with the q it was drawn from, as a chain
     among the text's trees. The head runs every round: its catch-up feeds it the target's
     features of what was committed, whoever drafted it, so it stays in step; in a round where
-    every row drafts its text it only catches up (no draft steps)."""
+    every row drafts its text it only catches up (no draft steps).
+
+    Greedy, once the round's costs are timed, the policy prices the round's width
+    (:meth:`~spec_ext.policies.Suffix.priced`): a text row verifies its tree's best nodes up to
+    the width that pays, a head row the branch of its offered tree beside the head's chain
+    likewise; each round's width is reported (:meth:`~spec_ext.policies.Suffix.verifies`)."""
 
     def __init__(self, text: TextDrafter, head: HeadDrafter):
         super().__init__(text.policy)
@@ -50,30 +57,52 @@ class TextBesideHead(Drafter):
 
     def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
         device = roots.device
+        policy = self.policy
+        policy.begin_round()  # price_width: the head's chain length, and the round's clock, before anything runs
         trees = self.text.trees()
+        offered, sides, probs = self.text.offered, None, None
+        if policy.pricing:  # the width that pays (greedy, timed): which rows, how many nodes
+            self._own_instead()
+            probs = self._offered_probs()
+            priced = policy.priced(probs, [tree_depths(tree[1])[1:] for tree in offered])
+            if priced is not None:
+                keep, sides = priced
+                trees = [best_nodes(offered[r], probs[r], m) if m else ([-1], [-1]) for r, m in enumerate(keep)]
+                self.text.from_cache = [bool(m) and policy.offers[r][0] for r, m in enumerate(keep)]
         from_text = [len(tokens) > 1 for tokens, _ in trees]
-        self.policy.proposed([int(text) for text in from_text])  # the head's plan: none when all rows have text
+        policy.proposed([int(text) for text in from_text])  # the head's plan: none when all rows have text
         started = time.perf_counter()
         drafted = self.head.propose(seqs, roots)
         k = drafted.tokens.shape[1]
-        self.policy.drafted(time.perf_counter() - started, max(k, 1))  # prices the head's chain (Suffix.plan)
-        side = min(getattr(self.policy, "branch_nodes", 0), self.policy.tree_budget()[1] - 1 - k)
+        policy.drafted(time.perf_counter() - started, max(k, 1))  # prices the head's chain (Suffix.plan)
+        side = min(getattr(policy, "branch_nodes", 0), policy.tree_budget()[1] - 1 - k)
         if drafted.q is None and side > 0 and not all(from_text):
-            # greedy: a head row verifies its offered text tree (its first ``side`` nodes) beside
-            # the head's chain, merged where they agree: exact (greedy verification follows the
-            # target's argmax down any tree of fixed tokens); one host copy of the head's drafts
+            # greedy: a head row verifies its offered text tree (its first ``side`` nodes, or the
+            # best ones as priced) beside the head's chain, merged where they agree: exact (greedy
+            # verification follows the target's argmax down any tree of fixed tokens); one host
+            # copy of the head's drafts
             chains, counts = drafted.tokens.tolist(), drafted.num_draft.tolist()
-            trees = [tree if text else with_chain(self.text.offered[r], side, chains[r][:counts[r]])
-                     for r, (tree, text) in enumerate(zip(trees, from_text))]
+
+            def branch(r: int) -> tuple[list[int], list[int], list[int]]:
+                if sides is None:
+                    return with_chain(offered[r], side, chains[r][:counts[r]], nodes=True)
+                s = min(sides[r], side)
+                return with_chain(best_nodes(offered[r], probs[r], s), s, chains[r][:counts[r]], nodes=True)
+            merged = [None if text else branch(r) for r, text in enumerate(from_text)]
+            trees = [tree if m is None else m[:2] for tree, m in zip(trees, merged)]
             proposal, depths = tree_proposal(trees, device, from_text=from_text)
             proposal.from_cache = list(self.text.from_cache)
-            self.policy.proposed(depths)
+            policy.proposed(depths)
+            policy.verifies(proposal.tokens.shape[1], [None if m is None else m[2] for m in merged],
+                            None if sides is None else [0 if text else min(sides[r], side)
+                                                        for r, text in enumerate(from_text)])
             return proposal
         trees = [tree if text else ([-1] * (k + 1), [-1] + list(range(k)))  # a chain for the head's drafts
                  for tree, text in zip(trees, from_text)]
         proposal, depths = tree_proposal(trees, device, from_text=from_text)
         proposal.from_cache = list(self.text.from_cache)
-        self.policy.proposed(depths)
+        policy.proposed(depths)
+        policy.verifies(proposal.tokens.shape[1], [None if text else list(range(1, k + 1)) for text in from_text])
         if all(from_text):
             return proposal
         by_text = torch.tensor(from_text, device=device)
@@ -85,6 +114,44 @@ class TextBesideHead(Drafter):
             proposal.sampled_rows = ~by_text if any(from_text) else None
         return proposal
 
+    def _own_instead(self) -> None:
+        """(Priced rounds.) A row offered its cache tree (the cache's match longer than its own
+        text's n-gram) offers its own text's tree instead where that one is expected to get
+        more accepted (:meth:`~spec_ext.policies.Suffix.expected`: a cache match of a few tokens
+        is seldom right, measured, while the row's own text may be repeating itself)."""
+        policy, text = self.policy, self.text
+        if not policy.uses_own_text:
+            return
+        depths, nodes = policy.tree_budget()
+        for r, offer in enumerate(policy.offers):
+            if offer is None or not offer[0]:
+                continue
+            index = text.rows[r]
+            n, starts = index.occurrences(policy.max_continuations)
+            if not starts:
+                continue
+            tokens, parents, score = continuation_tree(index.continuations(starts, depths[r]), nodes, scored=True)
+            if len(tokens) > 1 and policy.expected(r, False, n, score) > policy.expected(r, True, offer[1], offer[2]):
+                text.offered[r] = (tokens, parents)
+                policy.offers[r] = (False, n, score)
+
+    def _offered_probs(self) -> list[list[float]]:
+        """Per row, its offered text tree's nodes' probabilities (node 1 on; [] for none): the
+        cache's as its lookup left them, the own text's from the continuations it was merged from."""
+        policy, text = self.policy, self.text
+        depths = policy.tree_budget()[0]
+        probs = []
+        for r, (tree, offer) in enumerate(zip(text.offered, policy.offers)):
+            if offer is None or len(tree[0]) <= 1:
+                probs.append([])
+            elif offer[0]:
+                probs.append(list(text.matches[r].node_probs))
+            else:
+                index = text.rows[r]
+                _, starts = index.occurrences(policy.max_continuations)
+                probs.append(node_shares(tree, index.continuations(starts, depths[r])))
+        return probs
+
     def commit(self, outcome: Outcome) -> None:
         self.text.commit(outcome)
         self.head.commit(outcome)
@@ -94,17 +161,20 @@ class TextBesideHead(Drafter):
         self.head.keep_rows(rows, index)
 
 
-def with_chain(tree: tuple[list[int], list[int]], side: int, chain: list[int]) -> tuple[list[int], list[int]]:
+def with_chain(tree: tuple[list[int], list[int]], side: int, chain: list[int], nodes: bool = False) -> tuple:
     """The first ``side`` nodes past the root of ``tree`` (tokens, parents; parents before
     children, so any prefix is a tree) with ``chain`` (host token list) hung from the root,
-    sharing the tree's nodes as far as they agree (no two siblings with one token).
+    sharing the tree's nodes as far as they agree (no two siblings with one token). ``nodes``:
+    also the chain's node ids, in order.
 
     Example:
         >>> with_chain(([-1, 7, 8, 9], [-1, 0, 1, 0]), 3, [7, 5])
         ([-1, 7, 8, 9, 5], [-1, 0, 1, 0, 1])
+        >>> with_chain(([-1, 7, 8, 9], [-1, 0, 1, 0]), 3, [7, 5], nodes=True)[2]
+        [1, 4]
     """
     tokens, parents = list(tree[0][:side + 1]), list(tree[1][:side + 1])
-    node = 0
+    node, ids = 0, []
     for token in chain:
         child = next((i for i in range(1, len(tokens)) if parents[i] == node and tokens[i] == token), None)
         if child is None:
@@ -112,4 +182,18 @@ def with_chain(tree: tuple[list[int], list[int]], side: int, chain: list[int]) -
             parents.append(node)
             child = len(tokens) - 1
         node = child
-    return tokens, parents
+        ids.append(node)
+    return (tokens, parents, ids) if nodes else (tokens, parents)
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Each node's depth (the root 0; parents before children).
+
+    Example:
+        >>> tree_depths([-1, 0, 1, 0])
+        [0, 1, 2, 1]
+    """
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return depth

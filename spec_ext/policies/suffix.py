@@ -15,7 +15,9 @@ own text (today's matcher), plus the cache; a row drafts the cache's tree where 
 longer than the own text's, else the own text's tree. Beside a draft model or a head, a row
 drafts that tree only where it is expected to get more accepted than the model (the tree's
 score times the accepted share measured for its kind of match, against the model's running
-mean per row; :meth:`Suffix.measured_choice`).
+mean per row; :meth:`Suffix.measured_choice`). Greedy beside a head, once rounds are timed, the
+round's width is priced too (:meth:`Suffix.priced`): trees are cut to the width whose expected
+tokens per second of the round, at the verification's timed cost by width, is the highest.
 
 Memory is bounded by ``budget`` stored tokens: requests go into the newest of ``segments``
 automata; once it holds ``budget / segments`` tokens a new one opens, and the oldest whole
@@ -182,6 +184,7 @@ class SuffixMatch:
     def __init__(self, history: list[int]):
         self.history = history
         self.places: dict[int, tuple[int, int, int, int]] = {}  # segment id -> (version, read, state, length)
+        self.node_probs: list[float] = []  # the last proposed tree's nodes' probabilities (node 1 on)
 
 
 class SuffixCache:
@@ -290,22 +293,26 @@ class SuffixCache:
         nodes past the root, none deeper than ``depth``, none of empirical probability below
         ``min_prob``; ``score`` the sum of the nodes' probabilities (the drafts expected to be
         accepted if the stored texts predict the row). The root alone and 0 when nothing matches.
+        Each node's probability (node 1 on, in order: best first, non-increasing) is left in
+        ``match.node_probs`` (what :meth:`Suffix.priced` cuts a tree by).
         """
         with self._lock:
             places = self._places(match)
             n = max((a.continued(s, length) for a, s, length in places), default=0)
             if n == 0:
+                match.node_probs = []
                 return [-1], [-1], 0, 0.0
             start = [(a, a.state_of(s, n)) for a, s, length in places if length >= n]
-            tokens, parents, score = _best_first(start, depth,
-                                                 min(nodes - 1, int(alpha * n)), min_prob)
+            tokens, parents, score, match.node_probs = _best_first(start, depth,
+                                                                   min(nodes - 1, int(alpha * n)), min_prob)
             return tokens, parents, n, score
 
 
-def _best_first(start, depth: int, most: int, min_prob: float) -> tuple[list[int], list[int], float]:
+def _best_first(start, depth: int, most: int, min_prob: float) -> tuple[list[int], list[int], float, list[float]]:
     """Grow the tree from the places ``start`` [(automaton, state)] of the match, best first:
-    (tokens, parents, score). Ties go to the earlier parent, then the smaller token."""
-    tokens, parents, score = [-1], [-1], 0.0
+    (tokens, parents, score, each node's probability). Ties go to the earlier parent, then the
+    smaller token."""
+    tokens, parents, score, probs = [-1], [-1], 0.0, []
     heap: list = []
 
     def push(places, prob: float, parent: int, level: int) -> None:
@@ -331,10 +338,11 @@ def _best_first(start, depth: int, most: int, min_prob: float) -> tuple[list[int
         node = len(tokens)
         tokens.append(c)
         parents.append(parent)
+        probs.append(-p)
         score -= p
         if level < depth:
             push(child, -p, node, level + 1)
-    return tokens, parents, score
+    return tokens, parents, score, probs
 
 
 # beside a draft model or a head: the model's accepted drafts per round assumed before a row
@@ -355,6 +363,53 @@ def match_kind(from_cache: bool, n: int) -> tuple[str, int]:
     if not from_cache:
         return "own", max(1, min(n, 2))
     return "cache", next(b for b in (32, 16, 8, 4, 1) if n >= b)
+
+
+def node_shares(tree: tuple[Sequence[int], Sequence[int]], continuations: Sequence[Sequence[int]]) -> list[float]:
+    """Each node's probability (node 1 on) in a tree of the row's own text
+    (:func:`~spec_ext.policies.continuation_tree` of ``continuations``): the share of the
+    continuations through it; their sum is the tree's score.
+
+    Example:
+        >>> node_shares(([-1, 5, 9, 6, 7], [-1, 0, 0, 1, 3]), [[5, 6, 7], [5, 6, 8], [9]])
+        [0.6666666666666666, 0.3333333333333333, 0.6666666666666666, 0.3333333333333333]
+    """
+    tokens, parents = tree
+    children: dict[tuple[int, int], int] = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
+    count = [0] * len(tokens)
+    for sequence in continuations:
+        node = 0
+        for token in sequence:
+            node = children.get((node, int(token)))
+            if node is None:  # past the tree's nodes (cut by its budget)
+                break
+            count[node] += 1
+    return [c / max(1, len(continuations)) for c in count[1:]]
+
+
+def best_nodes(tree: tuple[Sequence[int], Sequence[int]], probs: Sequence[float], m: int
+               ) -> tuple[list[int], list[int]]:
+    """The root and the ``m`` nodes of ``tree`` (tokens, parents; parents before children) of
+    highest probability (``probs``: node 1 on; ties: the earlier node), renumbered in their
+    order. A node is never likelier than its parent, so the kept nodes hold their parents (the
+    ancestors of a kept node are kept in any case).
+
+    Example:
+        >>> best_nodes(([-1, 5, 9, 6, 7], [-1, 0, 0, 1, 3]), [0.6, 0.4, 0.6, 0.3], 2)
+        ([-1, 5, 6], [-1, 0, 1])
+    """
+    tokens, parents = tree
+    ranked = sorted(range(1, len(tokens)), key=lambda i: (-probs[i - 1], i))[:max(0, m)]
+    kept = set(ranked)
+    for i in ranked:
+        while parents[i] > 0 and parents[i] not in kept:
+            i = parents[i]
+            kept.add(i)
+    order = sorted(kept)
+    renumber = {0: 0}
+    for new, old in enumerate(order, start=1):
+        renumber[old] = new
+    return [-1] + [int(tokens[i]) for i in order], [-1] + [renumber[parents[i]] for i in order]
 
 
 def modeled_draft_cost(target, draft) -> float:
@@ -380,8 +435,73 @@ def modeled_draft_cost(target, draft) -> float:
     return min(shares, default=0.0)
 
 
+WIDTH_PULL = 3.0  # width_costs: how many (decayed) measurements the line through all widths is worth at each
+# width_costs: before the widths measured spread, a token's cost is this share of a verification's mean (Auto's
+# one-width rule: +5% per token); the prior is worth SLOPE_PULL weighted squared tokens of spread (3 measurements
+# 10 tokens from the mean)
+SLOPE_PRIOR, SLOPE_PULL = 0.05, 300.0
+
+
+def width_costs(widths: dict[int, list[float]], widest: int) -> list[float]:
+    """Seconds of a round verifying each width 0..``widest`` (index = width; 0 unused), from
+    :class:`~spec_ext.policies.Auto`'s timed rounds by width (``widths``: width -> [decayed
+    count, decayed seconds], its ``_widths``), computed once for every width: a measured width's
+    mean shrunk toward the weighted least-squares line through all measured widths, worth
+    ``WIDTH_PULL`` measurements, so that a width measured once, on a stall, reads mostly the
+    line and one measured every round mostly its own mean; a width not measured reads the line;
+    never below half the cheapest measured. The line's slope (>= 0: a wider verification never
+    costs less) is shrunk toward ``SLOPE_PRIOR`` of the mean per token, worth ``SLOPE_PULL``
+    of the widths' weighted squared spread: on a loaded machine a few narrow widths' means
+    differ by their stalls, and the line through them alone, extrapolated to 32 tokens, was
+    measured at 4-7x the real cost. One width measured: +5% of it per token (Auto's rule).
+    Empty: all zero (nothing known).
+
+    Example:
+        >>> [round(x, 2) for x in width_costs({2: [1.0, 1.0], 10: [1.0, 2.0]}, 10)[1:]]  # once each
+        [1.1, 1.14, 1.26, 1.34, 1.42, 1.5, 1.58, 1.66, 1.74, 1.86]
+        >>> [round(x, 2) for x in width_costs({2: [8.0, 8.0], 10: [8.0, 16.0]}, 10)[1:]]  # 8 times each
+        [1.01, 1.03, 1.21, 1.3, 1.4, 1.5, 1.6, 1.7, 1.79, 1.97]
+        >>> round(width_costs({2: [1.0, 1.0], 6: [1.0, 3.0], 10: [1.0, 2.0]}, 10)[6], 2)  # a stall at 6, once
+        2.25
+    """
+    seen = {w: (n, s / n) for w, (n, s) in widths.items() if n > 1e-6}
+    if not seen:
+        return [0.0] * (widest + 1)
+    floor = 0.5 * min(v for _, v in seen.values())
+    if len(seen) == 1:
+        (w0, (_, v0)), = seen.items()
+        return [v0 * max(0.5, 1 + 0.05 * (w - w0)) for w in range(widest + 1)]
+    total = sum(n for n, _ in seen.values())
+    mean_w = sum(n * w for w, (n, _) in seen.items()) / total
+    mean_v = sum(n * v for n, v in seen.values()) / total
+    var = sum(n * (w - mean_w) ** 2 for w, (n, _) in seen.items())
+    covariance = sum(n * (w - mean_w) * (v - mean_v) for w, (n, v) in seen.items())
+    slope = max(0.0, (covariance + SLOPE_PULL * SLOPE_PRIOR * mean_v) / (var + SLOPE_PULL))
+    out = []
+    for w in range(widest + 1):
+        line = mean_v + slope * (w - mean_w)
+        if w in seen:
+            n, v = seen[w]
+            line = (n * v + WIDTH_PULL * line) / (n + WIDTH_PULL)
+        out.append(max(line, floor))
+    return out
+
+
+def _leading(path: Sequence[int], nodes) -> int:
+    """How many of ``path``'s first nodes are among ``nodes``."""
+    nodes, held = set(nodes), 0
+    for node in path:
+        if node not in nodes:
+            break
+        held += 1
+    return held
+
+
 def _prior(kind: tuple[str, int]) -> tuple[float, float]:
     return PRIOR_SHARE.get(kind, 0.3) * PRIOR_WEIGHT, PRIOR_WEIGHT
+
+
+EXPLORE_EVERY = 8  # Suffix.priced: every this many priced rounds, one at the widest width (kept measured)
 
 
 @register
@@ -399,7 +519,10 @@ class Suffix(NGram):
     times the accepted share of the score measured so far for its kind of match
     (:meth:`SuffixCache.expected`, kept in the cache across calls: a short match seen once
     scores its size, yet is rarely accepted whole) against the model's accepted drafts per
-    round, a running mean per row (``BESIDE_MIN_SCORE`` before the row measured one).
+    round, a running mean per row (``BESIDE_MIN_SCORE`` before the row measured one). Greedy
+    beside a feature head, once rounds are timed (``price_width``), each round then chooses
+    what every row verifies by expected tokens per second of the round, the verification
+    priced at its timed cost by width (:meth:`priced`).
 
     Args:
         cache: the :class:`SuffixCache` (shared across calls and threads); None: a new one.
@@ -426,6 +549,12 @@ class Suffix(NGram):
             before). Greedy only: under sampling the existing tree sampler draws all of a node's
             children from one q, and a sampled head chain beside deterministic text siblings is
             not exact under it, so sampled rounds keep the head's chain alone.
+        price_width: greedy, beside a feature head, once rounds are timed: each round's trees
+            are cut to the width that pays (:meth:`priced`: the text tree of a text row, the
+            second branch of a head row, and which rows are text, by expected accepted tokens
+            + 1 per second of the round, its verification priced at its width as timed); and
+            each round's time is kept at the width it verified. False: the rule before (every
+            round counted as one verification whatever its width, trees whole).
         **ngram: :class:`NGram`'s settings (trees only).
 
     Example:
@@ -434,9 +563,12 @@ class Suffix(NGram):
         >>> out.stats.cache_matched                                             # doctest: +SKIP
     """
 
+    EXPLORE_EVERY = EXPLORE_EVERY
+
     def __init__(self, cache: SuffixCache | None = None, alpha: float = 1.0, min_prob: float = 0.1,
                  min_score: float | None = None, own_text: bool | None = None, model_memory: float = 0.8,
-                 draft_cost: float | None = None, max_depth: int | None = None, branch_nodes: int = 10, **ngram):
+                 draft_cost: float | None = None, max_depth: int | None = None, branch_nodes: int = 10,
+                 price_width: bool = True, **ngram):
         super().__init__(**ngram)
         if not self.tree:
             raise ValueError("tree: Suffix drafts trees (tree=True)")
@@ -452,6 +584,7 @@ class Suffix(NGram):
         if not isinstance(branch_nodes, int) or isinstance(branch_nodes, bool) or branch_nodes < 0:
             raise ValueError(f"branch_nodes: need an int >= 0, got {branch_nodes!r}")
         self.branch_nodes = branch_nodes
+        self.price_width = bool(price_width)
         if draft_cost is not None and not draft_cost >= 0:
             raise ValueError(f"draft_cost: need a number >= 0 (a draft forward's cost in verifications), got "
                              f"{draft_cost}")
@@ -478,6 +611,14 @@ class Suffix(NGram):
         self._model_mean = [BESIDE_MIN_SCORE] * batch_size  # the model's accepted drafts per round, per row
         self._own = [_prior(("own", 0)) for _ in range(batch_size)]  # per row: its own text's (accepted, score)
         self._chosen: list[tuple | None] = [None] * batch_size  # this round: (kind, score) of a row's text tree
+        self._offers: list[tuple[bool, int, float] | None] = [None] * batch_size  # this round's offers (text_rows)
+        self._planned = None  # price_width: this round's head chain length, chosen at the round's start
+        self._chain_nodes: list[list[int] | None] = [None] * batch_size  # this round: a head row's chain's node ids
+        self._branch: list[tuple | None] = [None] * batch_size  # this round: a head row's branch (kind, score, nodes)
+        self._sums: list[list[float]] = [[0.0]] * batch_size  # priced: per row, the best m nodes' probabilities' sum
+        self._path = None  # this round's accepted paths (see_tree_path)
+        self._priced_rounds = 0  # rounds priced this call (every EXPLORE_EVERY-th verifies the widest)
+        self._rounds_begun = 0  # rounds begun this call (begin_round)
 
     @property
     def measured(self) -> bool:
@@ -513,6 +654,7 @@ class Suffix(NGram):
         scoring at least it; the measured rule (beside a model) see :meth:`measured_choice`.
         Recorded for :meth:`observe`."""
         self._chosen = [None] * len(offers)
+        self._offers = list(offers)
         if not self.measured:
             return [offer is not None and offer[2] >= self.text_min_score for offer in offers]
         expected = [None if offer is None else self.expected(r, *offer) for r, offer in enumerate(offers)]
@@ -548,6 +690,166 @@ class Suffix(NGram):
             return [e is not None for e in expected]
         return by_row
 
+    @property
+    def offers(self) -> list[tuple[bool, int, float] | None]:
+        """This round's offers, as :meth:`text_rows` got them (from the cache, match length, score)."""
+        return self._offers
+
+    @property
+    def pricing(self) -> bool:
+        """Whether :meth:`priced` decides this round (greedy beside a model, measured rule,
+        ``price_width``, the round's costs timed)."""
+        chain = self.model_chain
+        return (self.measured and self.price_width and chain._timed and chain.draft_cost() is not None
+                and chain.verify_cost(1) is not None)
+
+    def priced(self, probs: Sequence[Sequence[float]], depths: Sequence[Sequence[int]] | None = None
+               ) -> tuple[list[int], list[int]] | None:
+        """Beside a feature head, greedy, once the round's costs are timed (:attr:`pricing`):
+        per row, the nodes of its offered text tree it verifies as its round (0: the head's
+        row), and for a head row the nodes of that tree it verifies beside the head's chain (the
+        second branch, at most ``branch_nodes``); None where the rule of :meth:`text_rows`
+        stands (untimed: sampling, a fixed ``min_score``, ``price_width=False``, the first round).
+
+        ``probs``: per row its offered tree's nodes' probabilities (node 1 on; [] for none);
+        ``depths``: their depths (None: all 1). Expected accepted drafts (a tree's accepted
+        drafts are its nodes on the target's path, so each node counts its chance to lie there):
+        a text row's tree cut to its best m nodes (:func:`best_nodes`), its kind's accepted share
+        (:meth:`expected`) x their probabilities' sum; a head row, the head's chain of this
+        round's length k (:meth:`begin_round`), the sum of :attr:`model_chain`'s survivals to
+        depths 1..k (scaled by the row's running mean over the rows' average, so rows where the
+        head does better count more), plus for a branch of the tree's best s nodes each node's
+        chance x the chance that the chain does not hold it already (1 - the head's survival to
+        the node's depth; 1 past the chain).
+
+        The round verifies one width for the batch: every row fills the widest W considered
+        (text rows their best W - 1 nodes, head rows the chain and W - 1 - k branch nodes). Over
+        W, and over (a) the head drafting for the rows where it is expected to bring more (k
+        forwards) and (b) every row its text (the head only catching up, one forward; where every
+        row has a tree), the choice maximises the expected tokens (accepted + 1) per second of
+        the round: the timed verification at the round's width (:attr:`model_chain`'s rounds,
+        kept at the width they verified (:meth:`verifies`), read by :func:`width_costs`) + the
+        head's forwards x a forward's timed seconds (or ``draft_cost`` x a 1-token verification,
+        where given). Where every width costs the same, trees stay whole. Every
+        ``EXPLORE_EVERY``-th priced round chooses at the widest W alone, so that wide
+        verifications stay measured (a width judged dear from a line through noisy narrow ones
+        would otherwise never be timed again)."""
+        if not self.pricing or len(probs) != len(self._offers):
+            return None
+        self._priced_rounds += 1
+        explores = self._priced_rounds % self.EXPLORE_EVERY == 0
+        chain = self.model_chain
+        k, nodes = self._chain_k, self.tree_budget()[1]
+        widest = max(nodes, k + 1)
+        verify = width_costs(chain._widths, widest).__getitem__  # seconds by width, fixed for the round
+        forward = chain.draft_cost() if self._draft_cost is None else self._draft_cost * verify(1)
+        survival = chain.survival()[:k]  # the head's chain holds the target's path to depth d: survival[d - 1]
+        average = sum(self._model_mean) / len(self._model_mean)
+        heads = [sum(survival) * (mean / average if average > 0 else 1.0) for mean in self._model_mean]
+        curves, branches, sums = [], [], []  # per row, by m: expected accepted of its best m nodes (as its round,
+        for r, (offer, p) in enumerate(zip(self._offers, probs)):  # as a branch); their probabilities' sum
+            depth = [1] * len(p) if depths is None else depths[r]
+            ranked = sorted(range(len(p)), key=lambda i: (-p[i], i)) if offer is not None else []
+            share = self.expected(r, offer[0], offer[1], 1.0) if ranked else 0.0
+            total, curve, branch = [0.0], [0.0], [0.0]
+            for i in ranked:
+                total.append(total[-1] + p[i])
+                curve.append(curve[-1] + share * p[i])
+                held = survival[depth[i] - 1] if depth[i] <= len(survival) else 0.0
+                branch.append(branch[-1] + share * p[i] * (1.0 - held))
+            sums.append(total)
+            curves.append(curve)
+            branches.append(branch)
+        side_most = max(0, min(self.branch_nodes, nodes - 1 - k))
+        every = all(len(c) > 1 for c in curves)
+        best = None
+        for W in range(widest if explores else 1, widest + 1):  # the widest the round may verify
+            if W > k:  # (a) the head drafts for the rows it is expected to bring more
+                keep, side, tokens = [], [], 0.0
+                for c, b, mean in zip(curves, branches, heads):
+                    m, s = min(len(c) - 1, W - 1), min(len(c) - 1, W - 1 - k, side_most)
+                    text, head = 1 + c[m], 1 + mean + b[s]
+                    keep.append(m if m > 0 and text > head else 0)
+                    side.append(0 if keep[-1] else s)
+                    tokens += text if keep[-1] else head
+                runs = not all(keep)
+                width = 1 + max(keep + [k + s for s, m in zip(side, keep) if not m])
+                seconds = verify(width) + (chain.draft_forwards(k) if runs else 1) * forward
+                if best is None or tokens / max(seconds, 1e-12) >= best[0]:
+                    best = tokens / max(seconds, 1e-12), keep, side
+            if every and W > 1:  # (b) every row its text tree, the head only catching up
+                keep = [min(len(c) - 1, W - 1) for c in curves]
+                seconds = verify(1 + max(keep)) + forward
+                value = sum(1 + c[m] for c, m in zip(curves, keep)) / max(seconds, 1e-12)
+                if best is None or value >= best[0]:
+                    best = value, keep, [0] * len(keep)
+        _, keep, side = best
+        self._chosen = [(match_kind(offer[0], offer[1]), total[m]) if m else None
+                        for offer, total, m in zip(self._offers, sums, keep)]
+        self._sums = sums
+        return keep, side
+
+    def begin_round(self) -> None:
+        """(A drafter beside a feature head, at the start of its round, with ``price_width``.)
+        The head's chain length for this round, chosen now (:attr:`model_chain`'s plan, which
+        also clocks the round that just ended): the round's clock then starts before the head's
+        catch-up forward, whose seconds the drafter reports as the head's (started after it, a
+        round's time held the next round's catch-up and lost its own: a call's first catch-up,
+        over the whole prompt, made it negative and pinned the width's cost at 0); and
+        :meth:`priced` prices the chain this round drafts."""
+        if self.beside_model and self.price_width:
+            self._planned = self._chain_k = self.model_chain.plan()[0]
+            self._rounds_begun += 1
+
+    def verifies(self, width: int, chain_nodes: Sequence[list[int] | None] | None = None,
+                 branch_nodes: Sequence[int] | None = None) -> None:
+        """The drafter's report: this round verifies ``width`` tokens per row (the root
+        included), so that :attr:`model_chain` keeps the round's time at the width verified (its
+        own plan's is the head's chain alone; a text tree or a branch beside the chain is wider);
+        ``chain_nodes``: per head row, the node ids of the head's chain in the verified tree
+        (None for a text row), so that the head's running mean and its acceptance by depth count
+        what its chain got (:meth:`see_tree_path`), not a branch beside it; ``branch_nodes``: per
+        row, the best nodes of its offered tree verified beside the chain as :meth:`priced` chose
+        them (node ids 1..s), whose accepted share calibrates their kind of match as a text
+        round's does. With ``price_width`` False: none is kept (the rule before)."""
+        if self.beside_model and self.price_width:
+            self.model_chain._width = width
+            if chain_nodes is not None:
+                self._chain_nodes = list(chain_nodes)
+            if branch_nodes is not None:
+                self._branch = [(match_kind(offer[0], offer[1]), total[s], s) if s and offer is not None
+                                and s < len(total) else None
+                                for offer, total, s in zip(self._offers, self._sums, branch_nodes)]
+
+    @property
+    def uses_tree_paths(self) -> bool:
+        """Whether the engine hands over each round's accepted paths (:meth:`see_tree_path`):
+        beside a model with ``price_width``."""
+        return self.beside_model and self.price_width
+
+    def see_tree_path(self, path) -> None:
+        self._path = path
+
+    def _chain_accepted(self, num_draft, num_accepted) -> tuple[list[int], list[int], list[tuple | None]]:
+        """Per row, the head's chain's drafts, those of them accepted (the path's leading nodes
+        on the chain; where unknown, the round's), and its text branch's (kind, score, accepted
+        nodes: the path's leading nodes among the branch's; None where it had none)."""
+        path, self._path = self._path, None
+        chains, branches = self._chain_nodes, self._branch
+        self._chain_nodes, self._branch = [None] * len(chains), [None] * len(branches)
+        drafted, accepted = [int(n) for n in num_draft], [int(a) for a in num_accepted]
+        branched: list[tuple | None] = [None] * len(drafted)
+        if path is None or not any(c is not None for c in chains):
+            return drafted, accepted, branched
+        for r, (nodes, branch, row) in enumerate(zip(chains, branches, path.tolist())):
+            if nodes is None:
+                continue
+            accepted_path = row[1:accepted[r] + 1]
+            drafted[r], accepted[r] = min(len(nodes), drafted[r]), min(_leading(accepted_path, nodes), drafted[r])
+            if branch is not None:
+                branched[r] = branch[0], branch[1], _leading(accepted_path, range(1, branch[2] + 1))
+        return drafted, accepted, branched
+
     def model_round_cost(self) -> float:
         """What the model's drafts add to a round, in verifications: its chain's forwards
         (:meth:`plan`'s length) x one forward's cost, measured by :attr:`model_chain` (greedy:
@@ -561,27 +863,38 @@ class Suffix(NGram):
         return k * self.draft_cost
 
     def drafted(self, seconds: float, forwards: int) -> None:
-        """The drafter's report: this round's model forwards took ``seconds``."""
-        self.model_chain.drafted(seconds, forwards)
+        """The drafter's report: this round's model forwards took ``seconds``. With
+        ``price_width``, a call's first round's are taken out of the round's time but not
+        averaged into a forward's cost (the head's first catch-up reads the whole prompt)."""
+        chain = self.model_chain
+        if self.beside_model and self.price_width and self._rounds_begun == 1:
+            if chain._timed:
+                chain._round_draft += seconds
+            return
+        chain.drafted(seconds, forwards)
 
     def observe(self, num_draft, num_accepted) -> None:
         """The measured rule's counts: a text row's accepted drafts calibrate its kind of match
         (in the cache), a model row's go into the row's running mean."""
+        chain_draft, chain_accepted, branched = (self._chain_accepted(num_draft, num_accepted) if self.uses_tree_paths
+                                                 else (num_draft, num_accepted, [None] * len(num_draft)))
         if self.measured:
             memory = self.model_memory
-            for r, (drafted, accepted) in enumerate(zip(num_draft, num_accepted)):
+            for r, (drafted, accepted, own) in enumerate(zip(num_draft, num_accepted, chain_accepted)):
                 chosen = self._chosen[r]
+                if chosen is None and branched[r] is not None:  # a head row's text branch: its share too
+                    chosen, accepted = branched[r][:2], branched[r][2]
                 if chosen is not None and chosen[0][0] == "cache":
                     self.cache.calibrate(chosen[0], int(accepted), chosen[1])
                 elif chosen is not None:
                     before_accepted, before_scored = self._own[r]
                     self._own[r] = (OWN_DECAY * before_accepted + min(int(accepted), chosen[1]),
                                     OWN_DECAY * before_scored + chosen[1])
-                elif drafted > 0:
-                    self._model_mean[r] = memory * self._model_mean[r] + (1 - memory) * int(accepted)
+                if self._chosen[r] is None and drafted > 0:
+                    self._model_mean[r] = memory * self._model_mean[r] + (1 - memory) * int(own)
         if self.beside_model:  # the chain's acceptance: the model's rows alone
-            model_rows = [0 if chosen is not None else int(n) for chosen, n in zip(self._chosen, num_draft)]
-            self.model_chain.observe(model_rows, num_accepted)
+            model_rows = [0 if chosen is not None else int(n) for chosen, n in zip(self._chosen, chain_draft)]
+            self.model_chain.observe(model_rows, chain_accepted)
         self._chosen = [None] * len(self._chosen)
         super().observe(num_draft, num_accepted)
 
@@ -590,6 +903,10 @@ class Suffix(NGram):
         self._model_mean = [self._model_mean[r] for r in rows]
         self._own = [self._own[r] for r in rows]
         self._chosen = [self._chosen[r] for r in rows]
+        self._offers = [self._offers[r] for r in rows]
+        self._chain_nodes = [self._chain_nodes[r] for r in rows]
+        self._branch = [self._branch[r] for r in rows]
+        self._sums = [self._sums[r] for r in rows]
         if self.beside_model:
             self.model_chain.keep_rows(rows)
 
@@ -603,6 +920,8 @@ class Suffix(NGram):
         :class:`~spec_ext.policies.Auto` chooses from the chain's measured acceptance and
         costs (:attr:`model_chain`, clocked every round), none in a round where every row
         drafts its text (set through :meth:`proposed`)."""
-        self._chain_k = self.model_chain.plan()[0]
+        if self._planned is None:
+            self._chain_k = self.model_chain.plan()[0]
+        self._planned = None
         k = 0 if all(self._proposed) else self._chain_k
         return [k] * len(self._proposed)
