@@ -23,9 +23,10 @@ from spec_ext.training.dflash import DFlashTraining, train_dflash  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # sized for a 2-core machine shared with other jobs (about an hour of training): see docs/block_drafters.md
-BUNDLED = DFlashTraining(sequences=2048, validation_sequences=32, prompt_tokens=128, new_tokens=96, steps=800,
+BUNDLED = DFlashTraining(sequences=1024, validation_sequences=32, prompt_tokens=128, new_tokens=96, steps=600,
                          batch=8, anchors=48, block_size=16, layers=1, loss="kl", lr=1.5e-3, warmup=50,
-                         draft_vocab=2048, layer_ids=(2, 4, 6, 7), validate_every=250, checkpoint_every=50)
+                         draft_vocab=2048, layer_ids=(2, 4, 6, 7), init="focused", validate_every=100,
+                         checkpoint_every=50)
 
 
 def main():

@@ -18,10 +18,13 @@ The recipe of DFlash (arXiv 2602.06036) and vLLM's ``speculators``, on what one 
    hidden state) over the draft vocabulary. Slot j is weighted by ``exp(-(j-1)/gamma)``
    (speculators' and DFlash's decay: the early slots decide how many drafts a round keeps),
    averaged over the slots whose label exists;
-4. initialisation from the target's own last layers (attention, MLP and norms; Qwen3's q/k
-   norms start as ones), ``norm`` and the output head the target's, ``fc`` passing the deepest
-   tapped layer through; the mask token is the least frequent token of the data (its row of
-   the target's embedding is the mask's embedding);
+4. initialisation from the target's own last layers (attention, MLP and norms), ``norm`` and
+   the output head the target's, ``fc`` passing the copied first layer's own input through;
+   ``init``: "copied" leaves it there (Qwen3's q/k norms as ones), "calibrated" gives
+   ``hidden_norm`` and the q/k norms the target layer's scales, "focused" (the default) also
+   aims the mask token's queries at the positions slot 1 predicts from
+   (:func:`calibrate_to_target`); the mask token is the least frequent token of the data with
+   a non-zero embedding (its row of the target's embedding is the mask's embedding);
 5. a draft vocabulary of the ``draft_vocab`` most frequent tokens of the data (when set);
 6. checkpoints every ``checkpoint_every`` steps (drafter, optimiser, step; a rerun resumes to
    the weights an uninterrupted run reaches) and the held-out agreement printed: each slot's
@@ -46,6 +49,7 @@ from tqdm import tqdm
 
 from spec_ext.models import num_layers
 from spec_ext.models.dflash import DFlashConfig, DFlashDraft
+from spec_ext.models.eagle import _linear, _rotate
 from spec_ext.training.corpus import (cosine_lr, frequent_tokens, frozen_float32, load_checkpoint, on_policy_splits,
                                       save_checkpoint)
 
@@ -67,6 +71,7 @@ class DFlashTraining:
     lr: float = 1e-3
     warmup: int = 50
     draft_vocab: int | None = None  # None: the target's whole vocabulary (through its own head)
+    init: str = "focused"  # "copied", "calibrated" or "focused": see initial_dflash and calibrate_to_target
     layer_ids: tuple[int, ...] | None = None  # None: default_layer_ids(L)
     validate_every: int = 250
     checkpoint_every: int = 250
@@ -140,15 +145,18 @@ def initial_dflash(target, layer_ids: tuple[int, ...], layers: int, block_size: 
             if module.bias is not None:
                 torch.nn.init.zeros_(module.bias)
     H = text.hidden_size
+    own = getattr(getattr(target, "model", None), "layers", None)
+    copied = own is not None and len(own) >= layers
+    first = len(own) - layers if copied else None  # the target layer the drafter's first layer copies
+    passed = layer_ids.index(first) if first in layer_ids else len(layer_ids) - 1
     with torch.no_grad():
         draft.fc.weight.zero_()
-        draft.fc.weight[:, -H:] = torch.eye(H)  # the deepest tapped layer, passed through
+        draft.fc.weight[:, passed * H:(passed + 1) * H] = torch.eye(H)  # the copied layer's input, passed through
         if draft.reduced:
             draft.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
             draft.lm_head.weight.copy_(target.get_output_embeddings().weight.detach().float()[draft_ids])
-        own = getattr(getattr(target, "model", None), "layers", None)
-        if own is not None and len(own) >= layers:
-            for mine, theirs in zip(draft.layers, own[len(own) - layers:]):
+        if copied:
+            for mine, theirs in zip(draft.layers, own[first:]):
                 shapes = {k: v.shape for k, v in mine.state_dict().items()}
                 mine.load_state_dict({k: v.detach().float() for k, v in theirs.state_dict().items()
                                       if shapes.get(k) == v.shape}, strict=False)  # q/k norms: Qwen3's own
@@ -156,6 +164,72 @@ def initial_dflash(target, layer_ids: tuple[int, ...], layers: int, block_size: 
         if getattr(norm, "weight", None) is not None and norm.weight.shape == draft.norm.weight.shape:
             draft.norm.weight.copy_(norm.weight.detach().float())
     return draft
+
+
+# the mask queries' scale over the target's. On the bundled target (source text, anchors 12-39)
+# slot 1's heads aimed at n - 1 put 0.044 of their attention there (copied: 0.022); the heads
+# aimed at the anchor do not gain (0.053 against 0.067). Trained 200 steps (512 continuations),
+# the focused drafter is accepted 0.31 per round, the copied one 0.19 (docs/block_drafters.md).
+FOCUS_SHARPNESS = 4.0
+
+
+@torch.no_grad()
+def calibrate_to_target(draft: DFlashDraft, target, features: Tensor, tokens: Tensor, focus: bool = True) -> None:
+    """Make the drafter's first layer (copied from the target's layer ``L - layers`` by
+    :func:`initial_dflash`, whose input ``fc`` passes through) attend as that layer does, on
+    ``features`` [N,S,F] and ``tokens`` [N,S] of the data:
+
+    * ``hidden_norm`` takes that layer's ``input_layernorm`` weight, so the context keys and
+      values are the target layer's own on its input (up to the per-head RMS of ``k_norm``);
+    * ``q_norm``/``k_norm`` (Qwen3's, absent from a Llama layer) take per-dimension scales that
+      give the queries and keys the target's mean square there, so scores keep its sharpness;
+    * ``focus``: the mask token's query (the b - 1 mask slots all share its content) becomes,
+      per head, the matched filter of the mean key at a fixed offset under the rotary embedding:
+      even heads of each key group peak two positions back (slot 1 sees context n - 1), odd heads
+      one back (slot 1 sees the anchor), through a rank-1 change of ``q_proj`` along the mask
+      embedding, and the queries scaled by ``FOCUS_SHARPNESS`` (a one-layer drafter's queries are
+      the block's only: the anchor slot's output is no draft). A mask slot otherwise starts with
+      a query unrelated to where its inputs are.
+    Drafters with no copied layer (``fc`` not a pass-through of a target layer) are left as
+    they are."""
+    own = getattr(getattr(target, "model", None), "layers", None)
+    if own is None or len(own) < draft.num_layers:
+        return
+    theirs, mine = own[len(own) - draft.num_layers], draft.layers[0]
+    norm = getattr(theirs, "input_layernorm", None)
+    if getattr(norm, "weight", None) is None or norm.weight.shape != draft.hidden_norm.weight.shape:
+        return
+    attn = mine.self_attn
+    D = attn.head_dim
+    draft.hidden_norm.weight.copy_(norm.weight.detach().float())
+    context = draft.project(features.float()).flatten(0, 1)  # [N*S,H]: the target layer's normed input
+    for projection, scale in ((attn.q_proj, attn.q_norm), (attn.k_proj, attn.k_norm)):
+        raw = _linear(projection, context).view(len(context), -1, D)
+        normed = raw * torch.rsqrt(raw.pow(2).mean(-1, keepdim=True) + scale.eps)
+        scale.weight.copy_((raw.pow(2).mean((0, 1)) / normed.pow(2).mean((0, 1)).clamp_min(1e-12)).sqrt())
+    if not focus:
+        return
+    embedding = target.get_input_embeddings().weight.detach().float()
+    anchors = mine.input_layernorm(F.embedding(tokens.flatten(), embedding))
+    keys = {name: attn.k_norm(_linear(attn.k_proj, x).view(len(x), -1, D)).mean(0)  # [Hkv,D] pre-rotary
+            for name, x in (("context", context), ("anchor", anchors))}
+    cos, sin = draft.rope(torch.arange(3)[None], torch.float32, 3)  # [1,1,3,D]
+    heads = attn.q_proj.out_features // D
+    group = heads // keys["context"].shape[0]
+    wanted = torch.empty(heads, D)
+    for h in range(heads):
+        back = 2 if h % 2 == 0 else 1  # positions from slot 1 back to the key it should see
+        key = keys["context" if back == 2 else "anchor"][h // group]
+        wanted[h] = _rotate(key, cos[0, 0, back], -sin[0, 0, back])  # q* = R(-back) k: q*.R(-back)k is largest
+    mask = mine.input_layernorm(embedding[draft.config.mask_token_id])
+    if not mask.abs().sum() > 0:
+        raise ValueError(f"mask_token_id: token {draft.config.mask_token_id}'s embedding is all zeros (a padding row?): "
+                         "the mask slots' queries cannot be focused; pick a token with an embedding")
+    current = _linear(attn.q_proj, mask).view(heads, D)
+    raw = wanted / attn.q_norm.weight.clamp_min(1e-6)  # q_norm(raw) is wanted up to a positive scale
+    raw = raw * (current.pow(2).mean(-1, keepdim=True) / raw.pow(2).mean(-1, keepdim=True).clamp_min(1e-12)).sqrt()
+    attn.q_proj.weight.add_(torch.outer((raw - current).flatten(), mask / mask.dot(mask)))
+    attn.q_norm.weight.mul_(FOCUS_SHARPNESS)
 
 
 def block_losses(draft: DFlashDraft, target, batch: tuple[Tensor, Tensor, Tensor], anchors: Tensor,
@@ -257,6 +331,8 @@ def train_dflash(target, tokenizer, files: list[Path], out: str | Path, work: st
         raise ValueError(f"block_size: {settings.block_size} slots propose no draft (at least 2)")
     if settings.gamma <= 0:
         raise ValueError(f"gamma: the slot weights' decay must be positive, got {settings.gamma}")
+    if settings.init not in ("copied", "calibrated", "focused"):
+        raise ValueError(f"init: 'copied', 'calibrated' or 'focused', got {settings.init!r}")
     if settings.new_tokens < 2:
         raise ValueError(f"new_tokens: {settings.new_tokens}; anchors need at least 2 continued tokens")
     work, out = Path(work), Path(out)
@@ -270,7 +346,10 @@ def train_dflash(target, tokenizer, files: list[Path], out: str | Path, work: st
                             settings.validation_sequences, settings.prompt_tokens, settings.new_tokens, settings.seed)
     vocab = target.config.get_text_config().vocab_size
     counts = torch.bincount(data["train"][0].flatten(), minlength=vocab)
-    mask_token_id = int(torch.sort(counts, stable=True).indices[0])  # the least frequent token
+    # the least frequent token whose embedding is not all zeros (a padding row: a mask slot's input would be 0)
+    embedded = target.get_input_embeddings().weight.detach()[:vocab].abs().sum(-1) > 0
+    counts = torch.where(embedded, counts, counts.max() + 1)
+    mask_token_id = int(torch.sort(counts, stable=True).indices[0])
     draft_ids = None
     if settings.draft_vocab is not None and settings.draft_vocab < vocab:
         draft_ids = frequent_tokens(data["train"][0], settings.draft_vocab, vocab)
@@ -279,6 +358,9 @@ def train_dflash(target, tokenizer, files: list[Path], out: str | Path, work: st
             f"continuations")
     draft = initial_dflash(target, layer_ids, settings.layers, settings.block_size, mask_token_id, draft_ids,
                            settings.seed)
+    if settings.init != "copied":
+        calibrate_to_target(draft, target, data["train"][1][:64], data["train"][0][:64],
+                            focus=settings.init == "focused")
     trained = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     weights = slot_weights(settings.block_size, settings.gamma)
