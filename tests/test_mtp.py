@@ -1,12 +1,20 @@
 """The MTP drafter (``draft="mtp"``): a target checkpoint's own multi-token-prediction layers,
 loaded through transformers' ``MtpModel``, drafting from the verification's hidden states.
 
-Tiny random glm4_moe and deepseek_v3 (MLA: keys and values of other widths) targets are
-written as their real checkpoints are: the MTP blocks as decoder layers L .. L+K-1 (in the
-layout save_pretrained writes a decoder layer), with ``enorm``, ``hnorm``, ``eh_proj`` and
-``shared_head.norm`` beside them; the MTP layers are trained a little on the target's own
-greedy continuations so that their drafts are accepted often (and rejected often)."""
+Tiny random targets of every architecture transformers loads MTP layers for and spec_ext can
+decode are written as their real checkpoints are laid out: glm4_moe, deepseek_v3 (MLA: keys
+and values of other widths) and step3p7 (a multimodal model; per-layer query head counts and
+RoPE, sliding-window layers) keep the MTP blocks as decoder layers L .. L+K-1 with ``enorm``,
+``hnorm``, ``eh_proj`` and ``shared_head.norm`` beside them; ernie4_5_moe as ``mtp_block.{k}``,
+``mtp_emb_norm.{k}``, ``mtp_hidden_norm.{k}``, ``mtp_linear_proj.{k}`` with the main model's
+final norm as the MTP post-norm; mellum (a sliding-window MTP layer with its own RoPE) as
+``mtp.layers.0``, ``mtp.fc``, ``mtp.pre_fc_norm_*``, ``mtp.norm``. Each block is written in the
+layout the architecture's ``save_pretrained`` writes a decoder layer (its weight conversions
+reverted). The MTP layers are trained a little on the target's own greedy continuations so
+that their drafts are accepted often (and rejected often). bailing_hybrid and inkling are
+refused by name (recurrent layers)."""
 import os
+import re
 import shutil
 
 import pytest
@@ -22,41 +30,99 @@ from spec_ext.policies import DynamicTree, Fixed, Tree
 from helpers import PROMPT, VOCAB, assert_follows, exact_joint, hf_greedy, ragged_greedy_equals_target
 
 CLASSES = {"glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig"),
-           "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config")}
+           "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config"),
+           "ernie4_5_moe": ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig"),
+           "mellum": ("MellumForCausalLM", "MellumConfig"),
+           "step3p7": ("Step3p7ForConditionalGeneration", "Step3p7Config")}
 LAYERS = 2
 
 
 def tiny_config(kind: str, mtp_layers: int, vocab: int, layers: int):
     config = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
-                  bos_token_id=1, eos_token_id=2, num_mtp_layers=mtp_layers, moe_intermediate_size=24,
-                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
-                  topk_group=1)
+                  bos_token_id=1, eos_token_id=2, num_mtp_layers=mtp_layers)
+    deepseek_moe = dict(moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=1, topk_group=1)
     if kind == "glm4_moe":
-        config.update(head_dim=8)
-    else:  # MLA: keys qk_nope + qk_rope = 16 wide, values 8, a latent of 16 cached beside the rope keys
+        config.update(head_dim=8, **deepseek_moe)
+    elif kind == "deepseek_v3":  # MLA: keys qk_nope + qk_rope = 16 wide, values 8, a latent of 16 cached, rope keys
         config.update(kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-                      num_key_value_heads=4)
+                      num_key_value_heads=4, **deepseek_moe)
+    elif kind == "ernie4_5_moe":  # layer 1 MoE; the MTP block (index 0 of the MTP config) dense, as transformers has it
+        # untied: a random target with its head tied to the embedding repeats its last token, which a layer trained
+        # on 24 sequences learns for the tokens it saw only
+        config.update(head_dim=8, moe_num_experts=4, moe_k=2, moe_intermediate_size=24, moe_layer_start_index=1,
+                      tie_word_embeddings=False)
+    elif kind == "mellum":  # the MTP layer is a sliding-window one (window 4), with that layer type's own RoPE
+        config.update(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, sliding_window=4,
+                      layer_types=["sliding_attention", "full_attention"][:layers])
+    elif kind == "step3p7":  # the legacy layout: per-layer lists padded with the MTP layers' entries
+        del config["num_mtp_layers"]
+        types = (["sliding_attention", "full_attention"] * layers)[:layers]
+        types += ["full_attention", "sliding_attention"][:mtp_layers]
+        text = dict(config, head_dim=8, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
+                    share_expert_dim=24, num_nextn_predict_layers=mtp_layers, sliding_window=4,
+                    num_sliding_attention_heads=2, layer_types=types,
+                    rope_theta=[10_000.0 if t == "sliding_attention" else 500_000.0 for t in types],
+                    mlp_layer_types=(["dense"] + ["sparse"] * (len(types) - 1)))
+        return transformers.Step3p7Config(text_config=text, vision_config=dict(
+            hidden_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=56, patch_size=14))
     return getattr(transformers, CLASSES[kind][1])(**config)
+
+
+def checkpoint_names(kind: str, layer: int) -> dict:
+    """Where the real checkpoints of ``kind`` keep MTP layer ``layer``'s parts (the block's
+    weights under ``block``; None: the part is a main-model weight, ``SHARED``)."""
+    if kind == "ernie4_5_moe":
+        return dict(block=f"model.mtp_block.{layer}.", enorm=f"model.mtp_emb_norm.{layer}.",
+                    hnorm=f"model.mtp_hidden_norm.{layer}.", eh_proj=f"model.mtp_linear_proj.{layer}.", post_norm=None)
+    if kind == "mellum":
+        return dict(block=f"mtp.layers.{layer}.", enorm="mtp.pre_fc_norm_embedding.", hnorm="mtp.pre_fc_norm_hidden.",
+                    eh_proj="mtp.fc.", post_norm="mtp.norm.")
+    at = f"model.layers.{LAYERS + layer}."
+    return dict(block=at, enorm=at + "enorm.", hnorm=at + "hnorm.", eh_proj=at + "eh_proj.",
+                post_norm=at + "shared_head.norm.")
+
+
+# MTP-layer parts that are the main model's weights in the checkpoint (ERNIE: the final norm)
+SHARED = {"ernie4_5_moe": {"post_norm": "model.norm"}}
+
+
+def block_carrier(cls, target):
+    """A ``cls`` model whose decoder layers are built from the MTP config (what ``MtpModel``
+    builds its blocks from): the blocks initialised as the architecture initialises its
+    layers, and ``save_pretrained`` writes them in the checkpoint's layout."""
+    mtp_config = target.config.get_mtp_config()
+    if target.config.get_text_config() is target.config:
+        return cls(mtp_config).eval()
+    text = mtp_config.to_dict()  # a multimodal config: the MTP config as its text config, per-layer overrides kept
+    text["per_layer_config"] = text.get("per_layer_config") or {}
+    return cls(type(target.config)(**{**target.config.to_dict(), "text_config": text})).eval()
 
 
 def write_mtp_checkpoint(kind: str, path: str, mtp_layers: int = 1, vocab: int = 61, seed: int = 0,
                          steps: int = 60):
     """A tiny ``kind`` target saved in ``path`` with ``mtp_layers`` MTP layers in its checkpoint,
-    loaded back with from_pretrained (so ``config.name_or_path`` is ``path``)."""
+    loaded back with from_pretrained (so ``config.name_or_path`` is ``path``), and the trained
+    ``MtpModel`` the checkpoint holds."""
     from transformers.modeling_layers import MtpModel
     cls = getattr(transformers, CLASSES[kind][0])
     torch.manual_seed(seed)
-    full = cls(tiny_config(kind, mtp_layers, vocab, LAYERS + mtp_layers)).eval()
-    with torch.no_grad():
-        for p in full.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
     target = cls(tiny_config(kind, mtp_layers, vocab, LAYERS)).eval()
-    target.load_state_dict(full.state_dict(), strict=False)
+    carrier = block_carrier(cls, target)
+    with torch.no_grad():
+        for p in [*target.parameters(), *carrier.parameters()]:
+            if p.dim() >= 2:
+                p.mul_(3.0)
     mtp = MtpModel(target, mtp_layers)
-    for i in range(mtp_layers):
-        mtp.layers[i].mtp_block.load_state_dict(full.model.layers[LAYERS + i].state_dict())
+    shared = SHARED.get(kind, {})
+    main = dict(target.named_parameters())
+    with torch.no_grad():
+        for i in range(mtp_layers):
+            mtp.layers[i].mtp_block.load_state_dict(carrier.get_decoder().layers[i].state_dict())
+            for part, name in shared.items():
+                getattr(mtp.layers[i], part).weight.copy_(main[f"{name}.weight"])
+    frozen = {f"layers.{i}.{part}.weight" for i in range(mtp_layers) for part in shared}
     # the full-sequence MTP objective (layer i at index p predicts x_{p+i+2}) on the target's continuations
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -64,7 +130,7 @@ def write_mtp_checkpoint(kind: str, path: str, mtp_layers: int = 1, vocab: int =
                                eos_token_id=None, pad_token_id=0)
         h = target(seqs, output_hidden_states=True).hidden_states[-1]
     optimizer = torch.optim.Adam([p for n, p in mtp.named_parameters()
-                                  if not n.startswith(("embed_tokens", "shared_head"))], lr=3e-3)
+                                  if not n.startswith(("embed_tokens", "shared_head")) and n not in frozen], lr=3e-3)
     n = seqs.shape[1] - 1 - mtp_layers
     positions = torch.arange(seqs.shape[1]).expand(len(seqs), -1)
     for _ in range(steps):
@@ -78,28 +144,32 @@ def write_mtp_checkpoint(kind: str, path: str, mtp_layers: int = 1, vocab: int =
         optimizer.step()
     target.save_pretrained(path)
     state = load_file(os.path.join(path, "model.safetensors"))
-    for i in range(mtp_layers):
-        full.model.layers[LAYERS + i].load_state_dict(mtp.layers[i].mtp_block.state_dict())
     blocks = os.path.join(path, "blocks")  # removed below: from_pretrained reads path's own files only
-    full.save_pretrained(blocks)
-    for name, tensor in load_file(os.path.join(blocks, "model.safetensors")).items():
-        if any(name.startswith(f"model.layers.{LAYERS + i}.") for i in range(mtp_layers)):
-            state[name] = tensor
+    for i in range(mtp_layers):
+        carrier.get_decoder().layers[i].load_state_dict(mtp.layers[i].mtp_block.state_dict())
+    carrier.save_pretrained(blocks)
+    written = load_file(os.path.join(blocks, "model.safetensors"))
     shutil.rmtree(blocks)
     for i in range(mtp_layers):
-        for part, key in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
-                          ("post_norm", "shared_head.norm")):
-            state[f"model.layers.{LAYERS + i}.{key}.weight"] = getattr(mtp.layers[i], part).weight.detach().clone()
+        names, layer = checkpoint_names(kind, i), re.compile(rf"(^|\.)layers\.{i}\.")
+        for name, tensor in written.items():  # the carrier's decoder layer i, in the checkpoint's layout
+            found = layer.search(name)
+            if found and "vision" not in name:
+                state[names["block"] + name[found.end():]] = tensor
+        for part in ("enorm", "hnorm", "eh_proj", "post_norm"):
+            if names[part] is not None:
+                state[names[part] + "weight"] = getattr(mtp.layers[i], part).weight.detach().clone()
     save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     loaded = cls.from_pretrained(path).eval()
-    # the classes name their real checkpoints' MTP layer (DeepSeek-V3: model.layers.61); a tiny
-    # checkpoint's sit at its own layer count, as the real ones do
-    loaded._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{LAYERS + i}\..*" for i in range(mtp_layers)]
+    if kind in ("glm4_moe", "deepseek_v3"):
+        # the classes name their real checkpoints' MTP layer (DeepSeek-V3: model.layers.61); a tiny
+        # checkpoint's sit at its own layer count, as the real ones do
+        loaded._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{LAYERS + i}\..*" for i in range(mtp_layers)]
     return loaded, mtp
 
 
 _TARGETS: dict = {}
-CASES = [("glm4_moe", 1), ("deepseek_v3", 1), ("glm4_moe", 2)]
+CASES = [("glm4_moe", 1), ("deepseek_v3", 1), ("glm4_moe", 2), ("ernie4_5_moe", 1), ("mellum", 1), ("step3p7", 2)]
 _TMP: list = []  # pytest's tmp_path_factory: the checkpoints the module shares live under its base temp
 
 
@@ -129,10 +199,13 @@ PROMPTS = [[5, 17, 33, 8, 9, 10, 11], [40, 3], [7, 21, 50, 4]]
 
 @pytest.mark.parametrize("kind,mtp_layers", CASES)
 def test_the_mtp_layers_load_through_transformers(kind, mtp_layers):
+    """``MtpModel.from_pretrained`` reads back every weight written in the architecture's layout
+    (its regex and renamings), bit-equal to the trained model's (the embedding and head: the
+    target's; ERNIE's post-norm: the target's final norm)."""
     target, trained = target_with_mtp(kind, mtp_layers)
     mtp = load_mtp(target)
     assert len(mtp.layers) == mtp_layers and mtp.embed_tokens is target.get_input_embeddings()
-    mine, theirs = mtp.layers.state_dict(), trained.layers.state_dict()
+    mine, theirs = mtp.state_dict(), trained.state_dict()
     assert sorted(mine) == sorted(theirs)
     for name in mine:
         assert torch.equal(mine[name], theirs[name]), name
@@ -159,7 +232,10 @@ def test_greedy_ragged_batch_with_eos_where_transformers_refuses(kind, mtp_layer
         target.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=4, use_mtp=True, do_sample=False)
     policies = {("glm4_moe", 1): [Fixed(4), DynamicTree(depth=3, top_k=2, nodes=6)],
                 ("deepseek_v3", 1): [Fixed(4), "tree"],
-                ("glm4_moe", 2): [Fixed(4), Tree(), DynamicTree(depth=4, top_k=2, nodes=8)]}[kind, mtp_layers]
+                ("glm4_moe", 2): [Fixed(4), Tree(), DynamicTree(depth=4, top_k=2, nodes=8)],
+                ("ernie4_5_moe", 1): [Fixed(4), DynamicTree(depth=3, top_k=2, nodes=6)],
+                ("mellum", 1): [Fixed(4), "tree"],
+                ("step3p7", 2): [Fixed(4), DynamicTree(depth=4, top_k=2, nodes=8)]}[kind, mtp_layers]
     for policy in policies:
         out = ragged_greedy_equals_target(target, "mtp", PROMPTS, policy, 24, range(4, 11))
         assert out.stats.accepted > 0
@@ -194,6 +270,47 @@ def test_a_target_without_mtp_layers_is_refused_by_name(tmp_path):
     bare._keys_to_ignore_on_load_unexpected = [r"model\.layers\.2\..*"]
     with pytest.raises(ValueError, match="declares 1 MTP layers but its checkpoint .* has no usable MTP weights"):
         spec_ext.generate(bare, "mtp", [[5, 6]], max_new_tokens=4)
+
+
+def refused_target(kind: str):
+    """A tiny random ``kind`` target with one MTP layer (in memory: the refusal comes before
+    anything is read)."""
+    config = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2, num_mtp_layers=1)
+    if kind == "bailing_hybrid":  # layer 0 linear attention (KDA), layer 1 full (MLA)
+        return transformers.BailingHybridForCausalLM(transformers.BailingHybridConfig(
+            **config, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, layer_group_size=2))
+    if kind == "inkling":  # short convolutions beside every attention, a relative position bias
+        return transformers.InklingForCausalLM(transformers.InklingTextConfig(**config))
+    # a mellum whose MTP layer would be a linear-attention one (no released architecture: the guard itself)
+    return transformers.MellumForCausalLM(transformers.MellumConfig(
+        **config, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mtp_layer_types=["linear_attention"]))
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("bailing_hybrid", r"target: BailingHybridForCausalLM \(model_type 'bailing_hybrid'\) is not supported: recurrent "
+                       r"or state-space layers \('linear_attention' layers\): their state cannot be rolled back"),
+    ("inkling", r"target: InklingForCausalLM \(model_type 'inkling_text'\) is not supported: recurrent or "
+                r"state-space layers \('hybrid.*' layers\): their state cannot be rolled back"),
+    ("linear-mtp-layer", r"draft: 'mtp' cannot draft with the MTP layers of the target MellumForCausalLM \(model_type "
+                         r"'mellum'\): its MTP layer 0 is a 'linear_attention' layer")])
+def test_architectures_spec_ext_cannot_decode_are_refused_by_name(kind, message):
+    """bailing_hybrid (Ring-2.5: linear attention, recurrent) and Inkling (short convolutions,
+    whose state is recurrent; its attention adds a position bias outside the attention
+    interface) are refused by name with the reason before anything is loaded, through ``"mtp"``
+    and through an ``MtpModel`` passed as the draft; MTP layers that are not attention layers
+    are refused by the MTP guard (an ``MtpModel`` passed as the draft too)."""
+    from transformers.modeling_layers import MtpModel
+    target = refused_target(kind).eval()
+    with pytest.raises(ValueError, match=message):
+        spec_ext.generate(target, "mtp", [[5, 6]], max_new_tokens=4)
+    if kind == "bailing_hybrid":  # transformers 5.25 cannot build its MTP layers (no mtp_layer_types)
+        return
+    drafter = MtpDrafter(MtpModel(target, 1), Fixed(1))
+    refusal = message if kind == "inkling" else r"draft: these MTP layers cannot draft: its MTP layer 0 is a 'linear"
+    with pytest.raises(ValueError, match=refusal):
+        spec_ext.generate(target, drafter, [[5, 6]], max_new_tokens=4)
 
 
 # ---------------------------------------------------------------- the drafts themselves
@@ -256,9 +373,11 @@ class Recording(MtpDrafter):
 @pytest.mark.parametrize("kind,mtp_layers,policy", [("glm4_moe", 1, Fixed(4)), ("deepseek_v3", 1, Tree()),
                                                     ("glm4_moe", 2, Fixed(4)), ("glm4_moe", 1, DynamicTree(3, 2, 6)),
                                                     ("glm4_moe", 2, Tree()), ("glm4_moe", 2, DynamicTree(4, 2, 8)),
-                                                    ("glm4_moe", 2, Fixed(1))],
+                                                    ("glm4_moe", 2, Fixed(1)), ("mellum", 1, Tree()),
+                                                    ("step3p7", 2, Fixed(4))],
                          ids=["glm-chain", "mla-tree", "glm2-chain", "glm-dynamic-tree", "glm2-tree",
-                              "glm2-dynamic-tree", "glm2-chain-shorter-than-the-layers"])
+                              "glm2-dynamic-tree", "glm2-chain-shorter-than-the-layers", "mellum-window-tree",
+                              "step3p7-2-layers-chain"])
 def test_after_every_commit_the_next_proposal_is_a_fresh_drafters(kind, mtp_layers, policy):
     """Every round of a ragged batch (accepted and rejected drafts, chains past the layers,
     trees): the drafter's proposal on its incremental state equals a new drafter's on the
@@ -608,10 +727,12 @@ RAGGED = PROMPTS + [[12, 30, 44, 2, 19, 26, 33, 47, 5, 6, 58], [9]]  # left-padd
 
 @pytest.mark.parametrize("source,policy", [(("glm4_moe", 1), Fixed(1)), (("glm4_moe", 2), Fixed(1)),
                                            (("glm4_moe", 2), Fixed(3)), (("deepseek_v3", 1), Fixed(2)),
+                                           (("mellum", 1), Fixed(2)), (("step3p7", 2), Fixed(3)),
                                            ("speculators", Fixed(1)), ("speculators", Fixed(3)),
                                            ("speculators-hf-modules", Fixed(1))],
                          ids=["glm-1-layer", "glm-2-layers-fixed-1", "glm-2-layers-fixed-3", "mla-fixed-2",
-                              "speculators-fixed-1", "speculators-fixed-3", "speculators-hf-modules"])
+                              "mellum-window-fixed-2", "step3p7-2-layers-fixed-3", "speculators-fixed-1",
+                              "speculators-fixed-3", "speculators-hf-modules"])
 def test_each_rows_drafts_in_a_ragged_batch_are_its_drafts_alone(source, policy):
     """Greedy, a ragged left-padded batch (a one-token prompt among them): every round's drafts
     of each row, and its per-row accepted and round counts, equal that row's generated alone
@@ -654,9 +775,10 @@ def test_each_rows_drafts_in_a_ragged_batch_are_its_drafts_alone(source, policy)
 
 
 # ---------------------------------------------------------------- the lean MTP step
-def llama_with_mtp(mtp_layers: int, vocab: int = 61, seed: int = 0):
+def llama_with_mtp(mtp_layers: int, vocab: int = 61, seed: int = 0, **options):
     """A tiny random Llama target and ``mtp_layers`` random transformers ``MtpModel`` layers
-    for it (Llama decoder blocks), in memory."""
+    for it (Llama decoder blocks), in memory; ``options`` set on the target's config before
+    the MTP model is built (``MtpModel``'s: ``mtp_hidden_states_first``, ...)."""
     from transformers import initialization
     from transformers.modeling_layers import MtpModel
     torch.manual_seed(seed)
@@ -669,12 +791,15 @@ def llama_with_mtp(mtp_layers: int, vocab: int = 61, seed: int = 0):
             if p.dim() == 2:
                 p.mul_(3.0)
     target.config.num_mtp_layers = mtp_layers
+    for name, value in options.items():
+        setattr(target.config, name, value)
     with initialization.no_tie_weights():
         mtp = MtpModel(target, mtp_layers)
     with torch.no_grad():  # each layer mostly passes the hidden state on: drafts accepted and rejected
         for layer in mtp.layers:
             layer.mtp_block.load_state_dict(target.model.layers[-1].state_dict())
-            layer.eh_proj.weight.copy_(torch.cat([0.3 * torch.randn(32, 32), torch.eye(32)], 1))
+            parts = [0.3 * torch.randn(32, 32), torch.eye(32)]  # [embedding; hidden] unless the hidden state is first
+            layer.eh_proj.weight.copy_(torch.cat(parts[::-1] if options.get("mtp_hidden_states_first") else parts, 1))
     return target, mtp.eval()
 
 
@@ -739,3 +864,43 @@ def test_the_lean_mtp_step_drafts_what_the_hf_modules_draft(source, policy, temp
         if temperature == 0.0:
             for i, prompt in enumerate(prompts):
                 assert lean_out.sequences[i, -12:].tolist() == hf_greedy(target, prompt, 12, eos=[])
+
+
+# Inkling's MtpModel options (its target is refused: test_architectures_spec_ext_cannot_decode_are_refused_by_name)
+OPTIONS = dict(mtp_hidden_states_first=True, chain_hidden_post_norm=True, logits_mup_width_multiplier=2.0,
+               unpadded_vocab_size=57)
+
+
+def test_mtp_model_options_are_honoured_on_both_paths():
+    """``MtpModel``'s options (Inkling's checkpoints use them): the projection reads [hidden;
+    embedding], one shared post-norm after every layer instead of each layer's, the head's
+    input divided by the muP width multiplier, logits cut to the unpadded vocabulary. On a
+    2-layer Llama MTP, through the lean step and the HF modules: a ragged batch's first K
+    greedy drafts and q equal ``MtpModel.forward``'s (q 0 past the unpadded vocabulary), and
+    greedy decoding equals the target's."""
+    from transformers.cache_utils import MtpCache
+    from spec_ext.models.lean import hf_modules
+    target, mtp = llama_with_mtp(2, **OPTIONS)
+    assert mtp.use_shared_post_norm and not mtp.use_post_norm
+    V = OPTIONS["unpadded_vocab_size"]
+    expected = []
+    for b, seq in enumerate(PROMPTS):
+        with torch.no_grad():
+            drafts, logits, _ = mtp(input_ids=torch.tensor([seq[1:]]), last_hidden_states=target_features(target, seq),
+                                    attention_mask=None, position_ids=torch.arange(1, len(seq))[None],
+                                    mtp_cache=MtpCache(config=target.config.get_mtp_config()), do_sample=False)
+        assert logits.shape[-1] == V
+        expected.append((drafts[0], torch.softmax(logits[0].float(), -1)))
+    for forced in (False, True):
+        with hf_modules(mtp) if forced else torch.no_grad():
+            greedy, drafter = fresh_proposal(target, mtp, Fixed(2), PROMPTS)
+            assert (drafter.lean is None) == forced
+            sampled, _ = fresh_proposal(target, mtp, Fixed(2), PROMPTS, Sampler(1.0))
+            for b, (drafts, probs) in enumerate(expected):
+                assert greedy.tokens[b].tolist() == drafts.tolist()
+                torch.testing.assert_close(greedy.confidence[b], probs.gather(1, drafts[:, None])[:, 0], rtol=1e-5,
+                                           atol=1e-6)
+                torch.testing.assert_close(sampled.q[b, 0, :V], probs[0], rtol=1e-5, atol=1e-6)
+                assert sampled.q.shape[-1] == 61 and not sampled.q[b, 0, V:].any()
+            out = ragged_greedy_equals_target(target, MtpDrafter(mtp, Fixed(3)), PROMPTS, "auto", 16, range(4, 11))
+            assert out.stats.accepted > 0

@@ -9,7 +9,8 @@ from torch import Tensor
 from spec_ext.drafters.base import (Drafter, Outcome, Proposal, Sampler, draft_chain, grow_dynamic_tree,
                                     grow_static_tree)
 from spec_ext.models import SpecCache, check_model, num_layers, vocabulary_size
-from spec_ext.models.mtp import LeanMtp, layer_step, mtp_logits, position_shift, spec_attention, why_not_lean_mtp
+from spec_ext.models.mtp import (LeanMtp, layer_step, mtp_logits, position_shift, spec_attention, why_not_lean_mtp,
+                                 why_not_mtp)
 from spec_ext.policies import Policy
 
 
@@ -53,6 +54,9 @@ class MtpDrafter(Drafter):
 
     def bind(self, target) -> None:
         check_model(target, "target")
+        reason = why_not_mtp(self.mtp.config)
+        if reason is not None:
+            raise ValueError(f"draft: these MTP layers cannot draft: {reason}")
         if self.mtp.embed_tokens is not target.get_input_embeddings() and \
                 self.mtp.embed_tokens.weight.shape != target.get_input_embeddings().weight.shape:
             raise ValueError("draft: these MTP layers were loaded for another model (their embedding is not the "

@@ -80,7 +80,8 @@ class SpecCache(Cache):
             if kv_heads % split:
                 raise ValueError(f"{type(model).__name__}: {kv_heads} key-value heads do not split evenly across "
                                  f"tp_size={split} ranks")
-        shape = (config.num_hidden_layers, None, None, batch_size, capacity)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config  # a multimodal model's text
+        shape = (text.num_hidden_layers, None, None, batch_size, capacity)
         send = _SENDERS.get(model)
         if send is not None:
             return MirroredCache(send, *shape, dtype=model.dtype, device=model.device)

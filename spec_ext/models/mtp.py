@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from spec_ext.models.hf import ATTENTION
+from spec_ext.models.hf import _ATTENTION_LAYERS, ATTENTION, check_model
 
 __all__ = ["LeanMtp", "is_mtp_directory", "layer_step", "load_mtp", "load_speculators_mtp", "mtp_layers",
-           "mtp_logits", "position_shift", "save_speculators_mtp", "why_not_lean_mtp"]
+           "mtp_logits", "position_shift", "save_speculators_mtp", "why_not_lean_mtp", "why_not_mtp"]
 
 
 def mtp_layers(model) -> int:
@@ -51,12 +51,26 @@ def mtp_layers(model) -> int:
     return int(getattr(text, "num_mtp_layers", None) or 0)
 
 
+def why_not_mtp(config) -> str | None:
+    """Why spec_ext cannot draft with the MTP layers ``config`` (an MTP config:
+    ``get_mtp_config()``, or ``MtpModel.config``) describes, or None: every MTP layer must be
+    a full or sliding-window attention layer (the KV cache is rolled back to the committed
+    tokens each round; a recurrent state, e.g. linear attention's, cannot be)."""
+    for i, kind in enumerate(getattr(config, "layer_types", None) or []):
+        if kind not in _ATTENTION_LAYERS:
+            return (f"its MTP layer {i} is a {kind!r} layer: spec_ext rolls the MTP layers' state back to the "
+                    "committed tokens every round, which it can do for full and sliding-window attention only")
+    return None
+
+
 def load_mtp(target):
     """The MTP layers of ``target``'s checkpoint (the directory it was loaded from,
     ``config.name_or_path``) as transformers' ``MtpModel``, on the target's device and in its
     dtype, in eval mode; their embedding, head and rotary embedding are the target's own.
-    ValueError naming the target when its config declares no MTP layers or its checkpoint
-    holds none of their weights."""
+    ValueError naming the target when its config declares no MTP layers, when spec_ext cannot
+    decode it (``spec_ext.models.hf.unsupported_reason``: e.g. bailing_hybrid's linear
+    attention, Inkling's short convolutions, both recurrent), when its MTP layers are not
+    attention layers (:func:`why_not_mtp`), or when its checkpoint holds none of their weights."""
     from transformers.modeling_layers import MtpModel
 
     name = f"{type(target).__name__} (model_type {getattr(target.config, 'model_type', None)!r})"
@@ -64,6 +78,13 @@ def load_mtp(target):
     if count < 1:
         raise ValueError(f"draft: 'mtp' drafts with the target's own MTP layers, but the target {name} has none "
                          "(its config declares no num_mtp_layers)")
+    check_model(target, "target")  # before reading anything: a target spec_ext cannot decode, by name
+    try:
+        reason = why_not_mtp(target.config.get_mtp_config())
+    except ValueError as error:  # transformers cannot say how to build them (e.g. layer types without MTP ones)
+        reason = f"transformers cannot build its MTP layers ({error})"
+    if reason is not None:
+        raise ValueError(f"draft: 'mtp' cannot draft with the MTP layers of the target {name}: {reason}")
     path = getattr(target.config, "name_or_path", "") or ""
     if not os.path.isdir(path):
         raise ValueError(f"draft: 'mtp' reads the MTP weights from the target's checkpoint directory, but the "
