@@ -396,7 +396,9 @@ def test_after_every_commit_the_next_proposal_is_a_fresh_drafters(kind, mtp_laye
 # ---------------------------------------------------------------- exact sampling
 @pytest.mark.parametrize("kind,mtp_layers,temperature,top_k,policy", [
     ("glm4_moe", 1, 1.0, None, None), ("deepseek_v3", 1, 0.7, 4, None), ("glm4_moe", 2, 1.0, None, None),
-    ("glm4_moe", 2, 1.0, None, Tree((2, 1, 1)))], ids=["glm", "mla-top-k", "glm2", "glm2-tree"])
+    ("glm4_moe", 2, 1.0, None, Tree((2, 1, 1))), ("ernie4_5_moe", 1, 1.0, None, None),
+    ("mellum", 1, 0.7, 4, None), ("step3p7", 2, 1.0, None, None)],
+    ids=["glm", "mla-top-k", "glm2", "glm2-tree", "ernie", "mellum-sliding-top-k", "step3p7"])
 def test_sampling_follows_the_target_distribution(kind, mtp_layers, temperature, top_k, policy):
     """The first 3 tokens after a 3-token prompt, 20,000 rows, against the enumerated joint
     distribution; chains past the MTP layers (Fixed(K + 1)), a tree past them."""
