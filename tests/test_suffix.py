@@ -491,7 +491,7 @@ def test_width_costs_read_the_timed_widths():
     that a few narrow, noisy widths do not price a wide one at several times its cost."""
     from spec_ext.policies.suffix import width_costs
     policy = _clocked_beside(lambda w: 1.0 + 0.25 * w)
-    table = width_costs(policy.model_chain._widths, 40)
+    table = width_costs(policy.model_chain.timed_widths(), 40)
     for w in (2, 3, 4, 8, 16, 32, 40):  # spread widths measured: the line they lie on (the slope's prior aside)
         assert table[w] == pytest.approx(1.0 + 0.25 * w, rel=0.06), (w, table[w])
     assert all(a <= b + 1e-12 for a, b in zip(table[1:], table[2:]))

@@ -218,12 +218,30 @@ class Auto(Policy):
         slope = max(slope, 0.0)  # a wider verification never costs less
         return max(mean_v + slope * (width - mean_w), 0.5 * min(seen.values()))
 
+    @property
+    def timed(self) -> bool:
+        """Whether rounds are clocked (greedy, or no size ratio to price the drafts by)."""
+        return self._timed
+
+    def timed_widths(self) -> dict[int, tuple[float, float]]:
+        """The timed rounds by verification width: width -> (decayed count, decayed seconds)."""
+        return {w: (n, s) for w, (n, s) in self._widths.items()}
+
     # ------------------------------------------------------------------ the round's clock
-    def drafted(self, seconds: float, forwards: int) -> None:
-        """The drafter's report: this round's draft forwards took ``seconds``."""
+    def drafted(self, seconds: float, forwards: int, averaged: bool = True) -> None:
+        """The drafter's report: this round's draft forwards took ``seconds``. ``averaged``
+        False: taken out of the round's time only, not into a forward's cost (a catch-up over a
+        whole prompt)."""
         if self._timed and forwards > 0:
             self._round_draft += seconds
-            self._draft = [self.forget_cost * self._draft[0] + seconds, self.forget_cost * self._draft[1] + forwards]
+            if averaged:
+                self._draft = [self.forget_cost * self._draft[0] + seconds,
+                               self.forget_cost * self._draft[1] + forwards]
+
+    def verifies(self, width: int) -> None:
+        """The round under way verifies ``width`` tokens per row (the root included): its time
+        is kept at that width (a drafter that verified more than this policy's chain)."""
+        self._width = width
 
     def _tick(self) -> None:
         """A round begins: the one that just ended is timed, its drafts' seconds aside."""

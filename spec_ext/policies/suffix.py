@@ -442,10 +442,10 @@ WIDTH_PULL = 3.0  # width_costs: how many (decayed) measurements the line throug
 SLOPE_PRIOR, SLOPE_PULL = 0.05, 300.0
 
 
-def width_costs(widths: dict[int, list[float]], widest: int) -> list[float]:
+def width_costs(widths: dict[int, Sequence[float]], widest: int) -> list[float]:
     """Seconds of a round verifying each width 0..``widest`` (index = width; 0 unused), from
     :class:`~spec_ext.policies.Auto`'s timed rounds by width (``widths``: width -> [decayed
-    count, decayed seconds], its ``_widths``), computed once for every width: a measured width's
+    count, decayed seconds], its ``timed_widths()``), computed once for every width: a measured width's
     mean shrunk toward the weighted least-squares line through all measured widths, worth
     ``WIDTH_PULL`` measurements, so that a width measured once, on a stall, reads mostly the
     line and one measured every round mostly its own mean; a width not measured reads the line;
@@ -700,7 +700,7 @@ class Suffix(NGram):
         """Whether :meth:`priced` decides this round (greedy beside a model, measured rule,
         ``price_width``, the round's costs timed)."""
         chain = self.model_chain
-        return (self.measured and self.price_width and chain._timed and chain.draft_cost() is not None
+        return (self.measured and self.price_width and chain.timed and chain.draft_cost() is not None
                 and chain.verify_cost(1) is not None)
 
     def priced(self, probs: Sequence[Sequence[float]], depths: Sequence[Sequence[int]] | None = None
@@ -741,7 +741,7 @@ class Suffix(NGram):
         chain = self.model_chain
         k, nodes = self._chain_k, self.tree_budget()[1]
         widest = max(nodes, k + 1)
-        verify = width_costs(chain._widths, widest).__getitem__  # seconds by width, fixed for the round
+        verify = width_costs(chain.timed_widths(), widest).__getitem__  # seconds by width, fixed for the round
         forward = chain.draft_cost() if self._draft_cost is None else self._draft_cost * verify(1)
         survival = chain.survival()[:k]  # the head's chain holds the target's path to depth d: survival[d - 1]
         average = sum(self._model_mean) / len(self._model_mean)
@@ -813,7 +813,7 @@ class Suffix(NGram):
         them (node ids 1..s), whose accepted share calibrates their kind of match as a text
         round's does. With ``price_width`` False: none is kept (the rule before)."""
         if self.beside_model and self.price_width:
-            self.model_chain._width = width
+            self.model_chain.verifies(width)
             if chain_nodes is not None:
                 self._chain_nodes = list(chain_nodes)
             if branch_nodes is not None:
@@ -856,7 +856,7 @@ class Suffix(NGram):
         the timed draft forward over the timed verification of the chain) where both are known,
         else ``draft_cost`` (given, or :func:`modeled_draft_cost`)."""
         k = self._chain_k
-        if self._draft_cost is None and self.model_chain._timed:
+        if self._draft_cost is None and self.model_chain.timed:
             seconds, verify = self.model_chain.draft_cost(), self.model_chain.verify_cost(k + 1)
             if seconds is not None and verify:
                 return self.model_chain.draft_forwards(k) * seconds / verify
@@ -866,12 +866,8 @@ class Suffix(NGram):
         """The drafter's report: this round's model forwards took ``seconds``. With
         ``price_width``, a call's first round's are taken out of the round's time but not
         averaged into a forward's cost (the head's first catch-up reads the whole prompt)."""
-        chain = self.model_chain
-        if self.beside_model and self.price_width and self._rounds_begun == 1:
-            if chain._timed:
-                chain._round_draft += seconds
-            return
-        chain.drafted(seconds, forwards)
+        first = self.beside_model and self.price_width and self._rounds_begun == 1
+        self.model_chain.drafted(seconds, forwards, averaged=not first)
 
     def observe(self, num_draft, num_accepted) -> None:
         """The measured rule's counts: a text row's accepted drafts calibrate its kind of match
