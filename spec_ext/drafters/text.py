@@ -32,6 +32,8 @@ class TextDrafter(Drafter):
         self.matches = None if cache is None else [cache.match(index.tokens) for index in self.rows]
         self.from_cache = [False] * len(seqs)  # the rows whose trees this round came from the cache
         self.offered: list[tuple[list[int], list[int]]] = [([-1], [-1])] * len(seqs)  # this round's text trees
+        # a Suffix policy's round, per row: its own text's (tokens, parents, match length, score, continuations)
+        self.own: list[tuple | None] = [None] * len(seqs)
 
     def chains(self) -> list[list[int]]:
         """Per row, its drafts this round ([] where its suffix never occurred before)."""
@@ -65,7 +67,9 @@ class TextDrafter(Drafter):
             n, tokens, parents, score = 0, [-1], [-1], 0.0
             if own:
                 n, starts = index.occurrences(policy.max_continuations)
-                tokens, parents, score = continuation_tree(index.continuations(starts, depth), nodes, scored=True)
+                continued = index.continuations(starts, depth)
+                tokens, parents, score = continuation_tree(continued, nodes, scored=True)
+                self.own[r] = tokens, parents, n, score, continued
             cached = policy.cache.propose(match, policy.cache_depth(depth, nodes), nodes, policy.alpha,
                                           policy.min_prob)
             self.from_cache[r] = cached[2] > n and len(cached[0]) > 1
@@ -99,6 +103,7 @@ class TextDrafter(Drafter):
         self.rows = [self.rows[r] for r in rows]
         self.from_cache = [self.from_cache[r] for r in rows]
         self.offered = [self.offered[r] for r in rows]
+        self.own = [self.own[r] for r in rows]
         if self.matches is not None:
             self.matches = [self.matches[r] for r in rows]
 

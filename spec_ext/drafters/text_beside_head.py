@@ -11,7 +11,6 @@ from torch import Tensor
 from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler
 from spec_ext.drafters.head import HeadDrafter
 from spec_ext.drafters.text import TextDrafter, tree_proposal
-from spec_ext.policies import continuation_tree
 from spec_ext.policies.suffix import best_nodes, node_shares
 
 
@@ -122,15 +121,10 @@ class TextBesideHead(Drafter):
         policy, text = self.policy, self.text
         if not policy.uses_own_text:
             return
-        depths, nodes = policy.tree_budget()
         for r, offer in enumerate(policy.offers):
-            if offer is None or not offer[0]:
+            if offer is None or not offer[0] or text.own[r] is None:
                 continue
-            index = text.rows[r]
-            n, starts = index.occurrences(policy.max_continuations)
-            if not starts:
-                continue
-            tokens, parents, score = continuation_tree(index.continuations(starts, depths[r]), nodes, scored=True)
+            tokens, parents, n, score, _ = text.own[r]
             if len(tokens) > 1 and policy.expected(r, False, n, score) > policy.expected(r, True, offer[1], offer[2]):
                 text.offered[r] = (tokens, parents)
                 policy.offers[r] = (False, n, score)
@@ -139,17 +133,14 @@ class TextBesideHead(Drafter):
         """Per row, its offered text tree's nodes' probabilities (node 1 on; [] for none): the
         cache's as its lookup left them, the own text's from the continuations it was merged from."""
         policy, text = self.policy, self.text
-        depths = policy.tree_budget()[0]
         probs = []
         for r, (tree, offer) in enumerate(zip(text.offered, policy.offers)):
             if offer is None or len(tree[0]) <= 1:
                 probs.append([])
             elif offer[0]:
                 probs.append(list(text.matches[r].node_probs))
-            else:
-                index = text.rows[r]
-                _, starts = index.occurrences(policy.max_continuations)
-                probs.append(node_shares(tree, index.continuations(starts, depths[r])))
+            else:  # the own text's tree, from the continuations the round merged it from
+                probs.append(node_shares(tree, text.own[r][4]))
         return probs
 
     def commit(self, outcome: Outcome) -> None:
