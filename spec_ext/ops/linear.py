@@ -37,9 +37,9 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend
     rows of x in all (see ``FEW_ROWS`` and ``SKINNY_BYTES`` for where ``auto`` takes it).
 
     The CPU kernel (csrc/cpu/skinny_linear.cpp) reads each weight once for all rows of x (a
-    register block of up to 4 rows of x times 3-8 weight rows; a long K is cut into chunks,
-    tile by tile of weight rows, so that every row block reuses the weight vectors loaded for
-    the first), on AVX-512, AVX2 +
+    register block of up to 4 rows of x times 3-8 weight rows, 8 rows on AVX-512; a long K is
+    cut into chunks, tile by tile of weight rows, so that every row block reuses the weight
+    vectors loaded for the first, while it prefetches the weights that come next), on AVX-512, AVX2 +
     FMA or portable C++ (``cpu_isa``; ``SPEC_EXT_CPU_ISA`` forces a lower one). Weights may
     be float32 or bfloat16 (x and the sums stay float32; bfloat16 -> float32 is exact, so a
     bfloat16 weight gives the same bits as ``weight.float()``, reading half the bytes).
