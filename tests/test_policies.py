@@ -243,6 +243,30 @@ def test_auto_in_the_loop_drafts_the_text_where_it_repeats_and_stays_exact():
     assert alone.sequences[0, -40:].tolist() == expected[0] and alone.stats.matched == 0
 
 
+def test_auto_prices_a_draft_forward_without_the_draft_models_prefill():
+    """The round in which the draft model first runs also reads the whole prompt into its
+    cache: its seconds leave the round's time but do not enter one forward's cost (D), which
+    the prefill of a long prompt inflated for the rest of the call. Every later report of
+    draft forwards is averaged into D, and D is their forgetting average exactly."""
+    class Recording(Auto):
+        def drafted(self, seconds, forwards, averaged=True):
+            reports.append((seconds, forwards, averaged))
+            super().drafted(seconds, forwards, averaged)
+
+    target = llama(97, 64, 2, seed=0, sharpen=4.0)
+    draft = perturbed(target, 0.05, seed=1)
+    for prompts in ([list(range(3, 90))], [list(range(3, 60)), [7, 8, 9]]):
+        reports = []
+        policy = Recording()
+        out = spec_ext.generate(target, draft, prompts, max_new_tokens=24, eos_token_id=[], policy=policy)
+        assert out.stats.rounds > 3 and len(reports) >= 3
+        assert [averaged for _, _, averaged in reports] == [False] + [True] * (len(reports) - 1)
+        seconds = forwards = 0.0
+        for s, f, _ in reports[1:]:
+            seconds, forwards = policy.forget_cost * seconds + s, policy.forget_cost * forwards + f
+        assert policy.draft_cost() == pytest.approx(seconds / forwards, rel=1e-12)
+
+
 # ------------------------------------------------------------------- the rules' decisions
 def test_heuristic_adds_two_after_a_round_that_accepted_every_draft_else_drops_one():
     policy = Heuristic(initial=5, max_draft=8)
