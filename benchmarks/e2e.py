@@ -31,7 +31,8 @@ Where the step is weight reads (``--widen 16384``: the bundled target with every
 widened by zero rows, the same function, ~0.5 GB of float32 read per step; built on the fly
 by benchmarks/weight_read.py). Every row then also has, beside its measured speed-up
 (``speedup`` against HF's generate of the target alone, ``speedup_lean`` against the target
-alone on spec_ext's lean forward, both in the same pass): ``verify_steps``, the measured cost
+alone on spec_ext's lean forward with generate's default linear layers, both in the same
+pass): ``verify_steps``, the measured cost
 of its verifications over one decode step (each verification's width priced by a table of
 the lean forward's cost by width at the batch size, measured before the configuration),
 ``draft_forwards`` per round and ``draft_step`` (one draft forward over one target step), and
@@ -176,7 +177,7 @@ def matcher_cost(tokenizer, target, history_tokens: int = 32768, rounds: int = 4
         costs[f"matcher_{name}_round_s"] = statistics.median(times)
     ids = torch.tensor([history[:512]])
     times = []
-    with torch.inference_mode(), spec_ext.models.attention_implementation(target):
+    with torch.inference_mode(), spec_ext.models.attention_implementation(target, fast_linear=DEFAULT_LINEAR):
         for _ in range(20):
             cache = spec_ext.SpecCache.for_model(target, 1, 600)
             spec_ext.models.forward(target, ids, cache, torch.arange(512)[None])
@@ -205,6 +206,11 @@ def left_pad(prompts, pad):
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     return ids, mask
+
+
+# the linear layers spec_ext.generate runs by default (its fast_linear="auto"): the lean
+# baselines, the verification costs and the draft steps the bounds are priced by run on it too
+DEFAULT_LINEAR = "auto"
 
 
 def lean_alone(target, group, n, temperature, fast_linear):
@@ -262,7 +268,7 @@ def width_costs(target, draft, head, prompt, batch: int, repeats: int = 7) -> di
     ids = torch.tensor([prompt] * batch)
     L = ids.shape[1]
     costs = {"target": {}}
-    with torch.inference_mode(), spec_ext.models.attention_implementation(target):
+    with torch.inference_mode(), spec_ext.models.attention_implementation(target, fast_linear=DEFAULT_LINEAR):
         cache = spec_ext.SpecCache.for_model(target, batch, L + max(WIDTHS) + 1)
         spec_ext.models.forward(target, ids, cache, torch.arange(L).expand(batch, L))
         cache.advance([L] * batch)
@@ -271,7 +277,7 @@ def width_costs(target, draft, head, prompt, batch: int, repeats: int = 7) -> di
             times = [timed(lambda: spec_ext.models.forward(target, new, cache, L + torch.arange(w).expand(batch, w)))[1]
                      for _ in range(repeats + 1)]
             costs["target"][w] = min(times[1:])
-    with torch.inference_mode(), spec_ext.models.attention_implementation(draft):
+    with torch.inference_mode(), spec_ext.models.attention_implementation(draft, fast_linear=DEFAULT_LINEAR):
         cache = spec_ext.SpecCache.for_model(draft, batch, L + 1)
         spec_ext.models.forward(draft, ids, cache, torch.arange(L).expand(batch, L))
         cache.advance([L] * batch)
@@ -383,7 +389,7 @@ def run_passes(target, draft, groups, batch, temperature, n, repeats, pad, wante
             base = len(group) * n / t
             record("target alone", base, 1.0)
             if len(set(map(len, group))) == 1:  # the bound's baseline (equal-length prompts only)
-                out, t = timed(lambda: lean_alone(target, group, n, temperature, False))
+                out, t = timed(lambda: lean_alone(target, group, n, temperature, DEFAULT_LINEAR))
                 record("target alone, lean forward", len(group) * n / t, len(group) * n / t / base,
                        match=bool(torch.equal(out, alone)) if greedy else None)
             if batch == 1:
@@ -488,7 +494,7 @@ def forward_costs(target, draft, prompt, head=None):
             costs[f"{name}_T{width}_ms"] = statistics.median(times) * 1e3
     L = ids.shape[1]
     step = torch.tensor([[L]])
-    with spec_ext.models.attention_implementation(draft):
+    with spec_ext.models.attention_implementation(draft, fast_linear=DEFAULT_LINEAR):
         cache = spec_ext.SpecCache.for_model(draft, 1, L + 1)
         spec_ext.models.forward(draft, ids, cache, torch.arange(L)[None])
         cache.advance([L])
