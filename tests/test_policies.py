@@ -199,6 +199,23 @@ def test_auto_leaves_text_that_is_rarely_accepted_to_the_model():
     assert all(use == [False] and k >= 3 for k, use, _ in choices[-40:])
 
 
+def test_auto_drafts_no_text_where_its_width_costs_the_batch_more_than_it_gives():
+    """Batch 8 on a step of weight reads: a verification of w tokens a row costs 2w - 1 steps
+    past 1 token (each token of each row is arithmetic). Every row's text offers 12 drafts
+    accepted as often as the model's one: the round does better with no text at all (width
+    2 for everyone) than with any text chain, however short, so Auto drafts none, and its
+    second round is the model alone at the narrowest width (the cost's slope measured)."""
+    clock = FakeClock()
+    policy = Auto(forget_runs=1.0, forget_cost=1.0, clock=clock)
+    policy.start(8)
+    verify = lambda w: 10.0 * (2 * w - 1)  # noqa: E731
+    choices = choose_rounds(policy, clock, 120, [12] * 8, geometric(0.6), geometric(0.6), verify, per_forward=0.2)
+    assert choices[0][2] == 1 + policy.initial, "the first round: text and model to the initial k"
+    assert choices[1][:2] == (1, [False] * 8), "the second: the model alone at the narrowest width"
+    plain = [c for n, c in enumerate(choices, start=1) if n > 40 and n % policy.explore_every]
+    assert plain and all(c == (1, [False] * 8, 2) for c in plain)
+
+
 def test_sampling_takes_the_cost_from_the_model_sizes_not_the_clock():
     """Sampling, the lengths decide how the random stream is split into rounds: the choices
     must not depend on timing (the clock, the drafter's reports), so that a seed reproduces
