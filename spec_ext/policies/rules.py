@@ -264,11 +264,11 @@ class Auto(Policy):
         self._rounds += 1
 
     def _explored(self, k: int) -> int:
-        """``k``, or one more / one less in the exploring rounds; while one width alone is
-        timed, the narrowest chain (or ``initial`` if that was it): two widths give the cost's
-        slope, where a guess of it (+5% a token) kept a batch of 8 on a step of weight reads
-        verifying 5 tokens a row at 4x the cost of 2."""
-        if len(self._widths) == 1:
+        """``k``, or one more / one less in the exploring rounds; in the second round, if one
+        width alone is timed, the narrowest chain (or ``initial`` if that was it): two widths
+        give the cost's slope, where a guess of it (+5% a token) kept a batch of 8 on a step of
+        weight reads verifying 5 tokens a row at 4x the cost of 2."""
+        if self._rounds == 2 and len(self._widths) == 1:
             seen, = self._widths
             return 1 if seen > 2 else min(self._largest_k, max(2, self.initial))
         phase = self._rounds % (2 * self.explore_every)
@@ -312,7 +312,7 @@ class Auto(Policy):
         known = self.verify_cost(self.initial + 1) is not None and (D is not None or not any(text_lengths))
         if not known:  # the first rounds: the text where it matches and the model, both to the initial k, timed
             k, cap, runs = min(self.initial, self._largest_k), self.initial, True
-        elif len(self._widths) == 1:  # then the model alone at another width, for the cost's slope
+        elif self._rounds == 2 and len(self._widths) == 1:  # then the model alone at another width: the slope
             k, cap, runs = self._explored(self.initial), 0, True
         else:
             best, V = None, [None] + [self.verify_cost(w) for w in range(1, 2 + self.max_draft)]
