@@ -35,8 +35,8 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spec_ext  # noqa: E402
-from e2e import (RESULTS, ROOT, VerificationWidths, best_fixed, lean_alone, left_pad, load, timed,  # noqa: E402
-                 verification_cost, width_costs)
+from e2e import (DEFAULT_LINEAR, RESULTS, ROOT, VerificationWidths, best_fixed, lean_alone, left_pad, load,  # noqa: E402
+                 timed, verification_cost, width_costs)
 from spec_ext.drafters import BlockDrafter  # noqa: E402
 from spec_ext.models.dflash import load_dflash  # noqa: E402
 from spec_ext.models.eagle import load_head  # noqa: E402
@@ -105,7 +105,7 @@ def run(target, models, prompts, batch, temperature, n, repeats, pad) -> dict:
                 alone, t = timed(lambda: target.generate(ids, attention_mask=mask, max_new_tokens=n,
                                                          min_new_tokens=n, pad_token_id=pad, **sample))
                 base = len(group) * n / t
-                out, t = timed(lambda: lean_alone(target, group, n, temperature, False))
+                out, t = timed(lambda: lean_alone(target, group, n, temperature, DEFAULT_LINEAR))
                 lean = len(group) * n / t
                 record("target alone", base, base, lean)
                 record("target alone, lean forward", lean, base, lean,
