@@ -60,6 +60,7 @@ def test_auto_prices_each_width_as_measured_and_maximises_tokens_per_second():
     verify = lambda w: 10.0 if w <= 5 else 25.0  # noqa: E731
     chosen = run_rounds(policy, clock, 400, verify, geometric(0.9))
     assert chosen[0] == 4, "the initial k until a round is timed"
+    assert chosen[1] == 1, "then the narrowest chain, so that two widths give the cost's slope"
     assert policy.survival()[:4] == pytest.approx([0.9, 0.81, 0.729, 0.656], abs=0.05)
     for w in set(k + 1 for k in chosen):
         assert policy.verify_cost(w) == pytest.approx(verify(w))

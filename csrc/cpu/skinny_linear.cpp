@@ -5,7 +5,7 @@
 //
 // The weight-read limit: each weight element is loaded from memory once for all rows of x.
 // A register block holds MR rows of x times NR weight rows (NR * MR accumulators, e.g. 4 x 3
-// on AVX2, 4 x 8 on AVX-512); a k step loads NR weight vectors and MR vectors of x and does
+// on AVX2, 4 x 8 or 8 x 6 on AVX-512); a k step loads NR weight vectors and MR vectors of x and does
 // NR * MR fused multiply-adds. With more rows than one block, the other row blocks reuse the
 // weight vectors from L1: when K is long (a down projection) the weight rows go by in tiles of
 // a few register blocks, and within a tile the k range is cut into chunks (the x chunk of every
@@ -398,6 +398,9 @@ void columns(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* 
   const bool stream = Path::prefetches && ldw == K && !chunked &&
                       NR * K * static_cast<int64_t>(sizeof(W)) <= kPrefetchBlockBytes;
   const bool rowwise = Path::prefetches && chunked && NR * chunk * static_cast<int64_t>(sizeof(W)) <= kPrefetchBlockBytes;
+  // under a line per step, the stream prefetches its current line again each step: gating it to
+  // the steps that enter a new line measured 5% slower at 8 rows of 320 -> 16384 (AVX2), 4-8%
+  // faster at 16: left as is
   b.prefetch_step = static_cast<int64_t>(NR * 8 * sizeof(W)) / row_blocks;
   b.prefetch_lines = static_cast<int>((b.prefetch_step + 63) / 64);
   b.next_step = std::max<int64_t>(1, 8 * static_cast<int64_t>(sizeof(W)) / row_blocks);
