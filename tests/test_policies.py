@@ -205,9 +205,11 @@ def test_auto_drafts_no_text_where_its_width_costs_the_batch_more_than_it_gives(
     past 1 token (each token of each row is arithmetic). Every row's text offers 12 drafts
     accepted as often as the model's one: the round does better with no text at all (width
     2 for everyone) than with any text chain, however short, so Auto drafts none, and its
-    second round is the model alone at the narrowest width (the cost's slope measured)."""
+    second round is the model alone at the narrowest width (the cost's slope measured). (A
+    plain step would beat both here; it is kept out to test the text's cut alone.)"""
     clock = FakeClock()
     policy = Auto(forget_runs=1.0, forget_cost=1.0, clock=clock)
+    policy.PLAIN_AFTER = 10 ** 9
     policy.start(8)
     verify = lambda w: 10.0 * (2 * w - 1)  # noqa: E731
     choices = choose_rounds(policy, clock, 120, [12] * 8, geometric(0.6), geometric(0.6), verify, per_forward=0.2)
@@ -215,6 +217,57 @@ def test_auto_drafts_no_text_where_its_width_costs_the_batch_more_than_it_gives(
     assert choices[1][:2] == (1, [False] * 8), "the second: the model alone at the narrowest width"
     plain = [c for n, c in enumerate(choices, start=1) if n > 40 and n % policy.explore_every]
     assert plain and all(c == (1, [False] * 8, 2) for c in plain)
+
+
+def test_auto_decodes_plainly_where_no_draft_pays_and_drafts_again_where_it_does():
+    """Batch 8 on a step of weight reads (every verified token arithmetic), a model whose
+    drafts are rarely accepted and cost 3 a forward, no text: a plain step (8 tokens for 10)
+    beats any draft (k = 1: ~9.6 tokens for 33). Before PLAIN_AFTER rounds and in every
+    explore_every-th round the model drafts; once its drafts turn good and the verification
+    flat, those rounds measure it and drafting resumes."""
+    clock = FakeClock()
+    policy = Auto(clock=clock)
+    policy.start(8)
+    steep = lambda w: 10.0 * (2 * w - 1)  # noqa: E731
+    choices = choose_rounds(policy, clock, 160, [0] * 8, geometric(0.0), geometric(0.2), steep, per_forward=3.0)
+    assert all(k > 0 for k, _, _ in choices[:Auto.PLAIN_AFTER]), "no plain step before PLAIN_AFTER rounds"
+    late = list(enumerate(choices, start=1))[40:]
+    assert all(c == (0, [False] * 8, 1) for n, c in late if n % policy.explore_every)
+    assert all(c[0] >= 1 for n, c in late if n % policy.explore_every == 0), "the exploring rounds draft"
+    assert policy.verify_cost(1) == pytest.approx(10.0)
+    flat = lambda w: 10.0 + 0.1 * (w - 1)  # noqa: E731
+    choices = choose_rounds(policy, clock, 120, [0] * 8, geometric(0.0), geometric(0.9), flat, per_forward=0.5)
+    assert all(k >= 2 for k, _, _ in choices[-30:])
+
+
+def test_auto_with_plain_steps_in_the_loop_equals_the_target_and_its_drafts_catch_up():
+    """In the loop, priced so that a plain step always wins after PLAIN_AFTER rounds (a
+    verification of w tokens costs w): the draft model then runs only in the exploring rounds,
+    each time after a stretch of plain steps it did not see, and its drafts are still accepted
+    there (its cache caught up with the committed text); the output equals the target's, on
+    ragged rows."""
+    from helpers import hf_greedy
+
+    class Steep(Auto):
+        def verify_cost(self, width):
+            return float(width)
+
+        def draft_cost(self):
+            return 1.0
+
+    target = llama(97, 64, 2, seed=0, sharpen=4.0)
+    draft = perturbed(target, 0.02, seed=1)
+    prompts = [[5, 17, 33, 8], [7, 8, 9, 40, 2, 11]]
+    policy = Steep(text=True)
+    out = spec_ext.generate(target, draft, prompts, max_new_tokens=120, eos_token_id=[], policy=policy)
+    for b, p in enumerate(prompts):
+        assert out.sequences[b, -120:].tolist() == hf_greedy(target, p, 120, eos=[]), b
+    drafted = out.stats.draft_lengths
+    late = drafted[2 * Auto.PLAIN_AFTER:]  # two rows a round
+    assert late.count(0) > len(late) // 2, drafted
+    explored = [a for n, a in zip(out.stats.draft_lengths[2 * Auto.PLAIN_AFTER:],
+                                  out.stats.accepted_lengths[2 * Auto.PLAIN_AFTER:]) if n > 0]
+    assert explored and sum(explored) >= len(explored), (drafted, out.stats.accepted_lengths)
 
 
 def test_sampling_takes_the_cost_from_the_model_sizes_not_the_clock():

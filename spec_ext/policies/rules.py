@@ -107,6 +107,13 @@ class Auto(Policy):
     less, to keep its neighbours measured. A round weighs every cut of the text chains, none
     included: at batch > 1 one row's long chain widens every row's verification.
 
+    Nothing drafts: with the text beside a drafter (:meth:`choose`), a plain decode step
+    (width 1, no draft forward but a feature head's catch-up) is weighed as one more choice
+    from the ``PLAIN_AFTER``-th round on, and taken where it beats every draft (a tiny target
+    whose step is call overhead, a batch on a step of weight reads where each verified token
+    is arithmetic); every ``explore_every``-th round drafts anyway, so that acceptance stays
+    measured and drafting resumes where the text turns easy.
+
     Greedy, lengths depend on timing and outputs do not. Sampling, which tokens come out
     depends on how the random stream is split into rounds, so there nothing is timed: V(w)
     is one target step whatever w and D the draft's share of the parameters (decoding reads
@@ -118,6 +125,8 @@ class Auto(Policy):
         text: also draft each row's own text (n-gram matches), where a drafter supports it.
         clock: seconds since some origin (time.perf_counter; tests pass a fake one).
     """
+
+    PLAIN_AFTER = 16  # rounds before a plain step is weighed: until then acceptance is mostly the prior
 
     def __init__(self, max_draft: int = 12, initial: int = 4, prior_acceptance: float = 0.5,
                  forget_runs: float = 0.99, forget_cost: float = 0.9, text: bool = True, explore_every: int = 8,
@@ -315,7 +324,7 @@ class Auto(Policy):
         elif self._rounds == 2 and len(self._widths) == 1:  # then the model alone at another width: the slope
             k, cap, runs = self._explored(self.initial), 0, True
         else:
-            best, V = None, [None] + [self.verify_cost(w) for w in range(1, 2 + self.max_draft)]
+            best, plain, V = None, None, [None] + [self.verify_cost(w) for w in range(1, 2 + self.max_draft)]
             for cap in [0] + sorted(n for n in offers if n > 0):  # 0: no text this round (its width may not pay)
                 cut = Counter()
                 for n, rows in offers.items():
@@ -327,17 +336,23 @@ class Auto(Policy):
                             tokens, widest = tokens + rows * (1 + text[n]), max(widest, n)
                         else:
                             tokens, runs = tokens + rows * (1 + model[k]), runs or k > 0
-                    if not runs and widest == 0:  # nothing drafts: a round of one token (processors want a draft)
-                        continue
                     forwards = max(self.draft_forwards(k), forwards_without_model) if runs else forwards_without_model
                     seconds = V[1 + max(widest, k if runs else 0)] + (D or 0.0) * forwards
-                    if best is None or tokens / seconds > best[0]:
+                    if not runs and widest == 0:  # nothing drafts: a plain decode step
+                        plain = tokens / seconds, 0, 0, False
+                    elif best is None or tokens / seconds > best[0]:
                         best = tokens / seconds, k if runs else 0, cap, runs
+            # a plain step where it beats every draft, but not in the exploring rounds (nor before
+            # PLAIN_AFTER rounds): acceptance is measured only where something drafts
+            if (plain is not None and plain[0] > best[0] and self._rounds > self.PLAIN_AFTER
+                    and self._rounds % self.explore_every):
+                best = plain
             _, k, cap, runs = best
             if runs:
                 k = self._explored(k)
         self._k = k if runs else 0
-        self._from_text = [n > 0 and (not known or text[min(n, cap)] >= model[self._k]) for n in text_lengths]
+        self._from_text = [min(n, cap) > 0 and (not known or text[min(n, cap)] >= model[self._k])
+                           for n in text_lengths]
         used = [min(n, cap) for n, u in zip(text_lengths, self._from_text) if u]
         self._width = 1 + max(used + [self._k])
         self._choice = self._k
