@@ -314,6 +314,40 @@ def test_auto_in_the_loop_drafts_the_text_where_it_repeats_and_stays_exact():
     assert alone.sequences[0, -40:].tolist() == expected[0] and alone.stats.matched == 0
 
 
+def test_auto_reads_the_texts_runs_off_the_committed_tokens_where_the_model_drafts():
+    """Every round the model drafts (3 drafts), the text's offer is compared with what the
+    target committed: Auto is told, per round with an offer, how many of its drafts could be
+    compared and how many equalled the committed tokens, as the plain matcher over the
+    committed text says (so a text that lost early is still measured)."""
+    from spec_ext.policies.ngram import reference_occurrences
+
+    class ModelOnly(Auto):
+        def choose(self, lengths, forwards_without_model=0):
+            return 3, [False] * len(lengths), 0
+
+        def observe_text(self, num_draft, num_accepted):
+            seen.append((list(num_draft), list(num_accepted)))
+            super().observe_text(num_draft, num_accepted)
+
+    target = llama(97, 64, 2, seed=0, sharpen=4.0)
+    draft = perturbed(target, 0.005, seed=1)  # accepted about half the time: rounds commit 1-4 tokens
+    for prompt in ([5, 17, 33, 8, 40, 2] * 4, [7, 8, 9, 7, 8, 3, 7]):
+        seen, policy = [], ModelOnly()
+        out = spec_ext.generate(target, draft, [prompt], max_new_tokens=60, eos_token_id=[], policy=policy)
+        seq, pos, expected = out.sequences[0].tolist(), len(prompt), []
+        for a in out.stats.accepted_lengths[:-1]:  # the last round may be cut at max_new_tokens
+            history, committed = seq[:pos], seq[pos:pos + a + 1]
+            _, starts = reference_occurrences(history, 2, 1)
+            chain = history[starts[0]:starts[0] + policy.max_draft] if starts else []
+            if chain:
+                n = min(len(chain), len(committed))
+                expected.append(([n], [next((j for j in range(n) if chain[j] != committed[j]), n)]))
+            pos += a + 1
+        assert seen[:len(expected)] == expected
+        assert any(a == n > 1 for (n,), (a,) in expected) and any(a < n for (n,), (a,) in expected)
+        assert policy.survival("text")[0] != pytest.approx(policy.prior_acceptance)
+
+
 def test_auto_prices_a_draft_forward_without_the_draft_models_prefill():
     """The round in which the draft model first runs also reads the whole prompt into its
     cache: its seconds leave the round's time but do not enter one forward's cost (D), which

@@ -62,6 +62,7 @@ class TextFirst(Drafter):
         self.text.start(seqs, capacity, sampler, generator)
         self.model_drafter.start(seqs, capacity, sampler, generator, features=features)
         self._model_prefilled = False  # the model's first forward reads the whole prompt
+        self._unused: list[list[int]] = []
 
     def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
         if self.chooser is not None:
@@ -124,6 +125,7 @@ class TextFirst(Drafter):
         chains = self.text.chains()
         head = not hasattr(self.model_drafter, "chain")  # drafts every round (its catch-up is one forward)
         k, use, cap = self.chooser.choose([len(c) for c in chains], forwards_without_model=int(head))
+        self._unused = [[] if u else c for c, u in zip(chains, use)]  # the text offers not drafted
         chains = [c[:cap] if u else [] for c, u in zip(chains, use)]
         proposal = chain_proposal(chains, max(map(len, chains)), device)
         proposal.from_text = [bool(c) for c in chains]
@@ -142,6 +144,12 @@ class TextFirst(Drafter):
         return proposal
 
     def commit(self, outcome: Outcome) -> None:
+        if self.chooser is not None and any(self._unused):  # the text's runs where it did not draft
+            compared = [min(len(c), len(t)) for c, t in zip(self._unused, outcome.committed)]
+            runs = [next((j for j in range(n) if c[j] != t[j]), n)
+                    for c, t, n in zip(self._unused, outcome.committed, compared)]
+            self.chooser.observe_text(compared, runs)
+        self._unused = []
         self.text.commit(outcome)
         self.model_drafter.commit(outcome)
 

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from spec_ext import ops
 from spec_ext.models.cache import split_size
-from spec_ext.ops.linear import kernel_applies
+from spec_ext.ops.linear import auto_linear, kernel_applies
 
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
@@ -167,9 +167,14 @@ class LeanDecoder:
         self.norm = _norm(base.norm)
         self.lm_head = _linear(model.lm_head)
         self.fast_linear = fast_linear and kernel_applies(model.device, model.dtype)
-        self.linear = functools.partial(ops.skinny_linear, validate=False) if self.fast_linear else F.linear
         self.attention = functools.partial(ops.tree_attention, validate=False)
         self._rope: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def linear(self):
+        """The linear layers' function for a forward: F.linear, or with ``fast_linear`` what
+        skinny_linear's auto rule runs (taken once per forward, not per layer)."""
+        return auto_linear(self.embed.device, self.embed.dtype) if self.fast_linear else F.linear
 
     def _rotary(self, positions: Tensor, dtype: torch.dtype, capacity: int) -> tuple[Tensor, Tensor]:
         """cos, signed sin [B,1,T,D] for ``positions`` [B,T] (each below the cache's

@@ -99,7 +99,15 @@ def kernel_applies(device: torch.device | str, dtype: torch.dtype = torch.float3
     """Whether ``backend="auto"`` runs the kernel (for the rows :func:`uses_kernel` gives)
     for x on ``device`` in ``dtype``, rather than F.linear: CPU float32 with AVX2 + FMA or
     AVX-512 (the portable path is correct but slower than MKL)."""
-    return _auto(torch.device(device), dtype, os.environ.get(ISA_VARIABLE)) is not _f_linear
+    return auto_linear(torch.device(device), dtype) is not _f_linear
+
+
+def auto_linear(device: torch.device, dtype: torch.dtype):
+    """``(x, weight, bias) -> y``: what ``skinny_linear(..., backend="auto", validate=False)``
+    runs for x on ``device`` in ``dtype`` with the ``SPEC_EXT_CPU_ISA`` of now, for a model
+    forward to take once and call per layer (reading the environment per layer cost 3% of a
+    decode round of the bundled pair)."""
+    return _auto(device, dtype, os.environ.get(ISA_VARIABLE))
 
 
 ISA_VARIABLE = "SPEC_EXT_CPU_ISA"

@@ -88,10 +88,13 @@ class Auto(Policy):
     step). Without the text (a bare drafter, ``text=False``) it chooses k alone (:meth:`plan`).
 
     Acceptance: runs are counted per depth, apart for the model and for the text (the chance
-    that draft j is accepted once drafts 1..j-1 were, from the rounds that reached j;
-    ``prior_acceptance`` before any did), so bursty acceptance (long runs on easy text, none
-    on hard) is valued as it is, not as a geometric law with the same mean: j drafts yield
-    1 + sum_{i<=j} S(i) tokens, S(i) the chance that the first i are all accepted.
+    that draft j is accepted once drafts 1..j-1 were, from the rounds that reached j, with
+    ``prior_weight`` observations of a prior: ``prior_acceptance`` at j = 1, draft j - 1's
+    estimate past it), so bursty acceptance (long runs on easy text, none on hard) is valued as it is, not
+    as a geometric law with the same mean: j drafts yield 1 + sum_{i<=j} S(i) tokens, S(i)
+    the chance that the first i are all accepted. The text's runs also come from the rows
+    that drafted the model: what their text offered against what the target committed
+    (:meth:`observe_text`).
 
     Cost (greedy): a round verifying w tokens per row and running f draft forwards costs
     V(w) + f * D seconds. D is timed around the drafter's forwards (reported by the drafter
@@ -122,13 +125,18 @@ class Auto(Policy):
     Args:
         max_draft: the model's largest k and the text's longest chain.
         initial: the model's k until a round's cost is known.
+        prior_acceptance, prior_weight: the chance of a first draft before any round, and how
+            many observations each depth's prior is worth.
+        forget_runs, forget_cost: the weight old acceptance runs and old round costs keep per round.
+        explore_every: how often a round drafts off the best choice (k + 1, k - 1, or drafts
+            where a plain step is best).
         text: also draft each row's own text (n-gram matches), where a drafter supports it.
         clock: seconds since some origin (time.perf_counter; tests pass a fake one).
     """
 
     PLAIN_AFTER = 16  # rounds before a plain step is weighed: until then acceptance is mostly the prior
 
-    def __init__(self, max_draft: int = 12, initial: int = 4, prior_acceptance: float = 0.5,
+    def __init__(self, max_draft: int = 12, initial: int = 4, prior_acceptance: float = 0.5, prior_weight: float = 1.0,
                  forget_runs: float = 0.99, forget_cost: float = 0.9, text: bool = True, explore_every: int = 8,
                  clock=time.perf_counter):
         if max_draft < 1 or not 1 <= initial <= max_draft:
@@ -136,11 +144,13 @@ class Auto(Policy):
         if not 0 < prior_acceptance < 1 or not (0 < forget_runs <= 1 and 0 < forget_cost <= 1):
             raise ValueError(f"prior_acceptance, forget_runs, forget_cost: need 0 < prior_acceptance < 1 and "
                              f"forget rates in (0, 1], got {prior_acceptance}, {forget_runs}, {forget_cost}")
+        if prior_weight <= 0:
+            raise ValueError(f"prior_weight: must be > 0, got {prior_weight}")
         if explore_every < 2:
             raise ValueError(f"explore_every: must be >= 2, got {explore_every}")
         self.max_draft = max_draft
         self.initial = initial
-        self.prior_acceptance = prior_acceptance
+        self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
         self.forget_runs = forget_runs
         self.forget_cost = forget_cost
         self.explore_every = explore_every
@@ -182,9 +192,10 @@ class Auto(Policy):
         self._timed = greedy or getattr(self, "_size_ratio", None) is None
         self._rounds, self._last, self._choice = 0, None, None
         self._k = self.initial
-        self._runs = {kind: ([1.0] * (self.max_draft + 1), [self.prior_acceptance] * (self.max_draft + 1))
+        self._runs = {kind: ([0.0] * (self.max_draft + 1), [0.0] * (self.max_draft + 1))
                       for kind in ("model", "text")}  # [j]: rounds that drafted j with 1..j-1 accepted; and j too
         self._widths: dict[int, list[float]] = {}  # w -> [weight, weighted seconds]
+        self._fit = None  # verify_cost's table of the widths seen and its line (None: to be made)
         self._draft = [0.0, 0.0]  # weighted seconds, weighted forwards
         self._round_draft = 0.0  # seconds of draft forwards in the round under way
         self._width = None  # the round under way: its verification width
@@ -193,11 +204,17 @@ class Auto(Policy):
     # ------------------------------------------------------------------ estimates
     def survival(self, kind: str = "model") -> list[float]:
         """[S(1), ..., S(max_draft)]: the estimated chance that drafts 1..j are all accepted,
-        of the model's drafts or (``kind="text"``) of the text's."""
+        of the model's drafts or (``kind="text"``) of the text's. Draft j's chance once 1..j-1
+        were accepted is its rounds' rate with ``prior_weight`` observations of a prior: for
+        j = 1 ``prior_acceptance``, past it draft j - 1's estimate (a depth rarely reached, as
+        past a short k, is priced like the one before it rather than at a flat prior: at 0.5 a
+        draft model on held-out code sat at k = 1, its deeper drafts never measured, where
+        Fixed(5) has its drafts accepted 2.6 a round)."""
         reached, passed = self._runs[kind]
-        chances, alive = [], 1.0
+        chances, alive, chance, w = [], 1.0, self.prior_acceptance, self.prior_weight
         for j in range(1, self.max_draft + 1):
-            alive *= passed[j] / reached[j]
+            chance = (passed[j] + w * chance) / (reached[j] + w)
+            alive *= chance
             chances.append(alive)
         return chances
 
@@ -214,21 +231,31 @@ class Auto(Policy):
         (sampling: 1, one target step); None before any round was timed."""
         if not self._timed:
             return 1.0
-        seen = {w: s / n for w, (n, s) in self._widths.items() if n > 1e-6}
+        if self._fit is None:  # once per round: the widths change only when a round is timed
+            self._fit = self._fitted()
+        seen, line = self._fit
         if width in seen:
             return seen[width]
         if not seen:
             return None
-        if len(seen) == 1:  # one width seen: a verification grows a little with its width
+        if line is None:  # one width seen: a verification grows a little with its width
             (w0, v0), = seen.items()
             return v0 * max(0.5, 1 + 0.05 * (width - w0))
+        mean_w, mean_v, slope = line
+        return max(mean_v + slope * (width - mean_w), 0.5 * min(seen.values()))
+
+    def _fitted(self) -> tuple[dict[int, float], tuple[float, float, float] | None]:
+        """(width -> its mean seconds, the least-squares line through them as (mean width,
+        mean seconds, slope), None below two widths)."""
+        seen = {w: s / n for w, (n, s) in self._widths.items() if n > 1e-6}
+        if len(seen) < 2:
+            return seen, None
         n = sum(self._widths[w][0] for w in seen)
         mean_w = sum(self._widths[w][0] * w for w in seen) / n
         mean_v = sum(self._widths[w][0] * v for w, v in seen.items()) / n
         var = sum(self._widths[w][0] * (w - mean_w) ** 2 for w in seen)
         slope = sum(self._widths[w][0] * (w - mean_w) * (v - mean_v) for w, v in seen.items()) / var
-        slope = max(slope, 0.0)  # a wider verification never costs less
-        return max(mean_v + slope * (width - mean_w), 0.5 * min(seen.values()))
+        return seen, (mean_w, mean_v, max(slope, 0.0))  # a wider verification never costs less
 
     @property
     def timed(self) -> bool:
@@ -269,6 +296,7 @@ class Auto(Policy):
             entry = self._widths.setdefault(self._width, [0.0, 0.0])
             entry[0] += 1.0
             entry[1] += max(seconds, 0.0)
+            self._fit = None
         self._last, self._round_draft, self._choice = now, 0.0, None
         self._rounds += 1
 
@@ -365,12 +393,29 @@ class Auto(Policy):
                 reached[j] *= self.forget_runs
                 passed[j] *= self.forget_runs
         for n, a, from_text in zip(num_draft, num_accepted, self._from_text):
-            reached, passed = self._runs["text" if from_text else "model"]
-            for j in range(1, min(a + 1, n, self.max_draft) + 1):  # drafts 1..a passed, draft a+1 (if drafted) failed
-                reached[j] += 1
-                passed[j] += j <= a
+            self._count("text" if from_text else "model", n, a)
         if self.text:
             self.text_beside_draft.observe(num_draft, num_accepted)
+
+    def _count(self, kind: str, n: int, a: int) -> None:
+        """A run: of ``n`` drafts the first ``a`` accepted, draft a + 1 (if drafted) not."""
+        reached, passed = self._runs[kind]
+        for j in range(1, min(a + 1, n, self.max_draft) + 1):
+            reached[j] += 1
+            passed[j] += j <= a
+
+    def observe_text(self, num_draft: list[int], num_accepted: list[int]) -> None:
+        """(The drafter, after :meth:`observe`.) What the text would have given the rows that
+        drafted from the model this round, read off the tokens the target committed: of
+        ``num_draft[b]`` text drafts that could be compared (the offer, cut to the committed
+        tokens) the first ``num_accepted[b]`` equal them. Greedy, a deterministic draft is
+        accepted exactly where it equals the target's token; sampling, with the chance that the
+        target's sample equals it, so the comparison is an unbiased run in both. The text's
+        estimate is then measured every round where it matches, not only where it drafts (a
+        text that failed twice early was otherwise never drafted again in the call)."""
+        for n, a in zip(num_draft, num_accepted):
+            if n > 0:
+                self._count("text", n, a)
 
     def keep_rows(self, rows) -> None:
         super().keep_rows(rows)
