@@ -270,6 +270,27 @@ def test_auto_with_plain_steps_in_the_loop_equals_the_target_and_its_drafts_catc
     assert explored and sum(explored) >= len(explored), (drafted, out.stats.accepted_lengths)
 
 
+def test_auto_times_the_narrowest_width_second_beside_a_head_whose_first_forward_is_no_cost():
+    """Beside a feature head the first round's forward is a catch-up over the prompt, reported
+    as no forward's cost (``averaged=False``), so a draft forward's cost is unknown in the
+    second round: that round is still the model alone at the narrowest width (the head at a
+    batch of 8 otherwise kept verifying 4-6 tokens a row, the slope never measured)."""
+    clock = FakeClock()
+    policy = Auto(clock=clock)
+    policy.start(8)
+    chosen = []
+    for n in range(3):
+        k, use, longest = policy.choose([12] * 8, forwards_without_model=1)
+        policy.drafted(5.0 if n == 0 else 1.0, max(k, 1), averaged=n > 0)
+        width = 1 + max([longest] * any(use) + [k])
+        clock.now += 10.0 * width + (5.0 if n == 0 else 1.0)
+        policy.observe([longest if u else k for u in use], [0] * 8)
+        chosen.append((k, any(use), width))
+    assert chosen[0] == (policy.initial, True, 1 + policy.initial)
+    assert chosen[1] == (1, False, 2)
+    assert policy.draft_cost() == pytest.approx(1.0)
+
+
 def test_sampling_takes_the_cost_from_the_model_sizes_not_the_clock():
     """Sampling, the lengths decide how the random stream is split into rounds: the choices
     must not depend on timing (the clock, the drafter's reports), so that a seed reproduces
