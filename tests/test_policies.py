@@ -83,6 +83,26 @@ def test_auto_values_bursty_runs_as_they_are():
     assert policy.survival()[-1] == pytest.approx(0.6, abs=0.1)
 
 
+def test_auto_prices_a_depth_rarely_reached_like_the_drafts_after_an_accepted_one():
+    """Rounds of 2 drafts, the second accepted 90% of the time after the first: drafts 3-12,
+    never reached, are priced at that pooled rate, not at the flat prior (0.5); two failures
+    at depth 3 price that depth down, not the depths past it."""
+    policy = Auto(forget_runs=1.0)
+    policy.start(1)
+    rng = random.Random(0)
+    for _ in range(200):
+        first = rng.random() < 0.8
+        policy.observe([2], [0 if not first else 2 if rng.random() < 0.9 else 1])
+    s = policy.survival()
+    assert s[0] == pytest.approx(0.8, abs=0.06) and s[1] / s[0] == pytest.approx(0.9, abs=0.05)
+    for j in range(2, 12):
+        assert s[j] / s[j - 1] == pytest.approx(s[1] / s[0], abs=0.01), j
+    policy.observe([3], [2])
+    policy.observe([3], [2])
+    s = policy.survival()
+    assert s[2] / s[1] < 0.4 and s[3] / s[2] == pytest.approx(s[1] / s[0], abs=0.02)
+
+
 def test_auto_drafts_less_when_drafts_cost_more_and_follows_rows_finishing():
     picks = {}
     for per_draft in (0.2, 3.0):

@@ -89,8 +89,8 @@ class Auto(Policy):
 
     Acceptance: runs are counted per depth, apart for the model and for the text (the chance
     that draft j is accepted once drafts 1..j-1 were, from the rounds that reached j, with
-    ``prior_weight`` observations of a prior: ``prior_acceptance`` at j = 1, draft j - 1's
-    estimate past it), so bursty acceptance (long runs on easy text, none on hard) is valued as it is, not
+    ``prior_weight`` observations of a prior: ``prior_acceptance`` at j = 1, the pooled rate of
+    the drafts past the first beyond it), so bursty acceptance (long runs on easy text, none on hard) is valued as it is, not
     as a geometric law with the same mean: j drafts yield 1 + sum_{i<=j} S(i) tokens, S(i)
     the chance that the first i are all accepted. The text's runs also come from the rows
     that drafted the model: what their text offered against what the target committed
@@ -206,15 +206,21 @@ class Auto(Policy):
         """[S(1), ..., S(max_draft)]: the estimated chance that drafts 1..j are all accepted,
         of the model's drafts or (``kind="text"``) of the text's. Draft j's chance once 1..j-1
         were accepted is its rounds' rate with ``prior_weight`` observations of a prior: for
-        j = 1 ``prior_acceptance``, past it draft j - 1's estimate (a depth rarely reached, as
-        past a short k, is priced like the one before it rather than at a flat prior: at 0.5 a
-        draft model on held-out code sat at k = 1, its deeper drafts never measured, where
-        Fixed(5) has its drafts accepted 2.6 a round)."""
+        j = 1 ``prior_acceptance``, past it the rate of every draft past the first (pooled over
+        the depths, with the first draft's rate as its prior). A depth rarely reached, as past a
+        short k, is so priced like the drafts after an accepted one: at a flat 0.5 a draft model
+        on held-out code sat at k = 1, its deeper drafts never measured, where Fixed(5) has 2.6
+        drafts a round accepted; priced by the depth before it, two failures at depth 3 early in
+        a call priced the head's third draft and every one past it at 0.3 and kept it at
+        k = 2-3 where k = 6 is best."""
         reached, passed = self._runs[kind]
-        chances, alive, chance, w = [], 1.0, self.prior_acceptance, self.prior_weight
+        w = self.prior_weight
+        first = (passed[1] + w * self.prior_acceptance) / (reached[1] + w)
+        later = (sum(passed[2:]) + w * first) / (sum(reached[2:]) + w)
+        chances, alive = [], first
         for j in range(1, self.max_draft + 1):
-            chance = (passed[j] + w * chance) / (reached[j] + w)
-            alive *= chance
+            if j > 1:
+                alive *= (passed[j] + w * later) / (reached[j] + w)
             chances.append(alive)
         return chances
 
