@@ -22,7 +22,8 @@ class TextFirst(Drafter):
     Trees: the model's rows are chains among the text's trees, verified with the q they
     were drawn from, the text's rows as deterministic trees.
 
-    With a ``chooser`` (a policy with ``choose``, ``drafted`` and ``draft_forwards``: :class:`spec_ext.policies.Auto`),
+    With a ``chooser`` (a policy with ``choose``, ``drafted``, ``draft_forwards`` and
+    ``observe_text``: :class:`spec_ext.policies.Auto`),
     the chooser decides each round, from the text's match lengths, which rows draft their
     text (cut to what length) and how many drafts the model makes for the others (0: the
     model does not run); the drafter reports the seconds of the model's forwards to it.
@@ -62,6 +63,7 @@ class TextFirst(Drafter):
         self.text.start(seqs, capacity, sampler, generator)
         self.model_drafter.start(seqs, capacity, sampler, generator, features=features)
         self._model_prefilled = False  # the model's first forward reads the whole prompt
+        self._plain_skipped = False  # the last round was a plain step, which the model did not see
         self._unused: list[list[int]] = []
 
     def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
@@ -131,16 +133,18 @@ class TextFirst(Drafter):
         proposal.from_text = [bool(c) for c in chains]
         if k == 0 and not head:
             self.model_drafter.skip()
+            self._plain_skipped = not any(use)  # a plain step: the model's next forward catches up over it
             return proposal
         by_text = torch.tensor(proposal.from_text, device=device)
         started = time.perf_counter()
         proposal = self._beside(seqs, roots, proposal, by_text, k)
         # the round that also prefilled the model's cache is taken out of the round's time, not
         # into one forward's cost (that prefill made a forward look 2x its cost for the first
-        # ~20 rounds, so Auto drafted short)
+        # ~20 rounds, so Auto drafted short); so is the first after plain steps (a catch-up over
+        # them: counted as forwards, it kept D high while plain steps won, which kept them winning)
         self.chooser.drafted(time.perf_counter() - started, max(self.chooser.draft_forwards(k), int(head)),
-                             averaged=self._model_prefilled)
-        self._model_prefilled = True
+                             averaged=self._model_prefilled and not self._plain_skipped)
+        self._model_prefilled, self._plain_skipped = True, False
         return proposal
 
     def commit(self, outcome: Outcome) -> None:

@@ -90,9 +90,9 @@ class Auto(Policy):
     Acceptance: runs are counted per depth, apart for the model and for the text (the chance
     that draft j is accepted once drafts 1..j-1 were, from the rounds that reached j, with
     ``prior_weight`` observations of a prior: ``prior_acceptance`` at j = 1, the pooled rate of
-    the drafts past the first beyond it), so bursty acceptance (long runs on easy text, none on hard) is valued as it is, not
-    as a geometric law with the same mean: j drafts yield 1 + sum_{i<=j} S(i) tokens, S(i)
-    the chance that the first i are all accepted. The text's runs also come from the rows
+    the drafts past the first beyond it), so bursty acceptance (long runs on easy text, none
+    on hard) is valued as it is, not as a geometric law with the same mean: j drafts yield
+    1 + sum_{i<=j} S(i) tokens, S(i) the chance that the first i are all accepted. The text's runs also come from the rows
     that drafted the model: what their text offered against what the target committed
     (:meth:`observe_text`).
 
@@ -112,7 +112,7 @@ class Auto(Policy):
 
     Nothing drafts: with the text beside a drafter (:meth:`choose`), a plain decode step
     (width 1, no draft forward but a feature head's catch-up) is weighed as one more choice
-    from the ``PLAIN_AFTER``-th round on, and taken where it beats every draft (a tiny target
+    after the first ``PLAIN_AFTER`` rounds, and taken where it beats every draft (a tiny target
     whose step is call overhead, a batch on a step of weight reads where each verified token
     is arithmetic); every ``explore_every``-th round drafts anyway, so that acceptance stays
     measured and drafting resumes where the text turns easy.
@@ -360,7 +360,7 @@ class Auto(Policy):
         known = self.verify_cost(self.initial + 1) is not None and (D is not None or not any(text_lengths))
         if len(self._widths) == 1 and not self._narrowed:  # once, the model alone at another width: the slope
             # (as soon as one width is timed: a head's first catch-up is no forward's cost, so D may be unknown)
-            self._narrowed, known = True, True
+            self._narrowed = True
             k, cap, runs = self._narrowest(), 0, True
         elif not known:  # the first rounds: the text where it matches and the model, both to the initial k, timed
             k, cap, runs = min(self.initial, self._largest_k), self.initial, True
@@ -379,10 +379,11 @@ class Auto(Policy):
                             tokens, runs = tokens + rows * (1 + model[k]), runs or k > 0
                     forwards = max(self.draft_forwards(k), forwards_without_model) if runs else forwards_without_model
                     seconds = V[1 + max(widest, k if runs else 0)] + (D or 0.0) * forwards
+                    rate = tokens / max(seconds, 1e-12)
                     if not runs and widest == 0:  # nothing drafts: a plain decode step
-                        plain = tokens / seconds, 0, 0, False
-                    elif best is None or tokens / seconds > best[0]:
-                        best = tokens / seconds, k if runs else 0, cap, runs
+                        plain = rate, 0, 0, False
+                    elif best is None or rate > best[0]:
+                        best = rate, k if runs else 0, cap, runs
             # a plain step where it beats every draft, but not in the exploring rounds (nor before
             # PLAIN_AFTER rounds): acceptance is measured only where something drafts
             if (plain is not None and plain[0] > best[0] and self._rounds > self.PLAIN_AFTER
