@@ -92,9 +92,9 @@ class Auto(Policy):
     ``prior_weight`` observations of a prior: ``prior_acceptance`` at j = 1, the pooled rate of
     the drafts past the first beyond it), so bursty acceptance (long runs on easy text, none
     on hard) is valued as it is, not as a geometric law with the same mean: j drafts yield
-    1 + sum_{i<=j} S(i) tokens, S(i) the chance that the first i are all accepted. The text's runs also come from the rows
-    that drafted the model: what their text offered against what the target committed
-    (:meth:`observe_text`).
+    1 + sum_{i<=j} S(i) tokens, S(i) the chance that the first i are all accepted. The text's
+    runs also come from the rows that drafted the model: what their text offered against what
+    the target committed (:meth:`observe_text`).
 
     Cost (greedy): a round verifying w tokens per row and running f draft forwards costs
     V(w) + f * D seconds. D is timed around the drafter's forwards (reported by the drafter
