@@ -60,9 +60,10 @@ def methods(dflash, head, draft, greedy: bool, batch: int) -> dict:
     return rows
 
 
-def block_cost(target, dflash, prompt: list[int], batch: int, repeats: int = 7) -> float:
+def block_cost(target, dflash, prompt: list[int], batch: int, slots: int, repeats: int = 7) -> float:
     """Fastest-of-``repeats`` seconds of one DFlash round's drafter work at ``batch``: the block
-    forward after the prompt's context and the commit of 4 positions' features."""
+    forward after the prompt's context (its first ``slots`` drafts' outputs and logits) and the
+    commit of 4 positions' features."""
     drafter = BlockDrafter(dflash, Fixed(1))
     drafter.bind(target)
     L = len(prompt)
@@ -73,7 +74,7 @@ def block_cost(target, dflash, prompt: list[int], batch: int, repeats: int = 7) 
         features = torch.randn(batch, 4, dflash.feature_width)
 
         def round_():
-            drafter.block(roots)
+            drafter.block(roots, slots)
             dflash.extend(dflash.project(features), drafter.cache, [4] * batch)
 
         return min(timed(round_)[1] for _ in range(repeats))
@@ -194,8 +195,11 @@ def main():
             batch, temperature = int(config.split(":")[0]), float(config.split(":")[1])
             load_before = os.getloadavg()[0]
             costs = width_costs(model, draft, head, prompts[0], batch)
-            costs["dflash"] = block_cost(model, dflash, prompts[0], batch)
-            kinds = {name: kind for name, (kind, _, _) in methods(dflash, head, draft, temperature == 0, batch).items()}
+            kinds = {name: kind if kind != "dflash" else f"dflash{min(policy.max_draft, dflash.config.num_drafts)}"
+                     for name, (kind, _, policy) in methods(dflash, head, draft, temperature == 0, batch).items()}
+            for kind in {k for k in kinds.values() if k.startswith("dflash")}:  # a block computes its drafted slots
+                costs[kind] = block_cost(model, dflash, prompts[0], batch, int(kind[len("dflash"):]))
+            costs["dflash"] = costs[f"dflash{dflash.config.num_drafts}"]
             results = run(model, (dflash, head, draft), prompts, batch, temperature, args.new_tokens, args.repeats,
                           pad)
             machine_load = f"{load_before:.1f}-{os.getloadavg()[0]:.1f}"  # 1-minute load average before and after

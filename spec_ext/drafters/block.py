@@ -95,18 +95,22 @@ class BlockDrafter(Drafter):
         features = prompt_features(features, B, self.draft.feature_width, weight.dtype, weight.device)
         self.draft.extend(self.draft.project(features), self.cache, [len(s) - 1 for s in seqs])
 
-    def block(self, roots: Tensor) -> tuple[Tensor, Tensor]:
-        """One block forward from each row's root [B]: the drafts' logits [B,K,V] float32 over
-        the target's vocabulary (K = :attr:`num_drafts`; slot first_slot + j at j) and the
-        outputs their head read [B,K,H]."""
+    def block(self, roots: Tensor, slots: int | None = None) -> tuple[Tensor, Tensor]:
+        """One block forward from each row's root [B]: the first ``slots`` drafts' logits
+        [B,K,V] float32 over the target's vocabulary (K = ``slots``, default :attr:`num_drafts`;
+        slot first_slot + j at j) and the outputs their head read [B,K,H]."""
         self.calls += 1
         draft = self.draft
-        hidden = draft(draft.embed(draft.block_tokens(roots), self.embedding), self.cache)[:, draft.config.first_slot:]
+        hidden = draft(draft.embed(draft.block_tokens(roots), self.embedding), self.cache, slots or self.num_drafts)
         return draft.logits(hidden, self.output, self.vocab_size), hidden
 
     def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
-        logits, hidden = self.block(roots)
-        if self.policy.grows_dynamic_tree or self.policy.branching is not None:
+        policy = self.policy
+        tree_depth = len(policy.branching) if policy.branching is not None else \
+            policy.depth if policy.grows_dynamic_tree else None
+        budget = None if tree_depth is not None else [max(1, min(k, self.num_drafts)) for k in policy.plan()]
+        logits, hidden = self.block(roots, tree_depth or max(budget))
+        if tree_depth is not None:
             def refeed(tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
                 # a node at depth d: its children are drafts d + 1, drawn from slot d + 1 (index d)
                 return logits.gather(1, depth.clamp_max(logits.shape[1] - 1)[..., None].expand(-1, -1,
@@ -114,7 +118,6 @@ class BlockDrafter(Drafter):
 
             grow = grow_static_tree if self.policy.branching is not None else grow_dynamic_tree
             return grow(self.policy, logits[:, 0], roots, refeed, self.sampler)
-        budget = [max(1, min(k, self.num_drafts)) for k in self.policy.plan()]
         slot = {"next": 0}
         normed = self.draft.norm(hidden) if self.hidden else None
 

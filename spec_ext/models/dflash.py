@@ -269,26 +269,34 @@ class DFlashDraft(nn.Module):
             cache.update(*layer.self_attn.keys_values(context, rope), index)
         cache.advance(counts, device_counts)
 
-    def forward(self, embeds: Tensor, cache) -> Tensor:
+    def forward(self, embeds: Tensor, cache, slots: int | None = None) -> Tensor:
         """One block per row over the cached context: ``embeds`` [B,b,H] the block's embeddings
         (:meth:`block_tokens`, :meth:`embed`), at positions ``cache.lengths[b] + j`` (the anchor
         right after the row's context). The block's keys are written past each row's context
         as scratch and the cache's lengths do not change. Returns the outputs [B,b,H] before
-        ``norm`` (:meth:`logits` of slots ``first_slot ..`` are the drafts' logits)."""
+        ``norm`` (:meth:`logits` of slots ``first_slot ..`` are the drafts' logits); with
+        ``slots``, those of block positions ``first_slot .. first_slot + slots - 1`` alone
+        [B,slots,H]: every layer still keys the whole block, the last one queries only these."""
         B, b, _ = embeds.shape
+        first = self.config.first_slot
+        kept = slice(None) if slots is None else slice(first, min(b, first + slots))
         lengths = cache.lengths
         positions = lengths[:, None] + torch.arange(b, device=embeds.device)
         rope = self.rope(positions, embeds.dtype, cache.capacity)
         x = embeds
         visible: dict[bool, Tensor] = {}
+        last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             normed = layer.input_layernorm(x)
-            q = layer.self_attn.queries(normed, rope)
             keys, values = cache.update(*layer.self_attn.keys_values(normed, rope), index)
             if layer.sliding not in visible:
                 visible[layer.sliding] = self._cached_mask(lengths, keys.shape[2], b, layer.sliding)
-            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[layer.sliding],
-                                                      scale=layer.self_attn.scaling,
+            mask = visible[layer.sliding]
+            if index == last and slots is not None:  # nothing reads the other outputs: query the kept alone
+                x, normed, mask = x[:, kept], normed[:, kept], mask[:, :, kept]
+                rope = (rope[0][:, :, kept], rope[1][:, :, kept])
+            q = layer.self_attn.queries(normed, rope)
+            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.self_attn.scaling,
                                                       enable_gqa=q.shape[1] != keys.shape[1])
             x = layer.finish(x, attended)
         return x
