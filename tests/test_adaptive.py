@@ -11,7 +11,7 @@ import torch
 
 import spec_ext
 from spec_ext import ops
-from spec_ext.drafters import ModelDrafter, Proposal, Sampler
+from spec_ext.drafters import BlockDrafter, ModelDrafter, Proposal, Sampler
 from spec_ext.policies import Adaptive, DynamicTree, StepCosts, Tree, resolve
 from spec_ext.policies.adaptive import CENTRES, EDGES
 from spec_ext.policies.step_costs import calibrate
@@ -33,8 +33,8 @@ class FixedCosts(StepCosts):
     def verify(self, rows, width):
         return self._given(rows, width)
 
-    def draft(self, steps):
-        return self._step * steps
+    def draft(self, steps, sequential=True):
+        return self._step * (steps if sequential else 1)
 
     def record_verify(self, rows, width, seconds):
         pass
@@ -239,7 +239,10 @@ def test_step_costs_read_measured_shapes_and_fit_the_others():
     costs.record_verify(4, 2, 5.0)
     assert costs.verify(4, 2) == 5.0 and costs.verify(4, 3) > 0  # another row count: the line over rows x width
     costs.record_draft(2, 0.4)
-    assert costs.draft(5) == pytest.approx(1.0)
+    assert costs.draft(5) == pytest.approx(1.0)  # one length: its seconds per step
+    assert costs.draft(5, sequential=False) == pytest.approx(0.4)  # a block: its seconds, one forward
+    costs.record_draft(4, 0.5)
+    assert costs.draft(6, sequential=False) == costs.draft(6) == pytest.approx(0.6)  # two lengths: their line
     for bad in (0, 1.5):
         with pytest.raises(ValueError, match="window"):
             StepCosts(window=bad)
@@ -571,6 +574,37 @@ def test_plan_drafts_the_best_length_and_one_more_only_when_exploring():
         plans.append(exploring.plan()[0])
         exploring._round += 1  # (select counts the rounds)
     assert plans == [best, best, best, best + 1] * 2, plans
+
+
+def test_a_block_drafter_drafts_the_length_worth_its_verification(block_pair):
+    """A block drafter's plan is the best length by the costs, as a chain's is, not its whole
+    block: with a verification of 1 + (w - 1) and a block forward of 0.1 whatever its length,
+    the brute force over k of (1 + sum_j 0.8^j) / (0.1 + verify(k + 1)) gives k = 1 of the
+    block's 3 (and the whole block for a flat verification). In a call, each round's block
+    computes the slots of that round's plan and no more, and the output is the target's."""
+    def ratio(k, slope):
+        return (1 + sum(0.8 ** j for j in range(1, k + 1))) / (0.1 + 1.0 + slope * k)
+    target, draft = block_pair
+    for slope, expected in ((1.0, 1), (0.0, 3)):
+        assert max(range(1, 4), key=lambda k: ratio(k, slope)) == expected
+        policy = Adaptive(max_draft=3, costs=FixedCosts(lambda r, w, s=slope: 1.0 + s * (w - 1), step=0.1),
+                          explore=False)
+        policy.see_draft_shape(3)
+        policy.start(1, greedy=True)
+        assert policy.plan() == [expected]
+        slots = []
+
+        class Recording(BlockDrafter):
+            def block(self, roots, n=None):
+                logits, hidden = super().block(roots, n)
+                slots.append((logits.shape[1], policy._bound))
+                return logits, hidden
+        ids, mask = padded([[p % target.config.vocab_size for p in prompt] for prompt in PROMPTS])
+        out = spec_ext.generate(target, Recording(draft, policy), ids, attention_mask=mask, max_new_tokens=12,
+                                eos_token_id=[], pad_token_id=0)
+        assert slots[0] == (expected, expected) and all(n == planned for n, planned in slots), slots
+        assert torch.equal(out.sequences, target.generate(ids, attention_mask=mask, max_new_tokens=12,
+                                                          do_sample=False, eos_token_id=None, pad_token_id=0))
 
 
 def test_a_stale_draft_step_cost_does_not_stop_every_chain_for_good():

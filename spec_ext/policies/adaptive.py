@@ -188,9 +188,10 @@ class Adaptive(Policy):
         return 1.0
 
     def draft_cost(self, steps: int) -> float | None:
+        per_forward = getattr(self, "_per_forward", 1)
         if self._timed or self.costs.measured:
-            return self.costs.draft(steps)
-        return -(-steps // getattr(self, "_per_forward", 1)) * self._size_ratio  # a block: one forward
+            return self.costs.draft(steps, sequential=per_forward == 1)
+        return -(-steps // per_forward) * self._size_ratio  # a block: one forward
 
     def plan(self) -> list[int]:
         self._bound = self._draft_bound()
@@ -200,11 +201,11 @@ class Adaptive(Policy):
         """The chain length worth drafting from the pooled acceptance of each depth class (with
         ``explore``, one more every fourth timed round, to keep the next depth measured: a
         standing margin of two drafted 25-65% more steps than Fixed(2) at B=1 for no more
-        accepted; ``keep_drafting`` stops sooner where the drafts are weak; ``initial`` while the costs are unknown; a block drafter: its whole block,
-        which costs one forward). The estimate is refreshed by every verification, so a length
-        once judged too long is drafted again when acceptance rises."""
-        if getattr(self, "_per_forward", 1) > 1:
-            return self.max_draft
+        accepted; ``keep_drafting`` stops sooner where the drafts are weak; ``initial`` while
+        the costs are unknown). A block drafter computes the slots it is asked for, one forward
+        whose cost grows a little with them (timed: measured by length; untimed: one forward
+        whatever the length, so the whole block). The estimate is refreshed by every
+        verification, so a length once judged too long is drafted again when acceptance rises."""
         first, later = self._pooled
         B, best, best_value, tokens = self.batch_size, None, None, float(self.batch_size)
         R, alive = self.rate, first

@@ -47,7 +47,7 @@ class StepCosts:
         self._verify: dict[tuple[int, int], list] = {}  # (rows, width) -> [estimate, recent seconds]
         self._draft: dict[int, list] = {}  # draft steps -> [estimate, recent seconds]
         self._memo: dict[tuple, object] = {}  # verify()'s answers (and lines) since the last record_verify
-        self._draft_memo: dict[int, float | None] = {}  # draft()'s answers since the last record_draft
+        self._draft_memo: dict[tuple[int, bool], float | None] = {}  # draft()'s answers since the last record_draft
         self._ticks = {"verify": 0, "draft": 0}  # measurements recorded so far, per table
 
     # ------------------------------------------------------------------ measurements
@@ -106,13 +106,15 @@ class StepCosts:
             return sum(m for _, m, _ in points) / len(points)
         return max(0.0, _line(points, rows * width))
 
-    def draft(self, steps: int) -> float | None:
-        """Estimated seconds of drafting ``steps`` steps; None before any measurement."""
-        if steps not in self._draft_memo:
-            self._draft_memo[steps] = self._draft_estimate(steps)
-        return self._draft_memo[steps]
+    def draft(self, steps: int, sequential: bool = True) -> float | None:
+        """Estimated seconds of drafting ``steps`` drafts; None before any measurement. With one
+        length measured, a sequential drafter's other lengths cost its seconds per step, a
+        block drafter's (``sequential`` False: every length one forward) its seconds."""
+        if (steps, sequential) not in self._draft_memo:
+            self._draft_memo[steps, sequential] = self._draft_estimate(steps, sequential)
+        return self._draft_memo[steps, sequential]
 
-    def _draft_estimate(self, steps: int) -> float | None:
+    def _draft_estimate(self, steps: int, sequential: bool) -> float | None:
         fresh = self._ticks["draft"] - self.STALE
         entry = self._draft.get(steps)
         if entry is not None and (entry[2] > fresh or len(self._draft) == 1):
@@ -121,9 +123,9 @@ class StepCosts:
             [(s, e[0], 1) for s, e in self._draft.items()]
         if not points:
             return None
-        if len(points) == 1:  # one length measured: its seconds per step
+        if len(points) == 1:  # one length measured: its seconds per step (a block: per forward)
             (s, m, _), = points
-            return m * steps / max(s, 1)
+            return m * steps / max(s, 1) if sequential else m
         return max(0.0, _line(points, steps))
 
     @property
