@@ -607,6 +607,54 @@ def test_a_block_drafter_drafts_the_length_worth_its_verification(block_pair):
                                                           do_sample=False, eos_token_id=None, pad_token_id=0))
 
 
+def test_a_sampled_call_prices_its_rounds_by_a_verification_timed_once_per_process():
+    """verification_costs times the target's verification by width once (the same costs come
+    back for the same rows and widest width), without drawing from the global random state;
+    so two sampled calls of fresh policies from the same torch.manual_seed, the first of them
+    the one that timed it, give the same output."""
+    from spec_ext.policies.adaptive import verification_costs
+    target = llama(61, 32, 2, seed=11, sharpen=3.0)
+    draft = perturbed(target, 0.003, seed=2)
+    state = torch.get_rng_state()
+    with spec_ext.models.attention_implementation(target):  # the forward path generate's rounds take
+        costs = verification_costs(target, 2, 5)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(costs.verify(2, w) > 0 for w in range(1, 6)) and costs.measured == 5
+    assert verification_costs(target, 2, 5) is costs and verification_costs(target, 1, 5) is not costs
+    fresh = llama(61, 32, 2, seed=12, sharpen=3.0)
+    outputs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        outputs.append(spec_ext.generate(fresh, perturbed(fresh, 0.003, seed=2), [PROMPT], max_new_tokens=16,
+                                         temperature=1.0, eos_token_id=[], policy=Adaptive()).sequences)
+    assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("slope, expected", [(1.0, 1), (0.0, 3)])
+def test_a_sampled_block_is_as_long_as_its_priced_verification_pays(block_pair, slope, expected):
+    """Sampling, with measured verification costs (1 + slope (w - 1); no draft measured: a block
+    forward is priced at the drafter's share of the target's parameters): the block drafted is
+    the length that pays, 1 of 3 on a steep verification and the whole block on a flat one
+    (a flat cost everywhere drafted the whole block on a CPU, where a verification of 16
+    tokens costs 2.5 steps), and each round's block computes that many slots."""
+    target, draft = block_pair
+    costs = StepCosts()
+    for w in range(1, 5):
+        costs.record_verify(1, w, 1.0 + slope * (w - 1))
+    policy = Adaptive(max_draft=3, costs=costs)
+    slots = []
+
+    class Recording(BlockDrafter):
+        def block(self, roots, n=None):
+            logits, hidden = super().block(roots, n)
+            slots.append(logits.shape[1])
+            return logits, hidden
+    prompt = [p % target.config.vocab_size for p in PROMPTS[0]]
+    spec_ext.generate(target, Recording(draft, policy), [prompt], max_new_tokens=12, eos_token_id=[],
+                      temperature=1.0, seed=0)
+    assert slots[0] == expected, slots
+
+
 def test_a_stale_draft_step_cost_does_not_stop_every_chain_for_good():
     """The draft step's cost read from the costs is stale (a second per step, from one stalled
     round); a step really takes a millisecond. Confident drafts, a verification of 10 ms:

@@ -35,13 +35,14 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import time
+import weakref
 
 import torch
 from torch import Tensor
 
 from spec_ext import ops
 from spec_ext.policies.base import Policy, register
-from spec_ext.policies.step_costs import StepCosts
+from spec_ext.policies.step_costs import StepCosts, time_rows
 from spec_ext.policies.tree import DynamicTree, Tree
 
 EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97)  # upper edges of the confidence bins
@@ -78,12 +79,15 @@ class Adaptive(Policy):
     the draft itself (the rejection sampler assumes each verified draft was drawn from its
     q), so sampled chains are never trimmed after drafting: only ``keep_drafting`` stops
     them, which decides on draft n + 1 from drafts 1..n. Deterministic drafts (trees, any
-    drafter's one-hot drafts) are trimmed at every temperature. As :class:`Auto` does, when
-    sampling the round is not timed (the output then depends on the seed alone): the
-    verification counts as one forward whatever its width (so nothing is trimmed for cost)
-    and a draft step as the drafter's size over the target's, unless ``costs`` holds
-    measurements (e.g. :func:`spec_ext.policies.step_costs.calibrate`), which are used then
-    and not updated.
+    drafter's one-hot drafts) are trimmed at every temperature. When sampling, the rounds are
+    not timed (the output then depends on the seed alone, not on how the machine's load split
+    the random stream into rounds): the verification is priced by ``costs`` if it holds
+    measurements (e.g. :func:`spec_ext.policies.step_costs.calibrate`; not updated), else by
+    the target's verification timed once per process by width (:func:`verification_costs`,
+    before the first sampled call's first round), and a draft forward at the drafter's share
+    of the target's parameters of one target step (a block: one forward). On a CPU, where a
+    verification of 16 tokens costs 2.5 steps, a flat cost drafted a block drafter's whole
+    block at T=1 (0.73x the target alone against 1.52x for a block of 4).
 
     Args:
         max_draft: the most drafts per chain.
@@ -131,6 +135,7 @@ class Adaptive(Policy):
         if tree is not None:
             self.max_draft = tree.max_draft
         self.costs = StepCosts() if costs is None else costs
+        self._sampled: StepCosts | None = None  # what prices a sampled call's rounds (start; see the class)
         self.prior_weight, self.prior_acceptance, self.initial = prior_weight, prior_acceptance, initial
         self.forget, self.explore = forget, explore
         self._clock = clock
@@ -149,6 +154,7 @@ class Adaptive(Policy):
         if size and draft is not None:
             self._size_ratio = max(0.02, sum(p.numel() for p in draft.parameters()) / size)
         self._per_forward = 1
+        self._target = weakref.ref(target)
 
     def see_draft_shape(self, drafts_per_forward: int) -> None:
         self._per_forward = drafts_per_forward
@@ -156,6 +162,9 @@ class Adaptive(Policy):
     def start(self, batch_size: int, greedy: bool = True) -> None:
         super().start(batch_size, greedy)
         self._timed = greedy
+        target = getattr(self, "_target", lambda: None)()
+        self._sampled = None if greedy or self.costs.measured or target is None else \
+            verification_costs(target, batch_size, min(self.max_draft + 1, SAMPLED_WIDEST))
         self._round, self._mark, self._pending, self._tree_path = 0, self._clock(), None, None
         self._rate = [0.0, 0.0]  # weighted tokens, weighted seconds of this call's rounds (the first aside)
         self._bound = self.max_draft
@@ -181,17 +190,29 @@ class Adaptive(Policy):
         self._table = [[(p + w * m) / (r + w) for r, p in zip(reached, passed)]
                        for reached, passed, m in zip(self._reached, self._passed, self._pooled)]
 
+    def _pricing(self) -> StepCosts:
+        """What prices the rounds: ``costs`` (timed, or holding measurements), else a sampled
+        call's :func:`verification_costs` (unmeasured where no target was bound)."""
+        return self.costs if self._timed or self.costs.measured or self._sampled is None else self._sampled
+
     def verify_cost(self, rows: int, width: int) -> float | None:
-        """Seconds (untimed: target forwards) of verifying ``rows`` x ``width`` tokens."""
-        if self._timed or self.costs.measured:
-            return self.costs.verify(rows, width)
-        return 1.0
+        """Seconds of verifying ``rows`` x ``width`` tokens (untimed: as priced, see the class;
+        without a target to time, one target forward whatever the width)."""
+        costs = self._pricing()
+        if costs.measured:
+            return costs.verify(rows, width)
+        return None if self._timed else 1.0
 
     def draft_cost(self, steps: int) -> float | None:
-        per_forward = getattr(self, "_per_forward", 1)
-        if self._timed or self.costs.measured:
-            return self.costs.draft(steps, sequential=per_forward == 1)
-        return -(-steps // per_forward) * self._size_ratio  # a block: one forward
+        """Seconds of drafting ``steps`` drafts (untimed, unless measured costs were given: the
+        draft forwards priced at the drafter's share of the target's parameters of a target
+        step; a block is one forward)."""
+        sequential = getattr(self, "_per_forward", 1) == 1
+        seconds = self._pricing().draft(steps, sequential=sequential)
+        if seconds is not None or self._timed:
+            return seconds
+        forwards = steps if sequential else 1
+        return forwards * self._size_ratio * (self.verify_cost(self.batch_size, 1) or 1.0)
 
     def plan(self) -> list[int]:
         self._bound = self._draft_bound()
@@ -416,6 +437,24 @@ class Adaptive(Policy):
     def _mean_acceptance(self, d: int) -> float:
         """The pooled chance of acceptance over every draft reached at depth class ``d`` (prior included)."""
         return self._pooled[d]
+
+
+SAMPLED_WIDEST = 33  # the widest verification timed to price sampled rounds (wider ones read the line)
+_VERIFICATION_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(rows, widest): costs}
+
+
+def verification_costs(target, rows: int, widest: int) -> StepCosts:
+    """The verification's cost on ``target`` of ``rows`` rows by width 1..``widest``, timed
+    once per process (fastest of 2 after a warm-up, on the forward path in effect) and kept
+    for the target's life: what prices a sampled call's rounds, so that a seed reproduces the
+    output (a call's own timings would split its random stream into rounds by the machine's
+    load)."""
+    table = _VERIFICATION_COSTS.setdefault(target, {})
+    if (rows, widest) not in table:
+        costs = StepCosts()
+        time_rows(target, costs, rows, list(range(1, widest + 1)), context=64, repeats=2)
+        table[rows, widest] = costs
+    return table[rows, widest]
 
 
 @dataclasses.dataclass

@@ -165,25 +165,28 @@ def calibrate(target, rows=(1,), widths=range(1, 17), context: int = 128, repeat
     if not widths or min(widths) < 1 or not rows or min(rows) < 1 or context < 1 or repeats < 1:
         raise ValueError(f"rows, widths, context, repeats: need positive values, got {rows}, {widths}, {context}, "
                          f"{repeats}")
-    device = target.device
-    vocab = target.config.get_text_config().vocab_size
     with attention_implementation(target):
         for B in rows:
-            _time_rows(target, costs, B, widths, context, repeats, vocab, device)
+            time_rows(target, costs, B, widths, context, repeats)
     return costs
 
 
-def _time_rows(target, costs: StepCosts, B: int, widths: list[int], context: int, repeats: int, vocab: int,
-               device) -> None:
-    """:func:`calibrate`'s timings of ``B`` rows."""
+@torch.no_grad()
+def time_rows(target, costs: StepCosts, B: int, widths: list[int], context: int, repeats: int) -> None:
+    """:func:`calibrate`'s timings of ``B`` rows, on the forward path in effect (inside
+    ``generate``: the one its rounds verify with). Its random ids come from a generator of
+    its own: the global random state, which a sampled call may draw from, is not touched."""
     from spec_ext.models import SpecCache, forward
 
+    device = target.device
+    vocab = target.config.get_text_config().vocab_size
+    generator = torch.Generator(device=device).manual_seed(0)
     cache = SpecCache.for_model(target, B, context + max(widths) + 1)
-    ids = torch.randint(0, vocab, (B, context), device=device)
+    ids = torch.randint(0, vocab, (B, context), device=device, generator=generator)
     forward(target, ids, cache, torch.arange(context, device=device).expand(B, -1))
     cache.advance([context] * B)
     for width in widths:
-        new = torch.randint(0, vocab, (B, width), device=device)
+        new = torch.randint(0, vocab, (B, width), device=device, generator=generator)
         positions = context + torch.arange(width, device=device).expand(B, -1)
         best = float("inf")
         for _ in range(repeats + 1):
