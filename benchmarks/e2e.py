@@ -37,7 +37,12 @@ of its verifications over one decode step (each verification's width priced by a
 the lean forward's cost by width at the batch size, measured before the configuration),
 ``draft_forwards`` per round and ``draft_step`` (one draft forward over one target step), and
 ``bound`` = (1 + accepted per round) / (verify_steps + draft_forwards x draft_step), the
-speed-up those rounds allow over the lean target alone if nothing but the forwards cost:
+speed-up those rounds allow over the lean target alone if nothing but the forwards cost.
+The lean target alone's row has ``prefill_share``, the share of its time its prompt's forward
+took (every method pays that forward too), and every row ``bound_with_prefill`` =
+1 / (prefill_share + (1 - prefill_share) / bound), what the call allows when only its decoding
+is sped up (where the step is weight reads, the prompt's forward is compute bound: about a
+quarter of a 128-token call):
 
     python benchmarks/e2e.py --widen 16384 --configs 1:0 8:0 --repeats 2 --only auto "fixed k=" \
         "ngram beside" "ngram tree" --name e2e_weight_read_cpu
@@ -213,9 +218,10 @@ def left_pad(prompts, pad):
 DEFAULT_LINEAR = "auto"
 
 
-def lean_alone(target, group, n, temperature, fast_linear):
+def lean_alone(target, group, n, temperature, fast_linear, prefill: list | None = None):
     """The target alone, no draft, on spec_ext's lean forward and SpecCache: separates what
-    the forward (and fast_linear's kernel) gains from what speculation gains."""
+    the forward (and fast_linear's kernel) gains from what speculation gains. ``prefill``: the
+    seconds of the prompt's forward are appended to it."""
     assert len(set(map(len, group))) == 1, "equal-length prompts only"
     sampler = spec_ext.engine.Sampler(temperature)
     ids = torch.tensor(group)
@@ -223,7 +229,10 @@ def lean_alone(target, group, n, temperature, fast_linear):
     tokens = []
     with torch.inference_mode(), spec_ext.models.attention_implementation(target, fast_linear=fast_linear):
         cache = spec_ext.SpecCache.for_model(target, B, L + n)
+        started = time.perf_counter()
         logits = spec_ext.models.forward(target, ids, cache, torch.arange(L).expand(B, L))[:, -1]
+        if prefill is not None:
+            prefill.append(time.perf_counter() - started)
         cache.advance([L] * B)
         for step in range(n):
             token = logits.argmax(-1) if sampler.greedy else torch.multinomial(sampler.probs(logits), 1)[:, 0]
@@ -310,19 +319,22 @@ def verification_cost(costs: dict, width: int) -> float:
     return value / table[1]
 
 
-def bound_columns(method: str, r: dict, costs: dict | None) -> dict:
-    """verify_steps, draft_forwards, draft_step and bound of a method's rows (module docstring)."""
+def bound_columns(method: str, r: dict, costs: dict | None, prefill_share: float | None = None) -> dict:
+    """verify_steps, draft_forwards, draft_step, bound and bound_with_prefill of a method's
+    rows (module docstring)."""
     widths = sum(r.get("widths", []), [])
     stats = r["stats"]
     if costs is None or not widths or not stats:
-        return dict(verify_steps="", draft_forwards="", draft_step="", bound="")
+        return dict(verify_steps="", draft_forwards="", draft_step="", bound="", bound_with_prefill="")
     verify = statistics.mean(verification_cost(costs, w) for w in widths)
     forwards = sum(s.draft_calls for s in stats) / len(widths)
     step = 0.0 if "no draft" in method else (costs.get("head", 0.0) if "head" in method else costs["draft"])
     step /= costs["target"][1]
     accepted = np.mean([s.mean_accepted for s in stats])
+    bound = (1 + accepted) / (verify + forwards * step)
     return dict(verify_steps=round(verify, 3), draft_forwards=round(forwards, 2), draft_step=round(step, 3),
-                bound=round((1 + accepted) / (verify + forwards * step), 3))
+                bound=round(bound, 3), bound_with_prefill="" if prefill_share is None else
+                round(1 / (prefill_share + (1 - prefill_share) / bound), 3))
 
 
 def paired_ratio(result: dict, reference: dict | None) -> float | str:
@@ -357,8 +369,9 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, want
     results: dict[str, dict] = {}
     gammas: list[int] = []
 
-    def record(method, rate, ratio, stats=None, match=None):
-        entry = results.setdefault(method, dict(rates=[], ratios=[], stats=[], matches=[], widths=[]))
+    def record(method, rate, ratio, stats=None, match=None, prefill_share=None):
+        entry = results.setdefault(method, dict(rates=[], ratios=[], stats=[], matches=[], widths=[],
+                                                prefill_shares=[]))
         entry["widths"].append(tracer.take())
         entry["rates"].append(rate)
         entry["ratios"].append(ratio)
@@ -366,6 +379,8 @@ def run_config(target, draft, prompts, batch, temperature, n, repeats, pad, want
             entry["stats"].append(stats)
         if match is not None:
             entry["matches"].append(match)
+        if prefill_share is not None:
+            entry["prefill_shares"].append(prefill_share)
 
     tracer = VerificationWidths()
     with tracer:
@@ -389,9 +404,10 @@ def run_passes(target, draft, groups, batch, temperature, n, repeats, pad, wante
             base = len(group) * n / t
             record("target alone", base, 1.0)
             if len(set(map(len, group))) == 1:  # the bound's baseline (equal-length prompts only)
-                out, t = timed(lambda: lean_alone(target, group, n, temperature, DEFAULT_LINEAR))
+                prefill = []
+                out, t = timed(lambda: lean_alone(target, group, n, temperature, DEFAULT_LINEAR, prefill))
                 record("target alone, lean forward", len(group) * n / t, len(group) * n / t / base,
-                       match=bool(torch.equal(out, alone)) if greedy else None)
+                       match=bool(torch.equal(out, alone)) if greedy else None, prefill_share=prefill[0] / t)
             if batch == 1:
                 for name, schedule in (("HF assisted (defaults)", None), ("HF assisted (heuristic)", "heuristic")):
                     if not wanted(name):
@@ -613,6 +629,7 @@ def measure_configs(args, parser, target, draft, prompts, pad, commit, device, w
                              "'HF assisted', 'fast_linear', 'lean forward')")
             reference = next((r for method, r in results.items() if BEST_FIXED in method), None)
             lean = results.get("target alone, lean forward")
+            share = statistics.median(lean["prefill_shares"]) if lean and lean["prefill_shares"] else None
             widths = width_costs(target, draft, head, prompts[0], batch)
             print(f"batch {batch}: a verification by width over one step "
                   f"{ {w: round(verification_cost(widths, w), 2) for w in WIDTHS} }, one step "
@@ -636,7 +653,9 @@ def measure_configs(args, parser, target, draft, prompts, pad, commit, device, w
                                                 3) if stats else "",
                            matches_target=(all(r["matches"]) if r["matches"] else ""),
                            pearl_gamma=(statistics.median(r["gammas"]) if "gammas" in r else ""),
-                           **bound_columns(method, r, widths),
+                           prefill_share="" if not r["prefill_shares"] else
+                           round(statistics.median(r["prefill_shares"]), 3),
+                           **bound_columns(method, r, widths, share),
                            target_read_mb=round(read_bytes(target) / 1e6, 1),
                            new_tokens=args.new_tokens, prompts=args.prompts,
                            dtype=str(target.dtype).removeprefix("torch."), device=device, commit=commit)
@@ -676,12 +695,14 @@ def write_results(args, rows, histograms, costs, matched):
           f"the target, {draft_threads} for the draft; its gamma (median per config): "
           f"{ {(r['batch'], r['temperature']): r['pearl_gamma'] for r in rows if r['pearl_gamma'] != ''} }")
     print(f"\n{'method':48} {'workload':>8} {'batch':>5} {'temp':>5} {'tok/s':>8} {'speed-up':>9} {'vs lean':>7} "
-          f"{'vs k*':>6} {'acc/call':>9} {'verify':>6} {'drafts':>6} {'bound':>6} {'matched':>7} {'== target':>10}")
+          f"{'vs k*':>6} {'acc/call':>9} {'verify':>6} {'drafts':>6} {'bound':>6} {'w/ pre':>6} {'matched':>7} "
+          f"{'== target':>10}")
     for r in rows:
         print(f"{r['method']:48} {r['workload']:>8} {r['batch']:5} {r['temperature']:5} {r['tokens_per_s']:8.1f} "
               f"{r['speedup']:8.2f}x {str(r['speedup_lean']):>7} {str(r['vs_best_fixed']):>6} "
               f"{str(r['mean_accepted']):>9} {str(r['verify_steps']):>6} {str(r['draft_forwards']):>6} "
-              f"{str(r['bound']):>6} {str(r['matched_rounds']):>7} {str(r['matches_target']):>10}")
+              f"{str(r['bound']):>6} {str(r['bound_with_prefill']):>6} {str(r['matched_rounds']):>7} "
+              f"{str(r['matches_target']):>10}")
     (RESULTS / f"{args.name}_costs.txt").write_text(f"{costs}\n")
     plot(rows, histograms, args.name)
 
