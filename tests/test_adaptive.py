@@ -625,9 +625,33 @@ def test_a_sampled_call_prices_its_rounds_by_a_verification_timed_once_per_proce
     outputs = []
     for _ in range(2):
         torch.manual_seed(0)
+        policy = Adaptive()
         outputs.append(spec_ext.generate(fresh, perturbed(fresh, 0.003, seed=2), [PROMPT], max_new_tokens=16,
-                                         temperature=1.0, eos_token_id=[], policy=Adaptive()).sequences)
+                                         temperature=1.0, eos_token_id=[], policy=policy).sequences)
+        timed = verification_costs(fresh, 1, policy.max_draft + 1)  # the calls' pricing: the one timing
+        assert policy.verify_cost(1, 4) == timed.verify(1, 4) != timed.verify(1, 1)
     assert torch.equal(outputs[0], outputs[1])
+
+
+def test_a_tensor_parallel_target_is_not_timed_for_sampled_rounds():
+    """A tensor-parallel target's followers replay every forward its leading rank runs: a
+    calibration forward there would desynchronise them. Its sampled rounds are priced flat
+    (Adaptive and, beside a block drafter, Auto); a target on one device is timed."""
+    from spec_ext.policies import Auto
+    target = llama(61, 32, 2, seed=13)
+    draft = perturbed(target, 0.003, seed=2)
+    target._tp_size = 2
+    for policy in (Adaptive(), Auto()):
+        policy.bind(target, draft)
+        policy.see_draft_shape(4)
+        policy.start(1, greedy=False)
+        assert policy._sampled is None
+    del target._tp_size
+    with spec_ext.models.attention_implementation(target):
+        policy = Adaptive()
+        policy.bind(target, draft)
+        policy.start(1, greedy=False)
+    assert policy._sampled is not None and policy.verify_cost(1, 3) == policy._sampled.verify(1, 3)
 
 
 @pytest.mark.parametrize("slope, expected", [(1.0, 1), (0.0, 3)])

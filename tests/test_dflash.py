@@ -150,7 +150,7 @@ def written_out_block(draft, features, anchor, embedding, output):
     return logits[c.first_slot:]
 
 
-@pytest.mark.parametrize("variant", ["full", "sliding", "sliding_non_causal", "sample_from_anchor"])
+@pytest.mark.parametrize("variant", ["full", "sliding", "sliding_non_causal", "sliding_last", "sample_from_anchor"])
 @torch.no_grad()
 def test_the_cached_block_forward_equals_the_written_out_block(target, variant):
     """A ragged batch whose context is cached in pieces (as the rounds extend it) and a block
@@ -158,8 +158,10 @@ def test_the_cached_block_forward_equals_the_written_out_block(target, variant):
     from the raw weights, which sees only the context before the anchor and its own block."""
     from spec_ext.models import SpecCache
     options = dict(layers=2, seed=1, scale=0.3)
-    if variant.startswith("sliding"):
-        options.update(layer_types=["sliding_attention", "full_attention"], sliding_window=3, use_sliding_window=True,
+    if variant.startswith("sliding"):  # the last layer sliding too: the slots a round cuts to read its mask rows
+        types = ["full_attention", "sliding_attention"] if variant == "sliding_last" else \
+            ["sliding_attention", "full_attention"]
+        options.update(layer_types=types, sliding_window=3, use_sliding_window=True,
                        sliding_window_non_causal=variant == "sliding_non_causal")
     if variant == "sample_from_anchor":
         options["sample_from_anchor"] = True
@@ -254,6 +256,25 @@ def test_after_every_round_the_block_equals_a_fresh_drafters_on_the_committed_te
             expected, _ = fresh.block(torch.tensor([seq[-1]]))
             assert roots[row] == seq[-1]
             torch.testing.assert_close(logits[row], expected[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("slope, longest", [(1.0, 1), (0.0, 3)])
+@torch.no_grad()
+def test_auto_sampling_drafts_the_block_its_priced_verification_pays(target, trained, monkeypatch, slope, longest):
+    """Sampling, Auto prices a round by the target's verification by width as timed once per
+    process (here given: 1 + slope (w - 1) steps) and a block forward at the drafter's share
+    of the parameters: a steep verification keeps the block to one draft, a flat one drafts
+    the whole block (a flat price everywhere drafted every slot on a CPU, where that is
+    slower than the target alone); each round's block computes the slots it drafts."""
+    from spec_ext.policies import Auto, StepCosts
+    costs = StepCosts()
+    for w in range(1, 40):
+        costs.record_verify(len(PROMPTS), w, 1.0 + slope * (w - 1))
+    monkeypatch.setattr("spec_ext.policies.rules.verification_costs", lambda t, rows, widest: costs)
+    drafter, rounds = recording(trained, Auto(text=False))
+    spec_ext.generate(target, drafter, PROMPTS, max_new_tokens=12, eos_token_id=[], temperature=1.0, seed=0)
+    slots = [logits.shape[1] for _, _, logits in rounds]  # every eighth round explores one more or one fewer
+    assert max(set(slots), key=slots.count) == longest and max(slots) <= longest + 1, slots
 
 
 # ---------------------------------------------------------------------- exact decoding

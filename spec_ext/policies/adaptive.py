@@ -41,8 +41,9 @@ import torch
 from torch import Tensor
 
 from spec_ext import ops
+from spec_ext.models.cache import split_size
 from spec_ext.policies.base import Policy, register
-from spec_ext.policies.step_costs import StepCosts, time_rows
+from spec_ext.policies.step_costs import SAMPLED_ROWS, SAMPLED_WIDEST, StepCosts, verification_costs
 from spec_ext.policies.tree import DynamicTree, Tree
 
 EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97)  # upper edges of the confidence bins
@@ -163,16 +164,25 @@ class Adaptive(Policy):
         super().start(batch_size, greedy)
         self._timed = greedy
         target = getattr(self, "_target", lambda: None)()
-        self._sampled = None if greedy or self.costs.measured or target is None else \
-            verification_costs(target, batch_size, min(self.max_draft + 1, SAMPLED_WIDEST))
+        # (a tensor-parallel target's followers replay its forwards: nothing else may run one)
+        self._sampled = None if greedy or self.costs.measured or target is None or split_size(target) > 1 else \
+            verification_costs(target, batch_size, min(self._longest + 1, SAMPLED_WIDEST))
+        self._sampled_rows = min(batch_size, SAMPLED_ROWS)  # the rows it timed
         self._round, self._mark, self._pending, self._tree_path = 0, self._clock(), None, None
         self._rate = [0.0, 0.0]  # weighted tokens, weighted seconds of this call's rounds (the first aside)
-        self._bound = self.max_draft
+        self._bound = self._longest
+
+    @property
+    def _longest(self) -> int:
+        """The longest chain: ``max_draft``, or a block drafter's block if shorter."""
+        per_forward = getattr(self, "_per_forward", 1)
+        return min(self.max_draft, per_forward) if per_forward > 1 else self.max_draft
 
     @property
     def rate(self) -> float | None:
-        """R: the long-run tokens per second (untimed: per target forward) of this call's
-        rounds so far, the first (which holds the prefill) aside; None before one was seen."""
+        """R: the long-run tokens per second (untimed: per second as priced, or per target
+        forward without a target to time) of this call's rounds so far, the first (which holds
+        the prefill) aside; None before one was seen."""
         tokens, seconds = self._rate
         return tokens / seconds if seconds > 0 else None
 
@@ -199,6 +209,8 @@ class Adaptive(Policy):
         """Seconds of verifying ``rows`` x ``width`` tokens (untimed: as priced, see the class;
         without a target to time, one target forward whatever the width)."""
         costs = self._pricing()
+        if costs is self._sampled:  # the shapes timed (rows finishing read the call's first)
+            return costs.verify(self._sampled_rows, width)
         if costs.measured:
             return costs.verify(rows, width)
         return None if self._timed else 1.0
@@ -230,17 +242,17 @@ class Adaptive(Policy):
         first, later = self._pooled
         B, best, best_value, tokens = self.batch_size, None, None, float(self.batch_size)
         R, alive = self.rate, first
-        for k in range(1, self.max_draft + 1):
+        for k in range(1, self._longest + 1):
             tokens += B * alive
             alive *= later
             cost = [self.draft_cost(k), self.verify_cost(B, k + 1)]
             if None in cost:
-                return min(self.initial, self.max_draft)
+                return min(self.initial, self._longest)
             value = tokens - R * sum(cost) if R is not None else tokens / max(sum(cost), 1e-12)
             if best_value is None or value > best_value:
                 best, best_value = k, value
         measures_next = self._timed and self.explore and self._round % 4 == 3
-        return min(self.max_draft, best + measures_next)
+        return min(self._longest, best + measures_next)
 
     def keep_drafting(self, step: int, probs: Tensor, tokens: Tensor, hidden: Tensor | None = None) -> Tensor:
         """Go on while some longer chain is expected to pay for its steps and their
@@ -308,6 +320,8 @@ class Adaptive(Policy):
         B, tree = proposal.tokens.shape[0], proposal.is_tree
         width = proposal.tokens.shape[1] + (0 if tree else 1)  # verified tokens per row, the root included
         steps = proposal.max_depth if tree else proposal.tokens.shape[1]
+        if getattr(self, "_per_forward", 1) > 1:  # a block: the slots its forward computed, however many kept
+            steps = self._longest if tree else self._bound
         drafted = now - self._mark if self._timed else self.draft_cost(steps)
         if self._timed and self._round > 1:  # the first round's time holds the prefill
             self.costs.record_draft(steps, drafted)
@@ -437,24 +451,6 @@ class Adaptive(Policy):
     def _mean_acceptance(self, d: int) -> float:
         """The pooled chance of acceptance over every draft reached at depth class ``d`` (prior included)."""
         return self._pooled[d]
-
-
-SAMPLED_WIDEST = 33  # the widest verification timed to price sampled rounds (wider ones read the line)
-_VERIFICATION_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(rows, widest): costs}
-
-
-def verification_costs(target, rows: int, widest: int) -> StepCosts:
-    """The verification's cost on ``target`` of ``rows`` rows by width 1..``widest``, timed
-    once per process (fastest of 2 after a warm-up, on the forward path in effect) and kept
-    for the target's life: what prices a sampled call's rounds, so that a seed reproduces the
-    output (a call's own timings would split its random stream into rounds by the machine's
-    load)."""
-    table = _VERIFICATION_COSTS.setdefault(target, {})
-    if (rows, widest) not in table:
-        costs = StepCosts()
-        time_rows(target, costs, rows, list(range(1, widest + 1)), context=64, repeats=2)
-        table[rows, widest] = costs
-    return table[rows, widest]
 
 
 @dataclasses.dataclass

@@ -3,12 +3,15 @@ protocol the serial engine calls)."""
 from __future__ import annotations
 
 import time
+import weakref
 from collections import Counter
 
 from torch import Tensor
 
+from spec_ext.models.cache import split_size
 from spec_ext.policies.base import Policy, register
 from spec_ext.policies.ngram import NGram
+from spec_ext.policies.step_costs import SAMPLED_ROWS, SAMPLED_WIDEST, verification_costs
 
 
 @register
@@ -121,6 +124,11 @@ class Auto(Policy):
     depends on how the random stream is split into rounds, so there nothing is timed: V(w)
     is one target step whatever w and D the draft's share of the parameters (decoding reads
     every weight once per step); a seed (or ``torch.manual_seed``) then reproduces the output.
+    Beside a block drafter, whose block is one forward however long, a flat V drafts the
+    whole block (on a CPU, slower than the target alone at T=1): there V(w) is the target's
+    verification of w tokens over one of 1, timed once per process by width
+    (:func:`~spec_ext.policies.step_costs.verification_costs`, before the first such call's
+    first round), so a seed reproduces the output within a process.
 
     Args:
         max_draft: the model's largest k and the text's longest chain.
@@ -171,6 +179,7 @@ class Auto(Policy):
         size = sum(p.numel() for p in target.parameters())
         self._size_ratio = sum(p.numel() for p in draft.parameters()) / size if size and draft is not None else None
         self._per_forward = 1
+        self._target = weakref.ref(target)
 
     def see_draft_shape(self, drafts_per_forward: int) -> None:
         self._per_forward = drafts_per_forward
@@ -190,6 +199,15 @@ class Auto(Policy):
         if self.text:
             self.text_beside_draft.start(batch_size, greedy)
         self._timed = greedy or getattr(self, "_size_ratio", None) is None
+        target = getattr(self, "_target", lambda: None)()
+        # sampling beside a block drafter (whose block is one forward however long: only the
+        # verification's price bounds it); not a tensor-parallel target (its followers replay
+        # its forwards: nothing else may run one)
+        priced = not self._timed and target is not None and getattr(self, "_per_forward", 1) > 1 \
+            and split_size(target) == 1
+        self._sampled = verification_costs(target, batch_size, min(self._largest_k + 1, SAMPLED_WIDEST)) \
+            if priced else None
+        self._sampled_rows = min(batch_size, SAMPLED_ROWS)  # the rows it timed
         self._rounds, self._last, self._choice, self._narrowed = 0, None, None, False
         self._k = self.initial
         self._runs = {kind: ([0.0] * (self.max_draft + 1), [0.0] * (self.max_draft + 1))
@@ -234,9 +252,13 @@ class Auto(Policy):
 
     def verify_cost(self, width: int) -> float | None:
         """V(width): seconds of a round verifying ``width`` tokens per row, drafts aside
-        (sampling: 1, one target step); None before any round was timed."""
+        (sampling: 1, one target step; beside a block drafter the verification of ``width``
+        over one of 1 as timed once per process,
+        :func:`~spec_ext.policies.step_costs.verification_costs`); None before any round was
+        timed."""
         if not self._timed:
-            return 1.0
+            costs, rows = self._sampled, self._sampled_rows
+            return 1.0 if costs is None else costs.verify(rows, width) / costs.verify(rows, 1)
         if self._fit is None:  # once per round: the widths change only when a round is timed
             self._fit = self._fitted()
         seen, line = self._fit

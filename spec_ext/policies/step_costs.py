@@ -25,6 +25,7 @@ a timed round, ``verify``/``draft`` to plan the next).
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
@@ -195,3 +196,25 @@ def time_rows(target, costs: StepCosts, B: int, widths: list[int], context: int,
             float(logits[0, -1, 0])  # the host waits for the forward, as a round's sync does
             best = min(best, time.perf_counter() - started)
         costs.record_verify(B, width, best)
+
+
+SAMPLED_WIDEST = 33  # the widest verification timed to price sampled rounds (wider ones read the line)
+SAMPLED_ROWS = 256  # the most rows timed to price sampled rounds (a larger batch reads theirs)
+_VERIFICATION_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(rows, widest): costs}
+
+
+def verification_costs(target, rows: int, widest: int) -> StepCosts:
+    """The verification's cost on ``target`` of ``rows`` rows (at most ``SAMPLED_ROWS``) by
+    width 1..``widest``, timed once per process (fastest of 2 after a warm-up, on the forward
+    path in effect: inside ``generate``, the one its rounds take) and kept for the target's
+    life: what prices a sampled call's rounds (:class:`~spec_ext.policies.Adaptive`,
+    :class:`~spec_ext.policies.Auto`), so that a seed reproduces the output (a call's own
+    timings would split its random stream into rounds by the machine's load). The policies
+    read the shapes timed alone, as the call's rows finish too."""
+    rows = min(rows, SAMPLED_ROWS)
+    table = _VERIFICATION_COSTS.setdefault(target, {})
+    if (rows, widest) not in table:
+        costs = StepCosts()
+        time_rows(target, costs, rows, list(range(1, widest + 1)), context=64, repeats=2)
+        table[rows, widest] = costs
+    return table[rows, widest]
