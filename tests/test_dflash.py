@@ -318,13 +318,21 @@ def test_greedy_with_logits_processors_equals_the_targets(target, trained):
 
 
 @pytest.mark.parametrize("temperature,top_k,shape", [(1.0, None, "chain"), (0.7, 4, "chain"), (1.0, None, "dynamic"),
-                                                     (0.7, 4, "static")])
-def test_sampling_follows_the_target_with_a_reduced_draft_vocabulary(temperature, top_k, shape):
+                                                     (0.7, 4, "static"), (1.0, None, "adaptive")])
+def test_sampling_follows_the_target_with_a_reduced_draft_vocabulary(temperature, top_k, shape, monkeypatch):
     """A draft vocabulary of 5 of the 8 tokens, blocks of 3 slots (2 drafts): the first 3
-    tokens' joint law is the target's, by enumeration."""
+    tokens' joint law is the target's, by enumeration; also under Adaptive, whose sampled
+    rounds are priced by a verification of 1 + 0.5 (w - 1) (the block cut to 1 or 2 slots by
+    the pooled acceptance, and chains stopped by keep_drafting on the drafts before)."""
+    from spec_ext.policies import Adaptive, StepCosts
     target = llama(VOCAB, 32, 4, seed=10, sharpen=3.0)
     draft = random_dflash(target, block=3, draft_vocab=5, seed=4, scale=0.5)
-    policy = {"chain": Fixed(2), "dynamic": DynamicTree(depth=2, top_k=3, nodes=6), "static": Tree((2, 1))}[shape]
+    costs = StepCosts()
+    for w in range(1, 5):
+        costs.record_verify(256, w, 1.0 + 0.5 * (w - 1))
+    monkeypatch.setattr("spec_ext.policies.adaptive.verification_costs", lambda t, rows, widest: costs)
+    policy = {"chain": Fixed(2), "dynamic": DynamicTree(depth=2, top_k=3, nodes=6), "static": Tree((2, 1)),
+              "adaptive": Adaptive(max_draft=2)}[shape]
     n = 12_000
     out = spec_ext.generate(target, draft, [PROMPT] * n, max_new_tokens=3, temperature=temperature, top_k=top_k,
                             eos_token_id=[], policy=policy, seed=7)
