@@ -71,6 +71,32 @@ def test_auto_prices_each_width_as_measured_and_maximises_tokens_per_second():
     assert set(explored.values()) == {3, 5}, "every explore_every-th round tries one more, then one less"
 
 
+def test_auto_reads_a_chains_costs_from_the_widths_a_chain_verifies():
+    """A round that verified a tree wider than any chain (a Suffix cache tree of 32 tokens,
+    reported through ``verifies``, on the tree path: 60 s where a chain of 32 would take 25.5)
+    stays timed for the tree's pricing, but the chain's widths are read from the chains: it
+    times 2 tokens, then initial + 1, and prices 8 tokens on their line (13.5 s), where the line
+    through the tree's width priced them at 20 s."""
+    clock = FakeClock()
+    policy = Auto(max_draft=12, forget_cost=1.0, clock=clock)
+    policy.start(1)
+    verify = lambda w: 10.0 + 0.5 * (w - 1)  # noqa: E731
+    policy.plan()
+    policy.verifies(32)
+    clock.now += 60.0
+    policy.observe([0], [0])  # the tree's round: no model drafts
+    chosen = []
+    for _ in range(3):
+        k = policy.choose([0])[0]
+        clock.now += verify(k + 1)
+        policy.observe([k], [k])
+        chosen.append(k)
+    assert chosen[:2] == [1, 4], chosen
+    n, seconds = policy.timed_widths()[32]
+    assert seconds / n == pytest.approx(60.0)
+    assert policy.verify_cost(8) == pytest.approx(verify(8))
+
+
 def test_auto_values_bursty_runs_as_they_are():
     """Runs of 0 or >= 12 (a draft either gets a passage or not): the mean acceptance of a
     geometric law would say stop early, the runs say draft to the end."""

@@ -12,7 +12,7 @@ import torch
 
 import spec_ext
 from spec_ext.drafters import Sampler
-from spec_ext.policies import Suffix, SuffixCache, reference_tree
+from spec_ext.policies import Auto, Suffix, SuffixCache, reference_tree
 from helpers import VOCAB, assert_follows, exact_joint, hf_greedy, llama, perturbed, ragged_greedy_equals_target
 
 
@@ -240,13 +240,14 @@ def test_beside_a_head_greedy_equals_target_and_the_head_drafts_the_other_rows()
 @pytest.mark.parametrize("min_score,model_memory", [(1.0, 0.8), (None, 0.0)], ids=["fixed rule", "measured rule"])
 def test_beside_a_head_sampling_follows_the_target_distribution(min_score, model_memory):
     """The fixed rule (score >= 1), and the measured one with no memory (a row whose head round
-    was cut drafts its text next round: rows of both kinds in one verification)."""
+    was cut drafts its text next round: rows of both kinds in one verification). The cache holds
+    the greedy continuation, so that its trees are expected to beat the head's chain (the
+    measured rule's rounds are suffix decoding's only then: Suffix.cache_adds)."""
     from test_heads import echo_head
     target = llama(VOCAB, 32, 4, seed=3, sharpen=3.0)
     head = echo_head(target, "eagle3", noise=0.01)
     cache = SuffixCache(prompts=True)
-    spec_ext.generate(target, None, [REPEATING] * 64, max_new_tokens=3, temperature=1.0, eos_token_id=[],
-                      suffix_cache=cache, seed=5)
+    spec_ext.generate(target, None, [REPEATING] * 64, max_new_tokens=3, eos_token_id=[], suffix_cache=cache)
     n = 12_000
     policy = Suffix(cache, k=3, max_nodes=6, draft_k=2, round_tokens=6 * n, min_score=min_score,
                     model_memory=model_memory)
@@ -260,6 +261,20 @@ def test_beside_a_head_sampling_follows_the_target_distribution(min_score, model
 
 
 # ------------------------------------------------------------------------ text or model: the measured rule
+def modeled(policy: Suffix, text: bool = False, cost=lambda width: 1.0 + 0.1 * width) -> Suffix:
+    """``policy`` with its head chain's Auto on a modeled clock (a round: ``cost(its width)``
+    plus its head forwards' real seconds, which the chain takes out again), so that the chain's
+    lengths follow the model, not the machine's timing; ``text``: the chain's own text beside it."""
+    now = [0.0]
+
+    def clock():
+        if chain._width is not None:
+            now[0] += cost(chain._width) + chain._round_draft
+        return now[0]
+    chain = policy.model_chain = Auto(max_draft=12, text=text, clock=clock)
+    return policy
+
+
 def _beside(cache, rows, draft_cost=0.0, draft_k=3):
     """A Suffix policy as beside a model (bound with a draft), its TextDrafter started on ``rows``."""
     from spec_ext.drafters import TextDrafter
@@ -335,7 +350,8 @@ def test_beside_a_head_never_more_target_calls_than_the_head_alone_where_the_cac
     request takes more target forwards than the head alone (the old fixed rule: one took 41,
     every round a weak cache tree, against the head's 12), outputs equal. The rule's acceptance
     side, in forwards: the round's width unpriced (``price_width=False``; pricing trades forwards
-    for seconds, tested on a modeled clock below)."""
+    for seconds, tested on a modeled clock below). The head's chain on a modeled clock (its
+    lengths the same in both); its own text off (the rule's rounds only: none is the default's)."""
     from test_heads import V, echo_head
     target = llama(V, 32, 4, seed=3, sharpen=3.0)
     head = echo_head(target, "eagle3", draft_vocab=10, noise=0.01)
@@ -348,21 +364,54 @@ def test_beside_a_head_never_more_target_calls_than_the_head_alone_where_the_cac
         for p in primers:
             spec_ext.generate(target, None, [p], max_new_tokens=40, eos_token_id=[], suffix_cache=cache)
         for p in later:
-            alone = spec_ext.generate(target, head, [p], max_new_tokens=40, eos_token_id=[],
-                                      policy=Suffix(SuffixCache(), own_text=False, draft_k=3, price_width=False))
-            beside = spec_ext.generate(target, head, [p], max_new_tokens=40, eos_token_id=[],
-                                       policy=Suffix(cache, draft_k=3, price_width=False))
+            alone = spec_ext.generate(target, head, [p], max_new_tokens=40, eos_token_id=[], policy=modeled(
+                Suffix(SuffixCache(), own_text=False, draft_k=3, price_width=False)))
+            beside = spec_ext.generate(target, head, [p], max_new_tokens=40, eos_token_id=[], policy=modeled(
+                Suffix(cache, draft_k=3, price_width=False)))
             assert torch.equal(alone.sequences, beside.sequences)
             assert beside.stats.target_calls <= alone.stats.target_calls, (trial, p)
             cache_rounds += beside.stats.cache_matched
     assert cache_rounds > 20  # the cache drafted where it was expected to win
 
 
+def test_beside_a_head_where_the_cache_has_nothing_to_add_the_rounds_are_the_defaults():
+    """An empty cache: Suffix beside a head drafts exactly as Auto beside the head (per row its own
+    text's chain or the head's, Suffix.as_auto), both on one modeled clock: the same outputs
+    (= the target's, ragged, EOS), rounds and text rounds. The same requests again, the cache
+    holding them: its rounds draft the cache's trees, in fewer target forwards than Auto's."""
+    from test_heads import PROMPTS as HEAD_PROMPTS, V, echo_head
+    target = llama(V, 32, 4, seed=3, sharpen=3.0)
+    head = echo_head(target, "eagle3", draft_vocab=10, noise=0.05)
+
+    def auto_on_the_clock():
+        now = [0.0]
+
+        def clock():
+            if auto._width is not None:
+                now[0] += 1.0 + 0.1 * auto._width + auto._round_draft
+            return now[0]
+        auto = Auto(max_draft=12, clock=clock)
+        return auto
+    cache = SuffixCache()
+    alone = ragged_greedy_equals_target(target, head, HEAD_PROMPTS, auto_on_the_clock(), max_new=40)
+    beside = ragged_greedy_equals_target(target, head, HEAD_PROMPTS, modeled(Suffix(cache), text=True), max_new=40)
+    assert torch.equal(alone.sequences, beside.sequences)
+    for name in ("target_calls", "rounds", "drafted", "accepted", "matched", "text_drafted", "text_accepted"):
+        assert getattr(alone.stats, name) == getattr(beside.stats, name), name
+    assert beside.stats.text_accepted > 0 and beside.stats.accepted > beside.stats.text_accepted  # both kinds
+    assert beside.stats.cache_matched == 0 and cache.tokens > 0  # the call's rows went into the cache
+    again = ragged_greedy_equals_target(target, head, HEAD_PROMPTS, modeled(Suffix(cache), text=True), max_new=40)
+    alone = ragged_greedy_equals_target(target, head, HEAD_PROMPTS, auto_on_the_clock(), max_new=40)
+    assert again.stats.cache_accepted > 0 and again.stats.target_calls < alone.stats.target_calls, (
+        again.stats, alone.stats)
+
+
 def test_greedy_beside_a_head_a_weak_match_is_verified_beside_the_heads_chain():
     """Greedy: a row the rule gives to the head also verifies its offered (weak) text tree as a
     second branch of the same tree; outputs equal the head alone's (= the target's greedy), and
     against the head's chain alone (branch_nodes=0, the behaviour before) no request takes more
-    target forwards and some take fewer (the branch whole: ``price_width=False``)."""
+    target forwards and some take fewer (the branch whole: ``price_width=False``). The head's
+    chain on a modeled clock, without its own text (the rule's rounds only: none is the default's)."""
     from test_heads import V, echo_head
     target = llama(V, 32, 4, seed=3, sharpen=3.0)
     head = echo_head(target, "eagle3", draft_vocab=10, noise=0.01)
@@ -379,10 +428,10 @@ def test_greedy_beside_a_head_a_weak_match_is_verified_beside_the_heads_chain():
             return cache
         for p in later:
             expected = hf_greedy(target, p, 40, None)
-            old = spec_ext.generate(target, head, [p], max_new_tokens=40, eos_token_id=[],
-                                    policy=Suffix(primed(), draft_k=3, branch_nodes=0, price_width=False))
-            new = spec_ext.generate(target, head, [p], max_new_tokens=40, eos_token_id=[],
-                                    policy=Suffix(primed(), draft_k=3, price_width=False))
+            old = spec_ext.generate(target, head, [p], max_new_tokens=40, eos_token_id=[], policy=modeled(
+                Suffix(primed(), draft_k=3, branch_nodes=0, price_width=False)))
+            new = spec_ext.generate(target, head, [p], max_new_tokens=40, eos_token_id=[], policy=modeled(
+                Suffix(primed(), draft_k=3, price_width=False)))
             assert torch.equal(new.sequences, old.sequences) and new.sequences[0, len(p):].tolist() == expected, (trial, p)
             assert new.stats.target_calls <= old.stats.target_calls, (trial, p)
             old_total, new_total = old_total + old.stats.target_calls, new_total + new.stats.target_calls
@@ -520,14 +569,9 @@ def test_beside_a_head_on_a_modeled_clock_the_width_is_priced_and_greedy_equals_
         cache = SuffixCache()
         for p in primers:
             spec_ext.generate(target, None, [p], max_new_tokens=40, eos_token_id=[], suffix_cache=cache)
-        policy = Suffix(cache, draft_k=3, draft_cost=0.1, price_width=price_width)
-        now, widths = [0.0], []
-
-        def clock():  # Auto's tick: the round that ended took cost(its width) + its head seconds
-            if chain._width is not None:
-                now[0] += cost(chain._width) + chain._round_draft
-            return now[0]
-        chain = policy.model_chain = Auto(max_draft=12, text=False, clock=clock)
+        # the chain without its own text: every round is the Suffix rule's, none the default's
+        policy = modeled(Suffix(cache, draft_k=3, draft_cost=0.1, price_width=price_width), cost=cost)
+        widths = []
         verifies, drafted, forwards = policy.verifies, policy.drafted, []
 
         def verified(width, *args):

@@ -11,6 +11,7 @@ from torch import Tensor
 from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler
 from spec_ext.drafters.head import HeadDrafter
 from spec_ext.drafters.text import TextDrafter, tree_proposal
+from spec_ext.drafters.text_first import TextFirst
 from spec_ext.policies.suffix import best_nodes, node_shares
 
 
@@ -27,12 +28,21 @@ class TextBesideHead(Drafter):
     Greedy, once the round's costs are timed, the policy prices the round's width
     (:meth:`~spec_ext.policies.Suffix.priced`): a text row verifies its tree's best nodes up to
     the width that pays, a head row the branch of its offered tree beside the head's chain
-    likewise; each round's width is reported (:meth:`~spec_ext.policies.Suffix.verifies`)."""
+    likewise; each round's width is reported (:meth:`~spec_ext.policies.Suffix.verifies`).
+
+    Under the measured rule, a round where no row's cache tree is expected to beat the head
+    (:meth:`~spec_ext.policies.Suffix.cache_adds`) is the default's instead
+    (:meth:`~spec_ext.policies.Suffix.as_auto`): :class:`TextFirst` with the policy's
+    :attr:`~spec_ext.policies.Suffix.model_chain` (an ``Auto``) choosing per row between the
+    row's own text chain and the head, as the head without a cache drafts."""
 
     def __init__(self, text: TextDrafter, head: HeadDrafter):
         super().__init__(text.policy)
         self.text, self.head = text, head
         self.model = head.model
+        chooser = text.policy.model_chain  # without its text (text=False): no round is the default's
+        self.default = None if chooser.text_beside_draft is None else \
+            TextFirst(TextDrafter(chooser.text_beside_draft), head, chooser=chooser)
 
     @property
     def calls(self) -> int:
@@ -52,13 +62,21 @@ class TextBesideHead(Drafter):
     def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None,
               features: Tensor | None = None) -> None:
         self.text.start(seqs, capacity, sampler, generator)
-        self.head.start(seqs, capacity, sampler, generator, features=features)
+        (self.default or self.head).start(seqs, capacity, sampler, generator, features=features)
 
     def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
         device = roots.device
         policy = self.policy
-        policy.begin_round()  # price_width: the head's chain length, and the round's clock, before anything runs
-        trees = self.text.trees()
+        trees = None
+        if self.default is not None and policy.measured:  # the default's round unless the cache adds
+            lengths = [policy.cache.match_length(match) for match in self.text.matches]
+            if policy.cache_may_add(lengths, policy.tree_budget()[1]):  # (else no tree is grown)
+                trees = self.text.trees()
+            if trees is None or not policy.cache_adds():
+                policy.as_auto()
+                return self.default.propose(seqs, roots)
+        trees = self.text.trees() if trees is None else trees
+        policy.begin_round()  # price_width: the head's chain length, and the round's clock, before the head runs
         offered, sides, probs = self.text.offered, None, None
         if policy.pricing:  # the width that pays (greedy, timed): which rows, how many nodes
             self._own_instead()
@@ -145,11 +163,11 @@ class TextBesideHead(Drafter):
 
     def commit(self, outcome: Outcome) -> None:
         self.text.commit(outcome)
-        self.head.commit(outcome)
+        (self.default or self.head).commit(outcome)  # the default's: its text's and the head's
 
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
         self.text.keep_rows(rows, index)
-        self.head.keep_rows(rows, index)
+        (self.default or self.head).keep_rows(rows, index)
 
 
 def with_chain(tree: tuple[list[int], list[int]], side: int, chain: list[int], nodes: bool = False) -> tuple:

@@ -105,7 +105,8 @@ class Auto(Policy):
     to the next, kept per width (a verification's cost by width is irregular: where the step
     reads weights, 5 tokens cost 1.4x one and 7 tokens 2.1x), each sample capped at 3x the
     estimate (a stall of the machine is not a cost of w); widths not yet seen are
-    extrapolated from a least-squares line through those seen. Both forget at
+    extrapolated from a least-squares line through those seen (those a chain verifies: a
+    wider tree's round, reported through :meth:`verifies`, is kept apart). Both forget at
     ``forget_cost`` per round, so the choice follows rows finishing (a cheaper
     verification). The first round drafts the text and the model to ``initial``, the second
     the model alone at the narrowest width, so that two widths give the cost's slope; then
@@ -208,7 +209,7 @@ class Auto(Policy):
         self._sampled = verification_costs(target, batch_size, min(self._largest_k + 1, SAMPLED_WIDEST)) \
             if priced else None
         self._sampled_rows = min(batch_size, SAMPLED_ROWS)  # the rows it timed
-        self._rounds, self._last, self._choice, self._narrowed = 0, None, None, False
+        self._rounds, self._last, self._choice, self._narrowed = 0, None, None, 0
         self._k = self.initial
         self._runs = {kind: ([0.0] * (self.max_draft + 1), [0.0] * (self.max_draft + 1))
                       for kind in ("model", "text")}  # [j]: rounds that drafted j with 1..j-1 accepted; and j too
@@ -242,6 +243,17 @@ class Auto(Policy):
             chances.append(alive)
         return chances
 
+    @property
+    def chain_expected(self) -> float:
+        """The model's expected accepted drafts at its last chosen k (at ``initial`` where the
+        last round's model drafted none)."""
+        return self._cumulative("model")[min(self._k or self.initial, self.max_draft)]
+
+    @property
+    def text_rows(self) -> list[bool]:
+        """The round under way: per row, whether it drafts its text (:meth:`choose`)."""
+        return list(self._from_text)
+
     def draft_cost(self) -> float | None:
         """D: seconds of one draft forward (sampling: the draft's share of the parameters, in
         target steps); None until a drafter reported one (then V holds the drafts' cost too)."""
@@ -272,17 +284,27 @@ class Auto(Policy):
         mean_w, mean_v, slope = line
         return max(mean_v + slope * (width - mean_w), 0.5 * min(seen.values()))
 
+    def _chain_widths(self) -> dict[int, list[float]]:
+        """The timed widths a chain of this policy can verify (at most ``max_draft + 1``; all
+        of them where none is): a wider one (a tree of :class:`~spec_ext.policies.Suffix`
+        verified through :meth:`verifies`) would set the line the chain's widths are read from.
+        A 32-token tree first, then 2 tokens, priced 3-8 tokens on their line, 10 ms a step
+        steeper than measured, and kept a head at k = 1 for most of a call."""
+        chain = {w: entry for w, entry in self._widths.items() if w <= self.max_draft + 1}
+        return chain or self._widths
+
     def _fitted(self) -> tuple[dict[int, float], tuple[float, float, float] | None]:
         """(width -> its mean seconds, the least-squares line through them as (mean width,
-        mean seconds, slope), None below two widths)."""
-        seen = {w: s / n for w, (n, s) in self._widths.items() if n > 1e-6}
+        mean seconds, slope), None below two widths; the widths a chain verifies)."""
+        widths = self._chain_widths()
+        seen = {w: s / n for w, (n, s) in widths.items() if n > 1e-6}
         if len(seen) < 2:
             return seen, None
-        n = sum(self._widths[w][0] for w in seen)
-        mean_w = sum(self._widths[w][0] * w for w in seen) / n
-        mean_v = sum(self._widths[w][0] * v for w, v in seen.items()) / n
-        var = sum(self._widths[w][0] * (w - mean_w) ** 2 for w in seen)
-        slope = sum(self._widths[w][0] * (w - mean_w) * (v - mean_v) for w, v in seen.items()) / var
+        n = sum(widths[w][0] for w in seen)
+        mean_w = sum(widths[w][0] * w for w in seen) / n
+        mean_v = sum(widths[w][0] * v for w, v in seen.items()) / n
+        var = sum(widths[w][0] * (w - mean_w) ** 2 for w in seen)
+        slope = sum(widths[w][0] * (w - mean_w) * (v - mean_v) for w, v in seen.items()) / var
         return seen, (mean_w, mean_v, max(slope, 0.0))  # a wider verification never costs less
 
     @property
@@ -333,7 +355,7 @@ class Auto(Policy):
         width alone is timed, the narrowest chain (or ``initial`` if that was it): two widths
         give the cost's slope, where a guess of it (+5% a token) kept a batch of 8 on a step of
         weight reads verifying 5 tokens a row at 4x the cost of 2."""
-        if self._rounds == 2 and len(self._widths) == 1:
+        if self._rounds == 2 and len(self._chain_widths()) == 1:
             return self._narrowest()
         phase = self._rounds % (2 * self.explore_every)
         step = 1 if phase == self.explore_every else -1 if phase == 0 else 0
@@ -342,7 +364,7 @@ class Auto(Policy):
     def _narrowest(self) -> int:
         """The k that times a second width: the narrowest chain, or ``initial`` if that was the
         width timed."""
-        seen, = self._widths
+        seen, = self._chain_widths()
         return 1 if seen > 2 else min(self._largest_k, max(2, self.initial))
 
     # ------------------------------------------------------------------ choices
@@ -380,9 +402,9 @@ class Auto(Policy):
         offers = Counter(min(n, self.max_draft) for n in text_lengths)  # rows by the drafts their text offers
         D = self.draft_cost()
         known = self.verify_cost(self.initial + 1) is not None and (D is not None or not any(text_lengths))
-        if len(self._widths) == 1 and not self._narrowed:  # once, the model alone at another width: the slope
+        if len(self._chain_widths()) == 1 and self._narrowed < 2:  # the model alone at another width: the slope
             # (as soon as one width is timed: a head's first catch-up is no forward's cost, so D may be unknown)
-            self._narrowed = True
+            self._narrowed += 1  # twice at most: a tree's width first, then 2 tokens, then initial + 1
             k, cap, runs = self._narrowest(), 0, True
         elif not known:  # the first rounds: the text where it matches and the model, both to the initial k, timed
             k, cap, runs = min(self.initial, self._largest_k), self.initial, True

@@ -284,6 +284,12 @@ class SuffixCache:
         match.places = places
         return [(a, places[sid][2], places[sid][3]) for sid, a in zip(self._ids, self._segments)]
 
+    def match_length(self, match: SuffixMatch) -> int:
+        """The length of the row's longest suffix stored with a token after it (0: none); what
+        :meth:`propose` would grow its tree from."""
+        with self._lock:
+            return max((a.continued(s, length) for a, s, length in self._places(match)), default=0)
+
     def propose(self, match: SuffixMatch, depth: int, nodes: int, alpha: float = 1.0,
                 min_prob: float = 0.1) -> tuple[list[int], list[int], int, float]:
         """The row's draft tree: (tokens, parents, match length, score).
@@ -353,6 +359,9 @@ BESIDE_MIN_SCORE = 2.0
 PRIOR_SHARE = {("own", 0): 0.5, ("cache", 1): 0.25, ("cache", 4): 0.4, ("cache", 8): 0.6, ("cache", 16): 0.8,
                ("cache", 32): 0.9}
 PRIOR_WEIGHT = 8.0  # the prior counts as this much score
+CACHE_OVER_HEAD = 1.5  # Suffix.cache_adds: a round is suffix decoding's where a cache tree is expected to get this
+# many times the head chain's accepted drafts (at 1.0, matches of 4-6 tokens seen once (4-6 drafts, 0.4 of them
+# expected) took rounds from the default on new requests and drafted no cache tree: the rule took the head)
 CALIBRATION_DECAY = 0.97  # the cache's, per round of the kind: the share follows the workload
 OWN_DECAY = 0.8  # a row's own text's, per round it drafted it (a row repeats itself or not: it shows soon)
 
@@ -594,7 +603,8 @@ class Suffix(NGram):
         self._draft_cost, self.draft_cost = draft_cost, draft_cost or 0.0
         self.beside_model = False
         # beside a head: the model's chain length, chosen and timed as the default policy does
-        self.model_chain = Auto(max_draft=max(self.draft_k, 12), text=False)
+        # (and, in a round where the cache has nothing to add, per row the own text's chain or the head's)
+        self.model_chain = Auto(max_draft=max(self.draft_k, 12), text=own_text is not False)
 
     def bind(self, target, draft) -> None:
         super().bind(target, draft)
@@ -619,6 +629,7 @@ class Suffix(NGram):
         self._path = None  # this round's accepted paths (see_tree_path)
         self._priced_rounds = 0  # rounds priced this call (every EXPLORE_EVERY-th verifies the widest)
         self._rounds_begun = 0  # rounds begun this call (begin_round)
+        self._as_auto = False  # this round is the default's (as_auto)
 
     @property
     def measured(self) -> bool:
@@ -789,6 +800,34 @@ class Suffix(NGram):
         self._sums = sums
         return keep, side
 
+    def cache_may_add(self, lengths: Sequence[int], nodes: int) -> bool:
+        """(Beside a feature head, before the round's trees.) Whether :meth:`cache_adds` may say
+        yes, from each row's cache match length alone: its tree has at most ``min(nodes - 1,
+        alpha x length)`` nodes, each of probability at most 1. False: the round is the default's
+        without growing any tree."""
+        head = CACHE_OVER_HEAD * self.model_chain.chain_expected
+        return any(n > 0 and self.cache.expected(match_kind(True, n), min(nodes - 1, int(self.alpha * n))) > head
+                   for n in lengths)
+
+    def cache_adds(self) -> bool:
+        """(Beside a feature head, after :meth:`text_rows`.) Whether this round drafts as suffix
+        decoding does: some row's offer is the cache's tree and is expected (:meth:`expected`) to
+        get more drafts accepted than the head's chain of its last length (:attr:`model_chain`'s
+        survivals). Else the round is the default's (:meth:`as_auto`)."""
+        head = self.model_chain.chain_expected
+        return any(offer is not None and offer[0] and self.expected(r, *offer) > CACHE_OVER_HEAD * head
+                   for r, offer in enumerate(self._offers))
+
+    def as_auto(self) -> None:
+        """This round is the default's: :attr:`model_chain` (an :class:`Auto`) chooses per row
+        between the row's own text chain and the head's chain, as ``generate`` with the head and
+        no cache does (the drafter runs it), so that where the cache has nothing to add the
+        policy drafts as the head alone does. :meth:`observe` hands the round to it."""
+        self._as_auto = True
+        self._chosen = [None] * len(self._chosen)
+        self._planned = None
+        self.proposed([0] * len(self._chosen))  # the head drafts for every row (text rows replace theirs)
+
     def begin_round(self) -> None:
         """(A drafter beside a feature head, at the start of its round, with ``price_width``.)
         The head's chain length for this round, chosen now (:attr:`model_chain`'s plan, which
@@ -871,7 +910,16 @@ class Suffix(NGram):
 
     def observe(self, num_draft, num_accepted) -> None:
         """The measured rule's counts: a text row's accepted drafts calibrate its kind of match
-        (in the cache), a model row's go into the row's running mean."""
+        (in the cache), a model row's go into the row's running mean. A round of the default's
+        (:meth:`as_auto`) is :attr:`model_chain`'s to count, and its head rows' into their means."""
+        if self._as_auto:
+            self._as_auto = False
+            memory, text_rows = self.model_memory, self.model_chain.text_rows
+            for r, (drafted, accepted) in enumerate(zip(num_draft, num_accepted)):
+                if drafted > 0 and not text_rows[r]:
+                    self._model_mean[r] = memory * self._model_mean[r] + (1 - memory) * int(accepted)
+            self.model_chain.observe(num_draft, num_accepted)
+            return
         chain_draft, chain_accepted, branched = (self._chain_accepted(num_draft, num_accepted) if self.uses_tree_paths
                                                  else (num_draft, num_accepted, [None] * len(num_draft)))
         if self.measured:
