@@ -237,17 +237,20 @@ def test_beside_a_head_greedy_equals_target_and_the_head_drafts_the_other_rows()
     assert stats.accepted > stats.cache_accepted  # the head's drafts were accepted too
 
 
-@pytest.mark.parametrize("min_score,model_memory", [(1.0, 0.8), (None, 0.0)], ids=["fixed rule", "measured rule"])
-def test_beside_a_head_sampling_follows_the_target_distribution(min_score, model_memory):
-    """The fixed rule (score >= 1), and the measured one with no memory (a row whose head round
-    was cut drafts its text next round: rows of both kinds in one verification). The cache holds
-    the greedy continuation, so that its trees are expected to beat the head's chain (the
-    measured rule's rounds are suffix decoding's only then: Suffix.cache_adds)."""
+@pytest.mark.parametrize("min_score,model_memory,primed_at", [(1.0, 0.8, 1.0), (None, 0.0, 0.0), (None, 0.0, 1.0)],
+                         ids=["fixed rule", "measured rule", "measured rule, the default's rounds"])
+def test_beside_a_head_sampling_follows_the_target_distribution(min_score, model_memory, primed_at):
+    """The fixed rule (score >= 1); the measured one with no memory (a row whose head round was
+    cut drafts its text next round: rows of both kinds in one verification), the cache holding
+    the greedy continuation, so that its trees are expected to beat the head's chain; and the
+    cache holding sampled continuations, whose trees are not (every round the default's:
+    Auto's own-text chains beside the head's, Suffix.as_auto)."""
     from test_heads import echo_head
     target = llama(VOCAB, 32, 4, seed=3, sharpen=3.0)
     head = echo_head(target, "eagle3", noise=0.01)
     cache = SuffixCache(prompts=True)
-    spec_ext.generate(target, None, [REPEATING] * 64, max_new_tokens=3, eos_token_id=[], suffix_cache=cache)
+    spec_ext.generate(target, None, [REPEATING] * 64, max_new_tokens=3, temperature=primed_at, eos_token_id=[],
+                      suffix_cache=cache, seed=5)
     n = 12_000
     policy = Suffix(cache, k=3, max_nodes=6, draft_k=2, round_tokens=6 * n, min_score=min_score,
                     model_memory=model_memory)
@@ -256,22 +259,37 @@ def test_beside_a_head_sampling_follows_the_target_distribution(min_score, model
     samples = out.sequences[:, len(REPEATING):].numpy()
     assert_follows(samples, exact_joint(target, Sampler(1.0), prompt=REPEATING))
     stats = out.stats
+    if min_score is None and primed_at > 0:
+        assert stats.cache_matched == 0 and stats.text_accepted > 0 and stats.accepted > stats.text_accepted, stats
+        return
     assert stats.cache_matched > 0 and stats.cache_accepted > 0 and stats.draft_calls > 0, stats
     assert stats.accepted > stats.cache_accepted
 
 
 # ------------------------------------------------------------------------ text or model: the measured rule
-def modeled(policy: Suffix, text: bool = False, cost=lambda width: 1.0 + 0.1 * width) -> Suffix:
-    """``policy`` with its head chain's Auto on a modeled clock (a round: ``cost(its width)``
-    plus its head forwards' real seconds, which the chain takes out again), so that the chain's
-    lengths follow the model, not the machine's timing; ``text``: the chain's own text beside it."""
+def on_a_modeled_clock(cost=lambda width: 1.0 + 0.1 * width, **auto) -> Auto:
+    """An Auto whose rounds take ``cost(their width)`` plus their head forwards, each reported at
+    ``FORWARD`` seconds whatever it really took, so that its lengths follow the model, not the
+    machine's timing."""
     now = [0.0]
 
     def clock():
         if chain._width is not None:
             now[0] += cost(chain._width) + chain._round_draft
         return now[0]
-    chain = policy.model_chain = Auto(max_draft=12, text=text, clock=clock)
+    chain = Auto(max_draft=12, clock=clock, **auto)
+    real = chain.drafted
+    chain.drafted = lambda seconds, forwards, averaged=True: real(FORWARD * forwards, forwards, averaged)
+    return chain
+
+
+FORWARD = 0.05  # a head forward's modeled seconds
+
+
+def modeled(policy: Suffix, text: bool = False, cost=lambda width: 1.0 + 0.1 * width) -> Suffix:
+    """``policy`` with its head chain's Auto on a modeled clock (:func:`on_a_modeled_clock`);
+    ``text``: the chain's own text beside it."""
+    policy.model_chain = on_a_modeled_clock(cost, text=text)
     return policy
 
 
@@ -382,18 +400,8 @@ def test_beside_a_head_where_the_cache_has_nothing_to_add_the_rounds_are_the_def
     from test_heads import PROMPTS as HEAD_PROMPTS, V, echo_head
     target = llama(V, 32, 4, seed=3, sharpen=3.0)
     head = echo_head(target, "eagle3", draft_vocab=10, noise=0.05)
-
-    def auto_on_the_clock():
-        now = [0.0]
-
-        def clock():
-            if auto._width is not None:
-                now[0] += 1.0 + 0.1 * auto._width + auto._round_draft
-            return now[0]
-        auto = Auto(max_draft=12, clock=clock)
-        return auto
     cache = SuffixCache()
-    alone = ragged_greedy_equals_target(target, head, HEAD_PROMPTS, auto_on_the_clock(), max_new=40)
+    alone = ragged_greedy_equals_target(target, head, HEAD_PROMPTS, on_a_modeled_clock(), max_new=40)
     beside = ragged_greedy_equals_target(target, head, HEAD_PROMPTS, modeled(Suffix(cache), text=True), max_new=40)
     assert torch.equal(alone.sequences, beside.sequences)
     for name in ("target_calls", "rounds", "drafted", "accepted", "matched", "text_drafted", "text_accepted"):
@@ -401,7 +409,7 @@ def test_beside_a_head_where_the_cache_has_nothing_to_add_the_rounds_are_the_def
     assert beside.stats.text_accepted > 0 and beside.stats.accepted > beside.stats.text_accepted  # both kinds
     assert beside.stats.cache_matched == 0 and cache.tokens > 0  # the call's rows went into the cache
     again = ragged_greedy_equals_target(target, head, HEAD_PROMPTS, modeled(Suffix(cache), text=True), max_new=40)
-    alone = ragged_greedy_equals_target(target, head, HEAD_PROMPTS, auto_on_the_clock(), max_new=40)
+    alone = ragged_greedy_equals_target(target, head, HEAD_PROMPTS, on_a_modeled_clock(), max_new=40)
     assert again.stats.cache_accepted > 0 and again.stats.target_calls < alone.stats.target_calls, (
         again.stats, alone.stats)
 

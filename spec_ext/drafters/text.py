@@ -77,8 +77,17 @@ class TextDrafter(Drafter):
                 tokens, parents, n, score = cached
             trees.append((tokens, parents))
             offers.append((self.from_cache[r], n, score) if len(tokens) > 1 else None)
-        self.offered = list(trees)  # before the rule: a head row may still verify its text beside the head's chain
-        for r, text in enumerate(policy.text_rows(offers)):
+        self.offered = trees  # before the rule: a head row may still verify its text beside the head's chain
+        self._offers = offers
+        return self.ruled()
+
+    def ruled(self) -> list[tuple[list[int], list[int]]]:
+        """(A Suffix policy's round, after :meth:`trees`.) The offered trees under the policy's
+        ``text_rows`` rule, decided now (again: after the head's chain length for the round was
+        chosen); the root alone for the rows the rule gives to the model."""
+        trees = list(self.offered)
+        self.from_cache = [offer is not None and offer[0] for offer in self._offers]
+        for r, text in enumerate(self.policy.text_rows(self._offers)):
             if not text:
                 self.from_cache[r] = False
                 trees[r] = ([-1], [-1])

@@ -75,8 +75,9 @@ class TextBesideHead(Drafter):
             if trees is None or not policy.cache_adds():
                 policy.as_auto()
                 return self.default.propose(seqs, roots)
-        trees = self.text.trees() if trees is None else trees
         policy.begin_round()  # price_width: the head's chain length, and the round's clock, before the head runs
+        # the rule decides with this round's chain length (trees grown for the gate are ruled again)
+        trees = self.text.trees() if trees is None else self.text.ruled()
         offered, sides, probs = self.text.offered, None, None
         if policy.pricing:  # the width that pays (greedy, timed): which rows, how many nodes
             self._own_instead()

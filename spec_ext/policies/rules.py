@@ -109,7 +109,8 @@ class Auto(Policy):
     wider tree's round, reported through :meth:`verifies`, is kept apart). Both forget at
     ``forget_cost`` per round, so the choice follows rows finishing (a cheaper
     verification). The first round drafts the text and the model to ``initial``, the second
-    the model alone at the narrowest width, so that two widths give the cost's slope; then
+    the model alone at the narrowest width, so that two widths give the cost's slope (a third,
+    at ``initial`` + 1, where the first round verified a tree wider than any chain); then
     every ``explore_every``-th round tries the model's k one more, the next such round one
     less, to keep its neighbours measured. A round weighs every cut of the text chains, none
     included: at batch > 1 one row's long chain widens every row's verification.
@@ -337,7 +338,8 @@ class Auto(Policy):
         now = self._clock() if self._timed else None
         if self._last is not None and self._width is not None:
             seconds = now - self._last - self._round_draft
-            estimate = self.verify_cost(self._width)
+            n, total = self._widths.get(self._width, (0.0, 0.0))
+            estimate = total / n if n > 1e-6 else self.verify_cost(self._width)  # (a tree's width: its own mean)
             if estimate is not None:
                 seconds = min(seconds, 3 * estimate)
             for entry in self._widths.values():

@@ -604,7 +604,7 @@ class Suffix(NGram):
         self.beside_model = False
         # beside a head: the model's chain length, chosen and timed as the default policy does
         # (and, in a round where the cache has nothing to add, per row the own text's chain or the head's)
-        self.model_chain = Auto(max_draft=max(self.draft_k, 12), text=own_text is not False)
+        self.model_chain = Auto(max_draft=max(self.draft_k, 12), text=own_text is not False and min_score is None)
 
     def bind(self, target, draft) -> None:
         super().bind(target, draft)
@@ -812,8 +812,9 @@ class Suffix(NGram):
     def cache_adds(self) -> bool:
         """(Beside a feature head, after :meth:`text_rows`.) Whether this round drafts as suffix
         decoding does: some row's offer is the cache's tree and is expected (:meth:`expected`) to
-        get more drafts accepted than the head's chain of its last length (:attr:`model_chain`'s
-        survivals). Else the round is the default's (:meth:`as_auto`)."""
+        get more than ``CACHE_OVER_HEAD`` x the drafts the head's chain of its last length is
+        expected to get accepted (:attr:`model_chain`'s survivals). Else the round is the
+        default's (:meth:`as_auto`)."""
         head = self.model_chain.chain_expected
         return any(offer is not None and offer[0] and self.expected(r, *offer) > CACHE_OVER_HEAD * head
                    for r, offer in enumerate(self._offers))
