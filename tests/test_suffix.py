@@ -414,6 +414,48 @@ def test_beside_a_head_where_the_cache_has_nothing_to_add_the_rounds_are_the_def
         again.stats, alone.stats)
 
 
+def test_beside_a_head_every_drafter_follows_the_committed_text_through_both_kinds_of_round():
+    """Rounds of both kinds in one call (ragged rows; the cache holds one row's prompt and the
+    first 8 tokens of its continuation, a loop of 4 tokens it keeps to its 22nd token: the rule's
+    rounds while it matches, the default's after): before every round
+    both text drafters' indices hold exactly the committed text, and in the default's rounds the
+    head's chain on each head row equals a fresh head's first proposal on the committed text
+    (a head fed the wrong features, or a text index that missed a round, drafts worse while the
+    output stays exact)."""
+    from test_draft_fidelity import first_proposal, rows_of
+    from test_heads import V, echo_head
+    from spec_ext.drafters import HeadDrafter, build
+    from spec_ext.policies import Fixed
+    target = llama(V, 32, 4, seed=3, sharpen=3.0)
+    head = echo_head(target, "eagle3", draft_vocab=10, noise=0.05)
+    prompts = [[9, 4, 10], [3, 1, 2, 3, 4, 5, 6, 7, 8]]
+    cache = SuffixCache()
+    cache.add(prompts[0], hf_greedy(target, prompts[0], 8, None))
+    policy = modeled(Suffix(cache), text=True)
+    drafter = build(head, policy)
+    propose, kinds, checked = drafter.propose, [], []
+
+    def recording(seqs, roots):
+        assert [i.tokens for i in drafter.text.rows] == [list(s) for s in seqs]
+        assert [i.tokens for i in drafter.default.text.rows] == [list(s) for s in seqs]
+        proposal = propose(seqs, roots)
+        kinds.append(policy._as_auto)
+        if policy._as_auto and not proposal.is_tree:
+            for b, (row, text) in enumerate(zip(rows_of(proposal), proposal.from_text)):
+                if not text and row:
+                    fresh = rows_of(first_proposal(target, HeadDrafter(head, Fixed(len(row))), [seqs[b]]))[0]
+                    assert row == fresh, (len(kinds), b, row, fresh)
+                    checked.append(b)
+        return proposal
+
+    drafter.propose = recording
+    out = spec_ext.generate(target, drafter, prompts, max_new_tokens=40, eos_token_id=[])
+    for b, p in enumerate(prompts):
+        assert out.sequences[b, -40:].tolist() == hf_greedy(target, p, 40, None)
+    assert any(kinds) and not all(kinds) and checked, kinds
+    assert out.stats.cache_accepted > 0
+
+
 def test_greedy_beside_a_head_a_weak_match_is_verified_beside_the_heads_chain():
     """Greedy: a row the rule gives to the head also verifies its offered (weak) text tree as a
     second branch of the same tree; outputs equal the head alone's (= the target's greedy), and

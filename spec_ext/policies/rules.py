@@ -288,9 +288,9 @@ class Auto(Policy):
     def _chain_widths(self) -> dict[int, list[float]]:
         """The timed widths a chain of this policy can verify (at most ``max_draft + 1``; all
         of them where none is): a wider one (a tree of :class:`~spec_ext.policies.Suffix`
-        verified through :meth:`verifies`) would set the line the chain's widths are read from.
-        A 32-token tree first, then 2 tokens, priced 3-8 tokens on their line, 10 ms a step
-        steeper than measured, and kept a head at k = 1 for most of a call."""
+        verified through :meth:`verifies`, on the tree path) would set the line the chain's
+        widths are read from: a 32-token tree first, then 2 tokens, and 3-8 tokens are priced on
+        the tree's slope, not the chains'."""
         chain = {w: entry for w, entry in self._widths.items() if w <= self.max_draft + 1}
         return chain or self._widths
 
