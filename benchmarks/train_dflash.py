@@ -36,6 +36,9 @@ def main():
     parser.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".train_work" / "dflash")
     parser.add_argument("--steps", type=int, default=BUNDLED.steps)
     parser.add_argument("--layers", type=int, default=BUNDLED.layers)
+    parser.add_argument("--init-from", default=None, help="a drafter trained before to go on from (see --layers)")
+    parser.add_argument("--lr", type=float, default=BUNDLED.lr)
+    parser.add_argument("--sequences", type=int, default=BUNDLED.sequences, help="the target's continuations")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--stop-at", default=None, help="HH:MM (UTC, today): stop after the first step past it")
     parser.add_argument("--validate-every", type=int, default=BUNDLED.validate_every)
@@ -44,8 +47,9 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
     target.config._name_or_path = args.target.name  # the drafter's speculators_config.verifier, not this path
-    settings = DFlashTraining(**(vars(BUNDLED) | dict(steps=args.steps, layers=args.layers,
-                                                      validate_every=args.validate_every)))
+    settings = DFlashTraining(**(vars(BUNDLED) | dict(steps=args.steps, layers=args.layers, lr=args.lr, sequences=args.sequences,
+                                                      validate_every=args.validate_every,
+                                                      init_from=args.init_from)))
     deadline = None
     if args.stop_at is not None:
         hours, minutes = (int(x) for x in args.stop_at.split(":"))

@@ -111,16 +111,21 @@ def cmd_train_dflash(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from spec_ext.models.dflash import load_dflash
     from spec_ext.training.dflash import DFlashTraining, train_dflash
     torch.set_num_threads(args.threads or torch.get_num_threads())
     files = data_files(args.data, args.glob)
     validation = data_files(args.validation_data, args.glob, "--validation-data") if args.validation_data else None
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+    source = load_dflash(args.init_from) if args.init_from else None  # its layers and draft vocabulary by default
+    layers = args.layers or (source.num_layers if source is not None else 1)
+    draft_vocab = args.draft_vocab or (source.config.draft_vocab_size if source is not None and source.reduced else None)
     settings = DFlashTraining(sequences=args.sequences, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                               steps=args.steps, batch=args.batch, anchors=args.anchors, block_size=args.block_size,
-                              layers=args.layers, gamma=args.gamma, loss=args.loss, lr=args.lr,
-                              draft_vocab=args.draft_vocab, layer_ids=tuple(args.layer_ids) if args.layer_ids else None)
+                              layers=layers, gamma=args.gamma, loss=args.loss, lr=args.lr,
+                              draft_vocab=draft_vocab, layer_ids=tuple(args.layer_ids) if args.layer_ids else None,
+                              init_from=str(args.init_from) if args.init_from else None)
     train_dflash(target, tokenizer, files, args.out, args.work or args.out / "work", settings, validation)
     print(f"saved the drafter at {args.out} (speculators dflash layout: spec_ext generate --draft {args.out})")
 
@@ -280,13 +285,18 @@ def parser() -> argparse.ArgumentParser:
     dflash.add_argument("--batch", type=_positive, default=8, help="sequences per step")
     dflash.add_argument("--anchors", type=_positive, default=32, help="random blocks per sequence per step")
     dflash.add_argument("--block-size", type=_positive, default=16, help="slots per block (drafts: one fewer)")
-    dflash.add_argument("--layers", type=_positive, default=1, help="the drafter's decoder layers")
+    dflash.add_argument("--layers", type=_positive,
+                        help="the drafter's decoder layers (default: 1, or those of --init-from)")
+    dflash.add_argument("--init-from", type=Path,
+                        help="a drafter trained before to go on from (its block size, layer ids, mask token and draft "
+                             "vocabulary; layers past its own start as identities)")
     dflash.add_argument("--gamma", type=float, default=4.0, help="slot j's loss weight is exp(-(j-1)/gamma)")
     dflash.add_argument("--loss", choices=("ce", "kl"), default="ce",
                         help="ce: to the target's greedy tokens; kl: to its distributions")
     dflash.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (cosine to a tenth)")
     dflash.add_argument("--draft-vocab", type=_positive,
-                        help="a draft vocabulary of this many most frequent tokens (default: the target's)")
+                        help="a draft vocabulary of this many most frequent tokens (default: the target's, or that "
+                             "of --init-from)")
     dflash.add_argument("--layer-ids", type=int, nargs="+",
                         help="target layers to tap (default: four from 2 to L-1)")
     dflash.add_argument("--threads", type=_positive, help="torch intra-op threads (default: torch's)")

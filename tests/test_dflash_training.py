@@ -14,8 +14,8 @@ from spec_ext.__main__ import main as cli
 from spec_ext.models.dflash import load_dflash
 from spec_ext.training.corpus import load_checkpoint, prompts_from_files, save_checkpoint, tap_features
 from spec_ext.training.dflash import (DFlashTraining, block_losses, calibrate_to_target, default_layer_ids,
-                                      draw_anchors, initial_dflash, slot_positions, slot_weights, train_dflash,
-                                      weighted_loss)
+                                      draw_anchors, grown_dflash, initial_dflash, slot_positions, slot_weights,
+                                      train_dflash, weighted_loss)
 from helpers import llama
 from test_head_training import WORDS, word_files, word_tokenizer
 
@@ -204,6 +204,55 @@ def test_training_learns_resumes_and_decodes_exactly(tmp_path):
         train_dflash(target, tokenizer, files, tmp_path / "other", tmp_path / "work", small_settings(steps=41))
 
 
+def test_a_grown_drafter_computes_what_it_grew_from_and_its_added_layers_learn():
+    target, draft, (tokens, features, _) = drafter_and_data(draft_vocab=20)
+    anchors = torch.tensor([[3, 9, 14], [5, 6, 16]])
+    embedding, output = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    grown = grown_dflash(draft, 3)
+    assert grown.num_layers == 3 and grown.config.mask_token_id == draft.config.mask_token_id
+    assert torch.equal(grown.d2t, draft.d2t)
+    with torch.no_grad():
+        before = draft.block_logits(features, tokens, anchors, embedding, output, draft_vocab=True)
+        after = grown.block_logits(features, tokens, anchors, embedding, output, draft_vocab=True)
+    assert torch.equal(before, after)
+    logits = grown.block_logits(features, tokens, anchors, embedding, output, draft_vocab=True)
+    logits.logsumexp(-1).sum().backward()
+    for name in ("layers.1.self_attn.o_proj.weight", "layers.2.mlp.down_proj.weight"):  # the added layers' outputs
+        assert grown.get_parameter(name).grad.abs().sum() > 0, name
+    with pytest.raises(ValueError, match="layers: 0, fewer than the 1 layers"):
+        grown_dflash(draft, 0)
+
+
+def test_training_goes_on_from_a_saved_drafter_in_the_same_work_directory(tmp_path):
+    target = llama(WORDS + 1, 32, 3, seed=0, sharpen=4.0)
+    tokenizer, files = word_tokenizer(), word_files(tmp_path)
+    first = train_dflash(target, tokenizer, files, tmp_path / "first", tmp_path / "work", small_settings(steps=20),
+                         log=lambda m: 0)
+    settings = small_settings(steps=30, lr=2e-3, layers=2, init_from=str(tmp_path / "first"))
+    grown = train_dflash(target, tokenizer, files, tmp_path / "grown", tmp_path / "work", settings, log=lambda m: 0)
+    before = json.loads((tmp_path / "first" / "training.json").read_text())["history"]
+    history = json.loads((tmp_path / "grown" / "training.json").read_text())["history"]
+    # its step 0 is where the first run ended: the same function, the same held-out data
+    assert history[0]["loss"] == pytest.approx(before[-1]["loss"], rel=1e-6)
+    assert history[0]["accepted_per_round"] == before[-1]["accepted_per_round"]
+    assert history[-1]["loss"] < history[0]["loss"] - 0.05
+    assert grown.num_layers == 2 and torch.equal(grown.d2t, first.d2t)
+    assert grown.config.mask_token_id == first.config.mask_token_id
+    assert sorted(p.name for p in (tmp_path / "work").glob("dflash_checkpoint*")) == [
+        "dflash_checkpoint.pt", "dflash_checkpoint_from_first.pt"]
+    ids = torch.tensor(prompts_from_files(tokenizer, files, 2, 12, seed=9))
+    expected = target.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
+    out = spec_ext.generate(target, str(tmp_path / "grown"), ids, max_new_tokens=16, policy="fixed")
+    assert torch.equal(out.sequences, expected) and out.stats.accepted > 5
+    for changed, message in ((dict(block_size=5), "block_size: 5, the drafter in init_from has 4"),
+                             (dict(layer_ids=(1, 2)), "layer_ids: \\[1, 2\\], the drafter in init_from reads"),
+                             (dict(draft_vocab=20), "draft_vocab: 20, the drafter in init_from has 24"),
+                             (dict(layers=0), "layers: 0, fewer than the 1 layers")):
+        with pytest.raises(ValueError, match=message):
+            train_dflash(target, tokenizer, files, tmp_path / "x", tmp_path / "work",
+                         small_settings(init_from=str(tmp_path / "first"), **changed), log=lambda m: 0)
+
+
 def test_a_deadline_stops_training_validated_checkpointed_and_saved(tmp_path):
     target = llama(WORDS + 1, 32, 3, seed=0, sharpen=4.0)
     tokenizer, files = word_tokenizer(), word_files(tmp_path)
@@ -248,6 +297,13 @@ def test_cli_trains_and_names_the_bad_argument(tmp_path, capsys):
     files = word_files(tmp_path)
     cli(["train-dflash", "--target", str(target), "--out", str(tmp_path / "d"), "--data", *map(str, files),
          "--sequences", "8", "--prompt-tokens", "16", "--new-tokens", "12", "--steps", "2", "--batch", "4",
-         "--anchors", "4", "--block-size", "4", "--threads", "1"])
+         "--anchors", "4", "--block-size", "4", "--threads", "1", "--draft-vocab", "20"])
     assert "saved the drafter" in capsys.readouterr().out
     assert load_dflash(tmp_path / "d").block_size == 4
+    common = ["--target", str(target), "--data", *map(str, files), "--sequences", "8", "--prompt-tokens", "16",
+              "--new-tokens", "12", "--steps", "2", "--batch", "4", "--anchors", "4", "--block-size", "4",
+              "--threads", "1"]
+    cli(["train-dflash", *common, "--out", str(tmp_path / "d2"), "--init-from", str(tmp_path / "d"), "--layers", "2"])
+    cli(["train-dflash", *common, "--out", str(tmp_path / "d3"), "--init-from", str(tmp_path / "d2")])
+    assert load_dflash(tmp_path / "d2").num_layers == 2 and load_dflash(tmp_path / "d3").num_layers == 2
+    assert load_dflash(tmp_path / "d3").config.draft_vocab_size == 20  # the defaults are the drafter's

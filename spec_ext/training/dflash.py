@@ -25,6 +25,8 @@ The recipe of DFlash (arXiv 2602.06036) and vLLM's ``speculators``, on what one 
    aims the mask token's queries at the positions slot 1 predicts from
    (:func:`calibrate_to_target`); the mask token is the least frequent token of the data with
    a non-zero embedding (its row of the target's embedding is the mask's embedding);
+   or ``init_from``: a drafter trained before (a finished run's ``out``), continued with a new schedule, with
+   ``layers`` beyond its own appended as identities (:func:`grown_dflash`);
 5. a draft vocabulary of the ``draft_vocab`` most frequent tokens of the data (when set);
 6. checkpoints every ``checkpoint_every`` steps (drafter, optimiser, step; a rerun resumes to
    the weights an uninterrupted run reaches) and the held-out agreement printed: each slot's
@@ -39,6 +41,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -48,7 +51,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from spec_ext.models import num_layers
-from spec_ext.models.dflash import DFlashConfig, DFlashDraft
+from spec_ext.models.dflash import DFlashConfig, DFlashDraft, load_dflash
 from spec_ext.models.eagle import _linear, _rotate
 from spec_ext.training.corpus import (cosine_lr, frequent_tokens, frozen_float32, load_checkpoint, on_policy_splits,
                                       save_checkpoint)
@@ -72,6 +75,7 @@ class DFlashTraining:
     warmup: int = 50
     draft_vocab: int | None = None  # None: the target's whole vocabulary (through its own head)
     init: str = "focused"  # "copied", "calibrated" or "focused": see initial_dflash and calibrate_to_target
+    init_from: str | None = None  # a saved drafter to go on from (its function; see grown_dflash), not init
     layer_ids: tuple[int, ...] | None = None  # None: default_layer_ids(L)
     validate_every: int = 250
     checkpoint_every: int = 250
@@ -164,6 +168,33 @@ def initial_dflash(target, layer_ids: tuple[int, ...], layers: int, block_size: 
         if getattr(norm, "weight", None) is not None and norm.weight.shape == draft.norm.weight.shape:
             draft.norm.weight.copy_(norm.weight.detach().float())
     return draft
+
+
+def grown_dflash(source: DFlashDraft, layers: int) -> DFlashDraft:
+    """``source`` with ``layers`` decoder layers (at least its own): its own first, then copies of
+    its last with ``o_proj`` and ``down_proj`` zeroed, so each added layer adds nothing to the
+    residual stream and the grown drafter computes exactly what ``source`` does; training then
+    starts from there (the added layers' attention and MLP learn once their outputs move off zero)."""
+    have = source.num_layers
+    if layers < have:
+        raise ValueError(f"layers: {layers}, fewer than the {have} layers of the drafter in init_from")
+    layer = dict(source.config.layer, num_hidden_layers=layers)
+    types = layer.get("layer_types")
+    if types is not None:
+        layer["layer_types"] = list(types[:have]) + [types[have - 1]] * (layers - have)
+    config = dataclasses.replace(source.config, layer=layer)
+    grown = DFlashDraft(config, own_embeddings=source.embed_tokens is not None).to(source.fc.weight.dtype)
+    state = source.state_dict()
+    last = f"layers.{have - 1}."
+    for i in range(have, layers):
+        state |= {f"layers.{i}.{k[len(last):]}": v.clone() for k, v in source.state_dict().items() if k.startswith(last)}
+        state[f"layers.{i}.self_attn.o_proj.weight"].zero_()
+        state[f"layers.{i}.mlp.down_proj.weight"].zero_()
+        for bias in (f"layers.{i}.self_attn.o_proj.bias", f"layers.{i}.mlp.down_proj.bias"):
+            if bias in state:
+                state[bias].zero_()
+    grown.load_state_dict(state)
+    return grown
 
 
 # the mask queries' scale over the target's. On the bundled target (source text, anchors 12-39)
@@ -311,6 +342,22 @@ def block_agreement(draft: DFlashDraft, target, data: tuple[Tensor, Tensor, Tens
                 positions=count)
 
 
+def check_continued(settings: DFlashTraining, source: DFlashDraft, layer_ids: tuple[int, ...]) -> None:
+    """A ``ValueError`` naming the setting where these settings cannot go on training ``source``
+    (``init_from``): another block size, other target layers, another draft vocabulary size
+    (the drafter keeps its own vocabulary and mask token)."""
+    config = source.config
+    if config.block_size != settings.block_size:
+        raise ValueError(f"block_size: {settings.block_size}, the drafter in init_from has {config.block_size}")
+    if tuple(sorted(config.layer_ids)) != layer_ids:
+        raise ValueError(f"layer_ids: {list(layer_ids)}, the drafter in init_from reads {list(config.layer_ids)}")
+    theirs = config.draft_vocab_size if source.d2t is not None else None
+    if (settings.draft_vocab if settings.draft_vocab is None or settings.draft_vocab < config.layer["vocab_size"]
+            else None) != theirs:
+        raise ValueError(f"draft_vocab: {settings.draft_vocab}, the drafter in init_from has "
+                         f"{theirs or 'the target vocabulary'}")
+
+
 def train_dflash(target, tokenizer, files: list[Path], out: str | Path, work: str | Path,
                  settings: DFlashTraining | None = None, validation_files: list[Path] | None = None,
                  log=print, deadline: float | None = None) -> DFlashDraft:
@@ -345,26 +392,35 @@ def train_dflash(target, tokenizer, files: list[Path], out: str | Path, work: st
     data = on_policy_splits(target, tokenizer, files, validation_files, layer_ids, work, settings.sequences,
                             settings.validation_sequences, settings.prompt_tokens, settings.new_tokens, settings.seed)
     vocab = target.config.get_text_config().vocab_size
-    counts = torch.bincount(data["train"][0].flatten(), minlength=vocab)
-    # the least frequent token whose embedding is not all zeros (a padding row: a mask slot's input would be 0)
-    embedded = target.get_input_embeddings().weight.detach()[:vocab].abs().sum(-1) > 0
-    counts = torch.where(embedded, counts, counts.max() + 1)
-    mask_token_id = int(torch.sort(counts, stable=True).indices[0])
-    draft_ids = None
-    if settings.draft_vocab is not None and settings.draft_vocab < vocab:
-        draft_ids = frequent_tokens(data["train"][0], settings.draft_vocab, vocab)
+    if settings.init_from is not None:
+        source = load_dflash(settings.init_from, torch.float32)
+        check_continued(settings, source, layer_ids)
+        draft_ids = None if source.d2t is None else source.d2t + torch.arange(len(source.d2t))
+        draft = grown_dflash(source, settings.layers)
+    else:
+        counts = torch.bincount(data["train"][0].flatten(), minlength=vocab)
+        # the least frequent token whose embedding is not all zeros (a padding row: a mask slot's input would be 0)
+        embedded = target.get_input_embeddings().weight.detach()[:vocab].abs().sum(-1) > 0
+        counts = torch.where(embedded, counts, counts.max() + 1)
+        mask_token_id = int(torch.sort(counts, stable=True).indices[0])
+        draft_ids = None
+        if settings.draft_vocab is not None and settings.draft_vocab < vocab:
+            draft_ids = frequent_tokens(data["train"][0], settings.draft_vocab, vocab)
+        draft = initial_dflash(target, layer_ids, settings.layers, settings.block_size, mask_token_id, draft_ids,
+                               settings.seed)
+        if settings.init != "copied":
+            calibrate_to_target(draft, target, data["train"][1][:64], data["train"][0][:64],
+                                focus=settings.init == "focused")
+    if draft_ids is not None:
         covered = torch.isin(data["validation"][0][:, settings.prompt_tokens:], draft_ids).float().mean()
-        log(f"draft vocabulary: {settings.draft_vocab} of {vocab} tokens cover {covered:.1%} of the held-out "
+        log(f"draft vocabulary: {len(draft_ids)} of {vocab} tokens cover {covered:.1%} of the held-out "
             f"continuations")
-    draft = initial_dflash(target, layer_ids, settings.layers, settings.block_size, mask_token_id, draft_ids,
-                           settings.seed)
-    if settings.init != "copied":
-        calibrate_to_target(draft, target, data["train"][1][:64], data["train"][0][:64],
-                            focus=settings.init == "focused")
     trained = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     weights = slot_weights(settings.block_size, settings.gamma)
-    checkpoint, step, before = work / "dflash_checkpoint.pt", 0, 0.0
+    # a continued run checkpoints apart, so it can share a work directory (its cached data) with the run before
+    name = "dflash_checkpoint.pt" if settings.init_from is None else f"dflash_checkpoint_from_{Path(settings.init_from).name}.pt"
+    checkpoint, step, before = work / name, 0, 0.0
     history: list[dict] = []
     state = load_checkpoint(checkpoint, asdict(settings))
     if state is not None:
