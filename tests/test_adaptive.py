@@ -551,6 +551,45 @@ def test_depth_classes_learn_bursty_acceptance_and_the_plan_follows_it():
     assert first_only.plan()[0] == 1 < one_table.plan()[0], (first_only.plan(), one_table.plan())
 
 
+def test_the_plan_prices_each_depth_by_its_own_acceptance():
+    """Chains of 4 drafts verified whole, every confidence 0.5: drafts 1 and 2 always accepted,
+    draft 3 never (a block drafter's later slots, drawn apart, fall off so). The later class
+    pools depths 2-3 at 1/2; by depth, draft 2 is priced near 1 and draft 3 near 0, so the plan
+    (and the drafting of a sequential drafter) stops at 2 where the pooled rate drafts 3 or more
+    for a verification that grows 3% a token (brute force of each over k)."""
+    now, clock = fake_clock()
+    costs = FixedCosts(lambda r, w: 1.0, step=0.0)
+    policy = Adaptive(max_draft=6, costs=costs, forget=1.0, explore=False, clock=clock)
+    policy.start(1, greedy=True)
+    for _ in range(40):
+        policy.select(Proposal(torch.arange(4)[None], torch.tensor([4]), confidence=torch.full((1, 4), 0.5)))
+        policy.observe([4], [2])
+    assert policy.depth_acceptance(1) > 0.95 and policy.depth_acceptance(2) > 0.9
+    assert policy.depth_acceptance(3) < 0.1 and policy.depth_acceptance(4) == pytest.approx(policy._pooled[1])
+    assert policy._pooled[1] == pytest.approx(0.5, abs=0.05)  # depths 2 and 3 pooled (4 is never reached)
+
+    def verify(rows, width):
+        return 1.0 + 0.03 * (width - 1)
+    policy.costs = FixedCosts(verify, step=0.0)
+
+    def best(chances):
+        def ratio(k):
+            alive, tokens = 1.0, 1.0
+            for j in range(k):
+                alive *= chances[j]
+                tokens += alive
+            return tokens / verify(1, k + 1)
+        return max(range(1, 7), key=ratio)
+    by_depth = [policy.depth_acceptance(d) for d in range(1, 7)]
+    pooled = [policy.depth_acceptance(1)] + [policy._pooled[1]] * 5
+    assert best(by_depth) == 2 < best(pooled)
+    policy._rate = [0.0, 0.0]  # R unknown: each round's own ratio, as best() above
+    assert policy.plan() == [2]
+    probs = torch.full((1, 8), 0.5)  # one more draft after the second: depth 3, priced near 0
+    assert policy.keep_drafting(1, probs, torch.tensor([0]))[0]
+    assert not policy.keep_drafting(2, probs, torch.tensor([0]))[0]
+
+
 def test_plan_drafts_the_best_length_and_one_more_only_when_exploring():
     """A fresh policy (pooled prior 0.8 at every depth, R unknown: the ratio of expected
     tokens to seconds) with a verification of 1 + 0.3 (w - 1) and draft steps of 0.2: the

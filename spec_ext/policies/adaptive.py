@@ -22,8 +22,8 @@ it maximises the call's tokens per second; before R is known, the round's own ra
 
 Sequential drafters (a draft model, a head) spend a forward per draft step, so the same
 estimates also bound the drafting: ``plan()`` gives the most steps worth drafting from the
-pooled acceptance of each depth class (``initial`` while the costs are unknown), and
-``keep_drafting`` stops the batch once no longer chain is expected to add more than R x its
+acceptance at each depth (:meth:`Adaptive.depth_acceptance`; ``initial`` while the costs are
+unknown), and ``keep_drafting`` stops the batch once no longer chain is expected to add more than R x its
 further steps' seconds (a step's seconds: the low median of the recent steps) and their
 verification.
 
@@ -145,6 +145,9 @@ class Adaptive(Policy):
         # (observations only; the priors enter in _refresh)
         self._reached = [[0.0] * len(CENTRES) for _ in DEPTHS]
         self._passed = [[0.0] * len(CENTRES) for _ in DEPTHS]
+        # the same drafts by depth (index d: depth d, 1 .. max_draft), for the chance at each depth
+        self._depth_reached = [0.0] * (self.max_draft + 1)
+        self._depth_passed = [0.0] * (self.max_draft + 1)
         self._refresh()
         self._size_ratio = 0.1
         self._step_seconds: dict[int, list[float]] = {}  # rows -> recent draft steps' seconds (low median: a step)
@@ -193,12 +196,24 @@ class Adaptive(Policy):
         return self._table[min(depth, len(DEPTHS)) - 1][bisect.bisect_left(EDGES, confidence)]
 
     def _refresh(self) -> None:
-        """The acceptance table and the pooled rates from the observations and the priors."""
+        """The acceptance table, the pooled rates and the rates by depth from the observations
+        and the priors."""
         w = self.prior_weight
         self._pooled = [(sum(p) + w * self.prior_acceptance) / (sum(r) + w)
                         for r, p in zip(self._reached, self._passed)]
         self._table = [[(p + w * m) / (r + w) for r, p in zip(reached, passed)]
                        for reached, passed, m in zip(self._reached, self._passed, self._pooled)]
+        self._by_depth = [self._pooled[0]] * 2 + [(p + w * self._pooled[1]) / (r + w) for r, p in
+                                                  zip(self._depth_reached[2:], self._depth_passed[2:])]
+
+    def depth_acceptance(self, depth: int) -> float:
+        """The estimated chance that a draft at ``depth`` (1: right after the root) is accepted
+        once the drafts before it were, whatever its confidence: the first depth class's pooled
+        rate at depth 1; past it, that depth's observed rate shrunk toward the later class's
+        pooled rate. A block drafter's slots are drawn apart, so its later slots are accepted
+        less often than its second (the bundled DFlash drafter: 0.61 at depth 2, 0.43 at 3), which
+        one rate for every later depth prices alike."""
+        return self._by_depth[min(max(depth, 1), len(self._by_depth) - 1)]
 
     def _pricing(self) -> StepCosts:
         """What prices the rounds: ``costs`` (timed, or holding measurements), else a sampled
@@ -231,20 +246,19 @@ class Adaptive(Policy):
         return [self._bound] * self.batch_size
 
     def _draft_bound(self) -> int:
-        """The chain length worth drafting from the pooled acceptance of each depth class (with
-        ``explore``, one more every fourth timed round, to keep the next depth measured: a
+        """The chain length worth drafting from the acceptance at each depth
+        (:meth:`depth_acceptance`; with ``explore``, one more every fourth timed round, to keep the next depth measured: a
         standing margin of two drafted 25-65% more steps than Fixed(2) at B=1 for no more
         accepted; ``keep_drafting`` stops sooner where the drafts are weak; ``initial`` while
         the costs are unknown). A block drafter computes the slots it is asked for, one forward
         whose cost grows a little with them (timed: measured by length; untimed: one forward
         whatever the length, so the whole block). The estimate is refreshed by every
         verification, so a length once judged too long is drafted again when acceptance rises."""
-        first, later = self._pooled
         B, best, best_value, tokens = self.batch_size, None, None, float(self.batch_size)
-        R, alive = self.rate, first
+        R, alive = self.rate, self.depth_acceptance(1)
         for k in range(1, self._longest + 1):
             tokens += B * alive
-            alive *= later
+            alive *= self.depth_acceptance(k + 1)
             cost = [self.draft_cost(k), self.verify_cost(B, k + 1)]
             if None in cost:
                 return min(self.initial, self._longest)
@@ -257,7 +271,7 @@ class Adaptive(Policy):
     def keep_drafting(self, step: int, probs: Tensor, tokens: Tensor, hidden: Tensor | None = None) -> Tensor:
         """Go on while some longer chain is expected to pay for its steps and their
         verification: the batch's survivals after ``step`` drafts, the next drafts' chance of
-        acceptance taken as the pooled rate after an accepted draft, the verification's
+        acceptance taken as their depths' (:meth:`depth_acceptance`), the verification's
         measured costs and a draft step's (timed: the low median of the recent steps, kept
         across rounds; with ``explore`` every eighth round drafts a second step, so that a
         stale high estimate cannot stop every chain at its first draft for good). One host
@@ -298,9 +312,9 @@ class Adaptive(Policy):
         R = self.rate
         base = B + self._gained
         rate_now = base / max(drafted + now, 1e-12)
-        gain, later = 0.0, self._pooled[1]  # a further draft: the pooled chance after an accepted one
+        gain = 0.0
         for m in range(1, max(self._bound, step) - step + 1):
-            alive *= later
+            alive *= self.depth_acceptance(step + m)  # a further draft: its depth's chance, whatever its confidence
             gain += alive
             cost = self.verify_cost(B, step + m + 1)
             if cost is None:
@@ -363,11 +377,16 @@ class Adaptive(Policy):
                 if self.forget < 1:
                     self._reached = [[self.forget * x for x in row] for row in self._reached]
                     self._passed = [[self.forget * x for x in row] for row in self._passed]
+                    self._depth_reached = [self.forget * x for x in self._depth_reached]
+                    self._depth_passed = [self.forget * x for x in self._depth_passed]
                 for row in events:
                     for confidence, depth, passed in row:
                         d, i = min(depth, len(DEPTHS)) - 1, bisect.bisect_left(EDGES, confidence)
                         self._reached[d][i] += 1
                         self._passed[d][i] += passed
+                        at = min(depth, self.max_draft)
+                        self._depth_reached[at] += 1
+                        self._depth_passed[at] += passed
                 self._refresh()
         self._pending, self._mark = None, now
 
