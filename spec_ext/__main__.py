@@ -120,7 +120,8 @@ def cmd_train_dflash(args) -> None:
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
     source = load_dflash(args.init_from) if args.init_from else None  # its layers and draft vocabulary by default
     layers = args.layers or (source.num_layers if source is not None else 1)
-    draft_vocab = args.draft_vocab or (source.config.draft_vocab_size if source is not None and source.reduced else None)
+    draft_vocab = args.draft_vocab or (source.config.draft_vocab_size if source is not None and source.reduced
+                                       else None)
     settings = DFlashTraining(sequences=args.sequences, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
                               steps=args.steps, batch=args.batch, anchors=args.anchors, block_size=args.block_size,
                               layers=layers, gamma=args.gamma, loss=args.loss, lr=args.lr,

@@ -247,10 +247,10 @@ class Adaptive(Policy):
 
     def _draft_bound(self) -> int:
         """The chain length worth drafting from the acceptance at each depth
-        (:meth:`depth_acceptance`; with ``explore``, one more every fourth timed round, to keep the next depth measured: a
-        standing margin of two drafted 25-65% more steps than Fixed(2) at B=1 for no more
-        accepted; ``keep_drafting`` stops sooner where the drafts are weak; ``initial`` while
-        the costs are unknown). A block drafter computes the slots it is asked for, one forward
+        (:meth:`depth_acceptance`; with ``explore``, one more every fourth timed round, to keep
+        the next depth measured: a standing margin of two drafted 25-65% more steps than
+        Fixed(2) at B=1 for no more accepted; ``keep_drafting`` stops sooner where the drafts
+        are weak; ``initial`` while the costs are unknown). A block drafter computes the slots it is asked for, one forward
         whose cost grows a little with them (timed: measured by length; untimed: one forward
         whatever the length, so the whole block). The estimate is refreshed by every
         verification, so a length once judged too long is drafted again when acceptance rises."""

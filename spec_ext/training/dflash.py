@@ -187,7 +187,8 @@ def grown_dflash(source: DFlashDraft, layers: int) -> DFlashDraft:
     state = source.state_dict()
     last = f"layers.{have - 1}."
     for i in range(have, layers):
-        state |= {f"layers.{i}.{k[len(last):]}": v.clone() for k, v in source.state_dict().items() if k.startswith(last)}
+        state |= {f"layers.{i}.{k[len(last):]}": v.clone() for k, v in source.state_dict().items()
+                  if k.startswith(last)}
         state[f"layers.{i}.self_attn.o_proj.weight"].zero_()
         state[f"layers.{i}.mlp.down_proj.weight"].zero_()
         for bias in (f"layers.{i}.self_attn.o_proj.bias", f"layers.{i}.mlp.down_proj.bias"):
@@ -419,7 +420,8 @@ def train_dflash(target, tokenizer, files: list[Path], out: str | Path, work: st
     optimizer = torch.optim.AdamW(trained, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     weights = slot_weights(settings.block_size, settings.gamma)
     # a continued run checkpoints apart, so it can share a work directory (its cached data) with the run before
-    name = "dflash_checkpoint.pt" if settings.init_from is None else f"dflash_checkpoint_from_{Path(settings.init_from).name}.pt"
+    name = "dflash_checkpoint.pt" if settings.init_from is None else \
+        f"dflash_checkpoint_from_{Path(settings.init_from).name}.pt"
     checkpoint, step, before = work / name, 0, 0.0
     history: list[dict] = []
     state = load_checkpoint(checkpoint, asdict(settings))
