@@ -1,6 +1,6 @@
 """Block drafters against the sequential ones, on held-out code: the bundled DFlash drafter
-(models/stdlib-dflash) at block sizes 4, 8 and 16 (its first 3, 7 or 15 drafts verified) and
-under adaptive verification, the bundled EAGLE-3 head (models/stdlib-head) and the bundled
+(models/stdlib-dflash) at block sizes 4, 8 and 16 (its first 3, 7 or 15 drafts verified), under
+Auto (the default) and under adaptive verification, the bundled EAGLE-3 head (models/stdlib-head) and the bundled
 draft model (models/stdlib-draft), each at fixed k, Auto and adaptive verification, beside
 the target alone, in one run.
 
@@ -13,7 +13,8 @@ of per-pass ratios against the target alone (HF generate) in the same pass, with
 and 80th percentiles. Per row also: accepted drafts per round, the round's cost (wall time
 over rounds, ms), the verification's cost in target steps (each verification's width priced
 by the lean forward's measured cost by width), draft forwards per round and one draft
-forward's cost in target steps, and ``bound`` = (1 + accepted) / (verify_steps +
+forward's cost in target steps (a DFlash block's: its forward over as many slots as a row
+verified drafts per round on average, and the commit), and ``bound`` = (1 + accepted) / (verify_steps +
 draft_forwards x draft_step), what the rounds allow over the lean target alone if nothing
 but the forwards cost, and ``load``: the machine's 1-minute load average before and after the
 configuration. Writes benchmarks/results/<name>.csv and <name>.png.
@@ -51,6 +52,7 @@ def methods(dflash, head, draft, greedy: bool, batch: int) -> dict:
     """Row name -> (drafter kind, the draft given to spec_ext.generate, policy)."""
     rows = {f"dflash block={b} (fixed {b - 1})": ("dflash", dflash, Fixed(b - 1)) for b in (4, 8, 16)
             if b <= dflash.block_size}
+    rows["dflash auto"] = ("dflash", dflash, Auto())  # the default: accelerate(target, dflash)
     rows["dflash adaptive"] = ("dflash", dflash, Adaptive(max_draft=dflash.config.num_drafts))
     rows |= {"head fixed k=4": ("head", head, Fixed(4)), "head auto": ("head", head, Auto()),
              "head adaptive": ("head", head, Adaptive())}
@@ -195,13 +197,18 @@ def main():
             batch, temperature = int(config.split(":")[0]), float(config.split(":")[1])
             load_before = os.getloadavg()[0]
             costs = width_costs(model, draft, head, prompts[0], batch)
-            kinds = {name: kind if kind != "dflash" else f"dflash{min(policy.max_draft, dflash.config.num_drafts)}"
-                     for name, (kind, _, policy) in methods(dflash, head, draft, temperature == 0, batch).items()}
-            for kind in {k for k in kinds.values() if k.startswith("dflash")}:  # a block computes its drafted slots
-                costs[kind] = block_cost(model, dflash, prompts[0], batch, int(kind[len("dflash"):]))
-            costs["dflash"] = costs[f"dflash{dflash.config.num_drafts}"]
             results = run(model, (dflash, head, draft), prompts, batch, temperature, args.new_tokens, args.repeats,
                           pad)
+            kinds = {}
+            for name, (kind, _, policy) in methods(dflash, head, draft, temperature == 0, batch).items():
+                if kind == "dflash":  # a block computes the slots it drafts: priced at the mean drafts a row-round
+                    stats = results[name]["stats"]
+                    slots = sum(s.drafted for s in stats) / max(1, batch * sum(s.rounds for s in stats))
+                    kind = f"dflash{min(dflash.config.num_drafts, max(1, round(slots)))}"
+                    if kind not in costs:
+                        costs[kind] = block_cost(model, dflash, prompts[0], batch, int(kind[len("dflash"):]))
+                kinds[name] = kind
+            costs["dflash"] = block_cost(model, dflash, prompts[0], batch, dflash.config.num_drafts)
             machine_load = f"{load_before:.1f}-{os.getloadavg()[0]:.1f}"  # 1-minute load average before and after
             rows += [row | dict(load=machine_load) for row in rows_of(results, costs, kinds, workload, batch, temperature)]
             print(f"{workload} batch {batch} T={temperature}: one target step {1e3 * costs['target'][1]:.2f} ms; "

@@ -3,7 +3,11 @@ spec_ext.training.dflash on the target's own continuations of prompts from the s
 library's training split (held-out agreement on the validation split). Data, features and
 checkpoints live under --work: a rerun resumes (a killed run too).
 
-    python benchmarks/train_dflash.py            # the bundled drafter's settings
+The bundled drafter came in three runs (docs/block_drafters.md, Training):
+
+    python benchmarks/train_dflash.py --out D600                  # 600 steps on 1024 continuations
+    (a warm restart of that run to 2400 steps: D2400; today --init-from D600 --steps 1800 does it)
+    python benchmarks/train_dflash.py --init-from D2400 --sequences 4096 --steps 1200 --lr 1e-3
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Where the bundled models (``stdlib-target``, ``stdlib-draft``, the head ``stdlib-head``) and the learned
-policies' predictors (``policies/*.safetensors``) are found.
+"""Where the bundled models (``stdlib-target``, ``stdlib-draft``, the head ``stdlib-head``, the DFlash
+block drafter ``stdlib-dflash``) and the learned policies' predictors (``policies/*.safetensors``)
+are found.
 
 Looked up in this order: the folder named by the environment variable ``SPEC_EXT_MODELS``;
 the copy installed with the package (``pip install .`` puts the repository's ``models/``

@@ -294,6 +294,27 @@ def test_greedy_equals_the_target_with_a_block_drafter(target, trained, policy, 
     assert out.stats.draft_calls == out.stats.target_calls - 1  # one block forward per round
 
 
+def test_the_bundled_drafter_drafts_for_the_bundled_target():
+    """models/stdlib-dflash (benchmarks/train_dflash.py) loads for the bundled target, decodes
+    the demo prompt exactly through accelerate() (Auto, the default) and Fixed(3), and more
+    than one of a block-4 round's drafts is accepted per round."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from spec_ext.__main__ import DEMO_PROMPT
+    from spec_ext.bundled import bundled_path
+    target_dir = bundled_path("stdlib-target")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    drafter = load_dflash(bundled_path("stdlib-dflash"))
+    assert drafter.block_size == 16 and drafter.config.draft_vocab_size == 2048
+    ids = AutoTokenizer.from_pretrained(target_dir)(DEMO_PROMPT, return_tensors="pt").input_ids
+    expected = target.generate(ids, max_new_tokens=48, do_sample=False, eos_token_id=None)
+    out = spec_ext.generate(target, bundled_path("stdlib-dflash"), ids, max_new_tokens=48, eos_token_id=[],
+                            policy=Fixed(3))
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.accepted / out.stats.rounds > 1.0, out.stats
+    fast = spec_ext.accelerate(target, str(bundled_path("stdlib-dflash")))
+    assert torch.equal(fast.generate(ids, max_new_tokens=48, eos_token_id=[]), expected)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gpt2"])
 def test_greedy_equals_the_target_on_every_architecture(kind):
     """Random drafters (layer ids 0, L//2, L) for each target: lean (llama, qwen3) and HF
