@@ -14,7 +14,8 @@ and 80th percentiles. Per row also: accepted drafts per round, the round's cost 
 over rounds, ms), the verification's cost in target steps (each verification's width priced
 by the lean forward's measured cost by width), draft forwards per round and one draft
 forward's cost in target steps (a DFlash block's: its forward over as many slots as a row
-verified drafts per round on average, and the commit), and ``bound`` = (1 + accepted) / (verify_steps +
+verified model drafts per round on average, and the commit; Adaptive's verified drafts are
+fewer than its block computed, so its price reads low), and ``bound`` = (1 + accepted) / (verify_steps +
 draft_forwards x draft_step), what the rounds allow over the lean target alone if nothing
 but the forwards cost, and ``load``: the machine's 1-minute load average before and after the
 configuration. Writes benchmarks/results/<name>.csv and <name>.png.
@@ -201,9 +202,10 @@ def main():
                           pad)
             kinds = {}
             for name, (kind, _, policy) in methods(dflash, head, draft, temperature == 0, batch).items():
-                if kind == "dflash":  # a block computes the slots it drafts: priced at the mean drafts a row-round
-                    stats = results[name]["stats"]
-                    slots = sum(s.drafted for s in stats) / max(1, batch * sum(s.rounds for s in stats))
+                if kind == "dflash":  # a block computes the slots it drafts: priced at the model's mean drafts a
+                    stats = results[name]["stats"]  # (row, round) pair (Stats.rounds counts those; text rows aside)
+                    slots = sum(s.drafted - s.text_drafted for s in stats) / max(
+                        1, sum(s.rounds - s.matched for s in stats))
                     kind = f"dflash{min(dflash.config.num_drafts, max(1, round(slots)))}"
                     if kind not in costs:
                         costs[kind] = block_cost(model, dflash, prompts[0], batch, int(kind[len("dflash"):]))

@@ -6,8 +6,8 @@ checkpoints live under --work: a rerun resumes (a killed run too).
 The bundled drafter came in three runs (docs/block_drafters.md, Training):
 
     python benchmarks/train_dflash.py --out D600                  # 600 steps on 1024 continuations
-    (a warm restart of that run to 2400 steps: D2400; today --init-from D600 --steps 1800 does it)
-    python benchmarks/train_dflash.py --init-from D2400 --sequences 4096 --steps 1200 --lr 1e-3
+    (a warm restart of that run to 2400 steps by an edited checkpoint: D2400; --init-from is that now)
+    python benchmarks/train_dflash.py --out D --init-from D2400 --sequences 4096 --steps 1200 --lr 1e-3
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ BUNDLED = DFlashTraining(sequences=1024, validation_sequences=32, prompt_tokens=
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, default=ROOT / "models" / "stdlib-target")
-    parser.add_argument("--out", type=Path, default=ROOT / "models" / "stdlib-dflash")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="where the drafter is saved (the bundled one, models/stdlib-dflash, came in three runs)")
     parser.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".train_work" / "dflash")
     parser.add_argument("--steps", type=int, default=BUNDLED.steps)
     parser.add_argument("--layers", type=int, default=BUNDLED.layers)
@@ -51,7 +52,8 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
     target.config._name_or_path = args.target.name  # the drafter's speculators_config.verifier, not this path
-    settings = DFlashTraining(**(vars(BUNDLED) | dict(steps=args.steps, layers=args.layers, lr=args.lr, sequences=args.sequences,
+    settings = DFlashTraining(**(vars(BUNDLED) | dict(steps=args.steps, layers=args.layers, lr=args.lr,
+                                                      sequences=args.sequences,
                                                       validate_every=args.validate_every,
                                                       init_from=args.init_from)))
     deadline = None

@@ -118,14 +118,16 @@ def cmd_train_dflash(args) -> None:
     validation = data_files(args.validation_data, args.glob, "--validation-data") if args.validation_data else None
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
-    source = load_dflash(args.init_from) if args.init_from else None  # its layers and draft vocabulary by default
+    source = load_dflash(args.init_from) if args.init_from else None  # its shape by default
     layers = args.layers or (source.num_layers if source is not None else 1)
+    block_size = args.block_size or (source.block_size if source is not None else 16)
+    layer_ids = tuple(args.layer_ids) if args.layer_ids else source.config.layer_ids if source is not None else None
     draft_vocab = args.draft_vocab or (source.config.draft_vocab_size if source is not None and source.reduced
                                        else None)
     settings = DFlashTraining(sequences=args.sequences, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                              steps=args.steps, batch=args.batch, anchors=args.anchors, block_size=args.block_size,
+                              steps=args.steps, batch=args.batch, anchors=args.anchors, block_size=block_size,
                               layers=layers, gamma=args.gamma, loss=args.loss, lr=args.lr,
-                              draft_vocab=draft_vocab, layer_ids=tuple(args.layer_ids) if args.layer_ids else None,
+                              draft_vocab=draft_vocab, layer_ids=layer_ids,
                               init_from=str(args.init_from) if args.init_from else None)
     train_dflash(target, tokenizer, files, args.out, args.work or args.out / "work", settings, validation)
     print(f"saved the drafter at {args.out} (speculators dflash layout: spec_ext generate --draft {args.out})")
@@ -285,12 +287,13 @@ def parser() -> argparse.ArgumentParser:
     dflash.add_argument("--steps", type=_positive, default=2000, help="optimiser steps")
     dflash.add_argument("--batch", type=_positive, default=8, help="sequences per step")
     dflash.add_argument("--anchors", type=_positive, default=32, help="random blocks per sequence per step")
-    dflash.add_argument("--block-size", type=_positive, default=16, help="slots per block (drafts: one fewer)")
+    dflash.add_argument("--block-size", type=_positive,
+                        help="slots per block (drafts: one fewer; default: 16, or that of --init-from)")
     dflash.add_argument("--layers", type=_positive,
                         help="the drafter's decoder layers (default: 1, or those of --init-from)")
     dflash.add_argument("--init-from", type=Path,
-                        help="a drafter trained before to go on from (its block size, layer ids, mask token and draft "
-                             "vocabulary; layers past its own start as identities)")
+                        help="a drafter trained before to go on from (its mask token; its block size, layer ids and "
+                             "draft vocabulary by default; layers past its own start as identities)")
     dflash.add_argument("--gamma", type=float, default=4.0, help="slot j's loss weight is exp(-(j-1)/gamma)")
     dflash.add_argument("--loss", choices=("ce", "kl"), default="ce",
                         help="ce: to the target's greedy tokens; kl: to its distributions")
@@ -299,7 +302,7 @@ def parser() -> argparse.ArgumentParser:
                         help="a draft vocabulary of this many most frequent tokens (default: the target's, or that "
                              "of --init-from)")
     dflash.add_argument("--layer-ids", type=int, nargs="+",
-                        help="target layers to tap (default: four from 2 to L-1)")
+                        help="target layers to tap (default: four from 2 to L-1, or those of --init-from)")
     dflash.add_argument("--threads", type=_positive, help="torch intra-op threads (default: torch's)")
     return top
 

@@ -238,19 +238,30 @@ def test_training_goes_on_from_a_saved_drafter_in_the_same_work_directory(tmp_pa
     assert history[-1]["loss"] < history[0]["loss"] - 0.05
     assert grown.num_layers == 2 and torch.equal(grown.d2t, first.d2t)
     assert grown.config.mask_token_id == first.config.mask_token_id
-    assert sorted(p.name for p in (tmp_path / "work").glob("dflash_checkpoint*")) == [
-        "dflash_checkpoint.pt", "dflash_checkpoint_from_first.pt"]
+    names = sorted(p.name for p in (tmp_path / "work").glob("dflash_checkpoint*"))
+    assert len(names) == 2 and names[0] == "dflash_checkpoint.pt"
+    assert names[1].startswith("dflash_checkpoint_from_first_")
     ids = torch.tensor(prompts_from_files(tokenizer, files, 2, 12, seed=9))
     expected = target.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
     out = spec_ext.generate(target, str(tmp_path / "grown"), ids, max_new_tokens=16, policy="fixed")
     assert torch.equal(out.sequences, expected) and out.stats.accepted > 5
-    for changed, message in ((dict(block_size=5), "block_size: 5, the drafter in init_from has 4"),
-                             (dict(layer_ids=(1, 2)), "layer_ids: \\[1, 2\\], the drafter in init_from reads"),
-                             (dict(draft_vocab=20), "draft_vocab: 20, the drafter in init_from has 24"),
-                             (dict(layers=0), "layers: 0, fewer than the 1 layers")):
+    messages = []  # the same settings again: resumed where it ended, the same drafter
+    again = train_dflash(target, tokenizer, files, tmp_path / "again", tmp_path / "work", settings,
+                         log=messages.append)
+    assert "resumed at step 30" in messages
+    for (name, a), b in zip(grown.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
+    other = llama(WORDS + 3, 32, 3, seed=0)  # another vocabulary
+    for changed, message, model in (
+            (dict(block_size=5), "block_size: 5, the drafter in init_from has 4", target),
+            (dict(layer_ids=(1, 2)), "layer_ids: \\[1, 2\\], the drafter in init_from reads", target),
+            (dict(draft_vocab=20), "draft_vocab: 20, the drafter in init_from has 24", target),
+            (dict(layers=0), "layers: 0, fewer than the 1 layers", target),
+            ({}, f"init_from: the drafter's vocabulary has {WORDS + 1} tokens, the target's {WORDS + 3}", other)):
         with pytest.raises(ValueError, match=message):
-            train_dflash(target, tokenizer, files, tmp_path / "x", tmp_path / "work",
+            train_dflash(model, tokenizer, files, tmp_path / "x", tmp_path / "fresh",
                          small_settings(init_from=str(tmp_path / "first"), **changed), log=lambda m: 0)
+    assert not list((tmp_path / "fresh").iterdir()), "refused before any data was made"
 
 
 def test_a_deadline_stops_training_validated_checkpointed_and_saved(tmp_path):
@@ -301,9 +312,9 @@ def test_cli_trains_and_names_the_bad_argument(tmp_path, capsys):
     assert "saved the drafter" in capsys.readouterr().out
     assert load_dflash(tmp_path / "d").block_size == 4
     common = ["--target", str(target), "--data", *map(str, files), "--sequences", "8", "--prompt-tokens", "16",
-              "--new-tokens", "12", "--steps", "2", "--batch", "4", "--anchors", "4", "--block-size", "4",
-              "--threads", "1"]
+              "--new-tokens", "12", "--steps", "2", "--batch", "4", "--anchors", "4", "--threads", "1"]
     cli(["train-dflash", *common, "--out", str(tmp_path / "d2"), "--init-from", str(tmp_path / "d"), "--layers", "2"])
     cli(["train-dflash", *common, "--out", str(tmp_path / "d3"), "--init-from", str(tmp_path / "d2")])
     assert load_dflash(tmp_path / "d2").num_layers == 2 and load_dflash(tmp_path / "d3").num_layers == 2
-    assert load_dflash(tmp_path / "d3").config.draft_vocab_size == 20  # the defaults are the drafter's
+    d3 = load_dflash(tmp_path / "d3")  # the defaults are the drafter's
+    assert d3.config.draft_vocab_size == 20 and d3.block_size == 4

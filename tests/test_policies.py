@@ -136,25 +136,25 @@ def test_auto_prices_a_depth_rarely_reached_like_the_drafts_after_an_accepted_on
     assert s[2] / s[1] < 0.4 and s[3] / s[2] == pytest.approx(s[1] / s[0], abs=0.02)
 
 
-def test_auto_grows_a_chain_a_draft_a_round_past_the_depths_and_widths_it_measured():
+def test_auto_grows_a_chain_a_draft_a_round_past_the_depths_it_measured():
     """Drafts 1-2 always accepted and 3 never (a block drafter's later slots): the pooled rate
     past the first draft (about 0.6 after round 1) prices every depth never reached, and a
     verification of 10 + 0.2 k then made the third round draft 12. Each round's k is at most
-    one past the deepest draft reached and the widest chain timed before it (one more in an
-    exploring round), and it settles at 2; where drafts are accepted 97% of the time it still
-    grows to the longest, a draft a round."""
+    one past the deepest draft reached before it (one more in an exploring round), and it
+    settles at 2; where drafts are accepted 97% of the time it still grows to the longest, a
+    draft a round."""
     for accepted, longest in ((lambda rng: 2, 2), (geometric(0.97), 12)):
         clock = FakeClock()
         policy = Auto(max_draft=12, forget_runs=1.0, forget_cost=1.0, clock=clock)
         policy.start(1)
-        rng, deepest, widest, chosen = random.Random(0), 0, 0, []
+        rng, deepest, chosen = random.Random(0), 0, []
         for r in range(150):
             k = policy.plan()[0]
             if r >= 2:
                 explores = policy._rounds % (2 * policy.explore_every) == policy.explore_every
-                assert k <= min(deepest + 1, widest) + explores, (r, k, deepest, widest)
+                assert k <= deepest + 1 + explores, (r, k, deepest)
             a = min(k, accepted(rng))
-            deepest, widest = max(deepest, min(a + 1, k)), max(widest, k + 1)
+            deepest = max(deepest, min(a + 1, k))
             clock.now += 10.0 + 0.2 * k
             policy.observe([k], [a])
             chosen.append(k)

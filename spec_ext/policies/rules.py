@@ -193,19 +193,15 @@ class Auto(Policy):
         return min(self.max_draft, per_forward) if per_forward > 1 else self.max_draft
 
     def _longest_priced(self) -> int:
-        """The model's largest k this round: one past the deepest draft its rounds have reached
-        and (timed) one past the widest chain timed, so a chain grows a draft a round where the
-        estimates say it pays, never onto depths priced by the prior alone or widths by a line
-        alone. Beside a block drafter on held-out code (whose later slots fall off), a call's
-        third round drafted 10 on the prior (1.5-2x the round of 3), then 7, then 5: Auto was 6%
-        slower than ``Fixed(3)`` in total."""
+        """The model's largest k this round: one past the deepest draft its rounds have reached,
+        so a chain grows a draft a round where the estimates say it pays, never onto depths
+        priced by the prior alone (a chain's width is timed once it has drafted that deep, so
+        its cost is measured too). Beside a block drafter on held-out code (whose later slots
+        fall off), a call's third round drafted 10 on the prior (1.5-2x the round of 3), then 7,
+        then 5."""
         reached = self._runs["model"][0]
         deepest = max((j for j in range(1, self.max_draft + 1) if reached[j] >= 0.5), default=0)
-        longest = min(self._largest_k, deepest + 1)
-        widths = self._chain_widths() if self._timed else None
-        if widths:
-            longest = min(longest, max(widths))
-        return max(1, longest)
+        return max(1, min(self._largest_k, deepest + 1))
 
     def draft_forwards(self, k: int) -> int:
         """The draft forwards k drafts cost: k, or one per block of a block drafter."""
@@ -427,11 +423,12 @@ class Auto(Policy):
             k, cap, runs = min(self.initial, self._largest_k), self.initial, True
         else:
             best, plain, V = None, None, [None] + [self.verify_cost(w) for w in range(1, 2 + self.max_draft)]
+            longest = self._longest_priced()
             for cap in [0] + sorted(n for n in offers if n > 0):  # 0: no text this round (its width may not pay)
                 cut = Counter()
                 for n, rows in offers.items():
                     cut[min(n, cap)] += rows
-                for k in range(0, self._longest_priced() + 1):
+                for k in range(0, longest + 1):
                     tokens, widest, runs = 0.0, 0, False
                     for n, rows in cut.items():
                         if n > 0 and text[n] >= model[k]:

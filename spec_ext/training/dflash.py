@@ -42,6 +42,7 @@ import json
 import math
 import time
 import dataclasses
+import hashlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -343,11 +344,21 @@ def block_agreement(draft: DFlashDraft, target, data: tuple[Tensor, Tensor, Tens
                 positions=count)
 
 
-def check_continued(settings: DFlashTraining, source: DFlashDraft, layer_ids: tuple[int, ...]) -> None:
+def check_continued(settings: DFlashTraining, source: DFlashDraft, layer_ids: tuple[int, ...], target) -> None:
     """A ``ValueError`` naming the setting where these settings cannot go on training ``source``
-    (``init_from``): another block size, other target layers, another draft vocabulary size
-    (the drafter keeps its own vocabulary and mask token)."""
-    config = source.config
+    (``init_from``) for ``target``: a drafter for another target (its vocabulary, its features'
+    width), another block size, other target layers, another draft vocabulary size (the
+    drafter keeps its own vocabulary and mask token), fewer layers."""
+    config, text = source.config, target.config.get_text_config()
+    if config.layer["vocab_size"] != text.vocab_size:
+        raise ValueError(f"init_from: the drafter's vocabulary has {config.layer['vocab_size']} tokens, the target's "
+                         f"{text.vocab_size}")
+    if source.feature_width != len(config.layer_ids) * text.hidden_size:
+        raise ValueError(f"init_from: the drafter reads features {source.feature_width} wide, the target's "
+                         f"{len(config.layer_ids)} layers give {len(config.layer_ids) * text.hidden_size}")
+    if settings.layers < source.num_layers:
+        raise ValueError(f"layers: {settings.layers}, fewer than the {source.num_layers} layers of the drafter in "
+                         f"init_from")
     if config.block_size != settings.block_size:
         raise ValueError(f"block_size: {settings.block_size}, the drafter in init_from has {config.block_size}")
     if tuple(sorted(config.layer_ids)) != layer_ids:
@@ -390,12 +401,15 @@ def train_dflash(target, tokenizer, files: list[Path], out: str | Path, work: st
     bad = [k for k in layer_ids if not 0 <= k <= num_layers(target)]
     if bad:
         raise ValueError(f"layer_ids: {list(layer_ids)} names layers {bad} the target does not have")
+    vocab = target.config.get_text_config().vocab_size
+    source = None
+    if settings.init_from is not None:  # checked before the data is made (minutes)
+        settings = dataclasses.replace(settings, init_from=str(Path(settings.init_from).resolve()))
+        source = load_dflash(settings.init_from, torch.float32)
+        check_continued(settings, source, layer_ids, target)
     data = on_policy_splits(target, tokenizer, files, validation_files, layer_ids, work, settings.sequences,
                             settings.validation_sequences, settings.prompt_tokens, settings.new_tokens, settings.seed)
-    vocab = target.config.get_text_config().vocab_size
-    if settings.init_from is not None:
-        source = load_dflash(settings.init_from, torch.float32)
-        check_continued(settings, source, layer_ids)
+    if source is not None:
         draft_ids = None if source.d2t is None else source.d2t + torch.arange(len(source.d2t))
         draft = grown_dflash(source, settings.layers)
     else:
@@ -419,9 +433,11 @@ def train_dflash(target, tokenizer, files: list[Path], out: str | Path, work: st
     trained = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     weights = slot_weights(settings.block_size, settings.gamma)
-    # a continued run checkpoints apart, so it can share a work directory (its cached data) with the run before
+    # a continued run checkpoints apart, keyed by its settings, so it can share a work directory (its cached data)
+    # with the run before and with other continuations
+    key = hashlib.sha256(json.dumps(asdict(settings), sort_keys=True).encode()).hexdigest()[:8]
     name = "dflash_checkpoint.pt" if settings.init_from is None else \
-        f"dflash_checkpoint_from_{Path(settings.init_from).name}.pt"
+        f"dflash_checkpoint_from_{Path(settings.init_from).name}_{key}.pt"
     checkpoint, step, before = work / name, 0, 0.0
     history: list[dict] = []
     state = load_checkpoint(checkpoint, asdict(settings))
