@@ -110,6 +110,9 @@ class Drafter:
     calls: int = 0
     model = None
     drafts_per_forward: int = 1  # drafts one forward proposes (a block drafter: its whole block)
+    # beside the text (TextFirst under Auto): whether it must draft every round, its catch-up over the target's
+    # features being that round's forward (a feature head, MTP layers), even where the text drafts every row
+    drafts_every_round: bool = False
     target_layers: tuple[int, ...] | None = None
     # what ``uses_bonus_agreement`` policies need of the last round (see :meth:`bonus_agreement`):
     # all_accepted [B] bool, whether each row accepted every draft; bonus_p [B,V] the target's

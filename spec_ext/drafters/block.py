@@ -130,6 +130,10 @@ class BlockDrafter(Drafter):
                                                        None if normed is None else normed[:, 0], step, budget)
         return Proposal(drafts, num_draft, q, confidence=confidence)
 
+    def skip(self) -> None:
+        """(Beside the text) a round without a block: nothing to catch up, as :meth:`commit`
+        extends the context whatever was drafted."""
+
     def commit(self, outcome: Outcome) -> None:
         features, _, counts, counts_t = committed_features(outcome)
         self.draft.extend(self.draft.project(features.to(self.draft.fc.weight.dtype)), self.cache, counts, counts_t)

@@ -35,6 +35,8 @@ class HeadDrafter(Drafter):
         >>> spec_ext.generate(target, drafter, ids)                                     # doctest: +SKIP
     """
 
+    drafts_every_round = True  # its catch-up over the target's features is the round's first forward
+
     def __init__(self, head: EagleHead, policy: Policy):
         super().__init__(policy)
         self.head = head.eval()

@@ -41,6 +41,8 @@ class MtpDrafter(Drafter):
         >>> spec_ext.generate(target, "mtp", ids)    # doctest: +SKIP
     """
 
+    drafts_every_round = True  # its catch-up over the target's features is the round's first forward
+
     def __init__(self, mtp, policy: Policy):
         super().__init__(policy)
         self.mtp = mtp.eval()

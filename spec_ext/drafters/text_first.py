@@ -125,7 +125,7 @@ class TextFirst(Drafter):
         """A round as the chooser decides it (chains)."""
         device = roots.device
         chains = self.text.chains()
-        head = not hasattr(self.model_drafter, "chain")  # drafts every round (its catch-up is one forward)
+        head = self.model_drafter.drafts_every_round
         k, use, cap = self.chooser.choose([len(c) for c in chains], forwards_without_model=int(head))
         self._unused = [[] if u else c for c, u in zip(chains, use)]  # the text offers not drafted
         chains = [c[:cap] if u else [] for c, u in zip(chains, use)]
