@@ -259,6 +259,40 @@ def test_after_every_round_the_block_equals_a_fresh_drafters_on_the_committed_te
             torch.testing.assert_close(logits[row], expected[0, :logits.shape[1]], rtol=1e-4, atol=1e-4)
 
 
+@torch.no_grad()
+def test_after_rounds_where_only_the_text_drafted_the_block_equals_a_fresh_drafters(target, trained, monkeypatch):
+    """Draft fidelity beside the text (Auto, the default): in a round where only the rows' own
+    text drafts no block runs, and the next block still equals a fresh drafter's on the
+    committed text (its context grew in commit whatever was drafted)."""
+    import spec_ext.drafters
+    chosen = []
+
+    class Alternating(Auto):  # every other round the text offers nothing, so the model drafts again
+        def choose(self, text_lengths, forwards_without_model=0):
+            if len(chosen) % 2:
+                text_lengths = [0] * len(text_lengths)
+            choice = super().choose(text_lengths, forwards_without_model)
+            chosen.append(choice[0])
+            return choice
+    block, rounds = recording(trained, Fixed(3))
+    monkeypatch.setattr(spec_ext.drafters, "BlockDrafter", lambda draft, policy: type(block)(draft, policy))
+    out = spec_ext.generate(target, trained, PROMPTS, max_new_tokens=40, eos_token_id=[], policy=Alternating())
+    for row, prompt in enumerate(PROMPTS):
+        expected = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None)
+        assert out.sequences[row, -40:].tolist() == expected[0, -40:].tolist()
+    skipped = [n for n, k in enumerate(chosen) if k == 0]
+    assert skipped and any(k > 0 for k in chosen[skipped[0]:]), chosen  # blocks after a round without one
+    assert len(rounds) == sum(k > 0 for k in chosen)
+    for seqs, roots, logits in rounds:
+        for row, seq in enumerate(seqs):
+            fresh = BlockDrafter(trained, Fixed(3))
+            fresh.bind(target)
+            fresh.start([seq], 64, Sampler(), features=hf_features(target, seq, trained.config.layer_ids)[:, :-1])
+            expected, _ = fresh.block(torch.tensor([seq[-1]]))
+            assert roots[row] == seq[-1]
+            torch.testing.assert_close(logits[row], expected[0, :logits.shape[1]], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("slope, longest", [(1.0, 1), (0.0, 3)])
 @torch.no_grad()
 def test_auto_sampling_drafts_the_block_its_priced_verification_pays(target, trained, monkeypatch, slope, longest):
