@@ -348,7 +348,7 @@ def check_continued(settings: DFlashTraining, source: DFlashDraft, layer_ids: tu
     """A ``ValueError`` naming the setting where these settings cannot go on training ``source``
     (``init_from``) for ``target``: a drafter for another target (its vocabulary, its features'
     width), another block size, other target layers, another draft vocabulary size (the
-    drafter keeps its own vocabulary and mask token), fewer layers."""
+    drafter keeps its own vocabulary and mask token); fewer layers: :func:`grown_dflash`."""
     config, text = source.config, target.config.get_text_config()
     if config.layer["vocab_size"] != text.vocab_size:
         raise ValueError(f"init_from: the drafter's vocabulary has {config.layer['vocab_size']} tokens, the target's "
@@ -356,9 +356,6 @@ def check_continued(settings: DFlashTraining, source: DFlashDraft, layer_ids: tu
     if source.feature_width != len(config.layer_ids) * text.hidden_size:
         raise ValueError(f"init_from: the drafter reads features {source.feature_width} wide, the target's "
                          f"{len(config.layer_ids)} layers give {len(config.layer_ids) * text.hidden_size}")
-    if settings.layers < source.num_layers:
-        raise ValueError(f"layers: {settings.layers}, fewer than the {source.num_layers} layers of the drafter in "
-                         f"init_from")
     if config.block_size != settings.block_size:
         raise ValueError(f"block_size: {settings.block_size}, the drafter in init_from has {config.block_size}")
     if tuple(sorted(config.layer_ids)) != layer_ids:
@@ -402,17 +399,16 @@ def train_dflash(target, tokenizer, files: list[Path], out: str | Path, work: st
     if bad:
         raise ValueError(f"layer_ids: {list(layer_ids)} names layers {bad} the target does not have")
     vocab = target.config.get_text_config().vocab_size
-    source = None
+    draft = None
     if settings.init_from is not None:  # checked before the data is made (minutes)
         settings = dataclasses.replace(settings, init_from=str(Path(settings.init_from).resolve()))
         source = load_dflash(settings.init_from, torch.float32)
         check_continued(settings, source, layer_ids, target)
+        draft = grown_dflash(source, settings.layers)
+        draft_ids = None if source.d2t is None else source.d2t + torch.arange(len(source.d2t))
     data = on_policy_splits(target, tokenizer, files, validation_files, layer_ids, work, settings.sequences,
                             settings.validation_sequences, settings.prompt_tokens, settings.new_tokens, settings.seed)
-    if source is not None:
-        draft_ids = None if source.d2t is None else source.d2t + torch.arange(len(source.d2t))
-        draft = grown_dflash(source, settings.layers)
-    else:
+    if draft is None:
         counts = torch.bincount(data["train"][0].flatten(), minlength=vocab)
         # the least frequent token whose embedding is not all zeros (a padding row: a mask slot's input would be 0)
         embedded = target.get_input_embeddings().weight.detach()[:vocab].abs().sum(-1) > 0
