@@ -1,7 +1,7 @@
 """Block drafters against the sequential ones, on held-out code: the bundled DFlash drafter
 (models/stdlib-dflash) at block sizes 4, 8 and 16 (its first 3, 7 or 15 drafts verified), under
-Auto (the default) and under adaptive verification, the bundled EAGLE-3 head (models/stdlib-head) and the bundled
-draft model (models/stdlib-draft), each at fixed k, Auto and adaptive verification, beside
+Auto (the default) and under adaptive verification, the bundled EAGLE-3 head
+(models/stdlib-head) and the bundled draft model (models/stdlib-draft), each at fixed k, Auto and adaptive verification, beside
 the target alone, in one run.
 
 Configurations: batch 1 and batch 8 greedy, batch 1 at T=1; on the bundled target and
@@ -15,8 +15,8 @@ over rounds, ms), the verification's cost in target steps (each verification's w
 by the lean forward's measured cost by width), draft forwards per round and one draft
 forward's cost in target steps (a DFlash block's: its forward over as many slots as a row
 verified model drafts per round on average, and the commit; Adaptive's verified drafts are
-fewer than its block computed, so its price reads low), and ``bound`` = (1 + accepted) / (verify_steps +
-draft_forwards x draft_step), what the rounds allow over the lean target alone if nothing
+fewer than its block computed, so its price reads low), and ``bound`` = (1 + accepted) /
+(verify_steps + draft_forwards x draft_step), what the rounds allow over the lean target alone if nothing
 but the forwards cost, and ``load``: the machine's 1-minute load average before and after the
 configuration. Writes benchmarks/results/<name>.csv and <name>.png.
 

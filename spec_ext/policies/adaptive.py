@@ -23,8 +23,8 @@ it maximises the call's tokens per second; before R is known, the round's own ra
 Sequential drafters (a draft model, a head) spend a forward per draft step, so the same
 estimates also bound the drafting: ``plan()`` gives the most steps worth drafting from the
 acceptance at each depth (:meth:`Adaptive.depth_acceptance`; ``initial`` while the costs are
-unknown), and ``keep_drafting`` stops the batch once no longer chain is expected to add more than R x its
-further steps' seconds (a step's seconds: the low median of the recent steps) and their
+unknown), and ``keep_drafting`` stops the batch once no longer chain is expected to add more
+than R x its further steps' seconds (a step's seconds: the low median of the recent steps) and their
 verification.
 
 The guide, with the cost model, each drafter, what ``Auto`` does for block drafters and a
@@ -250,8 +250,8 @@ class Adaptive(Policy):
         (:meth:`depth_acceptance`; with ``explore``, one more every fourth timed round, to keep
         the next depth measured: a standing margin of two drafted 25-65% more steps than
         Fixed(2) at B=1 for no more accepted; ``keep_drafting`` stops sooner where the drafts
-        are weak; ``initial`` while the costs are unknown). A block drafter computes the slots it is asked for, one forward
-        whose cost grows a little with them (timed: measured by length; untimed: one forward
+        are weak; ``initial`` while the costs are unknown). A block drafter computes the slots
+        it is asked for, one forward whose cost grows a little with them (timed: measured by length; untimed: one forward
         whatever the length, so the whole block). The estimate is refreshed by every
         verification, so a length once judged too long is drafted again when acceptance rises."""
         B, best, best_value, tokens = self.batch_size, None, None, float(self.batch_size)
