@@ -1,8 +1,8 @@
 """Block drafters against the sequential ones, on held-out code: the bundled DFlash drafter
 (models/stdlib-dflash) at block sizes 4, 8 and 16 (its first 3, 7 or 15 drafts verified), under
 Auto (the default) and under adaptive verification, the bundled EAGLE-3 head
-(models/stdlib-head) and the bundled draft model (models/stdlib-draft), each at fixed k, Auto and adaptive verification, beside
-the target alone, in one run.
+(models/stdlib-head) and the bundled draft model (models/stdlib-draft), each at fixed k, Auto
+and adaptive verification, beside the target alone, in one run.
 
 Configurations: batch 1 and batch 8 greedy, batch 1 at T=1; on the bundled target and
 (``--weight-read``) on the same target with every MLP widened by zero rows
