@@ -590,6 +590,37 @@ def test_the_plan_prices_each_depth_by_its_own_acceptance():
     assert not policy.keep_drafting(2, probs, torch.tensor([0]))[0]
 
 
+def test_the_chain_trim_prices_each_depth_by_its_own_acceptance():
+    """As above (drafts 1 and 2 always accepted, draft 3 never, every confidence 0.5), a block
+    of 6 drafts is trimmed to its first 2: the trim's chances (confidence bin x the depth's rate
+    over its class's) price draft 3 near 0 where the later class's table alone (pooled 1/2 over
+    depths 2-3) kept 4 or more for a verification that grows 3% a token. A draft at depth 1
+    keeps its bin's rate."""
+    now, clock = fake_clock()
+    policy = Adaptive(max_draft=6, costs=FixedCosts(lambda r, w: 1.0), forget=1.0, explore=False, clock=clock)
+    policy.start(1, greedy=True)
+    for _ in range(40):
+        policy.select(Proposal(torch.arange(4)[None], torch.tensor([4]), confidence=torch.full((1, 4), 0.5)))
+        policy.observe([4], [2])
+    policy.costs = FixedCosts(lambda r, w: 1.0 + 0.03 * (w - 1), step=0.0)
+    policy._rate = [0.0, 0.0]
+    assert policy.acceptance(0.5, 1) == policy._table[0][bisect.bisect_left(EDGES, 0.5)]
+    assert policy.acceptance(0.5, 2) > 0.9 and policy.acceptance(0.5, 3) < 0.1
+    pooled_chances = [policy._table[0][5]] + [policy._table[1][5]] * 5
+
+    def kept_by(chances):
+        def ratio(k):
+            alive, tokens = 1.0, 1.0
+            for j in range(k):
+                alive *= chances[j]
+                tokens += alive
+            return tokens / (1.0 + 0.03 * k)
+        return max(range(7), key=ratio)
+    assert kept_by(pooled_chances) >= 4
+    verified = policy.select(Proposal(torch.arange(6)[None], torch.tensor([6]), confidence=torch.full((1, 6), 0.5)))
+    assert verified.num_draft.tolist() == [2] == [kept_by([policy.acceptance(0.5, d) for d in range(1, 7)])]
+
+
 def test_plan_drafts_the_best_length_and_one_more_only_when_exploring():
     """A fresh policy (pooled prior 0.8 at every depth, R unknown: the ratio of expected
     tokens to seconds) with a verification of 1 + 0.3 (w - 1) and draft steps of 0.2: the

@@ -230,8 +230,12 @@ def test_training_goes_on_from_a_saved_drafter_in_the_same_work_directory(tmp_pa
                          log=lambda m: 0)
     settings = small_settings(steps=30, lr=2e-3, layers=2, init_from=str(tmp_path / "first"))
     grown = train_dflash(target, tokenizer, files, tmp_path / "grown", tmp_path / "work", settings, log=lambda m: 0)
-    before = json.loads((tmp_path / "first" / "training.json").read_text())["history"]
-    history = json.loads((tmp_path / "grown" / "training.json").read_text())["history"]
+    first_run = json.loads((tmp_path / "first" / "training.json").read_text())
+    grown_run = json.loads((tmp_path / "grown" / "training.json").read_text())
+    before, history = first_run["history"], grown_run["history"]
+    # the grown drafter's record keeps the run it came from
+    assert first_run["earlier_runs"] == [] and grown_run["earlier_runs"] == [
+        dict(settings=first_run["settings"], history=before)]
     # its step 0 is where the first run ended: the same function, the same held-out data
     assert history[0]["loss"] == pytest.approx(before[-1]["loss"], rel=1e-6)
     assert history[0]["accepted_per_round"] == before[-1]["accepted_per_round"]

@@ -192,8 +192,12 @@ class Adaptive(Policy):
     def acceptance(self, confidence: float, depth: int = 1) -> float:
         """The estimated chance that a draft of this confidence at this depth (1: right after
         the root) is accepted once the drafts before it were: its bin's observed rate at that
-        depth class, shrunk toward the class's pooled rate (see the class docstring)."""
-        return self._table[min(depth, len(DEPTHS)) - 1][bisect.bisect_left(EDGES, confidence)]
+        depth class, shrunk toward the class's pooled rate (see the class docstring), past
+        depth 1 scaled by the depth's own rate over the class's pooled one
+        (:meth:`depth_acceptance`), so that the trims price a block drafter's weaker later
+        slots as ``plan`` does; at most 1."""
+        scaled = self._table[min(depth, len(DEPTHS)) - 1][bisect.bisect_left(EDGES, confidence)]
+        return min(1.0, scaled * self._depth_scale[min(max(depth, 1), len(self._depth_scale) - 1)])
 
     def _refresh(self) -> None:
         """The acceptance table, the pooled rates and the rates by depth from the observations
@@ -205,6 +209,7 @@ class Adaptive(Policy):
                        for reached, passed, m in zip(self._reached, self._passed, self._pooled)]
         self._by_depth = [self._pooled[0]] * 2 + [(p + w * self._pooled[1]) / (r + w) for r, p in
                                                   zip(self._depth_reached[2:], self._depth_passed[2:])]
+        self._depth_scale = [1.0, 1.0] + [rate / self._pooled[1] for rate in self._by_depth[2:]]
 
     def depth_acceptance(self, depth: int) -> float:
         """The estimated chance that a draft at ``depth`` (1: right after the root) is accepted
@@ -277,9 +282,7 @@ class Adaptive(Policy):
         stale high estimate cannot stop every chain at its first draft for good). One host
         sync per draft step (the drafts' confidences)."""
         confidence = probs.gather(1, tokens[:, None]).squeeze(1).tolist()
-        d = min(step, len(DEPTHS)) - 1
-        table = self._table[d]
-        chances = [table[bisect.bisect_left(EDGES, c)] for c in confidence]
+        chances = [self.acceptance(c, step) for c in confidence]
         if step == 1:  # a new chain: its first draft came from the catch-up, the next ones cost a step each
             self._alive, self._gained = chances, 0.0
         else:
@@ -424,12 +427,11 @@ class Adaptive(Policy):
         confidence = proposal.confidence
         host = torch.cat([proposal.num_draft[:, None].to(confidence.dtype), confidence], 1).tolist()
         counts = [int(row[0]) for row in host]
-        first, later = self._table
         survival = []
         for row, n in zip(host, counts):
             alive, chain = 1.0, []
-            for j, c in enumerate(row[1:n + 1]):
-                alive *= (later if j else first)[bisect.bisect_left(EDGES, c)]
+            for depth, c in enumerate(row[1:n + 1], 1):
+                alive *= self.acceptance(c, depth)
                 chain.append(alive)
             survival.append(chain)
         K = proposal.tokens.shape[1]
@@ -466,10 +468,6 @@ class Adaptive(Policy):
             return proposal
         self._pending = (B, 1 + max(map(len, kept)), verified, now, drafted)
         return trim_tree(proposal, kept, verified.parents)
-
-    def _mean_acceptance(self, d: int) -> float:
-        """The pooled chance of acceptance over every draft reached at depth class ``d`` (prior included)."""
-        return self._pooled[d]
 
 
 @dataclasses.dataclass

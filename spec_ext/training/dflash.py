@@ -495,5 +495,16 @@ def train_dflash(target, tokenizer, files: list[Path], out: str | Path, work: st
                 break
     draft.eval()
     draft.save(out)
-    (out / "training.json").write_text(json.dumps(dict(settings=asdict(settings), history=history), indent=2))
+    record = dict(settings=asdict(settings), history=history, earlier_runs=earlier_runs(settings.init_from))
+    (out / "training.json").write_text(json.dumps(record, indent=2))
     return draft
+
+
+def earlier_runs(init_from: str | None) -> list[dict]:
+    """The runs a drafter continued from ``init_from`` came from, oldest first: that drafter's
+    own ``earlier_runs`` and its run ({settings, history} from its training.json); [] without
+    a source, or for a source that has no training.json (a drafter trained elsewhere)."""
+    if init_from is None or not (Path(init_from) / "training.json").is_file():
+        return []
+    source = json.loads((Path(init_from) / "training.json").read_text())
+    return source.get("earlier_runs", []) + [dict(settings=source["settings"], history=source["history"])]
