@@ -8,7 +8,8 @@ Configurations: batch 1 and batch 8 greedy, batch 1 at T=1; on the bundled targe
 (``--weight-read``) on the same target with every MLP widened by zero rows
 (benchmarks/weight_read.py: the same function, ~0.5 GB read per step, where a step costs
 weight reads). Prompts: third-party code the pair never saw (click, jinja2). Every pass (a
-group of prompts) runs every method on the same prompts, interleaved; speed-ups are medians
+group of prompts) runs every method on the same prompts, interleaved, each method's policy
+kept from call to call (as ``accelerate(target, draft)`` keeps it); speed-ups are medians
 of per-pass ratios against the target alone (HF generate) in the same pass, with the 20th
 and 80th percentiles. Per row also: accepted drafts per round, the round's cost (wall time
 over rounds, ms), the verification's cost in target steps (each verification's width priced
@@ -102,6 +103,7 @@ def run(target, models, prompts, batch, temperature, n, repeats, pad) -> dict:
             entry["matches"].append(match)
 
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    rows = methods(*models, greedy, batch)  # each policy kept across the calls, as accelerate(target, draft) keeps it
     with tracer:
         for _ in range(repeats):
             for group in tqdm(groups, desc=f"batch={batch} T={temperature}", leave=False):
@@ -114,7 +116,7 @@ def run(target, models, prompts, batch, temperature, n, repeats, pad) -> dict:
                 record("target alone", base, base, lean)
                 record("target alone, lean forward", lean, base, lean,
                        match=bool(torch.equal(out, alone)) if greedy else None)
-                for name, (_, model, policy) in methods(*models, greedy, batch).items():
+                for name, (_, model, policy) in rows.items():
                     out = spec_ext.generate(target, model, ids, attention_mask=mask, max_new_tokens=n,
                                             temperature=temperature, eos_token_id=[], pad_token_id=pad, policy=policy)
                     record(name, out.stats.tokens_per_s, base, lean, out.stats,

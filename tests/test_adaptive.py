@@ -592,10 +592,10 @@ def test_the_plan_prices_each_depth_by_its_own_acceptance():
 
 def test_the_chain_trim_prices_each_depth_by_its_own_acceptance():
     """As above (drafts 1 and 2 always accepted, draft 3 never, every confidence 0.5), a block
-    of 6 drafts is trimmed to its first 2: the trim's chances (confidence bin x the depth's rate
-    over its class's) price draft 3 near 0 where the later class's table alone (pooled 1/2 over
-    depths 2-3) kept 4 or more for a verification that grows 3% a token. A draft at depth 1
-    keeps its bin's rate."""
+    of 6 drafts is trimmed to its first 2: the trim's chances (the confidence bin's rate x how
+    the depth's drafts fared against their bins' rates) price draft 3 near 0 where the later
+    class's table alone (pooled 1/2 over depths 2-3) kept 4 or more for a verification that
+    grows 3% a token. A draft at depth 1 keeps its bin's rate."""
     now, clock = fake_clock()
     policy = Adaptive(max_draft=6, costs=FixedCosts(lambda r, w: 1.0), forget=1.0, explore=False, clock=clock)
     policy.start(1, greedy=True)
@@ -619,6 +619,32 @@ def test_the_chain_trim_prices_each_depth_by_its_own_acceptance():
     assert kept_by(pooled_chances) >= 4
     verified = policy.select(Proposal(torch.arange(6)[None], torch.tensor([6]), confidence=torch.full((1, 6), 0.5)))
     assert verified.num_draft.tolist() == [2] == [kept_by([policy.acceptance(0.5, d) for d in range(1, 7)])]
+
+
+def test_a_depths_scale_does_not_count_its_lower_confidences_twice():
+    """Bins that tell the truth (taught: each bin accepted at its centre) and chains whose
+    confidences fall with depth (0.95, 0.75, 0.45, 0.15), each draft accepted at its bin's rate:
+    the depths' own rates fall (0.93 .. 0.15) but what their bins predicted falls as much, so
+    each depth's scale stays near 1 and a draft's chance is its bin's rate, not that times the
+    depth's rate over the pooled one (0.15 x ~0.25 at depth 4)."""
+    now, clock = fake_clock()
+    policy = taught(Adaptive(max_draft=4, costs=FixedCosts(lambda r, w: 1.0), forget=1.0, explore=False,
+                             clock=clock))
+    policy.start(1, greedy=True)
+    confidences = [0.95, 0.75, 0.45, 0.15]
+    rates = [CENTRES[bisect.bisect_left(EDGES, c)] for c in confidences]
+    rng = random.Random(0)
+    for _ in range(2000):
+        verified = policy.select(Proposal(torch.arange(4)[None], torch.tensor([4]),
+                                          confidence=torch.tensor([confidences])))
+        assert verified.num_draft.tolist() == [4]
+        accepted = 0
+        while accepted < 4 and rng.random() < rates[accepted]:
+            accepted += 1
+        policy.observe([4], [accepted])
+    for depth, (c, rate) in enumerate(zip(confidences, rates), 1):
+        assert policy.acceptance(c, depth) == pytest.approx(rate, rel=0.15), depth
+    assert policy.depth_acceptance(4) < 0.3 < policy.depth_acceptance(2)
 
 
 def test_plan_drafts_the_best_length_and_one_more_only_when_exploring():

@@ -161,6 +161,42 @@ def test_auto_grows_a_chain_a_draft_a_round_past_the_depths_it_measured():
         assert max(plain_picks(policy, chosen)) == longest, chosen
 
 
+def test_auto_kept_across_calls_starts_each_from_the_last_calls_estimates():
+    """A call of 60 rounds (5 tokens cost what 1 does, 6 cost 2.5x; drafts accepted 90%)
+    measures its way from the initial k (2) and the narrowest chain to k = 4. The next call
+    of the same batch size starts at 4 with no measuring round; a call of another batch size
+    carries the acceptance but not the costs (the initial k, then the narrowest); bound to
+    another draft, the policy starts cold."""
+    clock = FakeClock()
+    policy = Auto(max_draft=12, initial=2, forget_runs=1.0, forget_cost=1.0, clock=clock)
+    target, draft = torch.nn.Linear(4, 4), torch.nn.Linear(2, 2)
+    policy.bind(target, draft)
+    verify = lambda w: 10.0 if w <= 5 else 25.0  # noqa: E731
+
+    def call(rows, rounds=60, accepted=geometric(0.9)):
+        policy.start(rows)
+        return run_rounds(policy, clock, rounds, verify, accepted)
+    first = call(1)
+    assert first[:2] == [2, 1] and first[-1] == 4, first
+    assert call(1, 3) == [4, 4, 4]
+    assert call(2, 3, accepted=lambda rng: 0)[:2] == [2, 1]
+    # 3 rejected first drafts after ~100 mostly accepted: from the prior alone it would read 1/8
+    assert policy.survival()[0] > 0.75, "the acceptance carried"
+    assert call(1, 2) == [4, 4], "each batch size's costs kept apart"
+    # a batch's costs carried as they stood when its first row finished, not its last rows' (cheaper) rounds
+    policy.start(2)
+    run_rounds(policy, clock, 20, verify, geometric(0.9))
+    full_batch = [policy.verify_cost(w) for w in range(1, 8)]
+    policy.keep_rows([1])
+    run_rounds(policy, clock, 40, lambda w: 1.0, geometric(0.9))
+    assert policy.verify_cost(5) < 6.0, "the last row's rounds"
+    policy.start(2)
+    assert [policy.verify_cost(w) for w in range(1, 8)] == full_batch
+    policy.bind(target, torch.nn.Linear(2, 2))
+    assert call(1, 2, accepted=lambda rng: 0) == [2, 1]
+    assert policy.survival()[0] < 0.3, "a new draft's acceptance: the prior and 2 rejections"
+
+
 def test_auto_drafts_less_when_drafts_cost_more_and_follows_rows_finishing():
     picks = {}
     for per_draft in (0.2, 3.0):

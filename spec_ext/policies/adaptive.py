@@ -148,6 +148,7 @@ class Adaptive(Policy):
         # the same drafts by depth (index d: depth d, 1 .. max_draft), for the chance at each depth
         self._depth_reached = [0.0] * (self.max_draft + 1)
         self._depth_passed = [0.0] * (self.max_draft + 1)
+        self._depth_bins = [[0.0] * len(CENTRES) for _ in range(self.max_draft + 1)]  # reached, by depth and bin
         self._refresh()
         self._size_ratio = 0.1
         self._step_seconds: dict[int, list[float]] = {}  # rows -> recent draft steps' seconds (low median: a step)
@@ -193,11 +194,13 @@ class Adaptive(Policy):
         """The estimated chance that a draft of this confidence at this depth (1: right after
         the root) is accepted once the drafts before it were: its bin's observed rate at that
         depth class, shrunk toward the class's pooled rate (see the class docstring), past
-        depth 1 scaled by the depth's own rate over the class's pooled one
-        (:meth:`depth_acceptance`), so that the trims price a block drafter's weaker later
-        slots as ``plan`` does; at most 1."""
-        scaled = self._table[min(depth, len(DEPTHS)) - 1][bisect.bisect_left(EDGES, confidence)]
-        return min(1.0, scaled * self._depth_scale[min(max(depth, 1), len(self._depth_scale) - 1)])
+        depth 1 scaled by how the depth's drafts fared against what their bins predicted
+        (accepted over the sum of their bins' rates, ``prior_weight`` observations of 1), so
+        that the trims price a block drafter's weaker later slots as ``plan`` does, without
+        counting their lower confidences twice; at most 1."""
+        depth = min(max(depth, 1), len(self._depth_scale) - 1)
+        rate = self._table[min(depth, len(DEPTHS)) - 1][bisect.bisect_left(EDGES, confidence)]
+        return min(1.0, rate * self._depth_scale[depth])
 
     def _refresh(self) -> None:
         """The acceptance table, the pooled rates and the rates by depth from the observations
@@ -209,7 +212,10 @@ class Adaptive(Policy):
                        for reached, passed, m in zip(self._reached, self._passed, self._pooled)]
         self._by_depth = [self._pooled[0]] * 2 + [(p + w * self._pooled[1]) / (r + w) for r, p in
                                                   zip(self._depth_reached[2:], self._depth_passed[2:])]
-        self._depth_scale = [1.0, 1.0] + [rate / self._pooled[1] for rate in self._by_depth[2:]]
+        shrink = w * self._pooled[1]
+        predicted = [sum(n * rate for n, rate in zip(bins, self._table[1])) for bins in self._depth_bins[2:]]
+        self._depth_scale = [1.0, 1.0] + [(p + shrink) / (e + shrink) for p, e in
+                                          zip(self._depth_passed[2:], predicted)]
 
     def depth_acceptance(self, depth: int) -> float:
         """The estimated chance that a draft at ``depth`` (1: right after the root) is accepted
@@ -382,6 +388,7 @@ class Adaptive(Policy):
                     self._passed = [[self.forget * x for x in row] for row in self._passed]
                     self._depth_reached = [self.forget * x for x in self._depth_reached]
                     self._depth_passed = [self.forget * x for x in self._depth_passed]
+                    self._depth_bins = [[self.forget * x for x in row] for row in self._depth_bins]
                 for row in events:
                     for confidence, depth, passed in row:
                         d, i = min(depth, len(DEPTHS)) - 1, bisect.bisect_left(EDGES, confidence)
@@ -390,6 +397,7 @@ class Adaptive(Policy):
                         at = min(depth, self.max_draft)
                         self._depth_reached[at] += 1
                         self._depth_passed[at] += passed
+                        self._depth_bins[at][i] += 1
                 self._refresh()
         self._pending, self._mark = None, now
 

@@ -115,6 +115,14 @@ class Auto(Policy):
     less, to keep its neighbours measured. A round weighs every cut of the text chains, none
     included: at batch > 1 one row's long chain widens every row's verification.
 
+    Across calls: a policy kept from call to call (``accelerate`` keeps one) starts each call
+    from what the last call of the same batch size and mode measured, the verification's cost
+    by width and a draft forward's (forgetting as above), and from the model's acceptance
+    runs; each call's text runs start afresh (a prompt repeats itself or it does not). So a
+    kept policy's calls skip the first rounds' measuring (the initial k, the narrowest chain).
+    The costs carried are those of the call's full batch (as they stood when its first row
+    finished). Bound to another target or draft, it forgets them.
+
     Nothing drafts: with the text beside a drafter (:meth:`choose`), a plain decode step
     (width 1, no draft forward but a feature head's catch-up) is weighed as one more choice
     after the first ``PLAIN_AFTER`` rounds, and taken where it beats every draft (a tiny target
@@ -166,6 +174,10 @@ class Auto(Policy):
         self.explore_every = explore_every
         self.text = bool(text)
         self._clock = clock
+        self._kept_costs: dict = {}  # (batch size, greedy) -> the last such call's (widths, draft costs)
+        self._kept_runs: dict = {}  # greedy -> the model's runs at the end of the last such call
+        self._shape = None  # the call under way: (batch size, greedy)
+        self._full_batch_costs = None  # the call's costs when its first row finished (None: none has)
 
     @property
     def text_beside_draft(self) -> NGram | None:
@@ -181,7 +193,11 @@ class Auto(Policy):
         size = sum(p.numel() for p in target.parameters())
         self._size_ratio = sum(p.numel() for p in draft.parameters()) / size if size and draft is not None else None
         self._per_forward = 1
-        self._target = weakref.ref(target)
+        pair = (weakref.ref(target), None if draft is None else weakref.ref(draft))
+        if getattr(self, "_pair", None) != pair:  # another target or draft: nothing measured carries over
+            self._kept_costs, self._kept_runs, self._shape = {}, {}, None
+        self._pair = pair
+        self._target = pair[0]
 
     def see_draft_shape(self, drafts_per_forward: int) -> None:
         self._per_forward = drafts_per_forward
@@ -223,11 +239,19 @@ class Auto(Policy):
         self._sampled_rows = min(batch_size, SAMPLED_ROWS)  # the rows it timed
         self._rounds, self._last, self._choice, self._narrowed = 0, None, None, 0
         self._k = self.initial
-        self._runs = {kind: ([0.0] * (self.max_draft + 1), [0.0] * (self.max_draft + 1))
-                      for kind in ("model", "text")}  # [j]: rounds that drafted j with 1..j-1 accepted; and j too
-        self._widths: dict[int, list[float]] = {}  # w -> [weight, weighted seconds]
+        if self._shape is not None:  # the last call's estimates, for the next call of its shape
+            self._kept_costs[self._shape] = self._full_batch_costs or (self._widths, self._draft)
+            self._kept_runs[self._shape[1]] = self._runs["model"]
+        self._shape, self._full_batch_costs = (batch_size, greedy), None
+        fresh = [0.0] * (self.max_draft + 1), [0.0] * (self.max_draft + 1)
+        # [j]: rounds that drafted j with 1..j-1 accepted; and j too. The model's carry over from the
+        # last call in the same mode (greedy or sampled), the text's (each prompt's own) do not
+        self._runs = {"model": self._kept_runs.get(greedy, fresh),
+                      "text": ([0.0] * (self.max_draft + 1), [0.0] * (self.max_draft + 1))}
+        # w -> [weight, weighted seconds]; and the draft forwards' [weighted seconds, weighted forwards]:
+        # the last call's of this batch size
+        self._widths, self._draft = self._kept_costs.get(self._shape, ({}, [0.0, 0.0]))
         self._fit = None  # verify_cost's table of the widths seen and its line (None: to be made)
-        self._draft = [0.0, 0.0]  # weighted seconds, weighted forwards
         self._round_draft = 0.0  # seconds of draft forwards in the round under way
         self._width = None  # the round under way: its verification width
         self._from_text = [False] * batch_size  # the round under way: the rows that draft their text
@@ -494,6 +518,8 @@ class Auto(Policy):
                 self._count("text", n, a)
 
     def keep_rows(self, rows) -> None:
+        if self._full_batch_costs is None and len(rows) < len(self._from_text):  # what the next call starts from
+            self._full_batch_costs = {w: list(e) for w, e in self._widths.items()}, list(self._draft)
         super().keep_rows(rows)
         self._from_text = [self._from_text[r] for r in rows]
         if self.text:
