@@ -9,7 +9,8 @@ Configurations: batch 1 and batch 8 greedy, batch 1 at T=1; on the bundled targe
 (benchmarks/weight_read.py: the same function, ~0.5 GB read per step, where a step costs
 weight reads). Prompts: third-party code the pair never saw (click, jinja2). Every pass (a
 group of prompts) runs every method on the same prompts, interleaved, each method's policy
-kept from call to call (as ``accelerate(target, draft)`` keeps it); speed-ups are medians
+kept from call to call (as ``accelerate(target, draft)`` keeps it: cold in the first group
+only); speed-ups are medians
 of per-pass ratios against the target alone (HF generate) in the same pass, with the 20th
 and 80th percentiles. Per row also: accepted drafts per round, the round's cost (wall time
 over rounds, ms), the verification's cost in target steps (each verification's width priced

@@ -3,11 +3,12 @@ spec_ext.training.dflash on the target's own continuations of prompts from the s
 library's training split (held-out agreement on the validation split). Data, features and
 checkpoints live under --work: a rerun resumes (a killed run too).
 
-The bundled drafter came in three runs (docs/block_drafters.md, Training):
+The bundled drafter came in four runs (docs/block_drafters.md, Training):
 
     python benchmarks/train_dflash.py --out D600                  # 600 steps on 1024 continuations
     (a warm restart of that run to 2400 steps by an edited checkpoint: D2400; --init-from is that now)
-    python benchmarks/train_dflash.py --out D --init-from D2400 --sequences 4096 --steps 1200 --lr 1e-3
+    python benchmarks/train_dflash.py --out D4K --init-from D2400 --sequences 4096 --steps 1200 --lr 1e-3
+    python benchmarks/train_dflash.py --out D --init-from D4K --sequences 8192 --steps 2000 --lr 6e-4
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, default=ROOT / "models" / "stdlib-target")
     parser.add_argument("--out", type=Path, required=True,
-                        help="where the drafter is saved (the bundled one, models/stdlib-dflash, came in three runs)")
+                        help="where the drafter is saved (the bundled one, models/stdlib-dflash, came in four runs)")
     parser.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".train_work" / "dflash")
     parser.add_argument("--steps", type=int, default=BUNDLED.steps)
     parser.add_argument("--layers", type=int, default=BUNDLED.layers)
