@@ -164,7 +164,8 @@ def test_auto_grows_a_chain_a_draft_a_round_past_the_depths_it_measured():
 def test_auto_kept_across_calls_starts_each_from_the_last_calls_estimates():
     """A call of 60 rounds (5 tokens cost what 1 does, 6 cost 2.5x; drafts accepted 90%)
     measures its way from the initial k (2) and the narrowest chain to k = 4. The next call
-    of the same batch size starts at 4 with no measuring round; a call of another batch size
+    of the same batch size starts at 4 with no measuring round (a sampled call in between starts
+    afresh and changes nothing); a call of another batch size
     carries the acceptance but not the costs (the initial k, then the narrowest); bound to
     another draft, the policy starts cold."""
     clock = FakeClock()
@@ -178,6 +179,12 @@ def test_auto_kept_across_calls_starts_each_from_the_last_calls_estimates():
         return run_rounds(policy, clock, rounds, verify, accepted)
     first = call(1)
     assert first[:2] == [2, 1] and first[-1] == 4, first
+    assert call(1, 3) == [4, 4, 4]
+    for _ in range(2):  # a sampled call starts afresh, after a sampled call too (and leaves the greedy calls' be)
+        policy.start(1, greedy=False)
+        assert policy.survival()[0] == pytest.approx(0.5), "the prior alone"
+        for _ in range(3):
+            policy.observe(policy.plan(), [0])
     assert call(1, 3) == [4, 4, 4]
     assert call(2, 3, accepted=lambda rng: 0)[:2] == [2, 1]
     # 3 rejected first drafts after ~100 mostly accepted: from the prior alone it would read 1/8
@@ -195,6 +202,29 @@ def test_auto_kept_across_calls_starts_each_from_the_last_calls_estimates():
     policy.bind(target, torch.nn.Linear(2, 2))
     assert call(1, 2, accepted=lambda rng: 0) == [2, 1]
     assert policy.survival()[0] < 0.3, "a new draft's acceptance: the prior and 2 rejections"
+
+
+def test_auto_kept_by_accelerate_stays_exact_and_a_seed_reproduces_a_sampled_call():
+    """One accelerate object (its Auto kept across calls) through greedy calls of batch 1 and
+    a ragged 3 and seeded sampled calls in between: every greedy output equals the target's,
+    and a seeded sampled call gives the same tokens whatever the calls before it measured."""
+    from helpers import hf_greedy
+    target = llama(97, 64, 2, seed=0, sharpen=4.0)
+    draft = perturbed(target, 0.02, seed=1)
+    fast = spec_ext.accelerate(target, draft)
+    prompts = [[5, 17, 33, 8, 40, 2], [7, 8, 9], [40, 2, 11, 40, 2, 6, 1]]
+    ids = torch.tensor([prompts[0]])
+    sampled = fast.generate(ids, do_sample=True, seed=3, max_new_tokens=24, eos_token_id=[], pad_token_id=0)
+    for batch in ([prompts[0]], prompts, [prompts[2]]):
+        width = max(map(len, batch))
+        padded = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        out = fast.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=24, eos_token_id=[],
+                            pad_token_id=0)
+        for b, p in enumerate(batch):
+            assert out[b, -24:].tolist() == hf_greedy(target, p, 24, eos=[]), (batch, b)
+        again = fast.generate(ids, do_sample=True, seed=3, max_new_tokens=24, eos_token_id=[], pad_token_id=0)
+        assert torch.equal(again, sampled)
 
 
 def test_auto_drafts_less_when_drafts_cost_more_and_follows_rows_finishing():

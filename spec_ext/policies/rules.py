@@ -115,13 +115,14 @@ class Auto(Policy):
     less, to keep its neighbours measured. A round weighs every cut of the text chains, none
     included: at batch > 1 one row's long chain widens every row's verification.
 
-    Across calls: a policy kept from call to call (``accelerate`` keeps one) starts each call
-    from what the last call of the same batch size and mode measured, the verification's cost
-    by width and a draft forward's (forgetting as above), and from the model's acceptance
-    runs; each call's text runs start afresh (a prompt repeats itself or it does not). So a
-    kept policy's calls skip the first rounds' measuring (the initial k, the narrowest chain).
-    The costs carried are those of the call's full batch (as they stood when its first row
-    finished). Bound to another target or draft, it forgets them.
+    Across calls: a policy kept from call to call (``accelerate`` keeps one) starts each greedy
+    call from what the last greedy call measured: the verification's cost by width and a draft
+    forward's (those of the last greedy call of the same batch size, as they stood when its
+    first row finished; forgetting as above) and the model's acceptance runs. The text's runs
+    start afresh (a prompt repeats itself or it does not), and so does a sampled call (whose
+    lengths follow its own accepted counts, so that a seed reproduces its output whatever ran
+    before). So a kept policy's greedy calls skip the first rounds' measuring (the initial k,
+    the narrowest chain). Bound to another target or draft, it forgets them.
 
     Nothing drafts: with the text beside a drafter (:meth:`choose`), a plain decode step
     (width 1, no draft forward but a feature head's catch-up) is weighed as one more choice
@@ -174,9 +175,9 @@ class Auto(Policy):
         self.explore_every = explore_every
         self.text = bool(text)
         self._clock = clock
-        self._kept_costs: dict = {}  # (batch size, greedy) -> the last such call's (widths, draft costs)
-        self._kept_runs: dict = {}  # greedy -> the model's runs at the end of the last such call
-        self._shape = None  # the call under way: (batch size, greedy)
+        self._kept_costs: dict = {}  # batch size -> the last greedy call's (widths, draft costs) at that size
+        self._kept_runs = None  # the model's runs at the end of the last greedy call
+        self._batch = None  # the greedy call under way: its batch size (None: none, or a sampled one)
         self._full_batch_costs = None  # the call's costs when its first row finished (None: none has)
 
     @property
@@ -195,7 +196,7 @@ class Auto(Policy):
         self._per_forward = 1
         pair = (weakref.ref(target), None if draft is None else weakref.ref(draft))
         if getattr(self, "_pair", None) != pair:  # another target or draft: nothing measured carries over
-            self._kept_costs, self._kept_runs, self._shape = {}, {}, None
+            self._kept_costs, self._kept_runs, self._batch = {}, None, None
         self._pair = pair
         self._target = pair[0]
 
@@ -239,18 +240,19 @@ class Auto(Policy):
         self._sampled_rows = min(batch_size, SAMPLED_ROWS)  # the rows it timed
         self._rounds, self._last, self._choice, self._narrowed = 0, None, None, 0
         self._k = self.initial
-        if self._shape is not None:  # the last call's estimates, for the next call of its shape
-            self._kept_costs[self._shape] = self._full_batch_costs or (self._widths, self._draft)
-            self._kept_runs[self._shape[1]] = self._runs["model"]
-        self._shape, self._full_batch_costs = (batch_size, greedy), None
+        if self._batch is not None:  # the last greedy call's estimates, for the next greedy call
+            self._kept_costs[self._batch] = self._full_batch_costs or (self._widths, self._draft)
+            self._kept_runs = self._runs["model"]
+        self._batch, self._full_batch_costs = (batch_size if greedy else None), None
         fresh = [0.0] * (self.max_draft + 1), [0.0] * (self.max_draft + 1)
-        # [j]: rounds that drafted j with 1..j-1 accepted; and j too. The model's carry over from the
-        # last call in the same mode (greedy or sampled), the text's (each prompt's own) do not
-        self._runs = {"model": self._kept_runs.get(greedy, fresh),
+        # [j]: rounds that drafted j with 1..j-1 accepted; and j too. A greedy call's model runs carry over from
+        # the last greedy call; the text's (each prompt's own) and a sampled call's start afresh (a seed then
+        # reproduces a sampled call's output whatever ran before it)
+        self._runs = {"model": self._kept_runs if greedy and self._kept_runs is not None else fresh,
                       "text": ([0.0] * (self.max_draft + 1), [0.0] * (self.max_draft + 1))}
         # w -> [weight, weighted seconds]; and the draft forwards' [weighted seconds, weighted forwards]:
-        # the last call's of this batch size
-        self._widths, self._draft = self._kept_costs.get(self._shape, ({}, [0.0, 0.0]))
+        # the last greedy call's of this batch size
+        self._widths, self._draft = self._kept_costs.get(batch_size, ({}, [0.0, 0.0])) if greedy else ({}, [0.0, 0.0])
         self._fit = None  # verify_cost's table of the widths seen and its line (None: to be made)
         self._round_draft = 0.0  # seconds of draft forwards in the round under way
         self._width = None  # the round under way: its verification width
