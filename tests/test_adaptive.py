@@ -551,19 +551,37 @@ def test_depth_classes_learn_bursty_acceptance_and_the_plan_follows_it():
     assert first_only.plan()[0] == 1 < one_table.plan()[0], (first_only.plan(), one_table.plan())
 
 
+def two_deep():
+    """A policy (max_draft 6, R unknown, no exploring) after 40 chains of 4 drafts of
+    confidence 0.5 verified whole, the first 2 accepted and the third never."""
+    now, clock = fake_clock()
+    policy = Adaptive(max_draft=6, costs=FixedCosts(lambda r, w: 1.0), forget=1.0, explore=False, clock=clock)
+    policy.start(1, greedy=True)
+    for _ in range(40):
+        policy.select(Proposal(torch.arange(4)[None], torch.tensor([4]), confidence=torch.full((1, 4), 0.5)))
+        policy.observe([4], [2])
+    return policy
+
+
+def best_length(chances, verify, shortest):
+    """Brute force: the chain length k >= ``shortest`` (at most len(chances)) with the most
+    expected tokens (1 + the sum of survivals) per verify(1, k + 1)."""
+    def ratio(k):
+        alive, tokens = 1.0, 1.0
+        for j in range(k):
+            alive *= chances[j]
+            tokens += alive
+        return tokens / verify(1, k + 1)
+    return max(range(shortest, len(chances) + 1), key=ratio)
+
+
 def test_the_plan_prices_each_depth_by_its_own_acceptance():
     """Chains of 4 drafts verified whole, every confidence 0.5: drafts 1 and 2 always accepted,
     draft 3 never (a block drafter's later slots, drawn apart, fall off so). The later class
     pools depths 2-3 at 1/2; by depth, draft 2 is priced near 1 and draft 3 near 0, so the plan
     (and the drafting of a sequential drafter) stops at 2 where the pooled rate drafts 3 or more
     for a verification that grows 3% a token (brute force of each over k)."""
-    now, clock = fake_clock()
-    costs = FixedCosts(lambda r, w: 1.0, step=0.0)
-    policy = Adaptive(max_draft=6, costs=costs, forget=1.0, explore=False, clock=clock)
-    policy.start(1, greedy=True)
-    for _ in range(40):
-        policy.select(Proposal(torch.arange(4)[None], torch.tensor([4]), confidence=torch.full((1, 4), 0.5)))
-        policy.observe([4], [2])
+    policy = two_deep()
     assert policy.depth_acceptance(1) > 0.95 and policy.depth_acceptance(2) > 0.9
     assert policy.depth_acceptance(3) < 0.1 and policy.depth_acceptance(4) == pytest.approx(policy._pooled[1])
     assert policy._pooled[1] == pytest.approx(0.5, abs=0.05)  # depths 2 and 3 pooled (4 is never reached)
@@ -572,17 +590,9 @@ def test_the_plan_prices_each_depth_by_its_own_acceptance():
         return 1.0 + 0.03 * (width - 1)
     policy.costs = FixedCosts(verify, step=0.0)
 
-    def best(chances):
-        def ratio(k):
-            alive, tokens = 1.0, 1.0
-            for j in range(k):
-                alive *= chances[j]
-                tokens += alive
-            return tokens / verify(1, k + 1)
-        return max(range(1, 7), key=ratio)
     by_depth = [policy.depth_acceptance(d) for d in range(1, 7)]
     pooled = [policy.depth_acceptance(1)] + [policy._pooled[1]] * 5
-    assert best(by_depth) == 2 < best(pooled)
+    assert best_length(by_depth, verify, 1) == 2 < best_length(pooled, verify, 1)
     policy._rate = [0.0, 0.0]  # R unknown: each round's own ratio, as best() above
     assert policy.plan() == [2]
     probs = torch.full((1, 8), 0.5)  # one more draft after the second: depth 3, priced near 0
@@ -596,29 +606,19 @@ def test_the_chain_trim_prices_each_depth_by_its_own_acceptance():
     the depth's drafts fared against their bins' rates) price draft 3 near 0 where the later
     class's table alone (pooled 1/2 over depths 2-3) kept 4 or more for a verification that
     grows 3% a token. A draft at depth 1 keeps its bin's rate."""
-    now, clock = fake_clock()
-    policy = Adaptive(max_draft=6, costs=FixedCosts(lambda r, w: 1.0), forget=1.0, explore=False, clock=clock)
-    policy.start(1, greedy=True)
-    for _ in range(40):
-        policy.select(Proposal(torch.arange(4)[None], torch.tensor([4]), confidence=torch.full((1, 4), 0.5)))
-        policy.observe([4], [2])
-    policy.costs = FixedCosts(lambda r, w: 1.0 + 0.03 * (w - 1), step=0.0)
+    policy = two_deep()
+
+    def verify(rows, width):
+        return 1.0 + 0.03 * (width - 1)
+    policy.costs = FixedCosts(verify, step=0.0)
     policy._rate = [0.0, 0.0]
     assert policy.acceptance(0.5, 1) == policy._table[0][bisect.bisect_left(EDGES, 0.5)]
     assert policy.acceptance(0.5, 2) > 0.9 and policy.acceptance(0.5, 3) < 0.1
     pooled_chances = [policy._table[0][5]] + [policy._table[1][5]] * 5
-
-    def kept_by(chances):
-        def ratio(k):
-            alive, tokens = 1.0, 1.0
-            for j in range(k):
-                alive *= chances[j]
-                tokens += alive
-            return tokens / (1.0 + 0.03 * k)
-        return max(range(7), key=ratio)
-    assert kept_by(pooled_chances) >= 4
+    assert best_length(pooled_chances, verify, 0) >= 4
     verified = policy.select(Proposal(torch.arange(6)[None], torch.tensor([6]), confidence=torch.full((1, 6), 0.5)))
-    assert verified.num_draft.tolist() == [2] == [kept_by([policy.acceptance(0.5, d) for d in range(1, 7)])]
+    chances = [policy.acceptance(0.5, d) for d in range(1, 7)]
+    assert verified.num_draft.tolist() == [2] == [best_length(chances, verify, 0)]
 
 
 def test_a_depths_scale_does_not_count_its_lower_confidences_twice():
