@@ -293,11 +293,11 @@ def modeled(policy: Suffix, text: bool = False, cost=lambda width: 1.0 + 0.1 * w
     return policy
 
 
-def _beside(cache, rows, draft_cost=0.0, draft_k=3):
+def _beside(cache, rows, draft_cost=0.0, draft_k=3, **suffix):
     """A Suffix policy as beside a model (bound with a draft), its TextDrafter started on ``rows``."""
     from spec_ext.drafters import TextDrafter
     target = llama(97, 16, 1, seed=0)
-    policy = Suffix(cache, draft_k=draft_k, draft_cost=draft_cost)
+    policy = Suffix(cache, draft_k=draft_k, draft_cost=draft_cost, **suffix)
     policy.bind(target, target)
     policy.start(batch_size=len(rows))
     drafter = TextDrafter(policy)
@@ -320,9 +320,19 @@ def test_a_weak_match_drafts_the_models_chain_and_a_strong_one_the_text():
     policy, drafter = _beside(cache, [WEAK, STRONG])
     trees = drafter.trees()
     assert trees[0] == ([-1], [-1]) and drafter.from_cache == [False, True]
-    # as deep as the round's 16 nodes at batch 2 allow, past the own text's k = 10
+    # as deep as the round's 16 nodes at batch 2 allow (the own text's budget), past the own text's k = 10
     assert trees[1] == ([-1] + list(range(21, 36)), [-1] + list(range(15)))
     assert policy.expected(0, True, 2, 2.0) == pytest.approx(0.5) and policy.model_mean(0) == 2.0
+    # one row going: its cache tree gets cache_nodes (64 by default; 18: 17 past the root), the paper's rule
+    # bounding it by the match's 20 tokens; never fewer than the own text's 32
+    for cache_nodes, most in ((64, 20), (18, 20), (40, 20)):
+        _, drafter = _beside(cache, [STRONG], cache_nodes=cache_nodes)
+        assert drafter.trees()[0] == ([-1] + list(range(21, 21 + most)), [-1] + list(range(most)))
+    cache.add([], list(range(1, 41)) + list(range(41, 90)))
+    longer = [50] + list(range(1, 41))  # a 40-token match of the longer text: 49 tokens follow it
+    for cache_nodes, most in ((64, 40), (40, 39), (8, 31)):
+        _, drafter = _beside(cache, [longer], cache_nodes=cache_nodes)
+        assert drafter.trees()[0] == ([-1] + list(range(41, 41 + most)), [-1] + list(range(most)))
 
 
 def test_the_text_is_drafted_where_the_model_would_cost_more_than_it_brings():
@@ -360,6 +370,8 @@ def test_the_rule_follows_what_is_accepted():
         Suffix(draft_cost=-1.0)
     with pytest.raises(ValueError, match="max_depth: need an int >= 1"):
         Suffix(max_depth=0)
+    with pytest.raises(ValueError, match="cache_nodes: need an int >= 2"):
+        Suffix(cache_nodes=1)
 
 
 def test_beside_a_head_never_more_target_calls_than_the_head_alone_where_the_cache_matches_weakly():

@@ -62,7 +62,7 @@ class TextDrafter(Drafter):
         text's (when the policy's ``uses_own_text``), else the own text's; the root alone where
         the policy's ``text_rows`` says no (beside a model, those rows are the model's)."""
         policy, trees, offers = self.policy, [], []
-        own = policy.uses_own_text
+        own, cache_nodes = policy.uses_own_text, policy.cache_nodes()
         for r, (index, match, depth) in enumerate(zip(self.rows, self.matches, depths)):
             n, tokens, parents, score = 0, [-1], [-1], 0.0
             if own:
@@ -70,7 +70,7 @@ class TextDrafter(Drafter):
                 continued = index.continuations(starts, depth)
                 tokens, parents, score = continuation_tree(continued, nodes, scored=True)
                 self.own[r] = tokens, parents, n, score, continued
-            cached = policy.cache.propose(match, policy.cache_depth(depth, nodes), nodes, policy.alpha,
+            cached = policy.cache.propose(match, policy.cache_depth(depth, cache_nodes), cache_nodes, policy.alpha,
                                           policy.min_prob)
             self.from_cache[r] = cached[2] > n and len(cached[0]) > 1
             if self.from_cache[r]:

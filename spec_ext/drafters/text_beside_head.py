@@ -70,7 +70,7 @@ class TextBesideHead(Drafter):
         trees = None
         if self.default is not None and policy.measured:  # the default's round unless the cache adds
             lengths = [policy.cache.match_length(match) for match in self.text.matches]
-            if policy.cache_may_add(lengths, policy.tree_budget()[1]):  # (else no tree is grown)
+            if policy.cache_may_add(lengths, policy.cache_nodes()):  # (else no tree is grown)
                 trees = self.text.trees()
             if trees is None or not policy.cache_adds():
                 policy.as_auto()

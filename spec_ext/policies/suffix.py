@@ -519,7 +519,7 @@ class Suffix(NGram):
     :class:`SuffixCache` of earlier requests; each round a row drafts the cache's tree where
     the cache's match is longer than its own text's (the own text's tree otherwise), grown by
     the paper's rule (:meth:`SuffixCache.propose`: best first by empirical probability, at most
-    ``alpha`` x match length nodes, none below ``min_prob``) within :meth:`NGram.tree_budget`.
+    ``alpha`` x match length nodes, none below ``min_prob``) within :meth:`cache_nodes`.
     Drafts are deterministic (one-hot q): exact at every temperature. ``generate`` adds each
     finished row to the cache after the call.
 
@@ -545,9 +545,17 @@ class Suffix(NGram):
             from the model unmeasured).
         model_memory: the weight of a row's earlier rounds in the model's running mean (each
             round it drafted: mean = memory * mean + (1 - memory) * accepted).
-        max_depth: the deepest a cache tree goes (None: as deep as the round's node budget,
-            ``NGram.tree_budget``; the paper's rule sizes it: a 64-token match of a request seen
-            before drafts a chain of 31 at batch 1). The own text's trees keep NGram's ``k``.
+        max_depth: the deepest a cache tree goes (None: as deep as its node budget,
+            :meth:`cache_nodes`; the paper's rule sizes it: a 64-token match of a request seen
+            before drafts a chain of 63 at batch 1). The own text's trees keep NGram's ``k``.
+        cache_nodes: the most nodes (root included) of a cache tree while one row is going: a
+            long match of an earlier request is accepted whole, and at batch 1 a verification of
+            64 tokens costs about 1.5 of 32 on the bundled target (27 and 18 ms against 8 ms for
+            one token, HF's forward, 1 thread), so a repeat drafts its continuation in half the
+            rounds (measured: the benchmark's repeated requests 11-20% faster). With more rows a
+            row's cache tree keeps the own text's budget (``round_tokens // B``): the
+            verification pads every row to the widest tree, and 8 nodes a row at B=8 was 2-4%
+            slower than 4. The own text's trees keep NGram's budget at every batch size.
         draft_cost: one draft forward's cost in target verifications (what a round where the
             model drafts costs more: ``draft_k`` of them). None: :func:`modeled_draft_cost`.
         branch_nodes: greedy, beside a feature head: a row the head drafts also verifies, in the
@@ -577,7 +585,7 @@ class Suffix(NGram):
     def __init__(self, cache: SuffixCache | None = None, alpha: float = 1.0, min_prob: float = 0.1,
                  min_score: float | None = None, own_text: bool | None = None, model_memory: float = 0.8,
                  draft_cost: float | None = None, max_depth: int | None = None, branch_nodes: int = 10,
-                 price_width: bool = True, **ngram):
+                 price_width: bool = True, cache_nodes: int = 64, **ngram):
         super().__init__(**ngram)
         if not self.tree:
             raise ValueError("tree: Suffix drafts trees (tree=True)")
@@ -590,6 +598,10 @@ class Suffix(NGram):
         if max_depth is not None and (not isinstance(max_depth, int) or max_depth < 1):
             raise ValueError(f"max_depth: need an int >= 1 or None, got {max_depth!r}")
         self.max_depth = max_depth
+        if not isinstance(cache_nodes, int) or isinstance(cache_nodes, bool) or cache_nodes < 2:
+            raise ValueError(f"cache_nodes: need an int >= 2, got {cache_nodes!r}")
+        self.solo_cache_nodes = cache_nodes
+        self.max_draft = max(self.max_draft, cache_nodes - 1)
         if not isinstance(branch_nodes, int) or isinstance(branch_nodes, bool) or branch_nodes < 0:
             raise ValueError(f"branch_nodes: need an int >= 0, got {branch_nodes!r}")
         self.branch_nodes = branch_nodes
@@ -652,10 +664,17 @@ class Suffix(NGram):
         """The model's accepted drafts per round on ``row`` (its running mean)."""
         return self._model_mean[row]
 
+    def cache_nodes(self) -> int:
+        """The most nodes (root included) of a row's cache tree this round: the ``cache_nodes``
+        given while one row is going, else the own text's budget (:meth:`NGram.tree_budget`);
+        never fewer than that budget."""
+        nodes = self.tree_budget()[1]
+        return max(nodes, self.solo_cache_nodes) if len(self._depth) == 1 else nodes
+
     def cache_depth(self, depth: int, nodes: int) -> int:
-        """The deepest a row's cache tree may go this round (its own text's: ``depth``, NGram's
-        ``k``): ``max_depth`` (None: the tree's node budget; the paper's rule, at most ``alpha``
-        x the match length nodes, sizes it), never shallower than ``depth``."""
+        """The deepest a row's cache tree of at most ``nodes`` nodes may go this round (its own
+        text's: ``depth``, NGram's ``k``): ``max_depth`` (None: ``nodes - 1``; the paper's rule,
+        at most ``alpha`` x the match length nodes, sizes it), never shallower than ``depth``."""
         most = nodes - 1 if self.max_depth is None else min(self.max_depth, nodes - 1)
         return max(depth, most)
 
@@ -751,7 +770,7 @@ class Suffix(NGram):
         explores = self._priced_rounds % self.EXPLORE_EVERY == 0
         chain = self.model_chain
         k, nodes = self._chain_k, self.tree_budget()[1]
-        widest = max(nodes, k + 1)
+        widest = max(self.cache_nodes(), k + 1)
         verify = width_costs(chain.timed_widths(), widest).__getitem__  # seconds by width, fixed for the round
         forward = chain.draft_cost() if self._draft_cost is None else self._draft_cost * verify(1)
         survival = chain.survival()[:k]  # the head's chain holds the target's path to depth d: survival[d - 1]
