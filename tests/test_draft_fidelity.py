@@ -160,6 +160,56 @@ def test_the_head_proposes_as_a_fresh_one_after_every_commit(bundled, shape, tri
     assert_varied(outcomes)
 
 
+def test_a_head_that_waits_out_rounds_proposes_as_a_fresh_one_after_them(bundled):
+    """Beside the text a head skips the rounds the text drafts alone (``HeadDrafter.skip``: no
+    forward) and catches up over them in its next one: its proposal after one or more such
+    rounds (the first too, a one-token prompt's among them; the text's drafts accepted whole,
+    in part or not at all) equals a fresh head's on the committed text, and the output the
+    target's."""
+    from helpers import hf_greedy
+    from spec_ext.drafters.text import chain_proposal
+    target, head, prompts = bundled
+    prompts = prompts + [prompts[0][:1]]
+    greedy = [p + hf_greedy(target, p, 48, None) for p in prompts]
+    rng = random.Random(0)
+    drafter = HeadDrafter(head, Fixed(3))
+    propose, commit = drafter.propose, drafter.commit
+    head_rounds, waited, accepted = [], [], []  # per head round: (rows, proposal, rounds skipped just before)
+
+    def proposing(seqs, roots):
+        if not waited or rng.random() < 0.5:  # the text's round (the first always): the target's next 1-4 tokens, the last one spoiled at times
+            chains = []
+            for seq, full in zip(seqs, greedy):
+                chain = full[len(seq):len(seq) + rng.randint(1, 4)]
+                if chain and rng.random() < 0.4:
+                    chain[-1] = (chain[-1] + 1) % 4096
+                chains.append(chain)
+            drafter.skip()
+            waited.append(True)
+            return chain_proposal(chains, max(map(len, chains)), roots.device)
+        proposal = propose(seqs, roots)
+        skipped = len(waited) - max((i + 1 for i, w in enumerate(waited) if not w), default=0)
+        head_rounds.append(([list(s) for s in seqs], rows_of(proposal), skipped))
+        # what its cache keeps of the round: one pair per committed position before the root, no stand-in
+        assert drafter._kept == [len(s) - 1 for s in seqs], (len(head_rounds), drafter._kept)
+        waited.append(False)
+        return proposal
+
+    def committing(outcome):
+        accepted.extend(outcome.accepted)
+        commit(outcome)
+
+    drafter.propose, drafter.commit = proposing, committing
+    out = spec_ext.generate(target, drafter, prompts, max_new_tokens=40, eos_token_id=[])
+    for b, p in enumerate(prompts):
+        assert out.sequences[b, len(prompts[0]) - len(p):].tolist()[len(p):] == greedy[b][len(p):len(p) + 40]
+    skips = [skipped for *_, skipped in head_rounds]
+    assert sum(s > 0 for s in skips) >= 3 and max(skips) >= 2 and 0 in accepted and max(accepted) >= 3, (skips, accepted)
+    for r, (seqs, proposed, skipped) in enumerate(head_rounds):
+        expected = rows_of(first_proposal(target, HeadDrafter(head, Fixed(3)), seqs))
+        assert proposed == expected, f"head round {r} (after {skipped} skipped)"
+
+
 # ---------------------------------------------------------------------------- another tokenizer
 @pytest.mark.parametrize("mode", ["tli", "slem"])
 @pytest.mark.parametrize("shape", ["chain", "tree"])

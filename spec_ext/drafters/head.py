@@ -35,8 +35,6 @@ class HeadDrafter(Drafter):
         >>> spec_ext.generate(target, drafter, ids)                                     # doctest: +SKIP
     """
 
-    drafts_every_round = True  # its catch-up over the target's features is the round's first forward
-
     def __init__(self, head: EagleHead, policy: Policy):
         super().__init__(policy)
         self.head = head.eval()
@@ -45,6 +43,20 @@ class HeadDrafter(Drafter):
     @property
     def proposer(self):
         return self.head
+
+    @property
+    def drafts_every_round(self) -> bool:
+        """Beside the text: whether a round the text drafts alone still runs the head's catch-up.
+        Only where the policy reads the bonus agreement from it (AdaLength); else the head
+        waits (:meth:`skip`) and catches up over those rounds in its next forward."""
+        return bool(self.policy.uses_bonus_agreement)
+
+    def skip(self) -> None:
+        """(Beside the text) a round without the head: no forward. What it has not seen waits,
+        the round's committed pairs are appended to it (:meth:`commit`), and its next
+        proposal feeds them all in one catch-up, as a fresh head started on the committed
+        text would (a round of the text's drafts alone costs no head forward)."""
+        self._waiting = True
 
     def bind(self, target) -> None:
         check_model(target, "target")
@@ -73,6 +85,7 @@ class HeadDrafter(Drafter):
               features: Tensor | None = None) -> None:
         self.sampler, self.generator, self.calls = sampler, generator, 0
         self.all_accepted = self.bonus_p = None
+        self._waiting = False  # the last round skipped the head: its pending pairs still wait (skip)
         self.device = self.head.fc.weight.device
         B = len(seqs)
         self.cache = SpecCache(self.head.num_layers, None, None, B, capacity, self.head.fc.weight.dtype, self.device)
@@ -215,12 +228,31 @@ class HeadDrafter(Drafter):
         return grow(self.policy, logits, roots, refeed, self.sampler)
 
     def commit(self, outcome: Outcome) -> None:
-        self.cache.rollback(self._kept, self._kept_t)
         features, ids, counts, counts_t = committed_features(outcome)
+        if self._waiting:  # the head did not run: its cache is as it was, and the new pairs go after the waiting
+            self._waiting = False
+            ids, features, counts, counts_t = self._after_waiting(ids, features, counts)
+        else:
+            self.cache.rollback(self._kept, self._kept_t)
         self._pending = ids, features, counts, counts_t
         self.real = list(counts)
         if self.policy.uses_bonus_agreement:
             self.remember_bonus(outcome)
+
+    def _after_waiting(self, ids: Tensor, features: Tensor, counts: list[int]
+                       ) -> tuple[Tensor, Tensor, list[int], Tensor]:
+        """Per row, the waiting real pairs (a one-token prompt's stand-in pair dropped) then
+        the round's ``counts`` committed pairs ``ids`` [B,W], ``features`` [B,W,F]."""
+        waiting_ids, waiting_features = self._pending[:2]
+        waiting = torch.tensor(self.real, device=self.device)
+        total = [w + c for w, c in zip(self.real, counts)]
+        slot = torch.arange(max(total), device=self.device)[None, :]
+        index = torch.where(slot < waiting[:, None], slot, waiting_ids.shape[1] + slot - waiting[:, None])
+        index = index.clamp_max(waiting_ids.shape[1] + ids.shape[1] - 1)
+        ids = torch.cat([waiting_ids, ids], 1).gather(1, index)
+        features = torch.cat([waiting_features.to(features.dtype), features], 1)
+        features = features.gather(1, index[..., None].expand(-1, -1, features.shape[-1]))
+        return ids, features, total, torch.tensor(total, device=self.device)
 
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
         self.cache.keep_rows(rows)

@@ -21,9 +21,9 @@ class TextBesideHead(Drafter):
     the policy's ``text_rows`` expects it to get more accepted than the head, measured: see
     :meth:`~spec_ext.policies.Suffix.measured_choice`); the other rows take the head's chain of
     the length ``policy.plan()`` chooses (:class:`HeadDrafter`; timed here), verified with the q it was drawn from, as a chain
-    among the text's trees. The head runs every round: its catch-up feeds it the target's
-    features of what was committed, whoever drafted it, so it stays in step; in a round where
-    every row drafts its text it only catches up (no draft steps).
+    among the text's trees. The head's catch-up feeds it the target's features of what was
+    committed, whoever drafted it, so it stays in step; a round where every row drafts its text
+    runs no head forward (:meth:`HeadDrafter.skip`: the next catch-up covers it).
 
     Greedy, once the round's costs are timed, the policy prices the round's width
     (:meth:`~spec_ext.policies.Suffix.priced`): a text row verifies its tree's best nodes up to
@@ -63,6 +63,7 @@ class TextBesideHead(Drafter):
               features: Tensor | None = None) -> None:
         self.text.start(seqs, capacity, sampler, generator)
         (self.default or self.head).start(seqs, capacity, sampler, generator, features=features)
+        self._head_waited = False  # the head skipped rounds since its last forward
 
     def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
         device = roots.device
@@ -89,12 +90,19 @@ class TextBesideHead(Drafter):
                 self.text.from_cache = [bool(m) and policy.offers[r][0] for r, m in enumerate(keep)]
         from_text = [len(tokens) > 1 for tokens, _ in trees]
         policy.proposed([int(text) for text in from_text])  # the head's plan: none when all rows have text
-        started = time.perf_counter()
-        drafted = self.head.propose(seqs, roots)
-        k = drafted.tokens.shape[1]
-        policy.drafted(time.perf_counter() - started, max(k, 1))  # prices the head's chain (Suffix.plan)
+        drafted, k = None, 0
+        if all(from_text) and not self.head.drafts_every_round:
+            self.head.skip()  # no head forward: it catches up over this round in its next one
+            self._head_waited = True
+        else:
+            started = time.perf_counter()
+            drafted = self.head.propose(seqs, roots)
+            k = drafted.tokens.shape[1]
+            # prices the head's chain (Suffix.plan); a catch-up over rounds it waited is no forward's cost
+            policy.drafted(time.perf_counter() - started, max(k, 1), averaged=not self._head_waited)
+            self._head_waited = False
         side = min(getattr(policy, "branch_nodes", 0), policy.tree_budget()[1] - 1 - k)
-        if drafted.q is None and side > 0 and not all(from_text):
+        if not all(from_text) and drafted.q is None and side > 0:
             # greedy: a head row verifies its offered text tree (its first ``side`` nodes, or the
             # best ones as priced) beside the head's chain, merged where they agree: exact (greedy
             # verification follows the target's argmax down any tree of fixed tokens); one host

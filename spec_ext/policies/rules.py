@@ -435,7 +435,8 @@ class Auto(Policy):
         match offers, 0 for none): (k, the model's drafts for the rows that take it, 0: the
         model does not draft; per row whether it drafts its text; the text chains' longest
         length). ``forwards_without_model``: the draft forwards the drafter runs in a round
-        where the model drafts nothing (a feature head catches up every round: 1)."""
+        where the model drafts nothing (MTP layers catch up every round: 1; a feature head
+        waits, :meth:`HeadDrafter.skip`: 0)."""
         self._tick()
         model, text = self._cumulative("model"), self._cumulative("text")
         offers = Counter(min(n, self.max_draft) for n in text_lengths)  # rows by the drafts their text offers

@@ -755,8 +755,8 @@ class Suffix(NGram):
         The round verifies one width for the batch: every row fills the widest W considered
         (text rows their best W - 1 nodes, head rows the chain and W - 1 - k branch nodes). Over
         W, and over (a) the head drafting for the rows where it is expected to bring more (k
-        forwards) and (b) every row its text (the head only catching up, one forward; where every
-        row has a tree), the choice maximises the expected tokens (accepted + 1) per second of
+        forwards) and (b) every row its text (no head forward: it waits, :meth:`HeadDrafter.skip`,
+        and catches up in its next round; where every row has a tree), the choice maximises the expected tokens (accepted + 1) per second of
         the round: the timed verification at the round's width (:attr:`model_chain`'s rounds,
         kept at the width they verified (:meth:`verifies`), read by :func:`width_costs`) + the
         head's forwards x a forward's timed seconds (or ``draft_cost`` x a 1-token verification,
@@ -807,9 +807,9 @@ class Suffix(NGram):
                 seconds = verify(width) + (chain.draft_forwards(k) if runs else 1) * forward
                 if best is None or tokens / max(seconds, 1e-12) >= best[0]:
                     best = tokens / max(seconds, 1e-12), keep, side
-            if every and W > 1:  # (b) every row its text tree, the head only catching up
+            if every and W > 1:  # (b) every row its text tree, the head not run (it catches up in its next round)
                 keep = [min(len(c) - 1, W - 1) for c in curves]
-                seconds = verify(1 + max(keep)) + forward
+                seconds = verify(1 + max(keep))
                 value = sum(1 + c[m] for c, m in zip(curves, keep)) / max(seconds, 1e-12)
                 if best is None or value >= best[0]:
                     best = value, keep, [0] * len(keep)
@@ -921,12 +921,13 @@ class Suffix(NGram):
                 return self.model_chain.draft_forwards(k) * seconds / verify
         return k * self.draft_cost
 
-    def drafted(self, seconds: float, forwards: int) -> None:
+    def drafted(self, seconds: float, forwards: int, averaged: bool = True) -> None:
         """The drafter's report: this round's model forwards took ``seconds``. With
         ``price_width``, a call's first round's are taken out of the round's time but not
-        averaged into a forward's cost (the head's first catch-up reads the whole prompt)."""
+        averaged into a forward's cost (the head's first catch-up reads the whole prompt), nor
+        are those of a round where ``averaged`` is False (a catch-up over rounds the head skipped)."""
         first = self.beside_model and self.price_width and self._rounds_begun == 1
-        self.model_chain.drafted(seconds, forwards, averaged=not first)
+        self.model_chain.drafted(seconds, forwards, averaged=averaged and not first)
 
     def observe(self, num_draft, num_accepted) -> None:
         """The measured rule's counts: a text row's accepted drafts calibrate its kind of match
@@ -980,7 +981,7 @@ class Suffix(NGram):
             self.cache.add(prompt, output)
 
     def plan(self) -> list[int]:
-        """Beside a feature head (which runs every round): its drafts for each row, the length
+        """Beside a feature head: its drafts for each row, the length
         :class:`~spec_ext.policies.Auto` chooses from the chain's measured acceptance and
         costs (:attr:`model_chain`, clocked every round), none in a round where every row
         drafts its text (set through :meth:`proposed`)."""
