@@ -210,6 +210,43 @@ def test_a_head_that_waits_out_rounds_proposes_as_a_fresh_one_after_them(bundled
         assert proposed == expected, f"head round {r} (after {skipped} skipped)"
 
 
+def test_a_head_that_waits_while_one_row_commits_far_more_than_another_fits_its_cache():
+    """Skipped rounds in which one row's text is accepted (3 tokens a round) and the other's
+    drafts nothing, then the other way round: the rows' waiting pairs differ by far more than
+    one round's drafts, and the catch-up, padded to the longest, still fits the head's cache
+    (it grows: the capacity was sized for one round's difference); the proposals after
+    equal a fresh head's, the output the target's."""
+    from helpers import hf_greedy
+    from spec_ext.drafters.text import chain_proposal
+    from test_heads import echo_head
+    target = llama(12, 32, 2, seed=2, sharpen=4.0)
+    head = echo_head(target, draft_vocab=10)
+    prompts = [[5, 7, 3, 8, 5, 7, 3, 9], [9, 4]]
+    greedy = [p + hf_greedy(target, p, 60, None) for p in prompts]
+    drafter = HeadDrafter(head, Fixed(3))
+    propose, rounds, head_rounds = drafter.propose, [0], []
+
+    def proposing(seqs, roots):
+        r = rounds[0]
+        rounds[0] += 1
+        if r == 7 or r >= 13:
+            proposal = propose(seqs, roots)
+            head_rounds.append(([list(s) for s in seqs], rows_of(proposal)))
+            return proposal
+        good = 0 if r < 7 else 1
+        chains = [full[len(s):len(s) + 3] if b == good else [] for b, (s, full) in enumerate(zip(seqs, greedy))]
+        drafter.skip()
+        return chain_proposal(chains, max(map(len, chains)), roots.device)
+
+    drafter.propose = proposing
+    out = spec_ext.generate(target, drafter, prompts, max_new_tokens=40, eos_token_id=[])
+    for b, p in enumerate(prompts):
+        assert out.sequences[b, -40:].tolist() == greedy[b][len(p):len(p) + 40]
+    assert len(head_rounds) >= 3
+    for seqs, proposed in head_rounds[:3]:
+        assert proposed == rows_of(first_proposal(target, HeadDrafter(head, Fixed(3)), seqs))
+
+
 # ---------------------------------------------------------------------------- another tokenizer
 @pytest.mark.parametrize("mode", ["tli", "slem"])
 @pytest.mark.parametrize("shape", ["chain", "tree"])

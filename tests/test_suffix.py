@@ -404,6 +404,36 @@ def test_beside_a_head_never_more_target_calls_than_the_head_alone_where_the_cac
     assert cache_rounds > 20  # the cache drafted where it was expected to win
 
 
+def test_a_round_the_head_skips_leaves_no_choice_for_the_next_round():
+    """A default round (Suffix.as_auto) where only the text drafts skips the head, whose
+    propose used to consume Auto's choice of the round: the next cache round must start from
+    a fresh plan (its clock ticked), not the skipped round's stale k = 0 (which gave the head
+    rows no chain and two rounds' time at one width). Outputs the target's."""
+    from test_heads import PROMPTS as HEAD_PROMPTS, V, echo_head
+    target = llama(V, 32, 4, seed=2, sharpen=3.0)
+    head = echo_head(target, "eagle3", draft_vocab=10)
+    switches = 0
+    for prompt in HEAD_PROMPTS:
+        full = hf_greedy(target, prompt, 60, None)
+        for offset in (10, 20, 30):
+            cache = SuffixCache()
+            cache.add([], full[offset:offset + 30])
+            policy = modeled(Suffix(cache), text=True)
+            kinds, begin, as_auto = [], policy.begin_round, policy.as_auto
+
+            def begun(begin=begin, policy=policy, kinds=kinds):
+                assert policy.model_chain._choice is None, kinds  # nothing left over from a skipped round
+                kinds.append("cache")
+                begin()
+
+            policy.begin_round = begun
+            policy.as_auto = lambda as_auto=as_auto, kinds=kinds: (kinds.append("default"), as_auto())
+            out = spec_ext.generate(target, head, [prompt], max_new_tokens=60, eos_token_id=[], policy=policy)
+            assert out.sequences[0, len(prompt):].tolist() == full
+            switches += sum(a == "default" and b == "cache" for a, b in zip(kinds, kinds[1:]))
+    assert switches >= 3
+
+
 def test_beside_a_head_where_the_cache_has_nothing_to_add_the_rounds_are_the_defaults():
     """An empty cache: Suffix beside a head drafts exactly as Auto beside the head (per row its own
     text's chain or the head's, Suffix.as_auto), both on one modeled clock: the same outputs

@@ -111,7 +111,8 @@ class Drafter:
     model = None
     drafts_per_forward: int = 1  # drafts one forward proposes (a block drafter: its whole block)
     # beside the text (TextFirst under Auto): whether it must draft every round, its catch-up over the target's
-    # features being that round's forward (a feature head, MTP layers), even where the text drafts every row
+    # features being that round's forward (MTP layers; a feature head only under AdaLength), even where the text
+    # drafts every row
     drafts_every_round: bool = False
     target_layers: tuple[int, ...] | None = None
     # what ``uses_bonus_agreement`` policies need of the last round (see :meth:`bonus_agreement`):

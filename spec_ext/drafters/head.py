@@ -22,7 +22,8 @@ class HeadDrafter(Drafter):
     (n + 1 committed tokens, x_n the root): the head's pass over (token x_{t+1}, the target's
     feature at t). What it has not seen yet (the last round's committed tokens with the
     target's features at the positions that verified them) waits on the device and is fed
-    at the start of the next round; the draft steps past it use the head's own hidden state
+    at the start of its next round (a round it skips adds its own to it: :meth:`skip`); the
+    draft steps past it use the head's own hidden state
     and are always rolled back (the accepted ones come back with the target's features).
 
     Length policies that read the draft's hidden state (``uses_draft_hidden``: SpecDecPP) get
@@ -131,6 +132,9 @@ class HeadDrafter(Drafter):
         slots, budget = self._parallel_slots() if self.head.config.mask_token_id is not None else (0, None)
         if slots > 1:  # P-EAGLE: the catch-up, then slots - 1 masked slots after each row's last pair
             ids, combined = self._with_masked_slots(ids, combined, pairs_t, slots - 1)
+        # every row writes the padded width from its own length: after skipped rounds the rows' pairs
+        # differ by more than one round's drafts, which the capacity was sized for
+        self.cache.reserve(max(self.cache.host_lengths) + ids.shape[1] + self.policy.max_draft + 2)
         positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
         logits, hidden = self._step(ids, combined, positions)
         self.cache.advance(pairs, pairs_t)

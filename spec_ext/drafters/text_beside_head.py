@@ -63,7 +63,6 @@ class TextBesideHead(Drafter):
               features: Tensor | None = None) -> None:
         self.text.start(seqs, capacity, sampler, generator)
         (self.default or self.head).start(seqs, capacity, sampler, generator, features=features)
-        self._head_waited = False  # the head skipped rounds since its last forward
 
     def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
         device = roots.device
@@ -93,14 +92,13 @@ class TextBesideHead(Drafter):
         drafted, k = None, 0
         if all(from_text) and not self.head.drafts_every_round:
             self.head.skip()  # no head forward: it catches up over this round in its next one
-            self._head_waited = True
+            policy.plan()  # the round's plan consumed (and, unpriced, its clock ticked) as the head's would be
         else:
+            prompt = self.head.calls == 0  # its first forward reads the whole prompt: no forward's cost
             started = time.perf_counter()
             drafted = self.head.propose(seqs, roots)
             k = drafted.tokens.shape[1]
-            # prices the head's chain (Suffix.plan); a catch-up over rounds it waited is no forward's cost
-            policy.drafted(time.perf_counter() - started, max(k, 1), averaged=not self._head_waited)
-            self._head_waited = False
+            policy.drafted(time.perf_counter() - started, max(k, 1), averaged=not prompt)  # prices the chain
         side = min(getattr(policy, "branch_nodes", 0), policy.tree_budget()[1] - 1 - k)
         if not all(from_text) and drafted.q is None and side > 0:
             # greedy: a head row verifies its offered text tree (its first ``side`` nodes, or the

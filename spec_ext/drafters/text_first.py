@@ -27,9 +27,11 @@ class TextFirst(Drafter):
     the chooser decides each round, from the text's match lengths, which rows draft their
     text (cut to what length) and how many drafts the model makes for the others (0: the
     model does not run); the drafter reports the seconds of the model's forwards to it.
-    The model side may then also be a feature head (:class:`HeadDrafter`), which drafts
-    every round from its own catch-up (its state follows the target's features, whatever
-    was drafted); the text's rows replace its drafts there."""
+    The model side may then also be a feature head (:class:`HeadDrafter`), whose state
+    follows the target's features whatever was drafted: in a round where the model drafts
+    its catch-up runs and the text's rows replace its drafts; in a round where only the text
+    drafts it runs nothing (:meth:`HeadDrafter.skip`) and catches up over that round later
+    (MTP layers, ``drafts_every_round``, catch up every round)."""
 
     def __init__(self, text: TextDrafter, model: Drafter, chooser=None):
         super().__init__(text.policy)
@@ -133,6 +135,7 @@ class TextFirst(Drafter):
         proposal.from_text = [bool(c) for c in chains]
         if k == 0 and not head:
             self.model_drafter.skip()
+            self.chooser.plan()  # the round's choice consumed, as the model's propose would (a Suffix reads plan next)
             self._plain_skipped = not any(use)  # a plain step: the model's next forward catches up over it
             return proposal
         by_text = torch.tensor(proposal.from_text, device=device)

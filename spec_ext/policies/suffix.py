@@ -925,7 +925,8 @@ class Suffix(NGram):
         """The drafter's report: this round's model forwards took ``seconds``. With
         ``price_width``, a call's first round's are taken out of the round's time but not
         averaged into a forward's cost (the head's first catch-up reads the whole prompt), nor
-        are those of a round where ``averaged`` is False (a catch-up over rounds the head skipped)."""
+        are those of a round where ``averaged`` is False (the head's first forward, where the
+        call's first rounds skipped it)."""
         first = self.beside_model and self.price_width and self._rounds_begun == 1
         self.model_chain.drafted(seconds, forwards, averaged=averaged and not first)
 
