@@ -323,7 +323,7 @@ def test_a_weak_match_drafts_the_models_chain_and_a_strong_one_the_text():
     # as deep as the round's 16 nodes at batch 2 allow (the own text's budget), past the own text's k = 10
     assert trees[1] == ([-1] + list(range(21, 36)), [-1] + list(range(15)))
     assert policy.expected(0, True, 2, 2.0) == pytest.approx(0.5) and policy.model_mean(0) == 2.0
-    # one row going: its cache tree gets cache_nodes (64 by default; 18: 17 past the root), the paper's rule
+    # one row going: its cache tree gets cache_nodes (64 by default; 18 is raised to the own text's 32), the paper's rule
     # bounding it by the match's 20 tokens; never fewer than the own text's 32
     for cache_nodes, most in ((64, 20), (18, 20), (40, 20)):
         _, drafter = _beside(cache, [STRONG], cache_nodes=cache_nodes)
