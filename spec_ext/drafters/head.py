@@ -132,9 +132,10 @@ class HeadDrafter(Drafter):
         slots, budget = self._parallel_slots() if self.head.config.mask_token_id is not None else (0, None)
         if slots > 1:  # P-EAGLE: the catch-up, then slots - 1 masked slots after each row's last pair
             ids, combined = self._with_masked_slots(ids, combined, pairs_t, slots - 1)
-        # every row writes the padded width from its own length: after skipped rounds the rows' pairs
-        # differ by more than one round's drafts, which the capacity was sized for
-        self.cache.reserve(max(self.cache.host_lengths) + ids.shape[1] + self.policy.max_draft + 2)
+        # every row writes the padded width from its own length: after skipped rounds the rows' pairs differ
+        # by more than one round's drafts, which the capacity was sized for (the drafts past each row's own
+        # pairs still fit it)
+        self.cache.reserve(max(self.cache.host_lengths) + ids.shape[1])
         positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
         logits, hidden = self._step(ids, combined, positions)
         self.cache.advance(pairs, pairs_t)

@@ -155,8 +155,9 @@ class ModelDrafter(Drafter):
         else:
             ids, lengths, last = carry["ids"], carry["lengths"], carry["last"]
         # every row writes the padded width from its own length: after skipped rounds the rows' pending
-        # tokens differ by more than one round's drafts, which the capacity was sized for
-        self.cache.reserve(max(self.cache.host_lengths) + ids.shape[1] + self.policy.max_draft + 2)
+        # tokens differ by more than one round's drafts, which the capacity was sized for (the drafts past
+        # each row's own tokens still fit it)
+        self.cache.reserve(max(self.cache.host_lengths) + ids.shape[1])
         positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
         out = self.forward(ids, positions)
         logits, hidden = out if self.hidden else (out, None)
