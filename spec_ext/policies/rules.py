@@ -125,7 +125,7 @@ class Auto(Policy):
     the narrowest chain). Bound to another target or draft, it forgets them.
 
     Nothing drafts: with the text beside a drafter (:meth:`choose`), a plain decode step
-    (width 1, no draft forward but a feature head's catch-up) is weighed as one more choice
+    (width 1, no draft forward: a feature head waits too, MTP layers still catch up) is weighed as one more choice
     after the first ``PLAIN_AFTER`` rounds, and taken where it beats every draft (a tiny target
     whose step is call overhead, a batch on a step of weight reads where each verified token
     is arithmetic); every ``explore_every``-th round drafts anyway, so that acceptance stays

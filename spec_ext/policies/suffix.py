@@ -640,7 +640,6 @@ class Suffix(NGram):
         self._sums: list[list[float]] = [[0.0]] * batch_size  # priced: per row, the best m nodes' probabilities' sum
         self._path = None  # this round's accepted paths (see_tree_path)
         self._priced_rounds = 0  # rounds priced this call (every EXPLORE_EVERY-th verifies the widest)
-        self._rounds_begun = 0  # rounds begun this call (begin_round)
         self._as_auto = False  # this round is the default's (as_auto)
 
     @property
@@ -804,7 +803,7 @@ class Suffix(NGram):
                     tokens += text if keep[-1] else head
                 runs = not all(keep)
                 width = 1 + max(keep + [k + s for s, m in zip(side, keep) if not m])
-                seconds = verify(width) + (chain.draft_forwards(k) if runs else 1) * forward
+                seconds = verify(width) + (chain.draft_forwards(k) if runs else 0) * forward  # (no row: it waits)
                 if best is None or tokens / max(seconds, 1e-12) >= best[0]:
                     best = tokens / max(seconds, 1e-12), keep, side
             if every and W > 1:  # (b) every row its text tree, the head not run (it catches up in its next round)
@@ -858,7 +857,6 @@ class Suffix(NGram):
         :meth:`priced` prices the chain this round drafts."""
         if self.beside_model and self.price_width:
             self._planned = self._chain_k = self.model_chain.plan()[0]
-            self._rounds_begun += 1
 
     def verifies(self, width: int, chain_nodes: Sequence[list[int] | None] | None = None,
                  branch_nodes: Sequence[int] | None = None) -> None:
@@ -923,12 +921,10 @@ class Suffix(NGram):
 
     def drafted(self, seconds: float, forwards: int, averaged: bool = True) -> None:
         """The drafter's report: this round's model forwards took ``seconds``. With
-        ``price_width``, a call's first round's are taken out of the round's time but not
-        averaged into a forward's cost (the head's first catch-up reads the whole prompt), nor
-        are those of a round where ``averaged`` is False (the head's first forward, where the
-        call's first rounds skipped it)."""
-        first = self.beside_model and self.price_width and self._rounds_begun == 1
-        self.model_chain.drafted(seconds, forwards, averaged=averaged and not first)
+        ``price_width``, those of a round where ``averaged`` is False (the head's first forward,
+        which reads the whole prompt) are taken out of the round's time but not averaged into a
+        forward's cost."""
+        self.model_chain.drafted(seconds, forwards, averaged=averaged or not self.price_width)
 
     def observe(self, num_draft, num_accepted) -> None:
         """The measured rule's counts: a text row's accepted drafts calibrate its kind of match
