@@ -160,16 +160,14 @@ def test_the_head_proposes_as_a_fresh_one_after_every_commit(bundled, shape, tri
     assert_varied(outcomes)
 
 
-def test_a_head_that_waits_out_rounds_proposes_as_a_fresh_one_after_them(bundled):
-    """Beside the text a head skips the rounds the text drafts alone (``HeadDrafter.skip``: no
-    forward) and catches up over them in its next one: its proposal after one or more such
-    rounds (the first too, a one-token prompt's among them; the text's drafts accepted whole,
-    in part or not at all) equals a fresh head's on the committed text, and the output the
-    target's."""
+def check_waiting(target, head, prompts, vocab):
+    """Run a head beside a text that drafts about every other round (the first always: the
+    target's next 1-4 tokens, the last one spoiled at times, so accepted whole, in part or not
+    at all), the head skipping those rounds (``HeadDrafter.skip``: no forward) and catching up
+    over them in its next one: the output is the target's, and every proposal of the head,
+    after one or more skipped rounds, equals a fresh head's on the committed text."""
     from helpers import hf_greedy
     from spec_ext.drafters.text import chain_proposal
-    target, head, prompts = bundled
-    prompts = prompts + [prompts[0][:1]]
     greedy = [p + hf_greedy(target, p, 48, None) for p in prompts]
     rng = random.Random(0)
     drafter = HeadDrafter(head, Fixed(3))
@@ -177,12 +175,12 @@ def test_a_head_that_waits_out_rounds_proposes_as_a_fresh_one_after_them(bundled
     head_rounds, waited, accepted = [], [], []  # per head round: (rows, proposal, rounds skipped just before)
 
     def proposing(seqs, roots):
-        if not waited or rng.random() < 0.5:  # the text's round (the first always): the target's next 1-4 tokens, the last one spoiled at times
+        if not waited or rng.random() < 0.5:  # the text's round
             chains = []
             for seq, full in zip(seqs, greedy):
                 chain = full[len(seq):len(seq) + rng.randint(1, 4)]
                 if chain and rng.random() < 0.4:
-                    chain[-1] = (chain[-1] + 1) % 4096
+                    chain[-1] = (chain[-1] + 1) % vocab
                 chains.append(chain)
             drafter.skip()
             waited.append(True)
@@ -201,13 +199,33 @@ def test_a_head_that_waits_out_rounds_proposes_as_a_fresh_one_after_them(bundled
 
     drafter.propose, drafter.commit = proposing, committing
     out = spec_ext.generate(target, drafter, prompts, max_new_tokens=40, eos_token_id=[])
+    width = max(map(len, prompts))
     for b, p in enumerate(prompts):
-        assert out.sequences[b, len(prompts[0]) - len(p):].tolist()[len(p):] == greedy[b][len(p):len(p) + 40]
+        assert out.sequences[b, width:].tolist() == greedy[b][len(p):len(p) + 40]
     skips = [skipped for *_, skipped in head_rounds]
     assert sum(s > 0 for s in skips) >= 3 and max(skips) >= 2 and 0 in accepted and max(accepted) >= 3, (skips, accepted)
     for r, (seqs, proposed, skipped) in enumerate(head_rounds):
         expected = rows_of(first_proposal(target, HeadDrafter(head, Fixed(3)), seqs))
         assert proposed == expected, f"head round {r} (after {skipped} skipped)"
+
+
+def test_a_head_that_waits_out_rounds_proposes_as_a_fresh_one_after_them(bundled):
+    """``check_waiting`` on the bundled pair, a one-token prompt among the rows (its stand-in
+    pair must not reach the head's cache)."""
+    target, head, prompts = bundled
+    check_waiting(target, head, prompts + [prompts[0][:1]], 4096)
+
+
+@pytest.mark.parametrize("model", ["qwen3", "gemma3", "gpt2"])
+def test_a_head_that_waits_proposes_as_a_fresh_one_on_other_architectures(model):
+    """``check_waiting`` on tiny random targets: qwen3 and gemma3 (sliding and full layers) on
+    the lean forward, gpt2 on the HF modules; EAGLE-3 and the head's reduced vocabulary."""
+    from test_architectures import sharpened_model
+    from test_heads import echo_head
+    layers = dict(layer_types=["sliding_attention", "full_attention"] * 2) if model == "gemma3" else {}
+    target = sharpened_model(model, vocab=12, num_hidden_layers=4, **layers)
+    check_waiting(target, echo_head(target, "eagle3", draft_vocab=10, noise=0.01), [[5, 7, 3, 8, 11, 4], [9, 4, 10],
+                                                                                        [3], [3, 1, 2, 3, 4, 5, 6, 7]], 12)
 
 
 def test_a_head_that_waits_while_one_row_commits_far_more_than_another_fits_its_cache():
