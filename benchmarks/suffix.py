@@ -10,7 +10,9 @@ batch 1 only: HF refuses it for batches), ``NGram`` (spec_ext, the row's own tex
 head (models/stdlib-head, policy auto), ``Suffix`` alone (the cache and the row's own text),
 and ``Suffix`` beside the head where the build supports it (rows without a cache match drafted
 by the head; with ``--unpriced``, also the same with ``price_width=False``: the rule before the
-round's width was priced, interleaved in the same run). Greedy outputs are checked equal to the
+round's width was priced, interleaved in the same run), then the head again (a control: the
+spread of one request's ratio between two runs of the same method, against which the suffix
+beside the head's per-request ratios to the head alone are read). Greedy outputs are checked equal to the
 target's. ``--requests`` times a subset of the requests (the others still go into the caches,
 their output computed once, so the timed ones see the caches the whole workload gives them).
 
@@ -188,6 +190,7 @@ def methods(target, head, batch: int, unpriced: bool = False) -> dict:
                 table["beside head unpriced"] = (cached, ours(lambda cache: Suffix(cache, price_width=False), head))
         except ValueError as error:
             print(f"suffix beside head: not run ({error})")
+        table["head again"] = table["head"]  # the control: how far one request's ratio moves between two equal runs
     return table
 
 
@@ -263,12 +266,25 @@ def summary(rows) -> list[str]:
             lines.append(f"  {name:20s} geomean {geo:5.2f}x  total {total:5.2f}x  per batch min {min(ratios):.2f}x "
                          f"max {max(ratios):.2f}x (slowest pass min {min(spread):.2f}x)"
                          + (f"  greedy equal: {equal == {True}}" if equal else ""))
+        floor = None
+        if "head again" in names and "head" in names:
+            control = sorted(time_of["head"][g] / time_of["head again"][g] for g in base)
+            floor = control[0]
+            lines.append(f"  head again / head alone (the same method twice: the noise of one batch's ratio), per batch: "
+                         f"min {floor:.2f}x, p10 {control[len(control) // 10]:.2f}x, max {control[-1]:.2f}x, "
+                         f"{sum(x < 1 for x in control)} of {len(control)} below 1")
         for beside in ("suffix beside head", "beside head unpriced"):
             if beside in names and "head" in names:
                 ratios = [time_of["head"][g] / time_of[beside][g] for g in base]
                 total = sum(time_of["head"].values()) / sum(time_of[beside].values())
+                # batches whose rows found nothing in the cache in any pass: the default's rounds throughout
+                empty = [g for g in base if all(not r["cache_matched"] for r in mine
+                                                if r["method"] == beside and r["group"] == g)]
                 lines.append(f"  {beside} / head alone, per batch: min {min(ratios):.2f}x, "
-                             f"{sum(x < 1 for x in ratios)} of {len(ratios)} below 1, total {total:.2f}x")
+                             f"{sum(x < 1 for x in ratios)} of {len(ratios)} below 1, total {total:.2f}x"
+                             + (f"; below the control's min: {sum(x < floor for x in ratios)}" if floor else "")
+                             + (f"; where the cache had nothing ({len(empty)}): min "
+                                f"{min(time_of['head'][g] / time_of[beside][g] for g in empty):.2f}x" if empty else ""))
         if "suffix beside head" in names and "head" in names:
             lines += per_batch(mine, time_of)
         loads = [r["load"] for r in mine]
