@@ -365,7 +365,7 @@ constexpr int64_t kTileFloats = 8192;
 //   320 -> 16384 read from memory, fastest of 5, both hints interleaved in one process), ms per
 //   matrix at 1 / 4 / 5 / 8 / 16 rows: AVX-512 T0 1.40 / 1.66 / 1.90 / 2.17 / 2.66, T2 1.14 /
 //   1.03 / 1.05 / 1.39 / 2.45; AVX2 T0 1.09 / 1.12 / 1.34 / 1.59 / 2.57, T2 1.05 / 1.16 / 1.35 /
-//   1.54 / 2.62. (The chunked rows' prefetch below: T0 and T2 the same.)
+//   1.54 / 2.62.
 // - chunked: the weight rows of what comes next (the tile's next register block in this k
 //   chunk, else its first in the next chunk), each row's chunk shared out the same way (16384
 //   -> 320, 8 and 16 rows, AVX2: 1.15-1.35x faster; AVX-512, bound by arithmetic there: same).
