@@ -672,6 +672,30 @@ def test_plan_drafts_the_best_length_and_one_more_only_when_exploring():
     assert plans == [best, best, best, best + 1] * 2, plans
 
 
+def test_a_policy_kept_across_calls_explores_its_widths_only_until_they_are_measured():
+    """With fewer than 3 widths measured, a call's first rounds verify K, K - 1, K - 2 drafts so
+    that their costs get measured. A policy kept across calls (as ``accelerate`` keeps it) whose
+    widths are measured verifies its best width from its next call's first round (confident
+    drafts, a nearly flat verification: all K), and explores one more or one fewer only every
+    fourth round (the third: one fewer)."""
+    now, clock = fake_clock()
+    costs = FixedCosts(lambda r, w: 1.0 + 0.01 * (w - 1))
+    policy = taught(Adaptive(max_draft=4, costs=costs, clock=clock))
+    proposal = Proposal(torch.arange(4)[None], torch.tensor([4]), confidence=torch.full((1, 4), 0.95))
+
+    def first_rounds():
+        policy.start(1, greedy=True)
+        widths = []
+        for _ in range(3):
+            widths.append(int(policy.select(proposal).num_draft[0]))
+            now[0] += 1.0
+            policy.observe([widths[-1]], [widths[-1]])
+        return widths
+    assert first_rounds() == [4, 3, 2]
+    costs._verify.update({(1, w): [1.0, 1.0 + 0.01 * (w - 1)] for w in (2, 3)})  # three widths measured
+    assert first_rounds() == [4, 4, 3]
+
+
 def test_a_block_drafter_drafts_the_length_worth_its_verification(block_pair):
     """A block drafter's plan is the best length by the costs, as a chain's is, not its whole
     block: with a verification of 1 + (w - 1) and a block forward of 0.1 whatever its length,
