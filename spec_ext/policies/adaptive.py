@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import operator
 import time
 import weakref
 
@@ -149,6 +150,9 @@ class Adaptive(Policy):
         self._depth_reached = [0.0] * (self.max_draft + 1)
         self._depth_passed = [0.0] * (self.max_draft + 1)
         self._depth_bins = [[0.0] * len(CENTRES) for _ in range(self.max_draft + 1)]  # reached, by depth and bin
+        # the weight of the newest round's observations (1 / forget per round; the sums above are in its
+        # units, so that forgetting touches no sum: a sum's decayed count is it over _unit)
+        self._unit = 1.0
         self._refresh()
         self._size_ratio = 0.1
         self._step_seconds: dict[int, list[float]] = {}  # rows -> recent draft steps' seconds (low median: a step)
@@ -205,7 +209,7 @@ class Adaptive(Policy):
     def _refresh(self) -> None:
         """The acceptance table, the pooled rates and the rates by depth from the observations
         and the priors."""
-        w = self.prior_weight
+        w = self.prior_weight * self._unit  # the priors in the sums' units
         self._pooled = [(sum(p) + w * self.prior_acceptance) / (sum(r) + w)
                         for r, p in zip(self._reached, self._passed)]
         self._table = [[(p + w * m) / (r + w) for r, p in zip(reached, passed)]
@@ -213,7 +217,7 @@ class Adaptive(Policy):
         self._by_depth = [self._pooled[0]] * 2 + [(p + w * self._pooled[1]) / (r + w) for r, p in
                                                   zip(self._depth_reached[2:], self._depth_passed[2:])]
         shrink = w * self._pooled[1]
-        predicted = [sum(n * rate for n, rate in zip(bins, self._table[1])) for bins in self._depth_bins[2:]]
+        predicted = [sum(map(operator.mul, bins, self._table[1])) for bins in self._depth_bins[2:]]
         self._depth_scale = [1.0, 1.0] + [(p + shrink) / (e + shrink) for p, e in
                                           zip(self._depth_passed[2:], predicted)]
 
@@ -383,23 +387,32 @@ class Adaptive(Policy):
             else:
                 events = None
             if events is not None:  # what the target made of each reached draft's confidence
-                if self.forget < 1:
-                    self._reached = [[self.forget * x for x in row] for row in self._reached]
-                    self._passed = [[self.forget * x for x in row] for row in self._passed]
-                    self._depth_reached = [self.forget * x for x in self._depth_reached]
-                    self._depth_passed = [self.forget * x for x in self._depth_passed]
-                    self._depth_bins = [[self.forget * x for x in row] for row in self._depth_bins]
+                if self.forget < 1:  # older observations weigh forget x less than this round's
+                    self._unit /= self.forget
+                    if self._unit > 1e100:
+                        self._rescale()
+                unit = self._unit
                 for row in events:
                     for confidence, depth, passed in row:
                         d, i = min(depth, len(DEPTHS)) - 1, bisect.bisect_left(EDGES, confidence)
-                        self._reached[d][i] += 1
-                        self._passed[d][i] += passed
+                        self._reached[d][i] += unit
+                        self._passed[d][i] += unit * passed
                         at = min(depth, self.max_draft)
-                        self._depth_reached[at] += 1
-                        self._depth_passed[at] += passed
-                        self._depth_bins[at][i] += 1
+                        self._depth_reached[at] += unit
+                        self._depth_passed[at] += unit * passed
+                        self._depth_bins[at][i] += unit
                 self._refresh()
         self._pending, self._mark = None, now
+
+    def _rescale(self) -> None:
+        """The sums back in units of one observation (:attr:`_unit` 1)."""
+        u = self._unit
+        self._reached = [[x / u for x in row] for row in self._reached]
+        self._passed = [[x / u for x in row] for row in self._passed]
+        self._depth_reached = [x / u for x in self._depth_reached]
+        self._depth_passed = [x / u for x in self._depth_passed]
+        self._depth_bins = [[x / u for x in row] for row in self._depth_bins]
+        self._unit = 1.0
 
     # ------------------------------------------------------------------ choosing
     def best_width(self, survival: list[list[float]], drafted: float) -> int | None:
@@ -514,11 +527,14 @@ def trim_chain(proposal, kept: list[int]):
     device = proposal.tokens.device
     W = max(kept, default=0)
     counts = torch.tensor(kept, device=device)
-    keep = torch.arange(W, device=device) < counts[:, None]
-    return dataclasses.replace(
-        proposal, tokens=proposal.tokens[:, :W].masked_fill(~keep, -1), num_draft=counts,
-        q=None if proposal.q is None else proposal.q[:, :W],
-        confidence=None if proposal.confidence is None else proposal.confidence[:, :W].masked_fill(~keep, 0.0))
+    tokens, confidence = proposal.tokens[:, :W], proposal.confidence
+    confidence = None if confidence is None else confidence[:, :W]
+    if min(kept, default=W) < W:  # rows cut shorter than the widest
+        cut = torch.arange(W, device=device) >= counts[:, None]
+        tokens = tokens.masked_fill(cut, -1)
+        confidence = None if confidence is None else confidence.masked_fill(cut, 0.0)
+    return dataclasses.replace(proposal, tokens=tokens, num_draft=counts,
+                               q=None if proposal.q is None else proposal.q[:, :W], confidence=confidence)
 
 
 def trim_tree(proposal, kept: list[list[int]], parents: list[list[int]]):

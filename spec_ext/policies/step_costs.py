@@ -48,7 +48,7 @@ class StepCosts:
         self._verify: dict[tuple[int, int], list] = {}  # (rows, width) -> [estimate, recent seconds]
         self._draft: dict[int, list] = {}  # draft steps -> [estimate, recent seconds]
         self._memo: dict[tuple, object] = {}  # verify()'s answers (and lines) since the last record_verify
-        self._draft_memo: dict[tuple[int, bool], float | None] = {}  # draft()'s answers since the last record_draft
+        self._draft_memo: dict = {}  # draft()'s answers (and the line) since the last record_draft
         self._ticks = {"verify": 0, "draft": 0}  # measurements recorded so far, per table
 
     # ------------------------------------------------------------------ measurements
@@ -120,14 +120,18 @@ class StepCosts:
         entry = self._draft.get(steps)
         if entry is not None and (entry[2] > fresh or len(self._draft) == 1):
             return entry[0]
-        points = [(s, e[0], 1) for s, e in self._draft.items() if e[2] > fresh] or \
-            [(s, e[0], 1) for s, e in self._draft.items()]
-        if not points:
+        if "line" not in self._draft_memo:  # the fit once until the next measurement
+            points = [(s, e[0], 1) for s, e in self._draft.items() if e[2] > fresh] or \
+                [(s, e[0], 1) for s, e in self._draft.items()]
+            self._draft_memo["line"] = None if not points else (points[0][:2], None) if len(points) == 1 else \
+                (None, _fit(points))
+        if self._draft_memo["line"] is None:
             return None
-        if len(points) == 1:  # one length measured: its seconds per step (a block: per forward)
-            (s, m, _), = points
+        one, fit = self._draft_memo["line"]
+        if one is not None:  # one length measured: its seconds per step (a block: per forward)
+            s, m = one
             return m * steps / max(s, 1) if sequential else m
-        return max(0.0, _line(points, steps))
+        return max(0.0, fit[0] + fit[1] * steps)
 
     @property
     def measured(self) -> int:
