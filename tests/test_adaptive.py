@@ -696,6 +696,38 @@ def test_a_policy_kept_across_calls_explores_its_widths_only_until_they_are_meas
     assert first_rounds() == [4, 4, 3]
 
 
+def test_forgetting_weighs_each_round_forget_times_the_next_over_hundreds_of_rounds():
+    """forget=0.5 over 400 rounds (the policy's sums change units on the way): the acceptance
+    of a first draft equals the rates recomputed from every reached draft weighted
+    forget ** (rounds since), with the priors as the class docstring gives them."""
+    rng = random.Random(0)
+    now, clock = fake_clock()
+    forget, w, prior = 0.5, 4.0, 0.8
+    policy = Adaptive(max_draft=3, costs=FixedCosts(lambda r, width: 1.0), forget=forget, prior_weight=w,
+                      prior_acceptance=prior, explore=False, clock=clock)
+    policy.start(1, greedy=True)
+    history = []  # per round: (bin, passed) of the reached first drafts
+    for _ in range(400):
+        confidence = [rng.random() for _ in range(3)]
+        verified = policy.select(Proposal(torch.arange(3)[None], torch.tensor([3]),
+                                          confidence=torch.tensor([confidence])))
+        n = int(verified.num_draft[0])
+        a = sum(1 for _ in itertools.takewhile(lambda c: rng.random() < c, confidence[:n]))
+        now[0] += 1.0
+        policy.observe([n], [a])
+        history.append([(bisect.bisect_left(EDGES, confidence[0]), a > 0)] if n else [])
+    reached, passed = [0.0] * len(CENTRES), [0.0] * len(CENTRES)
+    for age, events in enumerate(reversed(history)):
+        for i, ok in events:
+            reached[i] += forget ** age
+            passed[i] += forget ** age * ok
+    pooled = (sum(passed) + w * prior) / (sum(reached) + w)
+    for i, centre in enumerate(CENTRES):
+        assert policy.acceptance(centre, 1) == pytest.approx(min(1.0, (passed[i] + w * pooled) / (reached[i] + w)),
+                                                             rel=1e-9), i
+    assert policy._unit < 1e100
+
+
 def test_a_block_drafter_drafts_the_length_worth_its_verification(block_pair):
     """A block drafter's plan is the best length by the costs, as a chain's is, not its whole
     block: with a verification of 1 + (w - 1) and a block forward of 0.1 whatever its length,
