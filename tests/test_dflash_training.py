@@ -40,6 +40,26 @@ def drafter_and_data(loss_seed=0, draft_vocab=None):
     return target, draft, (tokens, features.float(), last.float())
 
 
+def test_tapped_features_are_the_hidden_states_of_one_forward_over_all_rows(tmp_path):
+    """Batches of 2 over 5 rows (the last batch ragged): the tapped features [N,T,A*H] and last
+    hidden state equal HF's hidden_states of one forward over every row, rounded to bfloat16;
+    cached, they read back the same; no rows at all is refused by name."""
+    target = llama(WORDS + 1, 32, 3, seed=0)
+    tokens = torch.randint(1, WORDS + 1, (5, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        states = target(tokens, output_hidden_states=True).hidden_states
+    features, last = tap_features(target, tokens, (1, 3), path=tmp_path / "f.safetensors", batch=2)
+    assert features.dtype == last.dtype == torch.bfloat16
+    assert features.shape == (5, 9, 2 * states[1].shape[-1])
+    torch.testing.assert_close(features.float(), torch.cat([states[1], states[3]], -1).bfloat16().float(),
+                               atol=0, rtol=1e-2)
+    torch.testing.assert_close(last.float(), states[-1].bfloat16().float(), atol=0, rtol=1e-2)
+    again = tap_features(target, tokens[:0], (1, 3), path=tmp_path / "f.safetensors")
+    assert torch.equal(again[0], features) and torch.equal(again[1], last)
+    with pytest.raises(ValueError, match="sequences"):
+        tap_features(target, tokens[:0], (1, 3), path=None)
+
+
 def test_slot_j_of_the_anchor_at_n_learns_the_token_at_n_plus_j():
     positions, exists = slot_positions(torch.tensor([[3, 14, -1]]), 5, 16)
     assert positions[0, 0].tolist() == [4, 5, 6, 7]
