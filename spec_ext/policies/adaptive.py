@@ -437,9 +437,8 @@ class Adaptive(Policy):
     def _explored(self, W: int | None, K: int) -> int:
         """The width chosen, or a neighbour now and then so the costs of both stay measured:
         while fewer than 3 widths are measured the rounds verify K, K - 1, K - 2 in turn (not
-        again at each call of a policy kept across calls: that cost the bundled pair ~1%);
-        then every fourth round one more, every fourth one fewer (untimed or not
-        ``explore``: the width chosen)."""
+        again at each call of a policy kept across calls); then every fourth round one more,
+        every fourth one fewer (untimed or not ``explore``: the width chosen)."""
         if not self._timed or not self.explore:
             return K if W is None else W
         if W is None or self.costs.measured < 3:
