@@ -143,9 +143,6 @@ def check_pair(target, draft) -> None:
         raise ValueError(f"draft: on {draft.device} but the target is on {target.device}")
 
 
-_VOCAB: "weakref.WeakKeyDictionary[object, tuple[int, int, int]]" = weakref.WeakKeyDictionary()
-
-
 def _text_config_value(model, name: str):
     """``model.config.<name>``, or its text config's where a multimodal config keeps it there."""
     config = model.config
@@ -212,9 +209,11 @@ def _placeholder(model, rows: int) -> int:
 def _skinny_forward(module: nn.Linear, x: Tensor) -> Tensor:
     """nn.Linear's forward on :func:`spec_ext.ops.skinny_linear` (backend auto: the kernel
     where its measured rule says it is faster, F.linear elsewhere), for the HF modules of a
-    model inside a block with ``fast_linear``. The kernel has no backward and ignores
-    autocast, so a forward that records gradients or runs under CPU autocast keeps F.linear."""
-    if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+    model inside a block with ``fast_linear`` opened on this thread (another thread's calls
+    of the same module keep F.linear). The kernel has no backward and ignores autocast, so a
+    forward that records gradients or runs under CPU autocast keeps F.linear."""
+    if (torch.is_grad_enabled() or torch.is_autocast_enabled("cpu")
+            or not _routes_here(_ROUTED_OWNER.get(module))):
         return F.linear(x, module.weight, module.bias)
     return ops.skinny_linear(x, module.weight, module.bias, validate=False)
 
@@ -231,25 +230,31 @@ _skinny_forward.spec_ext_linear = True  # lean._hooked: this replaced forward is
 # have a forward of their own (offloading hooks) or whose weight is not float32 on the CPU
 # are left alone.
 _ROUTED: "weakref.WeakKeyDictionary[object, list[tuple[nn.Linear, object]]]" = weakref.WeakKeyDictionary()
+_ROUTED_OWNER: "weakref.WeakKeyDictionary[nn.Linear, object]" = weakref.WeakKeyDictionary()  # module -> its model
 
 
-def _route_linear(model, on: bool) -> None:
-    """Put the nn.Linear modules of ``model`` on :func:`_skinny_forward` (``on``), or hand
-    them back exactly as they were (no forward of their own). Callers hold _OPEN_LOCK."""
-    routed = _ROUTED.get(model)
-    if on and routed is None:
-        routed = _ROUTED[model] = []  # recorded before each module changes: a failure midway is undone by _close
-        for module in model.modules():
-            if (type(module) is nn.Linear and "forward" not in module.__dict__
-                    and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32):
-                forward = types.MethodType(_skinny_forward, module)
-                routed.append((module, forward))
-                module.forward = forward
-    elif not on and routed is not None:
-        for module, forward in routed:
-            if module.__dict__.get("forward") is forward:
-                del module.forward
-        del _ROUTED[model]
+def _route_linear(model) -> None:
+    """Put the nn.Linear modules of ``model`` on :func:`_skinny_forward` (which takes the
+    kernel only on threads whose newest open block for ``model`` routes it). Callers hold
+    _OPEN_LOCK."""
+    if model in _ROUTED:
+        return
+    routed = _ROUTED[model] = []  # recorded before each module changes: a failure midway is undone by _unroute
+    for module in model.modules():
+        if (type(module) is nn.Linear and "forward" not in module.__dict__
+                and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32):
+            forward = types.MethodType(_skinny_forward, module)
+            routed.append((module, forward))
+            _ROUTED_OWNER[module] = model
+            module.forward = forward
+
+
+def _unroute_linear(model) -> None:
+    """Hand ``model``'s nn.Linear modules back exactly as they were (no forward of their own)."""
+    for module, forward in _ROUTED.pop(model, ()):
+        if module.__dict__.get("forward") is forward:
+            del module.forward
+        _ROUTED_OWNER.pop(module, None)
 
 
 class _Block:
@@ -260,43 +265,102 @@ class _Block:
     def __init__(self, vocab: tuple[int, int, int] | None, decided: tuple, route_linear: bool):
         self.vocab, self.decided, self.route_linear = vocab, decided, route_linear
 
-    def apply(self, model) -> None:
-        if self.vocab is None:
-            _VOCAB.pop(model, None)
-        else:
-            _VOCAB[model] = self.vocab
-        lean.restore(model, self.decided)
-        _route_linear(model, self.route_linear)
 
-
-# model -> (its attention implementation before the first open block, the open blocks oldest
-# first). Blocks may nest with the same model, on one thread or several (PEARL's draft thread
-# opens one for the draft inside the caller's), and close in any order: the newest open
-# block's settings apply, and the model is handed back as it was when the last one closes.
-_OPEN: "weakref.WeakKeyDictionary[object, tuple[str, list[_Block]]]" = weakref.WeakKeyDictionary()
+# Blocks are per thread: a forward reads the newest block its own thread opened for the model
+# (its vocabulary, its lean decision, its linear routing), so calls on several threads with
+# one model do not see each other's settings, and a thread with no block open (a plain
+# ``model.generate`` beside an accelerated call) sees the model as it was: its configs'
+# ``_attn_implementation`` reads "spec_ext" only on threads with a block open (the configs'
+# class is swapped, while any block is open, for one whose property asks the thread).
+_HERE = threading.local()  # .blocks: {id(model): [its blocks on this thread, oldest first]}
+# model -> (its configs, their classes before the first open block, open blocks on all threads)
+_OPEN: "weakref.WeakKeyDictionary[object, list]" = weakref.WeakKeyDictionary()
 _OPEN_LOCK = threading.Lock()
 
 
+def _here() -> dict:
+    blocks = getattr(_HERE, "blocks", None)
+    if blocks is None:
+        blocks = _HERE.blocks = {}
+    return blocks
+
+
+def _block_here(model) -> _Block | None:
+    """The newest block this thread opened for ``model`` (None: none open here)."""
+    blocks = getattr(_HERE, "blocks", None)
+    found = blocks.get(id(model)) if blocks else None
+    return found[-1] if found else None
+
+
+def _routes_here(model) -> bool:
+    block = None if model is None else _block_here(model)
+    return block is not None and block.route_linear
+
+
+def _configs(model) -> list:
+    """``model.config`` and every sub-config under it (a multimodal model's text config)."""
+    found, todo = [], [model.config]
+    while todo:
+        config = todo.pop()
+        if any(config is c for c in found):
+            continue
+        found.append(config)
+        for key in getattr(config, "sub_configs", {}) or {}:
+            sub = getattr(config, key, None)
+            if sub is not None and hasattr(sub, "_attn_implementation"):
+                todo.append(sub)
+    return found
+
+
+@functools.lru_cache(None)
+def _routed_config_class(cls):
+    """``cls`` with an ``_attn_implementation`` that reads "spec_ext" on a thread that has a
+    block open for a model of this config, and the stored value on any other thread."""
+    stored = cls._attn_implementation
+
+    def read(self):
+        configs = getattr(_HERE, "configs", None)
+        return ATTENTION if configs and configs.get(id(self)) else stored.fget(self)
+
+    return type(cls.__name__, (cls,), {"_attn_implementation": property(read, stored.fset),
+                                        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                        "spec_ext_routed": True})
+
+
+def _enter_configs(configs: list, step: int) -> None:
+    counts = getattr(_HERE, "configs", None)
+    if counts is None:
+        counts = _HERE.configs = {}
+    for config in configs:
+        counts[id(config)] = counts.get(id(config), 0) + step
+        if counts[id(config)] <= 0:
+            del counts[id(config)]
+
+
 def _close(opened: list[tuple[object, _Block]]) -> None:
+    here = _here()
     with _OPEN_LOCK:
         for m, block in reversed(opened):
-            original, blocks = _OPEN[m]
-            newest = blocks[-1] is block
-            blocks.remove(block)  # by identity: _Block has no __eq__
-            if not blocks:
+            entry = _OPEN[m]
+            configs, classes, count = entry
+            mine = here[id(m)]
+            mine.remove(block)  # by identity: _Block has no __eq__
+            if not mine:
+                del here[id(m)]
+            _enter_configs(configs, -1)
+            entry[2] = count - 1
+            if entry[2] == 0:
                 del _OPEN[m]
-                m.config._attn_implementation = original
-                _VOCAB.pop(m, None)  # the lean decision stays: forward_path reports the last block
-                _route_linear(m, False)
-            elif newest:
-                blocks[-1].apply(m)
+                for config, cls in zip(configs, classes):
+                    config.__class__ = cls
+                _unroute_linear(m)
 
 
 @contextlib.contextmanager
 def attention_implementation(*models, fast_linear: bool | str | Sequence[bool | str] = False,
                              vocab_size: int | None = None):
-    """Route the models' attention through spec_ext for the duration of the block (and
-    choose, per model, between the lean forward and the HF modules; ``fast_linear``, one
+    """Route the models' attention through spec_ext for the duration of the block, on this
+    thread (and choose, per model, between the lean forward and the HF modules; ``fast_linear``, one
     for all models or one per model: see :func:`spec_ext.models.lean.prepare`; True or
     "auto" on a model that takes the HF modules puts their ``nn.Linear`` layers (the decoder
     layers' projections, the LM head) on :func:`spec_ext.ops.skinny_linear` with backend
@@ -305,16 +369,19 @@ def attention_implementation(*models, fast_linear: bool | str | Sequence[bool | 
     ``vocab_size``: :func:`forward` returns logits [B,T,vocab_size] for every model (the
     target's V; see the module docstring); None: each model's own.
 
-    Blocks nest, with the same model too and from several threads: inside, the newest open
-    block's settings apply to a model; when it closes, those of the block open before it
-    are back; when a model's last block closes, its attention implementation is the one it
-    had before the first."""
+    Blocks nest, with the same model too, and are per thread: inside, the newest block this
+    thread opened sets a model's forward; when it closes, the one this thread opened before
+    it applies again. Other threads see none of it: their forwards of the same model (a
+    plain ``model.generate`` beside an accelerated call, or another accelerated call with
+    other settings) run as they would without this block. When a model's last block on any
+    thread closes, the model is handed back exactly as it was."""
     fast = list(fast_linear) if isinstance(fast_linear, (list, tuple)) else [fast_linear] * len(models)
     if len(fast) != len(models):
         raise ValueError(f"fast_linear: {len(fast)} settings for {len(models)} models")
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
         raise ValueError(f"vocab_size: expected None or a positive int, got {vocab_size!r}")
     opened: list[tuple[object, _Block]] = []
+    here = _here()
     try:
         with _OPEN_LOCK:
             for m, f in zip(models, fast):
@@ -325,10 +392,19 @@ def attention_implementation(*models, fast_linear: bool | str | Sequence[bool | 
                 # a tensor-parallel target's shards keep F.linear: its weights may be DTensors
                 route = bool(f) and decided[0] is None and split_size(m) == 1 and kernel_applies(m.device, m.dtype)
                 block = _Block((rows, _placeholder(m, rows), vocab_size) if padded else None, decided, route)
-                _OPEN.setdefault(m, (m.config._attn_implementation, []))[1].append(block)
-                opened.append((m, block))  # before apply: _close undoes whatever apply got to
-                m.config._attn_implementation = ATTENTION
-                block.apply(m)
+                entry = _OPEN.get(m)
+                if entry is None:
+                    configs = _configs(m)
+                    entry = _OPEN[m] = [configs, [type(c) for c in configs], 0]
+                    for config in configs:
+                        if not getattr(type(config), "spec_ext_routed", False):
+                            config.__class__ = _routed_config_class(type(config))
+                entry[2] += 1
+                here.setdefault(id(m), []).append(block)
+                opened.append((m, block))  # before anything else: _close undoes whatever got done
+                _enter_configs(entry[0], +1)
+                if route:
+                    _route_linear(m)
         yield
     finally:
         _close(opened)
@@ -380,14 +456,16 @@ def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tenso
     """
     if layers is not None:
         layers = _feature_layers(model, layers)
-    vocab = _VOCAB.get(model)
+    block = _block_here(model)
+    vocab = None if block is None else block.vocab
     if vocab is not None:
         input_ids = input_ids.masked_fill(input_ids >= vocab[0], vocab[1])
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None:  # drafts past the limit only give tokens past max_new_tokens: keep them in range
         positions = positions.clamp_max(limit - 1)
     cache.before_forward(input_ids, positions, tree_mask)
-    decoder = lean.lean_decoder(model) if use_lean else None
+    decoder = None if not use_lean or model.training else \
+        lean.lean_decoder(model) if block is None else block.decided[0]
     if decoder is not None:
         out = decoder(input_ids, cache, positions, tree_mask, hidden, layers)
     else:
