@@ -249,14 +249,14 @@ def test_bad_input():
         spec_ext.ops.skinny_linear(x.long(), w)
     with pytest.raises(ValueError, match="x: expected 1-D or"):
         spec_ext.ops.skinny_linear(torch.tensor(1.0), w)
-    with pytest.raises(ValueError, match="x: backend='cpu' takes float32"):
-        spec_ext.ops.skinny_linear(x.half(), w.half(), backend="cpu")
+    with pytest.raises(ValueError, match="weight: expected dtype torch.float16, got torch.bfloat16"):
+        spec_ext.ops.skinny_linear(x.half(), w.bfloat16(), backend="cpu")  # half x takes half weights
     with pytest.raises(ValueError, match="backend must be one of"):
         spec_ext.ops.skinny_linear(x, w, backend="triton")
     with pytest.raises(RuntimeError, match="expected x \\[..., K\\] and weight \\[N, K\\]"):
         torch.ops.spec_ext.skinny_linear(torch.randn(2, 8), torch.randn(3, 4), None)  # unchecked entry point
-    with pytest.raises(RuntimeError, match="x float32 and weight float32 or bfloat16"):
-        torch.ops.spec_ext.skinny_linear(x.bfloat16(), w.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="x float32 and weight float32 or bfloat16, or x and weight both"):
+        torch.ops.spec_ext.skinny_linear(x.half(), w.bfloat16(), None)
 
 
 def test_an_unknown_isa_is_refused_by_name(monkeypatch):

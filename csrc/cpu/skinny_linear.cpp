@@ -1,7 +1,9 @@
 // y = x @ weight.T (+ bias) for a few rows of x (decode steps, verification blocks): float32
-// activations and accumulation, float32 or bfloat16 weights (bfloat16 -> float32 is a 16-bit
-// shift, exact: half the bytes to read), on AVX-512, AVX2 + FMA or portable C++, chosen at
-// run time (SPEC_EXT_CPU_ISA forces a lower path), bit-equal on all three.
+// accumulation; float32 x with float32 or bfloat16 weights (bfloat16 -> float32 is a 16-bit
+// shift, exact: half the bytes to read), or bfloat16 / float16 x with weights of its dtype
+// (both widened exactly to float32, the sum and the bias in float32, y rounded once to x's
+// dtype); on AVX-512, AVX2 + FMA (+ F16C) or portable C++, chosen at run time
+// (SPEC_EXT_CPU_ISA forces a lower path), bit-equal on all three.
 //
 // The weight-read limit: each weight element is loaded from memory once for all rows of x.
 // A register block holds MR rows of x times NR weight rows (NR * MR accumulators, e.g. 4 x 3
@@ -18,9 +20,9 @@
 // rows come with it, whatever the chunking, threading and ISA): 8 interleaved partial sums
 // over k < K8 = K - K % 8 (lane j takes k = j mod 8, one fused multiply-add per k, k rising),
 // added as a tree (j + j+4, then j + j+2, then 0 + 1), then the tail k >= K8 fused in
-// order, then + bias. AVX-512 keeps two weight rows' 8 lanes in one 16-lane register
-// (lanes 0-7: row n, 8-15: row n+1; x broadcast into both halves), AVX2 one per register,
-// the portable loop an array of 8.
+// order, then + bias (all float32), then one rounding to x's dtype. AVX-512 keeps two weight
+// rows' 8 lanes in one 16-lane register (lanes 0-7: row n, 8-15: row n+1; x broadcast into
+// both halves), AVX2 one per register, the portable loop an array of 8.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -47,27 +49,30 @@
 namespace spec_ext {
 namespace {
 
-using bf16_bits = uint16_t;
+using bf16 = c10::BFloat16;
+using f16 = c10::Half;
 
+// float32 of an element of x or of the weight; exact for all three types
 inline float widen(float w) { return w; }
-inline float widen(bf16_bits w) {
-  const uint32_t u = uint32_t{w} << 16;
+inline float widen(bf16 w) {
+  const uint32_t u = uint32_t{w.x} << 16;
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+inline float widen(f16 w) { return c10::detail::fp16_ieee_to_fp32_value(w.x); }
 
 // What a register block works on. x rows [m0, m0 + MR) at x + m * ldx, weight rows
 // [n, n + NR) at w + n * ldw, the k range [k0, k1) (multiples of 8, k1 <= K8); partial
 // sums from / to `partial` (MR x NR x 8 floats in the path's own layout) unless the block
 // starts (k0 == 0) or ends (k1 == K8) the sum; at the end y[m, n] = tree + tail + bias.
-template <typename W>
+template <typename X, typename W>
 struct Block {
-  const float* x;
+  const X* x;
   int64_t ldx;
   const W* w;
   int64_t ldw;
-  float* y;
+  X* y;
   int64_t ldy;
   const float* bias;  // [N] or null
   int64_t K, k0, k1;
@@ -88,17 +93,17 @@ struct Block {
 
 // y[m0 + i, n + r] = t[i * NR + r] (the tree of its 8 lanes) + the tail + the bias: the one
 // finish of every path
-template <int MR, int NR, typename W>
-inline void finish(const float* t, const Block<W>& b, int64_t m0, int64_t n) {
+template <int MR, int NR, typename X, typename W>
+inline void finish(const float* t, const Block<X, W>& b, int64_t m0, int64_t n) {
   const int64_t K8 = b.K - b.K % 8;
   for (int i = 0; i < MR; ++i) {
-    const float* xr = b.x + (m0 + i) * b.ldx;
-    float* yr = b.y + (m0 + i) * b.ldy + n;
+    const X* xr = b.x + (m0 + i) * b.ldx;
+    X* yr = b.y + (m0 + i) * b.ldy + n;
     for (int r = 0; r < NR; ++r) {
       float s = t[i * NR + r];
       const W* wr = b.w + (n + r) * b.ldw;
-      for (int64_t k = K8; k < b.K; ++k) s = std::fma(widen(wr[k]), xr[k], s);
-      yr[r] = b.bias != nullptr ? s + b.bias[n + r] : s;
+      for (int64_t k = K8; k < b.K; ++k) s = std::fma(widen(wr[k]), widen(xr[k]), s);
+      yr[r] = static_cast<X>(b.bias != nullptr ? s + b.bias[n + r] : s);  // the one rounding to X
     }
   }
 }
@@ -122,16 +127,17 @@ struct PortableOps {
     for (int j = 0; j < 8; ++j) v.l[j] = widen(a[j]);
     return v;
   }
-  static V load_x(const float* p) {
+  template <typename X>
+  static V load_x(const X* p) {
     V v;
-    for (int j = 0; j < 8; ++j) v.l[j] = p[j];
+    for (int j = 0; j < 8; ++j) v.l[j] = widen(p[j]);
     return v;
   }
   static V fma(const V& w, const V& x, V acc) {
     for (int j = 0; j < 8; ++j) acc.l[j] = std::fma(w.l[j], x.l[j], acc.l[j]);
     return acc;
   }
-  static V load(const float* p) { return load_x(p); }
+  static V load(const float* p) { return load_x<float>(p); }
   static void store(float* p, const V& v) {
     for (int j = 0; j < 8; ++j) p[j] = v.l[j];
   }
@@ -150,14 +156,14 @@ struct PortableOps {
 // step loads the NR weight rows' 8 weights once (NP vectors) and each of the MR rows of x
 // once, and does MR * NP fused multiply-adds. Compiled into each path's own `block` (which
 // carries the path's target and flattens this and the operations into it).
-template <class Ops, int MR, int NR, typename W>
-inline void block_body(const Block<W>& b, int64_t m0, int64_t n) {
+template <class Ops, int MR, int NR, typename X, typename W>
+inline void block_body(const Block<X, W>& b, int64_t m0, int64_t n) {
   using V = typename Ops::V;
   constexpr int R = Ops::rows, NP = (NR + R - 1) / R;  // an odd last row pairs with itself (R = 2)
   V acc[MR][NP];
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p) acc[i][p] = b.first ? Ops::zero() : Ops::load(b.partial + (i * NP + p) * 8 * R);
-  const float* x = b.x + m0 * b.ldx;
+  const X* x = b.x + m0 * b.ldx;
   const W* w = b.w + n * b.ldw;
   const char* ahead = b.prefetch;
   int64_t next_at = b.next_offset;
@@ -188,7 +194,7 @@ inline void block_body(const Block<W>& b, int64_t m0, int64_t n) {
   }
   float t[MR * NR];
   Ops::template trees<MR, NP, NR>(acc, t);
-  finish<MR, NR>(t, b, m0, n);
+  finish<MR, NR, X, W>(t, b, m0, n);
 }
 
 // (MR, NR) of the main block on the portable and AVX2 paths: the rows of x in one block (up
@@ -205,15 +211,16 @@ struct Portable {
   static constexpr bool prefetches = false;
   static constexpr int padded(int nr) { return nr; }
   static std::pair<int, int> plan(int64_t M) { return plan_16_registers(M); }
-  template <int MR, int NR, typename W>
-  SPEC_EXT_FLATTEN static void block(const Block<W>& b, int64_t m0, int64_t n) {
-    block_body<PortableOps, MR, NR, W>(b, m0, n);
+  template <int MR, int NR, typename X, typename W>
+  SPEC_EXT_FLATTEN static void block(const Block<X, W>& b, int64_t m0, int64_t n) {
+    block_body<PortableOps, MR, NR, X, W>(b, m0, n);
   }
 };
 
 #if defined(__x86_64__)
-#define SPEC_EXT_AVX2 __attribute__((target("avx2,fma")))
-#define SPEC_EXT_AVX512 __attribute__((target("avx512f,avx2,fma")))
+// F16C: float16 -> float32 conversions (every CPU with AVX2 and FMA has it; supported_isa checks)
+#define SPEC_EXT_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define SPEC_EXT_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
 // the portable loop's tree (j + j+4, j + j+2, 0 + 1) of `count` registers' 8 lanes each, four
 // registers at a time: t[c] = the tree of v[c]
@@ -243,11 +250,16 @@ struct Avx2Ops {
   static constexpr int rows = 1;
   SPEC_EXT_AVX2 static inline V zero() { return _mm256_setzero_ps(); }
   SPEC_EXT_AVX2 static inline V load_w(const float* a, const float*) { return _mm256_loadu_ps(a); }
-  SPEC_EXT_AVX2 static inline V load_w(const bf16_bits* a, const bf16_bits*) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+  SPEC_EXT_AVX2 static inline V load_w(const bf16* a, const bf16*) { return load_x(a); }
+  SPEC_EXT_AVX2 static inline V load_w(const f16* a, const f16*) { return load_x(a); }
+  SPEC_EXT_AVX2 static inline V load_x(const float* p) { return _mm256_loadu_ps(p); }
+  SPEC_EXT_AVX2 static inline V load_x(const bf16* p) {  // a 16-bit shift
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
-  SPEC_EXT_AVX2 static inline V load_x(const float* p) { return _mm256_loadu_ps(p); }
+  SPEC_EXT_AVX2 static inline V load_x(const f16* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   SPEC_EXT_AVX2 static inline V fma(V w, V x, V acc) { return _mm256_fmadd_ps(w, x, acc); }
   SPEC_EXT_AVX2 static inline V load(const float* p) { return _mm256_loadu_ps(p); }
   SPEC_EXT_AVX2 static inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
@@ -265,14 +277,19 @@ struct Avx512Ops {
     const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a)));
     return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(c)), 1));
   }
-  SPEC_EXT_AVX512 static inline V load_w(const bf16_bits* a, const bf16_bits* c) {
-    const __m256i both = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), 1);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(both), 16));
+  // 8 16-bit weights of row a in the low half, 8 of row c in the high half
+  template <typename W>
+  SPEC_EXT_AVX512 static inline __m256i pair16(const W* a, const W* c) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), 1);
   }
-  SPEC_EXT_AVX512 static inline V load_x(const float* p) {
-    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+  SPEC_EXT_AVX512 static inline V load_w(const bf16* a, const bf16* c) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pair16(a, c)), 16));
+  }
+  SPEC_EXT_AVX512 static inline V load_w(const f16* a, const f16* c) { return _mm512_cvtph_ps(pair16(a, c)); }
+  template <typename X>
+  SPEC_EXT_AVX512 static inline V load_x(const X* p) {  // the AVX2 path's 8 floats, in both halves
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(Avx2Ops::load_x(p))));
   }
   SPEC_EXT_AVX512 static inline V fma(V w, V x, V acc) { return _mm512_fmadd_ps(w, x, acc); }
   SPEC_EXT_AVX512 static inline V load(const float* p) { return _mm512_loadu_ps(p); }
@@ -297,9 +314,9 @@ struct Avx2 {
   static constexpr int padded(int nr) { return nr; }
   // 12 accumulators of the 16 ymm registers where there are rows for it
   static std::pair<int, int> plan(int64_t M) { return plan_16_registers(M); }
-  template <int MR, int NR, typename W>
-  SPEC_EXT_AVX2 SPEC_EXT_FLATTEN static void block(const Block<W>& b, int64_t m0, int64_t n) {
-    block_body<Avx2Ops, MR, NR, W>(b, m0, n);
+  template <int MR, int NR, typename X, typename W>
+  SPEC_EXT_AVX2 SPEC_EXT_FLATTEN static void block(const Block<X, W>& b, int64_t m0, int64_t n) {
+    block_body<Avx2Ops, MR, NR, X, W>(b, m0, n);
   }
 };
 
@@ -318,29 +335,29 @@ struct Avx512 {
     const int64_t blocks = (M + 7) / 8, mr = (M + blocks - 1) / blocks;
     return {static_cast<int>(mr), mr <= 6 ? 8 : 6};
   }
-  template <int MR, int NR, typename W>
-  SPEC_EXT_AVX512 SPEC_EXT_FLATTEN static void block(const Block<W>& b, int64_t m0, int64_t n) {
-    block_body<Avx512Ops, MR, NR, W>(b, m0, n);
+  template <int MR, int NR, typename X, typename W>
+  SPEC_EXT_AVX512 SPEC_EXT_FLATTEN static void block(const Block<X, W>& b, int64_t m0, int64_t n) {
+    block_body<Avx512Ops, MR, NR, X, W>(b, m0, n);
   }
 };
 #endif
 
 // block<MR, NR> of a path by run-time MR (1..max_rows) and NR (1..max_cols)
-template <class Path, typename W>
+template <class Path, typename X, typename W>
 struct Blocks {
-  using Fn = void (*)(const Block<W>&, int64_t, int64_t);
+  using Fn = void (*)(const Block<X, W>&, int64_t, int64_t);
   Fn table[Path::max_rows][Path::max_cols];
 
   template <int MR, int... NR>
   void fill_row(std::integer_sequence<int, NR...>) {
-    ((table[MR - 1][NR] = &Path::template block<MR, NR + 1, W>), ...);
+    ((table[MR - 1][NR] = &Path::template block<MR, NR + 1, X, W>), ...);
   }
   template <int... MR>
   void fill(std::integer_sequence<int, MR...>) {
     (fill_row<MR + 1>(std::make_integer_sequence<int, Path::max_cols>{}), ...);
   }
   Blocks() { fill(std::make_integer_sequence<int, Path::max_rows>{}); }
-  void operator()(int mr, int nr, const Block<W>& b, int64_t m0, int64_t n) const { table[mr - 1][nr - 1](b, m0, n); }
+  void operator()(int mr, int nr, const Block<X, W>& b, int64_t m0, int64_t n) const { table[mr - 1][nr - 1](b, m0, n); }
 };
 
 // K chunks (more rows of x than one register block, long rows): M rows x (at most this many
@@ -392,10 +409,10 @@ constexpr int64_t kPrefetchBlockBytes = 32 << 10;
 // tile is read from memory once (by the first row block) and from L1 by the other row blocks,
 // the x chunk stays in L1 across the tile, and the tile's partial sums (M x tile x 8 floats)
 // wait in a small buffer between chunks (L1): nothing grows with N.
-template <class Path, typename W>
-void columns(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* bias, float* y, int64_t M,
+template <class Path, typename X, typename W>
+void columns(const X* x, int64_t ldx, const W* w, int64_t ldw, const float* bias, X* y, int64_t M,
              int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  static const Blocks<Path, W> blocks;
+  static const Blocks<Path, X, W> blocks;
   const auto [MR, NR] = Path::plan(M);
   const int64_t K8 = K - K % 8;
   int64_t chunk = M <= MR ? K8 : std::max<int64_t>(128, (kChunkFloats / M) / 8 * 8);
@@ -406,7 +423,7 @@ void columns(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* 
       chunked ? NR * std::max<int64_t>(1, kTileFloats / (M * Path::padded(NR) * 8)) : NR;
   std::vector<float> partial;
   if (chunked) partial.resize(static_cast<size_t>(tile * M * 8));
-  Block<W> b{x, ldx, w, ldw, y, N, bias, K, 0, 0, true, true, nullptr, nullptr, 0, 0, nullptr, 0, 0, 0, 0};
+  Block<X, W> b{x, ldx, w, ldw, y, N, bias, K, 0, 0, true, true, nullptr, nullptr, 0, 0, nullptr, 0, 0, 0, 0};
 #if defined(__x86_64__)
   const int64_t row_blocks = (M + MR - 1) / MR;
   const bool stream = Path::prefetches && ldw == K && !chunked &&
@@ -458,8 +475,8 @@ void columns(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* 
   }
 }
 
-template <class Path, typename W>
-void run(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* bias, float* y, int64_t M, int64_t N,
+template <class Path, typename X, typename W>
+void run(const X* x, int64_t ldx, const W* w, int64_t ldw, const float* bias, X* y, int64_t M, int64_t N,
          int64_t K) {
   const int64_t NR = Path::plan(M).second;
   const int64_t groups = (N + NR - 1) / NR;
@@ -467,7 +484,7 @@ void run(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* bias
   const int64_t grain =
       std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, K * static_cast<int64_t>(sizeof(W)) * NR));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    columns<Path, W>(x, ldx, w, ldw, bias, y, M, N, K, g0 * NR, std::min(N, g1 * NR));
+    columns<Path, X, W>(x, ldx, w, ldw, bias, y, M, N, K, g0 * NR, std::min(N, g1 * NR));
   });
 }
 
@@ -475,7 +492,7 @@ enum class Isa { portable = 0, avx2 = 1, avx512 = 2 };
 
 Isa supported_isa() {
 #if defined(__x86_64__)
-  static const Isa best = !__builtin_cpu_supports("fma")       ? Isa::portable
+  static const Isa best = !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c") ? Isa::portable
                           : __builtin_cpu_supports("avx512f") ? Isa::avx512
                           : __builtin_cpu_supports("avx2")    ? Isa::avx2
                                                               : Isa::portable;
@@ -505,7 +522,7 @@ Isa chosen_isa() {
 class PathChooser {
  public:
   static constexpr int kTrials = 3;
-  using Key = std::tuple<int64_t, int64_t, int64_t, bool>;  // M, N, K, bfloat16 weights
+  using Key = std::tuple<int64_t, int64_t, int64_t, int>;  // M, N, K, the Types (x, weight)
   struct Entry {
     int trials[2] = {0, 0};  // [avx2, avx512]
     double best[2] = {0, 0};
@@ -542,19 +559,23 @@ PathChooser& path_chooser() {
   return chooser;
 }
 
-template <typename W>
-void dispatch(Isa isa, const float* x, int64_t ldx, const W* w, int64_t ldw, const float* bias, float* y, int64_t M,
+template <typename X, typename W>
+void dispatch(Isa isa, const X* x, int64_t ldx, const W* w, int64_t ldw, const float* bias, X* y, int64_t M,
               int64_t N, int64_t K) {
 #if defined(__x86_64__)
-  if (isa == Isa::avx512) return run<Avx512, W>(x, ldx, w, ldw, bias, y, M, N, K);
-  if (isa == Isa::avx2) return run<Avx2, W>(x, ldx, w, ldw, bias, y, M, N, K);
+  if (isa == Isa::avx512) return run<Avx512, X, W>(x, ldx, w, ldw, bias, y, M, N, K);
+  if (isa == Isa::avx2) return run<Avx2, X, W>(x, ldx, w, ldw, bias, y, M, N, K);
 #endif
-  run<Portable, W>(x, ldx, w, ldw, bias, y, M, N, K);
+  run<Portable, X, W>(x, ldx, w, ldw, bias, y, M, N, K);
 }
 
 }  // namespace
 
 const char* const kIsaNames[] = {"portable", "avx2", "avx512"};
+
+// The (x, weight) dtypes the kernel takes, and the names skinny_linear_choices gives them
+enum class Types { f32_f32 = 0, f32_bf16 = 1, bf16_bf16 = 2, f16_f16 = 3 };
+const char* const kTypeNames[] = {"float32", "bfloat16", "bfloat16 (x bfloat16)", "float16 (x float16)"};
 
 // "avx512", "avx2" or "portable": the best path skinny_linear may take now, the CPU's or the one
 // SPEC_EXT_CPU_ISA forces (spec_ext._C.skinny_linear_isa); with AVX-512 unforced, each shape
@@ -565,8 +586,8 @@ const char* skinny_linear_isa() { return kIsaNames[static_cast<int>(chosen_isa()
 std::vector<SkinnyLinearChoice> skinny_linear_choices() {
   std::vector<SkinnyLinearChoice> rows;
   for (const auto& [key, e] : path_chooser().entries()) {
-    const auto& [M, N, K, bf16] = key;
-    rows.push_back({M, N, K, bf16 ? "bfloat16" : "float32", e.chosen < 0 ? "" : kIsaNames[e.chosen + 1],
+    const auto& [M, N, K, types] = key;
+    rows.push_back({M, N, K, kTypeNames[types], e.chosen < 0 ? "" : kIsaNames[e.chosen + 1],
                     e.trials[0] > 0 ? e.best[0] * 1e6 : -1.0, e.trials[1] > 0 ? e.best[1] * 1e6 : -1.0});
   }
   return rows;
@@ -574,10 +595,15 @@ std::vector<SkinnyLinearChoice> skinny_linear_choices() {
 
 at::Tensor skinny_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
                              const std::optional<at::Tensor>& bias_in) {
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat &&
-                  (weight_in.scalar_type() == at::kFloat || weight_in.scalar_type() == at::kBFloat16),
-              "skinny_linear: x float32 and weight float32 or bfloat16, got ", x_in.scalar_type(), " and ",
-              weight_in.scalar_type());
+  const auto xt = x_in.scalar_type(), wt = weight_in.scalar_type();
+  TORCH_CHECK((xt == at::kFloat && (wt == at::kFloat || wt == at::kBFloat16)) ||
+                  (xt == at::kBFloat16 && wt == at::kBFloat16) || (xt == at::kHalf && wt == at::kHalf),
+              "skinny_linear: x float32 and weight float32 or bfloat16, or x and weight both bfloat16 or both "
+              "float16, got ", xt, " and ", wt);
+  const Types types = xt == at::kBFloat16 ? Types::bf16_bf16
+                      : xt == at::kHalf   ? Types::f16_f16
+                      : wt == at::kBFloat16 ? Types::f32_bf16
+                                            : Types::f32_f32;
   TORCH_CHECK(x_in.dim() >= 1 && weight_in.dim() == 2 && x_in.size(-1) == weight_in.size(1),
               "skinny_linear: expected x [..., K] and weight [N, K], got ", x_in.sizes(), " and ", weight_in.sizes());
   TORCH_CHECK(!bias_in || (bias_in->dim() == 1 && bias_in->size(0) == weight_in.size(0) &&
@@ -597,22 +623,25 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
   at::Tensor bias;
   if (bias_in) bias = bias_in->to(at::kFloat).contiguous();
   const float* bp = bias_in ? bias.data_ptr<float>() : nullptr;
-  const float* xp = x.data_ptr<float>();
   const int64_t ldx = M > 1 ? x.stride(0) : K, ldw = N > 1 ? weight.stride(0) : K;
-  const bool bf16 = weight.scalar_type() == at::kBFloat16;
   auto compute = [&](Isa isa) {
-    if (bf16)
-      dispatch(isa, xp, ldx, reinterpret_cast<const bf16_bits*>(weight.data_ptr<at::BFloat16>()), ldw, bp,
-               y.data_ptr<float>(), M, N, K);
-    else
-      dispatch(isa, xp, ldx, weight.data_ptr<float>(), ldw, bp, y.data_ptr<float>(), M, N, K);
+    switch (types) {
+      case Types::f32_f32:
+        return dispatch(isa, x.data_ptr<float>(), ldx, weight.data_ptr<float>(), ldw, bp, y.data_ptr<float>(), M, N, K);
+      case Types::f32_bf16:
+        return dispatch(isa, x.data_ptr<float>(), ldx, weight.data_ptr<bf16>(), ldw, bp, y.data_ptr<float>(), M, N, K);
+      case Types::bf16_bf16:
+        return dispatch(isa, x.data_ptr<bf16>(), ldx, weight.data_ptr<bf16>(), ldw, bp, y.data_ptr<bf16>(), M, N, K);
+      case Types::f16_f16:
+        return dispatch(isa, x.data_ptr<f16>(), ldx, weight.data_ptr<f16>(), ldw, bp, y.data_ptr<f16>(), M, N, K);
+    }
   };
   const char* forced = std::getenv("SPEC_EXT_CPU_ISA");
   if ((forced != nullptr && *forced != '\0') || supported_isa() != Isa::avx512) {
     compute(chosen_isa());
     return y.view(sizes);
   }
-  const PathChooser::Key key{M, N, K, bf16};
+  const PathChooser::Key key{M, N, K, static_cast<int>(types)};
   const auto [isa, timed] = path_chooser().next(key);
   const auto start = std::chrono::steady_clock::now();
   compute(isa);

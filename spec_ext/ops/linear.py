@@ -1,5 +1,6 @@
 """skinny_linear: ``x @ weight.T + bias`` for the few token rows of a decode step or a
-verification block, on CPU."""
+verification block, on CPU; :func:`invariant_linear`, the linear whose every row's result is
+the same bits whatever the number of rows in the call (docs/invariance.md)."""
 from __future__ import annotations
 
 import functools
@@ -40,15 +41,19 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend
     register block of up to 4 rows of x times 3-8 weight rows, 8 rows on AVX-512; a long K is
     cut into chunks, tile by tile of weight rows, so that every row block reuses the weight
     vectors loaded for the first, while it prefetches the weights that come next), on AVX-512, AVX2 +
-    FMA or portable C++ (``cpu_isa``; ``SPEC_EXT_CPU_ISA`` forces a lower one). Weights may
-    be float32 or bfloat16 (x and the sums stay float32; bfloat16 -> float32 is exact, so a
-    bfloat16 weight gives the same bits as ``weight.float()``, reading half the bytes).
+    FMA (+ F16C) or portable C++ (``cpu_isa``; ``SPEC_EXT_CPU_ISA`` forces a lower one). With
+    float32 x, weights may be float32 or bfloat16 (x and the sums stay float32; bfloat16 ->
+    float32 is exact, so a bfloat16 weight gives the same bits as ``weight.float()``, reading
+    half the bytes); bfloat16 or float16 x takes weights of its own dtype: both widen exactly
+    to float32, the sums and the bias are float32, and y is rounded once to x's dtype.
 
     Rounding: each y[m, n] is one dot product in a fixed order, the same on every path,
     thread count and batch: 8 interleaved float32 partial sums over k (lane j takes the k
     with k mod 8 = j below K - K mod 8, one fused multiply-add each, k rising), added as a
-    tree (j + j+4, j + j+2, 0 + 1), then the last K mod 8 terms fused in order, then + bias.
-    So a row's result does not depend on the other rows with it, and is the same bits on
+    tree (j + j+4, j + j+2, 0 + 1), then the last K mod 8 terms fused in order, then + bias
+    in float32, then (bfloat16/float16 x) one rounding to x's dtype.
+    So a row's result does not depend on the other rows with it (the contract
+    :func:`invariant_linear` rests on), and is the same bits on
     every machine, but not MKL's bits: F.linear sums in its own (blocked, shape-dependent)
     order. Both are float32 dot products; they differ by float32 rounding, typically a few
     units in the last place of the larger terms (|error| up to about K * 2^-24 * sum |w x|
@@ -59,13 +64,15 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend
     arithmetic (F.linear) for the target; the draft's rounding never reaches the output.
 
     Args:
-        x: [..., K] float32 (float16 and bfloat16 go to F.linear).
+        x: [..., K] float32, bfloat16 or float16 ("auto" sends bfloat16 and float16 to F.linear).
         weight: [N, K], x's dtype, or bfloat16 with float32 x. bias: [N] (x's or the weight's
             dtype) or None.
         backend: "auto" (the kernel where it applies: CPU, float32 x, AVX2 or AVX-512, at
             most ``FEW_ROWS`` rows, or ``SKINNY_ROWS`` for a weight of ``SKINNY_BYTES`` or
-            more with K at most ``LONG_K``: :func:`uses_kernel`; F.linear otherwise), "cpu" (the kernel, any row count, any ISA path) or
-            "torch" (the float64 reference).
+            more with K at most ``LONG_K``: :func:`uses_kernel`; F.linear otherwise), "cpu"
+            (the kernel, any row count, any ISA path, every dtype above), "triton_invariant"
+            (spec_ext/kernels/linear.py: a fixed-order Triton linear, row-invariant, not yet
+            run on a GPU; see :func:`invariant_linear`) or "torch" (the float64 reference).
         validate: False skips every check (a model forward calls this per layer).
     Returns:
         [..., N] in x's dtype.
@@ -112,6 +119,58 @@ def auto_linear(device: torch.device, dtype: torch.dtype):
 
 ISA_VARIABLE = "SPEC_EXT_CPU_ISA"
 
+INVARIANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def invariant_linear(device: torch.device | str, dtype: torch.dtype):
+    """``(x, weight, bias) -> y``, unchecked: ``x @ weight.T + bias`` whose every row is the same
+    bits whatever the number of rows in the call (1, k+1, 64 or more) and whatever rows come
+    with it: a verification block's row equals the same row computed alone in a decode step.
+    F.linear is not (MKL and oneDNN pick their algorithm, and so their order of summation, by
+    the row count); this is the fixed-order kernel at every row count, never F.linear.
+
+    On CPU: skinny_linear's kernel (backend "cpu": every ISA path gives the same bits, so a
+    row's result is also the same on every x86-64 machine); x float32 with weights float32 or
+    bfloat16, or x bfloat16 / float16 with weights of its dtype; float32 sums, the bias added
+    in float32, y rounded once to x's dtype. Costs what skinny_linear costs at that row count
+    (docs/invariance.md: about F.linear's time or less up to 16-32 rows, more beyond). On a
+    GPU: the Triton kernel of spec_ext/kernels/linear.py (backend "triton_invariant": float32
+    sums over K in blocks in a fixed order, same dtypes), tested bit-invariant in the Triton
+    interpreter and compiled ahead of time for sm_80/sm_90, not yet run on a GPU.
+
+    Args:
+        device: where x and the weights are; dtype: x's dtype, float32, bfloat16 or float16.
+    Returns:
+        the function; it takes x [..., K], weight [N, K], bias [N] or None and returns [..., N]
+        in x's dtype. ValueError naming ``device`` where there is no invariant kernel (a CPU
+        without the built extension, a GPU without Triton), or ``dtype`` for another dtype.
+
+    Example:
+        >>> linear = invariant_linear("cpu", torch.bfloat16)
+        >>> w = torch.randn(864, 320).bfloat16(); x = torch.randn(5, 320).bfloat16()
+        >>> torch.equal(linear(x, w, None)[3], linear(x[3:4], w, None)[0])
+        True
+    """
+    device = torch.device(device)
+    if dtype not in INVARIANT_DTYPES:
+        fail("dtype", f"the invariant linear takes float32, bfloat16 or float16 x, got {dtype}")
+    return _invariant(device)
+
+
+@functools.lru_cache(None)
+def _invariant(device: torch.device):
+    if device.type == "cpu":
+        if not registry.registered("skinny_linear", "CPU"):
+            fail("device", f"the invariant linear on CPU is skinny_linear's C++ kernel: {registry.backends()['cpu']}")
+        return registry.kernel("skinny_linear", "cpu", device)
+    if device.type != "cuda":
+        fail("device", f"the invariant linear runs on CPU (C++) or CUDA (Triton), got {device}")
+    try:
+        registry.resolve("skinny_linear", "triton_invariant", device)
+    except ValueError as error:
+        fail("device", f"no invariant linear on {device}: its Triton kernel cannot run ({error})")
+    return registry.kernel("skinny_linear", "triton_invariant", device)
+
 
 def _f_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear, with a bfloat16 weight (and bias) widened to x's dtype first."""
@@ -149,6 +208,4 @@ def _check(x, weight, bias, backend) -> None:
     if bias is not None:
         check_tensor("bias", bias, 1, tuple(dict.fromkeys((x.dtype, weight.dtype))), x.device)
         check_shape("bias", bias, (weight.shape[0],))
-    if backend != "auto" and registry.resolve("skinny_linear", backend, x.device) == "cpu" \
-            and x.dtype != torch.float32:
-        fail("x", f"backend='cpu' takes float32, got {x.dtype}")
+    registry.resolve("skinny_linear", backend, x.device)  # ValueError naming backend
