@@ -53,6 +53,9 @@ TORCH_LIBRARY(spec_ext, m) {
         "-> (Tensor path, Tensor tokens, Tensor num_accepted)");
   m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor prefix_lens, Tensor? tree_mask, "
         "float scale, int window, float softcap, Tensor? sinks) -> Tensor");
+  // tree_attention whose every query's output is independent of T (CPU; docs/invariance.md)
+  m.def("tree_attention_invariant(Tensor q, Tensor k, Tensor v, Tensor prefix_lens, Tensor? tree_mask, "
+        "float scale, int window, float softcap, Tensor? sinks) -> Tensor");
   m.def("compact_kv(Tensor(a!) caches, Tensor src, Tensor dst_start) -> ()");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("acceptance_head(Tensor hidden, Tensor probs, Tensor[] weights, int column, float eps) -> Tensor");

@@ -20,6 +20,10 @@
 // A sink is one more term of the softmax's denominator, exp(sink), with no value; a query
 // that sees no key gets zeros, whatever its sink (-inf included: exp(-inf) = 0 is no sink).
 // Values may be narrower or wider than keys (Dv != D: MLA); the output has the values' width.
+// Width invariance: the GEMM paths' sums follow ATen's GEMM, whose order depends on the number
+// of queries, so a query's bits depend on T; tree_attention_invariant takes the loop path at
+// every T, in one fixed order per query (see attend), and its queries do not (the loop path
+// costs more than the GEMMs from a few queries on: docs/invariance.md).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -127,6 +131,34 @@ inline float soft_capped(float score, float softcap) {
   return softcap > 0.f ? softcap * std::tanh(score / softcap) : score;
 }
 
+// q . key over D in a fixed order, the same for every query, key and call: 8 interleaved
+// partial sums over d < D8 = D - D % 8 (lane j takes d = j mod 8, d rising), added as a tree
+// (j + j+4, j + j+2, 0 + 1), then the tail d >= D8 in order. Products and sums are separate
+// float32 operations written out lane by lane, so the compiler may vectorise them but not
+// reorder them (no -ffast-math).
+template <typename scalar_t>
+inline float fixed_order_dot(const float* query, const scalar_t* key, int64_t D) {
+  float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  const int64_t D8 = D - D % 8;
+  for (int64_t d = 0; d < D8; d += 8)
+    for (int j = 0; j < 8; ++j) lane[j] += query[d + j] * static_cast<float>(key[d + j]);
+  for (int j = 0; j < 4; ++j) lane[j] += lane[j + 4];
+  float dot = (lane[0] + lane[2]) + (lane[1] + lane[3]);
+  for (int64_t d = D8; d < D; ++d) dot += query[d] * static_cast<float>(key[d]);
+  return dot;
+}
+
+// One query at a time, each over the keys it sees in rising order (the loop path: T = 1, and
+// every T for tree_attention_invariant). A query's output is a function of its own q, the keys
+// and values it sees (in order), the scale, softcap and its head's sink only: never of T, of
+// the other queries, of where the call's keys start or end, or of the thread that runs it.
+// So query i of a block of T equals the same query alone (T = 1, prefix + i, the block's
+// earlier tokens in the cache), and a tree node equals the same node over its path compacted
+// (its keys in the same order). The order: scores by fixed_order_dot, then soft-capped; the
+// max over the seen keys and the sink (exact in any order); then, key by key in rising order,
+// w = exp(score - max), total += w, acc[d] += w * value[d]; out = acc * (1 / total), with the
+// sink's exp(sink - max) the first term of total. One task per (row, kv head): the K/V rows
+// a GQA group shares are read once for all its query heads and queries.
 template <typename scalar_t>
 void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* out, const int64_t* prefix_lens,
             const Tree& tree, int64_t B, int64_t Hq, int64_t Hkv, int64_t T, int64_t S, int64_t D, int64_t Dv,
@@ -157,22 +189,17 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o
               weights[s] = kNegInf;
               continue;
             }
-            const scalar_t* key = keys + s * D;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += query[d] * static_cast<float>(key[d]);
-            weights[s] = soft_capped(dot, softcap);
+            weights[s] = soft_capped(fixed_order_dot(query.data(), keys + s * D, D), softcap);
             best = std::max(best, weights[s]);
           }
           std::fill(acc.begin(), acc.end(), 0.f);
           float total = best != kNegInf ? std::exp(sink - best) : 0.f;  // exp(-inf) = 0: no sink
           if (best != kNegInf) {
             for (int64_t s = start; s < limit; ++s) {
-              if (weights[s] == kNegInf) continue;
+              if (weights[s] == kNegInf) continue;  // unseen (or a score of -inf: weight 0)
               const float w = std::exp(weights[s] - best);
               total += w;
               const scalar_t* value = values + s * Dv;
-#pragma omp simd
               for (int64_t d = 0; d < Dv; ++d) acc[d] += w * static_cast<float>(value[d]);
             }
           }
@@ -268,9 +295,10 @@ void attend_batched(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 
 }  // namespace
 
-at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                              const at::Tensor& prefix_lens_in, const std::optional<at::Tensor>& tree_mask_in,
-                              double scale, int64_t window, double softcap, const std::optional<at::Tensor>& sinks_in) {
+namespace {
+at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                     const at::Tensor& prefix_lens_in, const std::optional<at::Tensor>& tree_mask_in, double scale,
+                     int64_t window, double softcap, const std::optional<at::Tensor>& sinks_in, bool invariant) {
   TORCH_CHECK(window >= 0, "tree_attention (cpu): window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(softcap >= 0, "tree_attention (cpu): softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(!sinks_in || sinks_in->numel() == q_in.size(1), "tree_attention (cpu): sinks must hold one logit per query head (",
@@ -302,7 +330,7 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, co
   }
   if (spans.last <= spans.first) return out.zero_();
   for (int64_t b = 0; b < B; ++b) spans.ragged = spans.ragged || spans.lo[b] != spans.first || spans.hi[b] != spans.last;
-  if (T <= kLoopQueries) {
+  if (T <= kLoopQueries || invariant) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "tree_attention_cpu", [&] {
       attend<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                        out.data_ptr<scalar_t>(), lengths, tree, B, Hq, Hkv, T, S, D, v.size(3), spans.last,
@@ -321,6 +349,26 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, co
   return out;
 }
 
-TORCH_LIBRARY_IMPL(spec_ext, CPU, m) { m.impl("tree_attention", &tree_attention_cpu); }
+}  // namespace
+
+at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& prefix_lens, const std::optional<at::Tensor>& tree_mask, double scale,
+                              int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
+  return attention(q, k, v, prefix_lens, tree_mask, scale, window, softcap, sinks, false);
+}
+
+// Every T on the loop path (attend): each query's output independent of T and of the other
+// queries (see attend for the order)
+at::Tensor tree_attention_invariant_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& prefix_lens, const std::optional<at::Tensor>& tree_mask,
+                                        double scale, int64_t window, double softcap,
+                                        const std::optional<at::Tensor>& sinks) {
+  return attention(q, k, v, prefix_lens, tree_mask, scale, window, softcap, sinks, true);
+}
+
+TORCH_LIBRARY_IMPL(spec_ext, CPU, m) {
+  m.impl("tree_attention", &tree_attention_cpu);
+  m.impl("tree_attention_invariant", &tree_attention_invariant_cpu);
+}
 
 }  // namespace spec_ext

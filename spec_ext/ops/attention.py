@@ -1,6 +1,7 @@
 """Tree / branch attention: T new tokens (a chain or a tree) over a per-row cached prefix."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -13,7 +14,8 @@ from spec_ext.ops.checks import FLOAT_TYPES, check_shape, check_tensor, fail
 
 def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_mask: Tensor | None = None,
                    scale: float | None = None, window: int | None = None, softcap: float | None = None,
-                   sinks: Tensor | None = None, backend: str = "auto", validate: bool | None = None) -> Tensor:
+                   sinks: Tensor | None = None, backend: str = "auto", validate: bool | None = None,
+                   invariant: bool = False) -> Tensor:
     """Attention of T new tokens (a chain or a tree) over a per-row cached prefix.
 
     Key position s is visible to query i of row b iff ``s < prefix_lens[b]``, or
@@ -21,24 +23,41 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
     the T new tokens). Keys no query of a row can see, from ``prefix_lens[b] + T`` on and
     (with a window) below its shallowest query's window (at and below
     ``prefix_lens[b] - window``: the root sits at ``prefix_lens[b]``), never reach that
-    row's output on the cpu, cuda, triton and triton_split backends, so they may hold
-    anything, NaN included (those kernels never load them, but for the C++ kernel's batched
-    GEMMs over a ragged batch, which read the rows' common span and redo a row that comes
-    out NaN over its own keys). The torch and sdpa backends multiply them by weight 0, so
+    row's output on the cpu, cuda, triton, triton_split and triton_invariant backends, so
+    they may hold anything, NaN included (those kernels never load them, but for the C++
+    kernel's batched GEMMs over a ragged batch, which read the rows' common span and redo a
+    row that comes out NaN over its own keys). The torch and sdpa backends multiply them by weight 0, so
     there, and with "auto", which may pick those, they must be finite (0 * NaN is NaN).
 
     Positions: prefix key s sits at s, tree node j at ``prefix_lens[b] + depth(j)``, where
     depth is the number of ancestors (node j of the causal chain: j; with a mask: the
     popcount of row j minus one).
 
+    Width invariance (``invariant=True``, docs/invariance.md): each query's output is the same
+    bits whatever T and whatever the other queries are, so query i of a causal block of T
+    equals that query computed alone (T = 1, ``prefix_lens + i``, the block's earlier tokens
+    in the cache), which is what makes a verification's logits equal a plain decode step's.
+    The backends that give it: "cpu" (with ``invariant=True`` the C++ kernel takes its
+    one-query-at-a-time path at every T, spec_ext::tree_attention_invariant: also the same
+    bits for a tree node over its path compacted; tested), "cuda" (each query's online
+    softmax goes key by key in rising order in its own warp, whatever T: invariant by
+    construction, also over a compacted path, not yet checked on a GPU) and
+    "triton_invariant" (one program per query, keys in fixed blocks of key space; tested in
+    the Triton interpreter, not yet run on a GPU; not invariant to compaction). Not
+    invariant: "torch" and "sdpa" (PyTorch's matmuls and SDPA kernels pick their algorithm
+    by the query count), "triton" and "triton_split" (query tiles sized from T, ``tl.dot``
+    on them), the "cpu" kernel without ``invariant`` (from T = 2 on, batched GEMMs; at T = 1
+    it is the invariant path), and so "auto" without ``invariant``.
+
     Args:
         q: [B,Hq,T,D] float32/float16/bfloat16.
         k: [B,Hkv,S,D], same dtype and device; ``Hq % Hkv == 0`` (GQA).
         v: [B,Hkv,S,Dv], same dtype and device. Dv may differ from D (MLA: DeepSeek-V3's keys
             are ``qk_nope_head_dim + qk_rope_head_dim`` wide, its values ``v_head_dim``) on the
-            torch, sdpa and cpu backends; the cuda, triton and triton_split kernels take Dv = D
-            only and refuse others by name, and "auto" sends such calls to sdpa (no softcap or
-            sinks) or torch on a GPU (on a CPU it picks among sdpa and cpu as for any call).
+            torch, sdpa, cpu and triton_invariant backends; the cuda, triton and triton_split
+            kernels take Dv = D only and refuse others by name, and "auto" sends such calls to
+            sdpa (no softcap or sinks) or torch on a GPU (on a CPU it picks among sdpa and cpu
+            as for any call; with ``invariant`` on a GPU, triton_invariant).
         prefix_lens: [B] int32 or int64, ``prefix_lens + T <= S``.
         tree_mask: [B,T,W] or [1,T,W] int32 packed bits (see :func:`tree_mask`), W >= ceil(T/32).
         scale: softmax scale, default ``D ** -0.5``.
@@ -52,8 +71,11 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
             value, so it only takes weight from the keys. None (default): no sink.
         backend: "auto", "torch", "cpu", "cuda", "triton", or "triton_split" (split over the
             keys, flash-decoding style, for few rows on a GPU; not yet run on a GPU, so never
-            chosen by "auto").
+            chosen by "auto"), or "triton_invariant" (see width invariance above; opt-in).
         validate: False skips every check (a model forward calls this once per layer).
+        invariant: True takes a width-invariant kernel: with "auto", the C++ one on CPU, on a
+            GPU "cuda" where built, else "triton_invariant"; "cpu", "cuda" and
+            "triton_invariant" may be named; any other backend is a ValueError naming ``backend``.
     Returns:
         [B,Hq,T,Dv] in q's dtype. A query that sees no key (possible only through a mask row
         without its own bit) gets zeros, whatever its sink (a sink of -inf is no sink).
@@ -69,10 +91,58 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     window = 0 if window is None else int(window)
     softcap = 0.0 if softcap is None else float(softcap)
+    if invariant:
+        if v.shape[-1] != q.shape[-1] and backend == "auto" and q.device.type != "cpu":
+            backend = "triton_invariant"  # the CUDA kernel takes Dv = D only
+        elif v.shape[-1] != q.shape[-1]:
+            _value_head_backend(backend, q.device, softcap, sinks, q.shape[-1], v.shape[-1])
+        return invariant_attention(q.device, backend)(q, k, v, prefix_lens, tree_mask, scale, window, softcap, sinks)
     if v.shape[-1] != q.shape[-1]:
         backend = _value_head_backend(backend, q.device, softcap, sinks, q.shape[-1], v.shape[-1])
     return registry.kernel("tree_attention", backend, q.device)(q, k, v, prefix_lens, tree_mask, scale,
                                                                 window, softcap, sinks)
+
+
+# the backends whose every query's output is independent of T (with invariant=True: "cpu" is
+# the C++ kernel's invariant entry point, spec_ext::tree_attention_invariant)
+INVARIANT_BACKENDS = ("cpu", "cuda", "triton_invariant")
+
+
+def invariant_attention(device: torch.device | str, backend: str = "auto"):
+    """The kernel-level function (the schema's arguments: q, k, v, prefix_lens, tree_mask,
+    scale, window, softcap, sinks; unchecked) of the width-invariant tree attention on
+    ``device``: ``backend`` "auto" gives the C++ kernel's invariant entry point on CPU, on a
+    GPU the CUDA kernel where it is built, else "triton_invariant"; "cpu", "cuda" or
+    "triton_invariant" name one. ValueError naming
+    ``backend`` for a backend that is not invariant or cannot run here (a model forward takes
+    this once, not per layer)."""
+    return _invariant_attention(torch.device(device), backend)
+
+
+@functools.lru_cache(None)
+def _invariant_attention(device: torch.device, backend: str):
+    if backend == "auto":
+        backend = ("cpu" if device.type == "cpu" else
+                   "cuda" if device.type == "cuda" and registry.registered("tree_attention", "CUDA") else
+                   "triton_invariant")
+    if device.type not in ("cpu", "cuda"):
+        fail("backend", f"no width-invariant tree attention on {device} (CPU and CUDA only)")
+    if backend not in INVARIANT_BACKENDS:
+        fail("backend", f"{backend!r} is not width-invariant (a query's output depends on T there); with "
+                        f"invariant=True use 'auto' or one of {INVARIANT_BACKENDS}")
+    try:
+        if backend == "cpu":
+            return registry.kernel("tree_attention_invariant", registry.resolve("tree_attention_invariant", "cpu",
+                                                                                device), device)
+        return registry.kernel("tree_attention", registry.resolve("tree_attention", backend, device), device)
+    except ValueError as error:
+        fail("backend", f"no width-invariant tree attention on {device} with {backend!r}: {error}")
+
+
+if registry._C_ERROR is None:
+    @torch.library.register_fake("spec_ext::tree_attention_invariant")
+    def _(q, k, v, prefix_lens, tree_mask, scale, window, softcap, sinks):
+        return q.new_empty(*q.shape[:3], v.shape[3])
 
 
 # the kernels that take values of the keys' head size only (their tiles span one D)

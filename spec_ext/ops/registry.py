@@ -26,14 +26,19 @@ from spec_ext.ops import selection
 BACKENDS = ("torch", "cpu", "triton", "cuda", "sdpa")
 # dispatch keys each op has compiled kernels for, in a build with CUDA (skinny_linear: CPU
 # only; on a GPU cuBLAS already reads skinny operands at full bandwidth; acceptance_head:
-# CPU only, it fuses away per-op host overhead that a GPU hides behind its queue)
+# CPU only, it fuses away per-op host overhead that a GPU hides behind its queue;
+# tree_attention_invariant: tree_attention with every query's output independent of T, CPU
+# only, called through ``spec_ext.tree_attention(..., invariant=True)``; on a GPU that is
+# tree_attention's backend "triton_invariant")
 KERNEL_KEYS = {"tree_mask": ("CPU", "CUDA"), "chain_verify": ("CPU", "CUDA"), "tree_verify": ("CPU", "CUDA"),
                "tree_attention": ("CPU", "CUDA"), "compact_kv": ("CPU", "CUDA"), "skinny_linear": ("CPU",),
-               "acceptance_head": ("CPU",)}
+               "acceptance_head": ("CPU",), "tree_attention_invariant": ("CPU",)}
 OPS = tuple(KERNEL_KEYS)
 # (op, backend) -> (module of spec_ext.kernels, function) of its Triton kernels. "triton_split"
 # (tree_attention split over the keys, chain and greedy tree verification over the
-# vocabulary) has not run on a GPU yet: opt-in, never chosen by "auto".
+# vocabulary) and "triton_invariant" (tree_attention and skinny_linear whose every query and
+# row is independent of how many share the call) have not run on a GPU yet: opt-in, never
+# chosen by "auto".
 from spec_ext.kernels.launch import LAUNCHERS as TRITON_KERNELS  # noqa: E402 - the one table, beside its launchers
 # (op, backend) -> function of spec_ext.ops.sdpa: runs on every device PyTorch runs on
 SDPA_KERNELS = {("tree_attention", "sdpa"): "tree_attention"}
@@ -102,7 +107,8 @@ def backends_of(op: str) -> tuple[str, ...]:
     """The backends ``op`` has (whether or not they can run here)."""
     triton = tuple(backend for (name, backend) in TRITON_KERNELS if name == op)
     sdpa = tuple(backend for (name, backend) in SDPA_KERNELS if name == op)
-    return ("torch",) + tuple(key.lower() for key in KERNEL_KEYS[op]) + triton + sdpa
+    torch_ = ("torch",) if hasattr(reference, op) else ()  # tree_attention_invariant has no reference of its own
+    return torch_ + tuple(key.lower() for key in KERNEL_KEYS[op]) + triton + sdpa
 
 
 def _fixed_order(op: str, device: torch.device) -> str:
@@ -227,7 +233,7 @@ def _function(op: str, impl: str) -> Callable:
         function = getattr(importlib.import_module(f"spec_ext.kernels.{module}"), name)
     else:
         function = getattr(torch.ops.spec_ext, op)
-    return _keys_in_place(function) if op == "tree_attention" else function
+    return _keys_in_place(function) if op.startswith("tree_attention") else function
 
 
 def kernel(op: str, backend: str, device: torch.device) -> Callable:
