@@ -59,6 +59,9 @@ def test_matches_reference(backend, case, tree, dtype):
     B, Hq, Hkv, T, S, D = case
     if backend.startswith("triton") and device_for(backend) == "cpu" and dtype == torch.bfloat16:
         pytest.skip("the Triton interpreter has no bf16 math")
+    if backend == "triton_invariant" and device_for(backend) == "cpu" and B * Hq * T > 300:
+        pytest.skip("triton_invariant runs one program per query: 20-40 s a call here in the interpreter; the "
+                    "smaller cases cover its paths")
     q, k, v, prefix, g = make(B, Hq, Hkv, T, S, D, dtype, seed=T * S)
     mask = None
     if tree == "random":

@@ -142,3 +142,28 @@ def test_split_kernels_load_128_bits_where_rows_are_aligned(rows, arch):
     assert checked
     narrow = [f"{describe(r)}: {r['load_bits']}" for r in checked if "128" not in r["load_bits"]]
     assert not narrow, "\n".join(narrow)
+
+
+def _without_width(shape: str) -> str:
+    """A planned shape without its T= (tree_attention) or M= (skinny_linear) field."""
+    return ",".join(part for part in shape.split(",") if not part.startswith(("T=", "M=")))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_invariant_kernels_compile_one_binary_for_every_width(rows, arch):
+    """The invariant kernels' contract rests on one machine code for every T (tree attention,
+    T = 1 and 33: the mask one word or two) and every row count M (the linear, 1 and 64):
+    Triton specialises an int argument equal to 1 or divisible by 16 into another kernel
+    unless told not to (do_not_specialize), and a constexpr sized from T or M would too."""
+    groups = {}
+    for r in rows[arch]:
+        if r["backend"] == "triton_invariant":
+            groups.setdefault((r["op"], r["kernel"], _without_width(r["shape"])), []).append(r)
+    paired = {key: group for key, group in groups.items() if len(group) > 1}
+    assert {op for op, _, _ in paired} == {"tree_attention", "skinny_linear"}, sorted(groups)
+    for (op, kernel, shape), group in paired.items():
+        assert len({r["binary"] for r in group}) == 1, (op, kernel, shape, [(r["shape"], r["binary"]) for r in group])
+    # and the flash kernel, whose query block is sized from T, does compile T = 1 and 33 apart
+    flash = [r for r in rows[arch] if r["backend"] == "triton" and r["op"] == "tree_attention"
+             and _without_width(r["shape"]) in {shape for op, _, shape in paired if op == "tree_attention"}]
+    assert len({r["binary"] for r in flash}) > 1

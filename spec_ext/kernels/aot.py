@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -130,7 +131,8 @@ def load_widths(ptx: str) -> dict[int, int]:
 
 
 def usage(compiled, target: Target) -> dict:
-    """What a compiled kernel uses on ``target`` (static)."""
+    """What a compiled kernel uses on ``target`` (static), and a digest of its cubin (``binary``: two
+    launches with one digest run one machine code)."""
     meta = compiled.metadata
     res = _resource_usage(compiled.asm["cubin"], meta.name)
     ptx, ttir = compiled.asm["ptx"], compiled.asm["ttir"]
@@ -144,7 +146,8 @@ def usage(compiled, target: Target) -> dict:
         mma = "mma"
     else:
         mma = "none (FMA)"
-    return dict(registers=res["REG"], spill_bytes=res.get("STACK", 0) + res.get("LOCAL", 0), shared_bytes=shared,
+    return dict(binary=hashlib.sha256(compiled.asm["cubin"]).hexdigest()[:16],
+                registers=res["REG"], spill_bytes=res.get("STACK", 0) + res.get("LOCAL", 0), shared_bytes=shared,
                 num_warps=meta.num_warps, num_stages=meta.num_stages,
                 resident_per_sm=resident_programs(res["REG"], shared, meta.num_warps, LIMITS[target.arch]),
                 dots=dots, tensor_cores=mma, load_bits=load_widths(ptx))
@@ -185,8 +188,9 @@ BENCH_TREE_T = 8  # len(spec_ext.policies.Tree((3, 2, 1, 1)).parents), the tree 
 def cases(shapes: str) -> Iterator[tuple[str, str, tuple]]:
     """(op, shape, the kernel-level arguments on meta tensors). "bench": the shapes of
     benchmarks/bench_kernels.py on a GPU; "test": a few of them and odd ones (V not a
-    multiple of the block, K=1, T=1, T=128, D=64/256, fp32 and fp16, a causal chain), each
-    distinct launch configuration at least once."""
+    multiple of the block, K=1, T=1, T=128, D=64/256, fp32 and fp16, a causal chain; the
+    Triton linear at 1 to 64 rows, every dtype pair it takes), each distinct launch
+    configuration at least once."""
     if shapes == "bench":
         chains = [(B, K, V, "q") for B in (1, 16, 64) for K in (1, 5, 8) for V in (32000, 128256)]
         chains += [(16, 5, 32000, "greedy"), (64, 8, 128256, "greedy")]
@@ -197,6 +201,8 @@ def cases(shapes: str) -> Iterator[tuple[str, str, tuple]]:
                       (1, 32768, 64, 8), (8, 16384, 32, 8)]]
         kv = [(64, B, 8, 4096, 128, M) for B in (1, 16) for M in (4, 16)] + [(64, 64, 8, 1024, 128, 8)]
         features = []
+        linear = [(M, K, N, torch.bfloat16, torch.bfloat16, False) for M in (1, 8, 64)
+                  for K, N in ((4096, 4096), (4096, 14336), (14336, 4096))]
     else:
         chains = [(1, 1, 32000, "q"), (64, 1, 32000, "q"), (64, 8, 128256, "q"), (16, 1, 8193, "none"),
                   (16, 5, 32000, "greedy"), (1, 8, 8193, "greedy")]
@@ -210,7 +216,15 @@ def cases(shapes: str) -> Iterator[tuple[str, str, tuple]]:
         features = [((1, 32, 8, 4096, 64, 128, torch.bfloat16, True), (1024, 30.0, True)),
                     ((2, 8, 1, 1000, 8, 64, torch.float16, False), (128, 0.0, False)),
                     ((1, 4, 4, 300, 5, 256, torch.float32, True), (16, 50.0, True))]
+        # shapes that differ only in T (1 and 33: the tree mask one word or two): the invariant
+        # kernels must compile them to one binary
+        features += [((1, 8, 2, 600, T, 64, torch.float16, True), (64, 0.0, True)) for T in (1, 33)]
+        features += [((2, 4, 4, 300, T, 128, torch.bfloat16, False), (0, 20.0, False)) for T in (1, 33)]
         kv = [(64, 1, 8, 4096, 128, 4), (2, 3, 2, 100, 64, 1)]
+        # (M, K, N, x dtype, weight dtype, bias): one row and 64, odd K and N, every dtype pair
+        linear = [(1, 320, 864, torch.float32, torch.float32, False), (64, 16384, 320, torch.bfloat16, torch.bfloat16, True),
+                  (5, 323, 16385, torch.float16, torch.float16, False), (33, 4096, 4096, torch.float32, torch.bfloat16, True),
+                  (64, 320, 864, torch.float32, torch.float32, False), (1, 16384, 320, torch.bfloat16, torch.bfloat16, True)]
     for B, K, V, mode in chains:
         yield "chain_verify", f"B={B},K={K},V={V},{mode}", _chain(B, K, V, mode)
     for B, T, V, mode in trees:
@@ -223,6 +237,9 @@ def cases(shapes: str) -> Iterator[tuple[str, str, tuple]]:
         if window or softcap or sinks:
             shape += f",window={window},softcap={softcap},sinks={sinks}"
         yield "tree_attention", shape, _attention(B, Hq, Hkv, S, T, D, dtype, tree, window, softcap, sinks)
+    for M, K, N, x_dtype, w_dtype, bias in linear:
+        yield "skinny_linear", f"M={M},K={K},N={N},x={str(x_dtype)[6:]},w={str(w_dtype)[6:]},bias={bias}", (
+            _m(M, K, dtype=x_dtype), _m(N, K, dtype=w_dtype), _m(N, dtype=x_dtype) if bias else None)
     for N, B, H, S, D, M in kv:
         yield "compact_kv", f"N={N},B={B},H={H},S={S},D={D},M={M},fp16", (
             _m(N, B, H, S, D, dtype=torch.float16), _i64(B, M), _i64(B))

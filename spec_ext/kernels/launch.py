@@ -42,8 +42,10 @@ A100 = Target("A100", 80, 108)
 # spec_ext.ops it serves (same arguments as the op's schema, csrc/ops.cpp). The kernels say
 # what they serve; the layers above read it: ``spec_ext.ops.registry`` dispatches to these
 # launchers and spec_ext/kernels/aot.py compiles each one's launches. "triton_split" (tree_attention
-# split over the keys, chain and greedy tree verification over the vocabulary) has not run
-# on a GPU yet: the registry keeps it opt-in.
+# split over the keys, chain and greedy tree verification over the vocabulary) and
+# "triton_invariant" (tree_attention and skinny_linear whose every query and row is the same
+# bits whatever the call's width: docs/invariance.md) have not run on a GPU yet: the registry
+# keeps them opt-in.
 LAUNCHERS = {("tree_mask", "triton"): ("tree", "tree_mask"),
              ("chain_verify", "triton"): ("rejection_sampling", "chain_verify"),
              ("chain_verify", "triton_split"): ("rejection_sampling_split", "chain_verify_split"),
@@ -51,6 +53,8 @@ LAUNCHERS = {("tree_mask", "triton"): ("tree", "tree_mask"),
              ("tree_verify", "triton_split"): ("rejection_sampling_split", "tree_verify_split"),
              ("tree_attention", "triton"): ("tree_attention", "tree_attention"),
              ("tree_attention", "triton_split"): ("tree_attention_split", "tree_attention_split"),
+             ("tree_attention", "triton_invariant"): ("tree_attention_invariant", "tree_attention_invariant"),
+             ("skinny_linear", "triton_invariant"): ("linear", "invariant_linear"),
              ("compact_kv", "triton"): ("kv_cache", "compact_kv")}
 
 
