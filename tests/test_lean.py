@@ -21,7 +21,8 @@ def run_both(model, steps, fast_linear=False):
         with torch.inference_mode(), hf.attention_implementation(model, fast_linear=fast_linear):
             assert lean_decoder(model) is not None  # so use_lean=True really takes the lean forward
             for ids, positions, mask, advance in steps:
-                outs.append(hf.forward(model, ids, cache, positions, mask, hidden=True, use_lean=lean))
+                out = hf.forward(model, ids, cache, positions, mask, hidden=True, use_lean=lean)
+                outs.append((out[0], out[1]))  # logits, hidden
                 cache.advance(advance)
         results.append(outs)
     return results
@@ -43,9 +44,11 @@ def lean_model(kind):
     return llama_family(kind)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3", "mistral_window", "qwen2_window"])
 def test_lean_forward_equals_hf_forward(kind, dtype):
+    """Bit for bit in every dtype: the same ops in the same order, with HF's upcasts (RMSNorm
+    in float32, rounded back before the weight; the rotary's cos/sin in the model's dtype)."""
     model = lean_model(kind).to(dtype)
     assert why_not_lean(model) is None
     g = torch.Generator().manual_seed(0)
@@ -92,7 +95,7 @@ def test_rotary_table_covers_every_cache_capacity():
         for capacity, length in ((16, 12), (640, 600)):  # the second cache needs a bigger table than the first
             ids = torch.randint(0, 61, (1, length), generator=g)
             outs = [hf.forward(model, ids, SpecCache.for_model(model, 1, capacity), torch.arange(length)[None],
-                               use_lean=lean) for lean in (False, True)]
+                               hidden=True, use_lean=lean)[0] for lean in (False, True)]
             assert torch.equal(*outs)
 
 

@@ -23,7 +23,8 @@ from torch import Tensor
 
 from spec_ext import ops
 from spec_ext.models.cache import split_size
-from spec_ext.ops.linear import auto_linear, kernel_applies
+from spec_ext.ops.attention import invariant_attention
+from spec_ext.ops.linear import auto_linear, invariant_linear, kernel_applies
 
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
@@ -136,6 +137,18 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * (x if dtype == torch.float32 else x.to(dtype))
 
 
+def _per_position(act, x: Tensor) -> Tensor:
+    """``act(x)`` computed one position (a row of x's last dim) at a time: an elementwise
+    function with a transcendental (SiLU's exp) takes a vectorised exp on most elements and
+    the C library's on the few past the last whole vector of the call (and of each thread's
+    share), so on [T, I] at once an element's bits depend on T (float32 SiLU, I = 48: rows
+    of T = 2..64 differ from the same rows alone); row by row, every row is the same call."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 1:
+        return act(x)
+    return torch.stack([act(row) for row in rows.unbind(0)]).view(x.shape)
+
+
 def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """HF's ``x * cos + rotate_half(x) * sin`` in 4 ops instead of 7, with the same
     roundings: rotate_half(x) = cat(-x2, x1) and -x2 * s == x2 * -s exactly, so the sign
@@ -149,9 +162,22 @@ class LeanDecoder:
     ``fast_linear``: the linear layers take :func:`spec_ext.ops.skinny_linear` (CPU,
     float32, AVX2 + FMA or AVX-512, where ``spec_ext.ops.linear.uses_kernel`` says it is faster:
     up to 16 token rows, 32 for large weights with short rows; equal to F.linear up to float32
-    rounding, so no longer bit-equal to the HF forward)."""
+    rounding, so no longer bit-equal to the HF forward).
 
-    def __init__(self, model, fast_linear: bool = False):
+    ``invariant`` (docs/invariance.md): a position's logits (and hidden states, features) are
+    the same bits whether the forward feeds it alone or with other positions (a verification
+    block of k+1, a tree, a prefill), in float32, bfloat16 and float16: every linear layer
+    (the projections, the LM head) is :func:`spec_ext.ops.invariant_linear` at every row
+    count, the attention :func:`spec_ext.ops.tree_attention` with ``invariant=True``, the
+    MLP's activation is applied one position at a time (:func:`_per_position`); the rest is
+    per position already (embedding, RMSNorm's float32 mean over one position's features,
+    the rotary's elementwise products from a table, residual adds). So greedy decoding with
+    verification blocks picks the tokens one-token-at-a-time decoding picks. Not bit-equal to
+    the HF forward (its F.linear and attention are not invariant); within float rounding of it.
+    ValueError where there is no invariant linear (CPU without the built extension). Takes
+    precedence over ``fast_linear``."""
+
+    def __init__(self, model, fast_linear: bool = False, invariant: bool = False):
         base = model.model
         self.model = weakref.ref(model)
         self.embed = base.embed_tokens.weight
@@ -166,14 +192,21 @@ class LeanDecoder:
                 q_norm=_head_norm(attn, "q_norm"), k_norm=_head_norm(attn, "k_norm")))
         self.norm = _norm(base.norm)
         self.lm_head = _linear(model.lm_head)
-        self.fast_linear = fast_linear and kernel_applies(model.device, model.dtype)
-        self.attention = functools.partial(ops.tree_attention, validate=False)
+        self.invariant = bool(invariant)
+        self.fast_linear = fast_linear and kernel_applies(model.device, model.dtype) and not self.invariant
+        self.attention = functools.partial(ops.tree_attention, validate=False, invariant=self.invariant)
+        if self.invariant:  # refused here, by name, rather than at the first forward
+            invariant_linear(model.device, model.dtype)
+            invariant_attention(model.device)
         self._rope: tuple[Tensor, Tensor] | None = None
 
     @property
     def linear(self):
-        """The linear layers' function for a forward: F.linear, or with ``fast_linear`` what
-        skinny_linear's auto rule runs (taken once per forward, not per layer)."""
+        """The linear layers' function for a forward: F.linear, with ``fast_linear`` what
+        skinny_linear's auto rule runs, with ``invariant`` the invariant linear (taken once
+        per forward, not per layer)."""
+        if self.invariant:
+            return invariant_linear(self.embed.device, self.embed.dtype)
         return auto_linear(self.embed.device, self.embed.dtype) if self.fast_linear else F.linear
 
     def _rotary(self, positions: Tensor, dtype: torch.dtype, capacity: int) -> tuple[Tensor, Tensor]:
@@ -218,7 +251,9 @@ class LeanDecoder:
             a = self.attention(q, keys, values, cache.lengths, tree_mask, layer["scaling"], layer["window"])
             x = x + linear(a.transpose(1, 2).reshape(B, T, -1), *layer["o"])
             h = _rms_norm(x, *layer["post_norm"])
-            x = x + linear(layer["act"](linear(h, *layer["gate"])) * linear(h, *layer["up"]), *layer["down"])
+            gate = linear(h, *layer["gate"])
+            gate = _per_position(layer["act"], gate) if self.invariant else layer["act"](gate)
+            x = x + linear(gate * linear(h, *layer["up"]), *layer["down"])
         x = _rms_norm(x, *self.norm)
         logits = linear(x, *self.lm_head).float()
         if kept is None:
@@ -232,17 +267,21 @@ _DECODERS: "weakref.WeakKeyDictionary[object, LeanDecoder | None]" = weakref.Wea
 _REASONS: "weakref.WeakKeyDictionary[object, str | None]" = weakref.WeakKeyDictionary()
 
 
-def prepare(model, fast_linear: bool | str = False) -> None:
+def prepare(model, fast_linear: bool | str = False, invariant: bool = False) -> None:
     """Decide (again) whether ``model`` takes the lean forward: its modules, hooks and
     weights may have changed since the last generate call. ``fast_linear``: see
     :class:`LeanDecoder` (a model left to the HF modules gets the same per call rule from
     ``hf.attention_implementation``, on its ``nn.Linear`` layers); True warns when it cannot
     apply, "auto" (generate's default for target and draft) applies it silently where it can,
-    layer by layer where ``uses_kernel`` says it is faster; False: F.linear, HF's own arithmetic."""
+    layer by layer where ``uses_kernel`` says it is faster; False: F.linear, HF's own arithmetic.
+    ``invariant``: see :class:`LeanDecoder` (a model left to the HF modules is not made
+    invariant here: ``spec_ext.models.hf`` routes its modules)."""
     if fast_linear not in (False, True, "auto"):
         raise ValueError(f"fast_linear: expected False, True or 'auto', got {fast_linear!r}")
+    if not isinstance(invariant, bool):
+        raise ValueError(f"invariant: expected True or False, got {invariant!r}")
     reason = _REASONS[model] = why_not_lean(model)
-    _DECODERS[model] = None if reason else LeanDecoder(model, bool(fast_linear))
+    _DECODERS[model] = None if reason else LeanDecoder(model, bool(fast_linear), invariant)
     if fast_linear is not True:
         return
     why = None
