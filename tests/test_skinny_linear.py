@@ -117,15 +117,16 @@ def test_every_path_gives_the_same_bits(seed, monkeypatch):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_bfloat16_weights_give_the_bits_of_the_widened_weights(isa, monkeypatch):
-    """bfloat16 -> float32 is exact (a 16-bit shift): the kernel on a bfloat16 weight is the
-    kernel on weight.float(), bit for bit, on every path."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_weights_give_the_bits_of_the_widened_weights(isa, dtype, monkeypatch):
+    """bfloat16 -> float32 (a 16-bit shift) and float16 -> float32 are exact: the kernel on
+    float32 x and a 16-bit weight is the kernel on weight.float(), bit for bit, on every path."""
     force(monkeypatch, isa)
     for M, K, N in [(1, 320, 37), (4, 33, 9), (7, 129, 13), (32, 16, 11), (6, 2000, 5)]:
-        x, w, b = case(M, K, N, seed=K + N, bias=M > 3, dtype=torch.bfloat16)
+        x, w, b = case(M, K, N, seed=K + N, bias=M > 3, dtype=dtype)
         assert torch.equal(cpu(x, w, b), cpu(x, w.float(), b))
-        assert torch.equal(cpu(x, w, b.bfloat16() if b is not None else None),
-                           cpu(x, w.float(), b.bfloat16().float() if b is not None else None))
+        assert torch.equal(cpu(x, w, b.to(dtype) if b is not None else None),
+                           cpu(x, w.float(), b.to(dtype).float() if b is not None else None))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -231,10 +232,9 @@ def test_bad_input():
     x, w = torch.randn(2, 8), torch.randn(3, 8)
     with pytest.raises(ValueError, match="weight: expected \\[N, K=8\\]"):
         spec_ext.ops.skinny_linear(x, torch.randn(3, 7))
-    with pytest.raises(ValueError, match="weight: expected dtype torch.float32 or torch.bfloat16, got torch.float64"):
+    with pytest.raises(ValueError, match="weight: expected dtype torch.float32 or torch.bfloat16 or torch.float16, "
+                                         "got torch.float64"):
         spec_ext.ops.skinny_linear(x, w.double())
-    with pytest.raises(ValueError, match="weight: expected dtype torch.float32 or torch.bfloat16, got torch.float16"):
-        spec_ext.ops.skinny_linear(x, w.half())
     with pytest.raises(ValueError, match="weight: expected dtype torch.bfloat16, got torch.float32"):
         spec_ext.ops.skinny_linear(x.bfloat16(), w)  # float32 weights take float32 x
     with pytest.raises(ValueError, match="weight: expected 2-D"):
@@ -255,7 +255,7 @@ def test_bad_input():
         spec_ext.ops.skinny_linear(x, w, backend="triton")
     with pytest.raises(RuntimeError, match="expected x \\[..., K\\] and weight \\[N, K\\]"):
         torch.ops.spec_ext.skinny_linear(torch.randn(2, 8), torch.randn(3, 4), None)  # unchecked entry point
-    with pytest.raises(RuntimeError, match="x float32 and weight float32 or bfloat16, or x and weight both"):
+    with pytest.raises(RuntimeError, match="x float32 and weight float32, bfloat16 or float16, or x and weight both"):
         torch.ops.spec_ext.skinny_linear(x.half(), w.bfloat16(), None)
 
 

@@ -1,6 +1,7 @@
 // y = x @ weight.T (+ bias) for a few rows of x (decode steps, verification blocks): float32
-// accumulation; float32 x with float32 or bfloat16 weights (bfloat16 -> float32 is a 16-bit
-// shift, exact: half the bytes to read), or bfloat16 / float16 x with weights of its dtype
+// accumulation; float32 x with float32, bfloat16 or float16 weights (bfloat16 -> float32 is a
+// 16-bit shift, float16 -> float32 one instruction, both exact: half the bytes to read), or
+// bfloat16 / float16 x with weights of its dtype
 // (both widened exactly to float32, the sum and the bias in float32, y rounded once to x's
 // dtype); on AVX-512, AVX2 + FMA (+ F16C) or portable C++, chosen at run time
 // (SPEC_EXT_CPU_ISA forces a lower path), bit-equal on all three.
@@ -574,8 +575,21 @@ void dispatch(Isa isa, const X* x, int64_t ldx, const W* w, int64_t ldw, const f
 const char* const kIsaNames[] = {"portable", "avx2", "avx512"};
 
 // The (x, weight) dtypes the kernel takes, and the names skinny_linear_choices gives them
-enum class Types { f32_f32 = 0, f32_bf16 = 1, bf16_bf16 = 2, f16_f16 = 3 };
-const char* const kTypeNames[] = {"float32", "bfloat16", "bfloat16 (x bfloat16)", "float16 (x float16)"};
+enum class Types { f32_f32 = 0, f32_bf16 = 1, bf16_bf16 = 2, f16_f16 = 3, f32_f16 = 4 };
+const char* const kTypeNames[] = {"float32", "bfloat16", "bfloat16 (x bfloat16)", "float16 (x float16)", "float16"};
+
+// y[m, n] = x[m] . w[n] in skinny_linear's order (see skinny_linear.h), on the path skinny_linear
+// would force or the best one (no timing: every path gives these bits)
+void fixed_order_products(const float* x, int64_t ldx, const void* w, at::ScalarType w_type, int64_t ldw, float* y,
+                          int64_t M, int64_t N, int64_t K) {
+  TORCH_CHECK(w_type == at::kFloat || w_type == at::kBFloat16 || w_type == at::kHalf,
+              "fixed_order_products: w must be float32, bfloat16 or float16, got ", w_type);
+  if (M == 0 || N == 0) return;
+  const Isa isa = chosen_isa();
+  if (w_type == at::kBFloat16) return dispatch(isa, x, ldx, static_cast<const bf16*>(w), ldw, nullptr, y, M, N, K);
+  if (w_type == at::kHalf) return dispatch(isa, x, ldx, static_cast<const f16*>(w), ldw, nullptr, y, M, N, K);
+  dispatch(isa, x, ldx, static_cast<const float*>(w), ldw, nullptr, y, M, N, K);
+}
 
 // "avx512", "avx2" or "portable": the best path skinny_linear may take now, the CPU's or the one
 // SPEC_EXT_CPU_ISA forces (spec_ext._C.skinny_linear_isa); with AVX-512 unforced, each shape
@@ -596,13 +610,14 @@ std::vector<SkinnyLinearChoice> skinny_linear_choices() {
 at::Tensor skinny_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in,
                              const std::optional<at::Tensor>& bias_in) {
   const auto xt = x_in.scalar_type(), wt = weight_in.scalar_type();
-  TORCH_CHECK((xt == at::kFloat && (wt == at::kFloat || wt == at::kBFloat16)) ||
+  TORCH_CHECK((xt == at::kFloat && (wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf)) ||
                   (xt == at::kBFloat16 && wt == at::kBFloat16) || (xt == at::kHalf && wt == at::kHalf),
-              "skinny_linear: x float32 and weight float32 or bfloat16, or x and weight both bfloat16 or both "
-              "float16, got ", xt, " and ", wt);
-  const Types types = xt == at::kBFloat16 ? Types::bf16_bf16
-                      : xt == at::kHalf   ? Types::f16_f16
+              "skinny_linear: x float32 and weight float32, bfloat16 or float16, or x and weight both bfloat16 or "
+              "both float16, got ", xt, " and ", wt);
+  const Types types = xt == at::kBFloat16   ? Types::bf16_bf16
+                      : xt == at::kHalf     ? Types::f16_f16
                       : wt == at::kBFloat16 ? Types::f32_bf16
+                      : wt == at::kHalf     ? Types::f32_f16
                                             : Types::f32_f32;
   TORCH_CHECK(x_in.dim() >= 1 && weight_in.dim() == 2 && x_in.size(-1) == weight_in.size(1),
               "skinny_linear: expected x [..., K] and weight [N, K], got ", x_in.sizes(), " and ", weight_in.sizes());
@@ -634,6 +649,8 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in
         return dispatch(isa, x.data_ptr<bf16>(), ldx, weight.data_ptr<bf16>(), ldw, bp, y.data_ptr<bf16>(), M, N, K);
       case Types::f16_f16:
         return dispatch(isa, x.data_ptr<f16>(), ldx, weight.data_ptr<f16>(), ldw, bp, y.data_ptr<f16>(), M, N, K);
+      case Types::f32_f16:
+        return dispatch(isa, x.data_ptr<float>(), ldx, weight.data_ptr<f16>(), ldw, bp, y.data_ptr<float>(), M, N, K);
     }
   };
   const char* forced = std::getenv("SPEC_EXT_CPU_ISA");

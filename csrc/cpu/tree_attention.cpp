@@ -1,8 +1,9 @@
 // Tree attention on CPU, two ways. One new token per row (the draft's decode steps): one
-// (row, key/value head) per task, plain loops over raw pointers with float accumulation,
-// the K/V rows a GQA group shares read once for all its query heads; two GEMVs per head
-// are less work than launching ATen ops per head (2.5x faster at H=32, S=4096, D=128 and
-// at H=10, S=250, D=32). From two new tokens on (verification, trees, prefill), GEMMs:
+// (row, key/value head) per task, the scores from skinny_linear's fixed-order kernel and
+// plain loops over raw pointers with float accumulation (attend), the K/V rows a GQA group
+// shares read once for all its query heads; that is less work than launching ATen ops per
+// head (2.5x faster at H=32, S=4096, D=128 and at H=10, S=250, D=32, measured before the
+// scores came from skinny_linear). From two new tokens on (verification, trees, prefill), GEMMs:
 // while all scores fit in 4 MB, two batched GEMMs over [B, kv heads] up to the longest row
 // (a GQA group's query heads are extra query rows; shorter rows' extra keys are masked),
 // two ATen calls per layer instead of two per (row, head), which made batch 8 slower than
@@ -32,9 +33,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "skinny_linear.h"
 
 namespace spec_ext {
 namespace {
@@ -131,21 +136,27 @@ inline float soft_capped(float score, float softcap) {
   return softcap > 0.f ? softcap * std::tanh(score / softcap) : score;
 }
 
-// q . key over D in a fixed order, the same for every query, key and call: 8 interleaved
-// partial sums over d < D8 = D - D % 8 (lane j takes d = j mod 8, d rising), added as a tree
-// (j + j+4, j + j+2, 0 + 1), then the tail d >= D8 in order. Products and sums are separate
-// float32 operations written out lane by lane, so the compiler may vectorise them but not
-// reorder them (no -ffast-math).
-template <typename scalar_t>
-inline float fixed_order_dot(const float* query, const scalar_t* key, int64_t D) {
-  float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  const int64_t D8 = D - D % 8;
-  for (int64_t d = 0; d < D8; d += 8)
-    for (int j = 0; j < 8; ++j) lane[j] += query[d + j] * static_cast<float>(key[d + j]);
-  for (int j = 0; j < 4; ++j) lane[j] += lane[j + 4];
-  float dot = (lane[0] + lane[2]) + (lane[1] + lane[3]);
-  for (int64_t d = D8; d < D; ++d) dot += query[d] * static_cast<float>(key[d]);
-  return dot;
+// exp(x) for a softmax's x = score - max <= 0, in float32 operations only (Cephes' expf:
+// x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial in r, times 2^n), so a vectorised loop
+// and its scalar remainder give every element the same bits: which lane or position an element
+// takes never changes its value (unlike libm's scalar exp beside a vector one). No fused
+// multiply-adds: the baseline x86-64 target this file is built for has none to contract into.
+// Relative error about 2e-7; below -87 (exp < 2^-125) it gives 0, at -inf 0, at NaN NaN.
+inline float exp_nonpositive(float x) {
+  const float clamped = x < -87.f ? -87.f : x;
+  const float n = (clamped * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest
+  const float r = (clamped - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? 0.f : p * scale;
 }
 
 // One query at a time, each over the keys it sees in rising order (the loop path: T = 1, and
@@ -154,58 +165,75 @@ inline float fixed_order_dot(const float* query, const scalar_t* key, int64_t D)
 // the other queries, of where the call's keys start or end, or of the thread that runs it.
 // So query i of a block of T equals the same query alone (T = 1, prefix + i, the block's
 // earlier tokens in the cache), and a tree node equals the same node over its path compacted
-// (its keys in the same order). The order: scores by fixed_order_dot, then soft-capped; the
-// max over the seen keys and the sink (exact in any order); then, key by key in rising order,
-// w = exp(score - max), total += w, acc[d] += w * value[d]; out = acc * (1 / total), with the
-// sink's exp(sink - max) the first term of total. One task per (row, kv head): the K/V rows
-// a GQA group shares are read once for all its query heads and queries.
+// (its keys in the same order). The order: each score q * scale . key by skinny_linear's
+// kernel (fixed_order_products: one fixed order per (query, key), the same on every ISA
+// path), then soft-capped; the max over the seen keys and the sink (exact in any order); then
+// w = exp_nonpositive(score - max) per key, and key by key in rising order total += w,
+// acc[d] += w * value[d]; out = acc * (1 / total), with the sink's exp(sink - max) the first
+// term of total. One task per (row, kv head): its group's query heads and queries take their
+// scores from one call over the keys any of them may see, and the K/V rows are read (and for
+// 16-bit types widened) once for all of them.
 template <typename scalar_t>
 void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* out, const int64_t* prefix_lens,
             const Tree& tree, int64_t B, int64_t Hq, int64_t Hkv, int64_t T, int64_t S, int64_t D, int64_t Dv,
             int64_t longest, float scale, int64_t window, float softcap, const float* sinks) {
-  const int64_t group = Hq / Hkv;
+  const int64_t group = Hq / Hkv, R = group * T;
+  const at::ScalarType key_type = c10::CppTypeToScalarType<scalar_t>::value;
   // enough multiply-adds per chunk that a thread's wake-up is worth it
-  const int64_t work = std::max<int64_t>(1, group * T * longest * D);
+  const int64_t work = std::max<int64_t>(1, R * longest * D);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / work);
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> weights(S), query(D), acc(Dv);
+    std::vector<float> queries(R * D), scores, weights, widened, acc(Dv);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, g = task % Hkv;
       const int64_t prefix = std::max<int64_t>(prefix_lens[b], 0), limit = std::min(S, prefix + T);
-      const scalar_t* keys = k + task * S * D;
-      const scalar_t* values = v + task * S * Dv;
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        for (int64_t i = 0; i < T; ++i) {
-          const int64_t row = (b * Hq + h) * T + i;
-          scalar_t* o = out + row * Dv;
-          const uint32_t* mrow = tree.row(b, i);
-          // keys before the window of this query's position are never read
-          const int64_t start = window ? std::max<int64_t>(prefix + tree.depth(b, i) - window + 1, 0) : 0;
-          for (int64_t d = 0; d < D; ++d) query[d] = static_cast<float>(q[row * D + d]) * scale;
-          const float sink = sinks ? sinks[h] : kNegInf;
-          float best = sink;
-          for (int64_t s = start; s < limit; ++s) {
-            if (!tree.sees(mrow, b, prefix, i, s, window)) {
-              weights[s] = kNegInf;
-              continue;
-            }
-            weights[s] = soft_capped(fixed_order_dot(query.data(), keys + s * D, D), softcap);
-            best = std::max(best, weights[s]);
+      // the keys any of these queries may see: from the shallowest one's window on
+      const int64_t first = std::min(tree.first_key(b, prefix, window), limit), span = limit - first;
+      for (int64_t r = 0; r < R; ++r) {  // r = (h - g * group) * T + i
+        const scalar_t* row = q + ((b * Hq + g * group) * T + r) * D;
+        for (int64_t d = 0; d < D; ++d) queries[r * D + d] = static_cast<float>(row[d]) * scale;
+      }
+      scores.resize(R * span);
+      fixed_order_products(queries.data(), D, k + (task * S + first) * D, key_type, D, scores.data(), R, span, D);
+      const float* values = nullptr;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        values = v + (task * S + first) * Dv;
+      } else {
+        widened.resize(span * Dv);
+        const scalar_t* source = v + (task * S + first) * Dv;
+        for (int64_t e = 0; e < span * Dv; ++e) widened[e] = static_cast<float>(source[e]);
+        values = widened.data();
+      }
+      weights.resize(span);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t h = g * group + r / T, i = r % T;
+        scalar_t* o = out + ((b * Hq + h) * T + i) * Dv;
+        const uint32_t* mrow = tree.row(b, i);
+        float* score = scores.data() + r * span;
+        const float sink = sinks ? sinks[h] : kNegInf;
+        float best = sink;
+        for (int64_t c = 0; c < span; ++c) {
+          if (!tree.sees(mrow, b, prefix, i, first + c, window)) {
+            score[c] = kNegInf;
+            continue;
           }
-          std::fill(acc.begin(), acc.end(), 0.f);
-          float total = best != kNegInf ? std::exp(sink - best) : 0.f;  // exp(-inf) = 0: no sink
-          if (best != kNegInf) {
-            for (int64_t s = start; s < limit; ++s) {
-              if (weights[s] == kNegInf) continue;  // unseen (or a score of -inf: weight 0)
-              const float w = std::exp(weights[s] - best);
-              total += w;
-              const scalar_t* value = values + s * Dv;
-              for (int64_t d = 0; d < Dv; ++d) acc[d] += w * static_cast<float>(value[d]);
-            }
-          }
-          const float inv = total > 0.f ? 1.f / total : 0.f;  // a query that sees no key: zeros
-          for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<scalar_t>(acc[d] * inv);
+          score[c] = soft_capped(score[c], softcap);
+          best = std::max(best, score[c]);
         }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float total = 0.f;
+        if (best != kNegInf) {
+          for (int64_t c = 0; c < span; ++c) weights[c] = exp_nonpositive(score[c] - best);  // vectorised
+          total = exp_nonpositive(sink - best);  // exp(-inf) = 0: no sink
+          for (int64_t c = 0; c < span; ++c) {
+            if (score[c] == kNegInf) continue;  // unseen (or a score of -inf: weight 0)
+            total += weights[c];
+            const float* value = values + c * Dv;
+            for (int64_t d = 0; d < Dv; ++d) acc[d] += weights[c] * value[d];
+          }
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;  // a query that sees no key: zeros
+        for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<scalar_t>(acc[d] * inv);
       }
     }
   });

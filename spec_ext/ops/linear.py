@@ -42,10 +42,11 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend
     cut into chunks, tile by tile of weight rows, so that every row block reuses the weight
     vectors loaded for the first, while it prefetches the weights that come next), on AVX-512, AVX2 +
     FMA (+ F16C) or portable C++ (``cpu_isa``; ``SPEC_EXT_CPU_ISA`` forces a lower one). With
-    float32 x, weights may be float32 or bfloat16 (x and the sums stay float32; bfloat16 ->
-    float32 is exact, so a bfloat16 weight gives the same bits as ``weight.float()``, reading
-    half the bytes); bfloat16 or float16 x takes weights of its own dtype: both widen exactly
-    to float32, the sums and the bias are float32, and y is rounded once to x's dtype.
+    float32 x, weights may be float32, bfloat16 or float16 (x and the sums stay float32;
+    bfloat16 and float16 -> float32 are exact, so such a weight gives the same bits as
+    ``weight.float()``, reading half the bytes); bfloat16 or float16 x takes weights of its own
+    dtype: both widen exactly to float32, the sums and the bias are float32, and y is rounded
+    once to x's dtype.
 
     Rounding: each y[m, n] is one dot product in a fixed order, the same on every path,
     thread count and batch: 8 interleaved float32 partial sums over k (lane j takes the k
@@ -65,8 +66,8 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend
 
     Args:
         x: [..., K] float32, bfloat16 or float16 ("auto" sends bfloat16 and float16 to F.linear).
-        weight: [N, K], x's dtype, or bfloat16 with float32 x. bias: [N] (x's or the weight's
-            dtype) or None.
+        weight: [N, K], x's dtype, or bfloat16 / float16 with float32 x. bias: [N] (x's or the
+            weight's dtype) or None.
         backend: "auto" (the kernel where it applies: CPU, float32 x, AVX2 or AVX-512, at
             most ``FEW_ROWS`` rows, or ``SKINNY_ROWS`` for a weight of ``SKINNY_BYTES`` or
             more with K at most ``LONG_K``: :func:`uses_kernel`; F.linear otherwise), "cpu"
@@ -201,7 +202,7 @@ def _auto(device: torch.device, dtype: torch.dtype, forced_isa: str | None):
 
 def _check(x, weight, bias, backend) -> None:
     check_tensor("x", x, tuple(range(1, 8)), FLOAT_TYPES)
-    weight_types = (torch.float32, torch.bfloat16) if x.dtype == torch.float32 else (x.dtype,)
+    weight_types = (torch.float32, torch.bfloat16, torch.float16) if x.dtype == torch.float32 else (x.dtype,)
     check_tensor("weight", weight, 2, weight_types, x.device)
     if weight.shape[1] != x.shape[-1]:
         fail("weight", f"expected [N, K={x.shape[-1]}] (K = x's last dim), got {tuple(weight.shape)}")
