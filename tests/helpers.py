@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 import spec_ext
 from spec_ext import ops
 from spec_ext.ops import registry
-from spec_ext.policies import AdaLength, LearnedSpecBranch, ResidualMLP, SpecDecPP
+from spec_ext.policies import AdaLength, Call, LearnedSpecBranch, ResidualMLP, RoundState, SpecDecPP, resolve
 from spec_ext.policies.learned import DRAFT_EXTRA_FEATURES, HISTORY_FEATURES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,6 +93,13 @@ def perturbed(model, scale, seed):
         for p in copy_.parameters():
             p.add_(torch.randn_like(p) * scale)
     return copy_
+
+
+def plan_of(policy, rows: int, greedy: bool = True, target=None, draft=None, text=None):
+    """The first round's plan of ``policy`` (a Policy or a name) for ``rows`` rows: what its
+    controller for such a call plans (``text``: the rows' TextLookup, for text policies)."""
+    controller = resolve(policy).start(Call(rows, greedy, target, draft, text=text is not None))
+    return controller.plan(RoundState(rows, text))
 
 
 def make_policy(name, target, draft):

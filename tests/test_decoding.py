@@ -141,21 +141,27 @@ def test_different_seeds_give_different_samples(greedy_pair):
     assert not torch.equal(a, b)
 
 
-def test_stats_as_dict():
+def test_stats_count_by_source_and_as_dict_keeps_the_keys():
+    """Rounds are counted by what drafted them (one table); the text's keys add up the row's own
+    text and the suffix cache, the cache's keys the cache alone."""
     import json
     from spec_ext.engine import Stats
-    stats = Stats(target_calls=5, draft_calls=12, rounds=8, drafted=20, accepted=13, matched=3, text_drafted=7,
-                  text_accepted=4, new_tokens=21,
-                  discarded=2, wall_time=0.123456, processing_time=0.012345, accepted_lengths=[1, 2],
-                  draft_lengths=[3, 3],
-                  row_rounds=[5, 3], row_matched=[2, 1], row_drafted=[12, 8], row_accepted=[9, 4],
-                  cache_matched=1, cache_drafted=4, cache_accepted=3, row_cache_matched=[1, 0])
-    assert stats.as_dict() == dict(target_calls=5, draft_calls=12, rounds=8, drafted=20, accepted=13,
-                                   rollback=20 - 13 + 2, mean_accepted=1.625, acceptance_rate=0.65, discarded=2,
-                                   new_tokens=21, wall_time=0.1235, processing_time=0.0123, tokenizer_mode="", tokens_per_s=round(21 / 0.123456, 2), matched=3,
-                                   text_drafted=7, text_accepted=4, cache_matched=1, cache_drafted=4, cache_accepted=3,
-                                   per_row=dict(rounds=[5, 3], matched=[2, 1], drafted=[12, 8], accepted=[9, 4],
-                                                cache_matched=[1, 0]))
+    stats = Stats(target_calls=5, draft_calls=12, new_tokens=21, discarded=2, wall_time=0.123456,
+                  processing_time=0.012345, row_rounds=[0, 0], row_drafted=[0, 0], row_accepted=[0, 0])
+    for row, source, drafted, accepted in [(0, "model", 3, 2), (0, "text", 4, 1), (1, "cache", 4, 3), (0, "model", 3, 3),
+                                           (1, "text", 3, 0), (0, "model", 3, 2), (1, "none", 0, 0), (0, "none", 0, 0)]:
+        stats.count(row, source, drafted, accepted)
+    assert stats.as_dict() == dict(target_calls=5, draft_calls=12, rounds=8, drafted=20, accepted=11,
+                                   rollback=20 - 11 + 2, mean_accepted=1.375, acceptance_rate=0.55, discarded=2,
+                                   new_tokens=21, wall_time=0.1235, processing_time=0.0123, tokenizer_mode="",
+                                   tokens_per_s=round(21 / 0.123456, 2), matched=3, text_drafted=11, text_accepted=4,
+                                   cache_matched=1, cache_drafted=4, cache_accepted=3,
+                                   by_source=dict(model=dict(rounds=3, drafted=9, accepted=7),
+                                                  text=dict(rounds=2, drafted=7, accepted=1),
+                                                  cache=dict(rounds=1, drafted=4, accepted=3),
+                                                  none=dict(rounds=2, drafted=0, accepted=0)),
+                                   per_row=dict(rounds=[5, 3], matched=[1, 2], drafted=[13, 7], accepted=[8, 3],
+                                                cache_matched=[0, 1]))
     json.dumps(stats.as_dict())  # what the CLI prints
     assert Stats().as_dict()["mean_accepted"] == 0.0 and Stats().as_dict()["acceptance_rate"] == 0.0
 
@@ -501,11 +507,12 @@ def test_the_unrelated_draft_warning_counts_the_draft_models_proposals_only(gree
     from spec_ext.engine.generate import UNRELATED_DRAFTS, warn_if_unrelated
     from spec_ext.engine import Stats
     target, draft = greedy_pair
-    mixed = Stats(drafted=10 * UNRELATED_DRAFTS, accepted=9 * UNRELATED_DRAFTS, text_drafted=9 * UNRELATED_DRAFTS,
-                  text_accepted=9 * UNRELATED_DRAFTS)  # the model: 0 of 64 accepted
+    mixed, text_only = (Stats(row_rounds=[0], row_drafted=[0], row_accepted=[0]) for _ in range(2))
+    mixed.count(0, "text", 9 * UNRELATED_DRAFTS, 9 * UNRELATED_DRAFTS)
+    mixed.count(0, "model", UNRELATED_DRAFTS, 0)  # the model: 0 of 64 accepted
     with pytest.warns(UserWarning, match=f"draft: 0 of {UNRELATED_DRAFTS} drafts accepted"):
         warn_if_unrelated(target, draft, mixed)
-    text_only = Stats(drafted=10 * UNRELATED_DRAFTS, accepted=0, text_drafted=10 * UNRELATED_DRAFTS)
+    text_only.count(0, "text", 10 * UNRELATED_DRAFTS, 0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_if_unrelated(target, draft, text_only)
@@ -524,17 +531,16 @@ def test_a_drafter_made_by_the_user_is_verified_like_any_other(greedy_pair):
     class Junk(Drafter):
         """Always proposes tokens 1, 2, 3: almost never accepted, never wrong."""
 
-        def propose(self, seqs, roots):
+        def propose(self, seqs, roots, plan, forced=None, forced_rows=None):
+            assert plan.budget() == [3] * len(seqs)  # the plan of the policy given to generate
             tokens = torch.tensor([[1, 2, 3]] * len(seqs))
             return Proposal(tokens, torch.full((len(seqs),), 3))
 
     target, _ = greedy_pair
     prompts = [[5, 17, 33, 8], [9, 4]]
-    out = spec_ext.generate(target, Junk(Fixed(3)), prompts, max_new_tokens=10, eos_token_id=[])
+    out = spec_ext.generate(target, Junk(), prompts, max_new_tokens=10, eos_token_id=[], policy=Fixed(3))
     assert [out.sequences[b, -10:].tolist() for b in range(2)] == [hf_greedy(target, p, 10, eos=[]) for p in prompts]
     assert out.stats.drafted == 3 * out.stats.rounds and out.stats.draft_calls == 0
-    with pytest.raises(ValueError, match="policy: a Drafter brings its own policy"):
-        spec_ext.generate(target, Junk(Fixed(3)), prompts, policy="tree")
 
 
 @torch.no_grad()

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import spec_ext
-from spec_ext.drafters import ModelDrafter, Sampler, TextDrafter, TextFirst
-from spec_ext.policies import NGram, NGramIndex, continuation_tree, reference_occurrences
+from spec_ext.drafters import Sampler, TextSource
+from spec_ext.policies import Call, NGram, NGramIndex, Report, RoundState, continuation_tree, reference_occurrences
 from helpers import VOCAB, assert_follows, exact_joint, hf_greedy, llama, perturbed, ragged_greedy_equals_target
 
 
@@ -78,50 +78,62 @@ def test_continuation_tree_merges_shared_prefixes_within_the_budget():
         assert not dropped or min(kept, default=len(sequences)) >= max(dropped), "the most shared nodes are kept"
 
 
-def text_drafter(policy: NGram, histories: list[list[int]]) -> TextDrafter:
-    policy.start(len(histories))
-    drafter = TextDrafter(policy)
-    drafter.start(histories, capacity=0, sampler=Sampler())
-    return drafter
+def lookup(policy: NGram, histories: list[list[int]]):
+    """The policy's controller and the rows' text for a call on ``histories``."""
+    text = TextSource(policy.text_settings(False))
+    text.start(histories)
+    return policy.start(Call(len(histories), text=True)), text
 
 
-def keep_rows(policy: NGram, drafter: TextDrafter, rows: list[int]) -> None:
-    policy.keep_rows(rows)
-    drafter.keep_rows(rows, torch.tensor(rows))
+def offers(controller, text) -> list[int]:
+    """The drafts (tree nodes, the root included) of each row's text offer this round (0: none)."""
+    plan = controller.plan(RoundState(controller.rows, text))
+    return [0 if t is None else len(t.tokens) for t in plan.text], plan
+
+
+def observe(controller, plan, accepted) -> None:
+    drafted = [0 if t is None else t.drafts for t in plan.text]
+    controller.observe(Report(plan, plan.sources, drafted, accepted, [[0] * (a + 1) for a in accepted],
+                              1 + max(drafted)))
+
+
+def keep_rows(controller, text, rows: list[int]) -> None:
+    controller.keep_rows(rows)
+    text.keep_rows(rows)
 
 
 def test_drafts_shrink_as_the_batch_grows_and_grow_back_as_rows_finish():
-    policy = NGram(k=10, max_nodes=32, round_tokens=32)
-    drafter = text_drafter(policy, [list(range(20)) * 3] * 8)  # every row repeats: full-length matches
-    assert [len(c) for c in drafter.chains()] == [3] * 8  # 32 // 8 - 1
-    assert [len(t) for t, _ in drafter.trees()] == [4] * 8  # 32 // 8 nodes
-    keep_rows(policy, drafter, [5])
-    assert [len(c) for c in drafter.chains()] == [10] and [len(t) for t, _ in drafter.trees()] == [11]
+    for tree, at_8, alone in ((False, 3, 10), (True, 4, 11)):  # chains: 32 // 8 - 1; trees: 32 // 8 nodes
+        controller, text = lookup(NGram(k=10, max_nodes=32, round_tokens=32, tree=tree),
+                                  [list(range(20)) * 3] * 8)  # every row repeats: full-length matches
+        assert offers(controller, text)[0] == [at_8] * 8
+        keep_rows(controller, text, [5])
+        assert offers(controller, text)[0] == [alone]
 
 
 def test_adapt_depth_doubles_after_full_acceptance_and_cuts_to_one_past_the_accepted():
     policy = NGram(k=8, tree=False, adapt_depth=True)
-    drafter = text_drafter(policy, [list(range(20)) * 3, list(range(20)) * 3, [1, 2, 3]])  # rows 0, 1 match
+    controller, text = lookup(policy, [list(range(20)) * 3, list(range(20)) * 3, [1, 2, 3]])  # rows 0, 1 match
     depths = []
     for accepted in ([3, 8, 0], [0, 8, 0], [1, 8, 0], [2, 8, 0], [4, 8, 0], [8, 8, 0]):
-        drafts = drafter.chains()
-        depths.append([len(d) for d in drafts])
-        policy.observe([len(d) for d in drafts], accepted)
+        lengths, plan = offers(controller, text)
+        depths.append(lengths)
+        observe(controller, plan, [min(a, n) for a, n in zip(accepted, lengths)])
     assert depths == [[8, 8, 0], [4, 8, 0], [1, 8, 0], [2, 8, 0], [4, 8, 0], [8, 8, 0]]
-    policy.observe([8, 8, 0], [5, 8, 0])
-    keep_rows(policy, drafter, [2, 1, 0])  # each depth goes with its row
-    (lone, _), (deep, _), (tokens, parents) = drafter.trees()
-    assert len(lone) == 1 and len(deep) == 9  # no match: the root alone; row 1 kept its 8
-    assert len(tokens) == 7 and parents == [-1, 0, 1, 2, 3, 4, 5]  # equal continuations: a chain of 6
-    drafter = text_drafter(policy, [list(range(20)) * 3] * 8)  # at batch 8 the budget cuts the chains to 3
-    policy.proposed([3] * 8)
-    policy.observe([3] * 8, [3] * 8)
-    keep_rows(policy, drafter, [0])
-    assert len(drafter.chains()[0]) == 8  # a full accept of a cut chain does not lower the depth
-    without = NGram(k=8, tree=False)
-    drafter = text_drafter(without, [list(range(20)) * 3])
-    without.observe([8], [0])
-    assert len(drafter.chains()[0]) == 8
+    lengths, plan = offers(controller, text)
+    observe(controller, plan, [5, 8, 0])
+    keep_rows(controller, text, [2, 1, 0])  # each depth goes with its row
+    assert offers(controller, text)[0] == [0, 8, 6]  # no match; row 1 kept its 8; row 0 one past its 5
+    controller, text = lookup(policy, [list(range(20)) * 3] * 8)  # at batch 8 the budget cuts the chains to 3
+    lengths, plan = offers(controller, text)
+    assert lengths == [3] * 8
+    observe(controller, plan, [3] * 8)
+    keep_rows(controller, text, [0])
+    assert offers(controller, text)[0] == [8]  # a full accept of a cut chain does not lower the depth
+    controller, text = lookup(NGram(k=8, tree=False), [list(range(20)) * 3])
+    lengths, plan = offers(controller, text)
+    observe(controller, plan, [0])
+    assert offers(controller, text)[0] == [8]
 
 
 def test_bad_settings_are_refused():
@@ -169,49 +181,43 @@ def test_accelerate_without_a_draft_is_a_drop_in_for_generate(pair):
     expected = target.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
     assert torch.equal(fast.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0), expected)
     assert fast.last_stats.draft_calls == 0 and fast.last_stats.matched > 0
-    with pytest.raises(ValueError, match="draft: required \\(None only with NGram"):
+    with pytest.raises(ValueError, match="draft: required with policy Fixed \\(None only with a policy that drafts from the text"):
         spec_ext.generate(target, None, ids, policy="fixed")
 
 
-class Recording(TextDrafter):
-    """The text drafter, recording at every round each row's history and the drafts it proposed."""
-
-    def start(self, *args, **kwargs):
-        super().start(*args, **kwargs)
-        self.seen = []
-
-    def chains(self):
-        drafts = super().chains()
-        self.seen += [(list(index.tokens), chain) for index, chain in zip(self.rows, drafts)]
-        return drafts
-
-
 @pytest.mark.parametrize("with_draft", [False, True], ids=["alone", "beside the draft"])
-def test_drafts_are_the_plain_lookup_of_prompt_and_output(pair, with_draft):
+def test_drafts_are_the_plain_lookup_of_prompt_and_output(pair, with_draft, monkeypatch):
     """Every round's drafts are what the plain scan finds in the row's prompt + output so far
     (n-grams that span the prompt/output boundary included), k larger than what follows the
     match included; one-token prompts draft nothing in their first round."""
     target, draft = pair
+    seen = []
+    chain = TextSource.chain
+
+    def recording(self, row, most):
+        drafts = chain(self, row, most)
+        seen.append((list(self.rows[row].tokens), drafts))
+        return drafts
+    monkeypatch.setattr(TextSource, "chain", recording)
     # a prompt whose last token and the target's next one occurred together at its start
     spans = next(p for p in ([q[-1], hf_greedy(target, q, 1, eos=[])[0], 50] + q for q in
                              ([k, k + 1, k + 2] for k in range(10, 60))) if hf_greedy(target, p, 1, eos=[])[0] == p[1])
     prompts = [spans, [11], [20, 21, 22, 20, 21, 22, 20]]
     policy = NGram(k=4, n_max=2, n_min=2, tree=False)
-    recording = Recording(policy)
-    drafter = TextFirst(recording, ModelDrafter(draft, policy)) if with_draft else recording
-    out = spec_ext.generate(target, drafter, prompts, max_new_tokens=24, eos_token_id=[])
+    out = spec_ext.generate(target, draft if with_draft else None, prompts, max_new_tokens=24, eos_token_id=[],
+                            policy=policy)
     finals = [prompt + out.sequences[b, -24:].tolist() for b, prompt in enumerate(prompts)]
     spanning = short = 0
-    for history, chain in recording.seen:
+    for history, drafts in seen:
         row = next(b for b, final in enumerate(finals) if final[:len(history)] == history)
         n, starts = reference_occurrences(history, 2, 2)
-        assert chain == (history[starts[0]:starts[0] + 4] if starts else [])
+        assert drafts == (history[starts[0]:starts[0] + 4] if starts else [])
         spanning += bool(starts) and len(history) - n < len(prompts[row]) < len(history)
-        short += 0 < len(chain) < 4
+        short += 0 < len(drafts) < 4
     # alone, the first round emits one token, so the next suffix spans the boundary (beside the
     # draft, that round's drafts usually carry the row past it)
     assert short and (spanning or with_draft), (spanning, short)
-    assert recording.seen[1] == ([11], [])  # the one-token prompt, first round
+    assert seen[1] == ([11], [])  # the one-token prompt, first round
     for b, prompt in enumerate(prompts):
         assert out.sequences[b, -24:].tolist() == hf_greedy(target, prompt, 24, eos=[]), f"row {b}"
 

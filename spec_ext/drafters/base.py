@@ -2,12 +2,14 @@
 
 A drafter proposes, for every active row, a chain or a tree of tokens (:class:`Proposal`),
 with the distribution each proposal was drawn from (None for deterministic proposals such
-as copied text), and keeps its own state (a KV cache, a text index) in step with what the
-target committed (:class:`Outcome`). The engine verifies whatever shape comes back; it never
-asks which drafter made it.
+as copied text), as the round's plan (:class:`spec_ext.policies.RoundPlan`) says, and keeps
+its own state (a KV cache, a text index) in step with what the target committed
+(:class:`Outcome`). The engine verifies whatever shape comes back; it never asks which
+drafter made it.
 
 Also here, because drafters and engines both need them: :class:`Sampler` (temperature,
-top-k, top-p), :func:`pad_rows` and :func:`prefill`.
+top-k, top-p), the chain loop (:func:`draft_chain`), the one tree grower (:func:`grow_tree`),
+:func:`pad_rows` and :func:`prefill`.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from torch import Tensor
 from spec_ext import ops
 from spec_ext.models import check_model, check_pair, forward
 from spec_ext.ops import build_tree
-from spec_ext.policies import Policy
+from spec_ext.policies import RoundPlan, Source, TreeShape
 from spec_ext.processing import Positions
 
 
@@ -40,10 +42,13 @@ class Proposal:
     from, on the rows ``sampled_rows`` [B] bool (None: every row); other rows deterministic.
 
     ``num_draft`` [B] int64: drafts per row (a tree: its nodes but the root), on the device;
-    the engine reads it with the round's one host sync. ``from_text`` [B] host bools: the
-    rows whose drafts were copied from their own text (counted apart in the stats).
-    ``explores``: a round drafted another way than the drafter's best only to measure it (a
-    draft of another tokenizer trying its other mode): the policy does not learn from it.
+    the engine reads it with the round's one host sync. ``source``: per row, what drafted it
+    (host; None: the model). ``explores``: a round drafted another way than the drafter's best
+    only to measure it (a draft of another tokenizer trying its other mode): the policy does
+    not learn from it. ``draft_seconds``, ``draft_forwards``, ``draft_steps``: the model's
+    forwards this round (their seconds, count, and the drafts they computed: a chain's steps, a
+    block's slots, a tree's depth); ``warm``: they cost what a round's drafting costs (not a
+    catch-up over the prompt or skipped rounds).
 
     ``confidence`` [B,K] float32 for a chain, [B,T] for a tree (node 0, the root: 1): the
     drafter's probability of each draft given its prefix (q at the token when sampling; the
@@ -59,14 +64,22 @@ class Proposal:
     mask: Tensor | None = None
     max_depth: int = 0
     sampled_rows: Tensor | None = None
-    from_text: list[bool] | None = None
-    from_cache: list[bool] | None = None  # the rows of from_text drafted from a SuffixCache (earlier requests)
+    source: list[Source] | None = None
     explores: bool = False
     confidence: Tensor | None = None
+    draft_seconds: float = 0.0
+    draft_forwards: int = 0
+    draft_steps: int = 0
+    warm: bool = True
 
     @property
     def is_tree(self) -> bool:
         return self.parents is not None
+
+    @property
+    def width(self) -> int:
+        """Tokens verified per row, the root included."""
+        return self.tokens.shape[1] + (0 if self.is_tree else 1)
 
 
 @dataclass
@@ -96,38 +109,39 @@ class Outcome:
 
 
 class Drafter:
-    """A source of drafts. Per generate call: :meth:`start` once, then per round
-    :meth:`propose` and :meth:`commit`, and :meth:`keep_rows` when finished rows drop out.
+    """A source of model drafts. Per generate call: :meth:`bind` and :meth:`start` once, then
+    per round :meth:`propose` (or :meth:`skip`, a round it drafts nothing) and :meth:`commit`,
+    and :meth:`keep_rows` when finished rows drop out.
 
-    ``policy`` decides how far the drafter goes (its ``plan`` / ``keep_drafting``) or what
-    shape it grows (a static tree's ``parents``, the text's continuation trees); ``calls``
-    counts the drafter's model forwards (0 for a drafter without a model); ``model`` is its
-    draft causal LM (None: none, or not an HF causal LM); ``target_layers``: the target
-    layers whose hidden states (HF's ``hidden_states[k]``) the drafter reads from every
-    target forward (None: none), handed over in :meth:`start` and :class:`Outcome`.
+    ``calls`` counts the drafter's model forwards; ``model`` is its draft causal LM (None:
+    none, or not an HF causal LM); ``target_layers``: the target layers whose hidden states
+    (HF's ``hidden_states[k]``) the drafter reads from every target forward (None: none),
+    handed over in :meth:`start` and :class:`Outcome`; ``drafts_per_forward``: drafts one
+    forward proposes (a block drafter's whole block); ``drafts_every_round``: a round where it
+    drafts no row still runs its catch-up forward (MTP layers).
     """
 
     calls: int = 0
     model = None
-    drafts_per_forward: int = 1  # drafts one forward proposes (a block drafter: its whole block)
-    # beside the text (TextFirst under Auto): whether it must draft every round, its catch-up over the target's
-    # features being that round's forward (MTP layers; a feature head only under AdaLength), even where the text
-    # drafts every row
+    drafts_per_forward: int = 1
     drafts_every_round: bool = False
     target_layers: tuple[int, ...] | None = None
-    # what ``uses_bonus_agreement`` policies need of the last round (see :meth:`bonus_agreement`):
+    reads_hidden: bool = False  # the plan's keep_drafting reads the drafter's hidden state
+    # what plans that read the bonus agreement need of the last round (see :meth:`bonus_agreement`):
     # all_accepted [B] bool, whether each row accepted every draft; bonus_p [B,V] the target's
     # distribution its last token came from (None when greedy); both None before the first round
     all_accepted: Tensor | None = None
     bonus_p: Tensor | None = None
 
-    def __init__(self, policy: Policy):
-        self.policy = policy
-
     @property
     def proposer(self):
-        """The module whose parameters drafting reads (policies size their rules by it)."""
+        """The module whose parameters drafting reads (policies price drafting by its size)."""
         return self.model
+
+    @property
+    def max_depth(self) -> int | None:
+        """The most drafts it drafts in a line (a chain's length, a tree's depth; None: any)."""
+        return None
 
     def bind(self, target) -> None:
         """Once per generate call, before :meth:`start`: check that the drafter fits ``target``
@@ -145,10 +159,17 @@ class Drafter:
         ``target_layers``, ``features`` [B,L,F] of each prompt's tokens but its last (row b's
         first ``len(seqs[b]) - 1``; None when every prompt has one token)."""
 
-    def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
-        """The drafts of every active row: ``seqs`` their committed tokens (host, read only),
-        ``roots`` [B] the last committed token of each on the device."""
+    def propose(self, seqs: list[list[int]], roots: Tensor, plan: RoundPlan, forced: Tensor | None = None,
+                forced_rows: Tensor | None = None) -> Proposal:
+        """The drafts of every active row, as ``plan`` says (chains of ``plan.budget()``, or
+        ``plan.tree``): ``seqs`` their committed tokens (host, read only), ``roots`` [B] the
+        last committed token of each on the device. ``forced_rows`` [B] bool: rows whose drafts
+        come from elsewhere (the text's), their tokens ``forced`` [B,k] (None: discarded); a
+        drafter that keeps a draft cache feeds them, so it keeps what the target accepts there."""
         raise NotImplementedError
+
+    def skip(self) -> None:
+        """This round the drafter proposes nothing: it catches up over it in its next."""
 
     def commit(self, outcome: Outcome) -> None:
         """What the target kept of the last proposal: roll back what it rejected."""
@@ -158,8 +179,8 @@ class Drafter:
 
     # ------------------------------------------------------------ bonus agreement
     def remember_bonus(self, outcome: Outcome) -> None:
-        """(``uses_bonus_agreement`` policies) After a round: which rows accepted every draft
-        and the distribution their last token (the bonus) came from, for :meth:`bonus_agreement`."""
+        """After a round: which rows accepted every draft and the distribution their last
+        token (the bonus) came from, for :meth:`bonus_agreement`."""
         self.all_accepted = outcome.num_accepted == outcome.num_draft
         rows = torch.arange(len(outcome.accepted), device=outcome.num_accepted.device)
         self.bonus_p = None if outcome.p is None else outcome.p[rows, outcome.last]
@@ -172,14 +193,14 @@ class Drafter:
             self.bonus_p = self.bonus_p[index]
 
     def bonus_agreement(self, logits: Tensor, ids: Tensor, last: Tensor) -> Tensor:
-        """[B] bool (see :meth:`Policy.see_bonus_agreement`): rows whose last round accepted
-        every draft and whose drafter, at the last draft's position, agrees with the bonus
-        token. ``logits`` [B,T,V] are the drafter's catch-up over ``ids`` [B,T] (the tokens it
-        had not seen), ``ids[b, last[b]]`` the bonus: ``logits[b, last[b] - 1]`` is what the
-        drafter proposed for it. Greedy: its argmax is the bonus; sampling: a draw that agrees
-        with chance sum_x min(p, q) (p: the bonus's distribution, q: the drafter's, processed
-        by the sampler). A row whose catch-up holds the bonus alone (``last`` 0: it fed its
-        last draft while drafting) has no such logits: its agreement counts as broken."""
+        """[B] bool: rows whose last round accepted every draft and whose drafter, at the last
+        draft's position, agrees with the bonus token (whether acceptance ran on unbroken through
+        the root; :class:`spec_ext.policies.AdaLength` reads it). ``logits`` [B,T,V] are the
+        drafter's catch-up over ``ids`` [B,T] (the tokens it had not seen), ``ids[b, last[b]]``
+        the bonus: ``logits[b, last[b] - 1]`` is what the drafter proposed for it. Greedy: its
+        argmax is the bonus; sampling: a draw that agrees with chance sum_x min(p, q) (p: the
+        bonus's distribution, q: the drafter's, processed by the sampler). A row whose catch-up
+        holds the bonus alone (``last`` 0) has no such logits: its agreement counts as broken."""
         if self.all_accepted is None or not self.all_accepted.any():  # also the first round: no bonus yet
             return torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
         rows = torch.arange(len(ids), device=ids.device)
@@ -275,13 +296,14 @@ def _typical(x: Tensor, mass: float) -> Tensor:
     return x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
 
 
-def draft_chain(policy: Policy, sampler: Sampler, generator, logits: Tensor, hidden: Tensor | None, step,
+def draft_chain(plan: RoundPlan, sampler: Sampler, generator, logits: Tensor, hidden: Tensor | None, step,
                 budget: list[int], forced: Tensor | None = None, forced_rows: Tensor | None = None
                 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
     """The chain loop every drafter with distributions shares: from ``logits`` [B,V] (and the
     ``hidden`` [B,H] that produced them) propose a token per row, then ``step(token)`` gives
-    the next logits and hidden, up to ``budget[b]`` drafts per row, stopping rows where the
-    policy's ``keep_drafting`` says (one host sync per step for adaptive policies only).
+    the next logits and hidden, up to ``budget[b]`` drafts per row (a row of budget 0 drafts
+    nothing), stopping rows where the plan's ``keep_drafting`` says (one host sync per step
+    where the plan ``stops``).
     ``forced`` [B,k] replaces the drafts of ``forced_rows`` [B] bool (None: nothing is
     replaced). Returns drafts [B,K] (-1 padded), the q [B,K,V] each was drawn from (None
     when greedy), num_draft [B] and the confidence [B,K] float32 of each draft (q at the
@@ -293,8 +315,8 @@ def draft_chain(policy: Policy, sampler: Sampler, generator, logits: Tensor, hid
     q_all = None if sampler.greedy else torch.zeros(B, kmax, logits.shape[-1], device=device)
     num_draft = torch.zeros(B, dtype=torch.int64, device=device)
     confidence = torch.zeros(B, kmax, device=device)
-    going = torch.ones(B, dtype=torch.bool, device=device)
-    adaptive, steps = policy.adaptive, 0
+    going = torch.ones(B, dtype=torch.bool, device=device) if budget_t is None else budget_t > 0
+    adaptive, steps = plan.stops, 0
     for n in range(1, kmax + 1):
         if sampler.processors is not None:
             logits = sampler.process(logits[:, None], Positions.after(drafts[:, :n - 1]))[:, 0]
@@ -312,16 +334,28 @@ def draft_chain(policy: Policy, sampler: Sampler, generator, logits: Tensor, hid
         if budget_t is not None:
             going = going & (n < budget_t)
         if adaptive:
-            going &= policy.keep_drafting(n, probs, token, hidden)
+            going &= plan.keep_drafting(n, probs, token, hidden)
         if n == kmax or (adaptive and not bool(going.any())):
             break
         logits, hidden = step(token)
     return drafts[:, :steps], None if q_all is None else q_all[:, :steps], num_draft, confidence[:, :steps]
 
 
-def grow_static_tree(policy: Policy, logits: Tensor, roots: Tensor, refeed, sampler: Sampler | None = None
-                     ) -> Proposal:
-    """The policy's static tree (``branching[d]`` children per node at depth d), each level
+def grow_tree(shape: TreeShape, logits: Tensor, roots: Tensor, refeed, sampler: Sampler | None = None) -> Proposal:
+    """The tree ``shape`` of every row, grown from the root's drafter logits [B,V]:
+    ``refeed(tokens [B,n], parents [B,n], depth [B,n], mask)`` gives the drafter's logits
+    [B,n,V] at every node of the tree grown so far (node 0 the root); the ``sampler``'s
+    processors, if any, act on them (each node's prefix its path). Deterministic drafts; each
+    node's confidence is the softmax of its parent's processed logits at its token. A static
+    shape grows the top-k of each level (:func:`_grow_static`), a dynamic one EAGLE-2's tree
+    (:func:`_grow_dynamic`)."""
+    grow = _grow_dynamic if shape.dynamic else _grow_static
+    return grow(shape, logits, roots, refeed, sampler)
+
+
+def _grow_static(policy: TreeShape, logits: Tensor, roots: Tensor, refeed, sampler: Sampler | None = None
+                 ) -> Proposal:
+    """The static tree (``branching[d]`` children per node at depth d), each level
     the top-k of the drafter's logits after its parent: deterministic drafts. ``logits``
     [B,V] are the root's; ``refeed(tokens [B,n], parents [B,n], depth [B,n], mask)`` gives the
     drafter's logits [B,n,V] at every node of the tree grown so far (node 0 the root); the
@@ -371,8 +405,8 @@ def _static_tree(parents: tuple[int, ...], device: torch.device) -> tuple[Tensor
     return tree.parents.to(device), tree.depth.to(device), tree.mask.to(device), tree.max_depth
 
 
-def grow_dynamic_tree(policy: Policy, logits: Tensor, roots: Tensor, refeed, sampler: Sampler | None = None
-                      ) -> Proposal:
+def _grow_dynamic(policy: TreeShape, logits: Tensor, roots: Tensor, refeed, sampler: Sampler | None = None
+                  ) -> Proposal:
     """EAGLE-2's tree (:class:`spec_ext.policies.DynamicTree`), grown per row on the device
     (no host sync) from the root's logits [B,V]. Each level the frontier's ``top_k`` children
     are scored by cumulative log-probability; all of them are candidates, the best ``top_k``
@@ -451,6 +485,6 @@ def prefill(model, cache, rows: Sequence[Sequence[int]], role: str, hidden: bool
     ids = pad_rows(rows, 0, cache.buffer.device)
     out = forward(model, ids, cache, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), hidden=hidden,
                   **({} if layers is None else dict(layers=layers)))
-    check_finite(out[0] if hidden or layers is not None else out, role)
+    check_finite(out.logits, role)
     cache.advance([len(r) for r in rows])
     return out

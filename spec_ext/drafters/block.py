@@ -5,17 +5,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain, grow_dynamic_tree, \
-    grow_static_tree
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain, grow_tree
 from spec_ext.drafters.features import bind_layers, check_draft_vocabulary, committed_features, prompt_features
 from spec_ext.models import SpecCache, check_model, num_layers, vocabulary_size
-from spec_ext.models.dflash import DFlashDraft
-from spec_ext.policies import Policy
+from spec_ext.drafters.kinds import DraftKind, register_kind
+from spec_ext.models.dflash import DFlashDraft, is_dflash_directory, load_dflash
+from spec_ext.policies import RoundPlan
 
 
 class BlockDrafter(Drafter):
-    """Drafts a chain (up to the block's b - 1 slots, cut by the length policy's ``plan``), a
-    static tree (``Tree``) or a dynamic one (``DynamicTree``) from one block forward.
+    """Drafts a chain (up to the block's b - 1 slots, cut by the round's plan) or a tree (the
+    plan's, static or dynamic, at most the block's slots deep) from one block forward;
+    ``hidden``: plans that stop per draft step read the normed outputs of the slots.
 
     Chain: slot j's logits, processed by the sampler's logits processors at the prefix of the
     drafts before it (a grammar's state after slots < j), give q_j; draft j is drawn from q_j
@@ -32,17 +33,12 @@ class BlockDrafter(Drafter):
     the context; nothing drafted is ever kept, so nothing is rolled back.
 
     Example:
-        >>> drafter = BlockDrafter(load_dflash("path/to/dflash"), spec_ext.policies.Fixed(7))  # doctest: +SKIP
-        >>> spec_ext.generate(target, drafter, ids)                                             # doctest: +SKIP
+        >>> spec_ext.generate(target, BlockDrafter(load_dflash("path/to/dflash")), ids)  # doctest: +SKIP
     """
 
-    def __init__(self, draft: DFlashDraft, policy: Policy):
-        super().__init__(policy)
-        if policy.uses_bonus_agreement:
-            raise ValueError(f"policy: {type(policy).__name__} reads the drafter's agreement with the token after "
-                             f"a fully accepted round; a block drafter has no slot past its block to agree with")
+    def __init__(self, draft: DFlashDraft, hidden: bool = False):
         self.draft = draft.eval()
-        self.hidden = policy.uses_draft_hidden
+        self.hidden = hidden
 
     @property
     def proposer(self):
@@ -55,6 +51,10 @@ class BlockDrafter(Drafter):
 
     @property
     def drafts_per_forward(self) -> int:
+        return self.num_drafts
+
+    @property
+    def max_depth(self) -> int:
         return self.num_drafts
 
     def bind(self, target) -> None:
@@ -77,11 +77,6 @@ class BlockDrafter(Drafter):
             if weight is not None and weight.shape[1] != draft.hidden_size:
                 raise ValueError(f"{name}: the drafter has none and the target's are {weight.shape[1]} wide, not "
                                  f"the drafter's transformer_layer_config.hidden_size {draft.hidden_size}")
-        depth = (len(self.policy.branching) if self.policy.branching is not None else
-                 self.policy.depth if self.policy.grows_dynamic_tree else None)
-        if depth is not None and depth > self.num_drafts:
-            raise ValueError(f"policy: {self.policy!r} grows trees {depth} deep; a block of {draft.block_size} "
-                             f"slots drafts {self.num_drafts} (block_size)")
         draft.to(device=target.device, dtype=target.dtype)
 
     def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None,
@@ -104,20 +99,21 @@ class BlockDrafter(Drafter):
         hidden = draft(draft.embed(draft.block_tokens(roots), self.embedding), self.cache, slots or self.num_drafts)
         return draft.logits(hidden, self.output, self.vocab_size), hidden
 
-    def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
-        policy = self.policy
-        tree_depth = len(policy.branching) if policy.branching is not None else \
-            policy.depth if policy.grows_dynamic_tree else None
-        budget = None if tree_depth is not None else [max(1, min(k, self.num_drafts)) for k in policy.plan()]
-        logits, hidden = self.block(roots, tree_depth or max(budget))
+    def propose(self, seqs: list[list[int]], roots: Tensor, plan: RoundPlan, forced: Tensor | None = None,
+                forced_rows: Tensor | None = None) -> Proposal:
+        tree_depth = None if plan.tree is None else plan.tree.max_depth
+        budget = None if tree_depth is not None else [min(k, self.num_drafts) for k in plan.budget()]
+        slots = tree_depth or max(1, max(budget))
+        logits, hidden = self.block(roots, slots)
         if tree_depth is not None:
             def refeed(tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
                 # a node at depth d: its children are drafts d + 1, drawn from slot d + 1 (index d)
                 return logits.gather(1, depth.clamp_max(logits.shape[1] - 1)[..., None].expand(-1, -1,
                                                                                               logits.shape[2]))
 
-            grow = grow_static_tree if self.policy.branching is not None else grow_dynamic_tree
-            return grow(self.policy, logits[:, 0], roots, refeed, self.sampler)
+            proposal = grow_tree(plan.tree, logits[:, 0], roots, refeed, self.sampler)
+            proposal.draft_steps = slots
+            return proposal
         slot = {"next": 0}
         normed = self.draft.norm(hidden) if self.hidden else None
 
@@ -126,13 +122,9 @@ class BlockDrafter(Drafter):
             j = slot["next"]
             return logits[:, j], None if normed is None else normed[:, j]
 
-        drafts, q, num_draft, confidence = draft_chain(self.policy, self.sampler, self.generator, logits[:, 0],
+        drafts, q, num_draft, confidence = draft_chain(plan, self.sampler, self.generator, logits[:, 0],
                                                        None if normed is None else normed[:, 0], step, budget)
-        return Proposal(drafts, num_draft, q, confidence=confidence)
-
-    def skip(self) -> None:
-        """(Beside the text) a round without a block: nothing to catch up, as :meth:`commit`
-        extends the context whatever was drafted."""
+        return Proposal(drafts, num_draft, q, confidence=confidence, draft_steps=slots)
 
     def commit(self, outcome: Outcome) -> None:
         features, _, counts, counts_t = committed_features(outcome)
@@ -140,3 +132,8 @@ class BlockDrafter(Drafter):
 
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
         self.cache.keep_rows(rows)
+
+
+KIND = register_kind(DraftKind("block", "a block drafter", lambda draft: isinstance(draft, DFlashDraft), BlockDrafter,
+                               directory=lambda path: path != "mtp" and is_dflash_directory(path),
+                               order=40, load=lambda path, target: load_dflash(path), agreement=False))

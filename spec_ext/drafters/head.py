@@ -6,17 +6,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from spec_ext.drafters.base import (Drafter, Outcome, Proposal, Sampler, draft_chain, grow_dynamic_tree,
-                                    grow_static_tree)
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain, grow_tree
 from spec_ext.drafters.features import bind_layers, check_draft_vocabulary, committed_features, prompt_features
 from spec_ext.models import SpecCache, aux_layer_ids, check_model, num_layers, vocabulary_size
-from spec_ext.models.eagle import EagleHead
-from spec_ext.policies import Policy
+from spec_ext.drafters.kinds import DraftKind, register_kind
+from spec_ext.models.eagle import EagleHead, is_head_directory, load_head
+from spec_ext.policies import RoundPlan
 
 
 class HeadDrafter(Drafter):
-    """Drafts a chain with ``head`` (the length policy says how far), a static tree (``Tree``)
-    or EAGLE-2's dynamic tree (:class:`spec_ext.policies.DynamicTree`).
+    """Drafts a chain with ``head`` (as far as the round's plan says) or a tree (the plan's:
+    static top-k, or EAGLE-2's dynamic one); ``hidden``: plans that stop per draft step read
+    what the head's output layer read.
 
     State: the head's own :class:`SpecCache` holds one entry per committed position t < n
     (n + 1 committed tokens, x_n the root): the head's pass over (token x_{t+1}, the target's
@@ -26,34 +27,23 @@ class HeadDrafter(Drafter):
     draft steps past it use the head's own hidden state
     and are always rolled back (the accepted ones come back with the target's features).
 
-    Length policies that read the draft's hidden state (``uses_draft_hidden``: SpecDecPP) get
-    what the head's output layer read to make each draft's logits; those that read the bonus
-    agreement (``uses_bonus_agreement``: AdaLength) get it from the catch-up, whose pairs after
-    a round are its accepted drafts then the bonus, the one before the bonus predicting it.
+    Plans that read the bonus agreement (AdaLength) get it from the catch-up, whose pairs
+    after a round are its accepted drafts then the bonus, the one before the bonus predicting it.
 
     Example:
-        >>> drafter = HeadDrafter(load_head("path/to/head"), spec_ext.policies.Auto())  # doctest: +SKIP
-        >>> spec_ext.generate(target, drafter, ids)                                     # doctest: +SKIP
+        >>> spec_ext.generate(target, HeadDrafter(load_head("path/to/head")), ids)  # doctest: +SKIP
     """
 
-    def __init__(self, head: EagleHead, policy: Policy):
-        super().__init__(policy)
+    def __init__(self, head: EagleHead, hidden: bool = False):
         self.head = head.eval()
-        self.hidden = policy.uses_draft_hidden
+        self.hidden = hidden
 
     @property
     def proposer(self):
         return self.head
 
-    @property
-    def drafts_every_round(self) -> bool:
-        """Beside the text: whether a round the text drafts alone still runs the head's catch-up.
-        Only where the policy reads the bonus agreement from it (AdaLength); else the head
-        waits (:meth:`skip`) and catches up over those rounds in its next forward."""
-        return bool(self.policy.uses_bonus_agreement)
-
     def skip(self) -> None:
-        """(Beside the text) a round without the head: no forward. What it has not seen waits,
+        """A round without the head (the text drafted every row): no forward. What it has not seen waits,
         the round's committed pairs are appended to it (:meth:`commit`), and its next
         proposal feeds them all in one catch-up, as a fresh head started on the committed
         text would (a round of the text's drafts alone costs no head forward)."""
@@ -125,11 +115,12 @@ class HeadDrafter(Drafter):
         config = self.head.config
         return self.head.norm(hidden) if config.kind == "eagle3" and not config.norm_output else hidden
 
-    def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
+    def propose(self, seqs: list[list[int]], roots: Tensor, plan: RoundPlan, forced: Tensor | None = None,
+                forced_rows: Tensor | None = None) -> Proposal:
         B = len(seqs)
         ids, features, pairs, pairs_t = self._pending
         combined = self.head.combine(features)
-        slots, budget = self._parallel_slots() if self.head.config.mask_token_id is not None else (0, None)
+        slots, budget = self._parallel_slots(plan) if self.head.config.mask_token_id is not None else (0, None)
         if slots > 1:  # P-EAGLE: the catch-up, then slots - 1 masked slots after each row's last pair
             ids, combined = self._with_masked_slots(ids, combined, pairs_t, slots - 1)
         # every row writes the padded width from its own length: after skipped rounds the rows' pairs differ
@@ -140,19 +131,19 @@ class HeadDrafter(Drafter):
         logits, hidden = self._step(ids, combined, positions)
         self.cache.advance(pairs, pairs_t)
         last = pairs_t - 1
-        if self.policy.uses_bonus_agreement:  # after a round: its accepted drafts, then the bonus at last
-            self.policy.see_bonus_agreement(self.bonus_agreement(logits, ids, last))
+        # after a round: its accepted drafts, then the bonus at last
+        agreement = self.bonus_agreement(logits, ids, last) if plan.reads_agreement else None
         rows = torch.arange(B, device=self.device)
         self._kept = [n - p + r for n, p, r in zip(self.cache.host_lengths, pairs, self.real)]
         self._kept_t = self.cache.lengths - pairs_t + torch.tensor(self.real, device=self.device) \
             if pairs != self.real else self.cache.lengths
         if slots > 1:
             at = last[:, None] + torch.arange(slots, device=self.device)
-            return self._parallel(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])),
+            return self._parallel(plan, logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])),
                                   hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1])), roots, budget)
         logits, hidden = logits[rows, last], hidden[rows, last]
-        if self.policy.grows_dynamic_tree or self.policy.branching is not None:
-            return self._tree(logits, hidden, roots, combined[rows, last])
+        if plan.tree is not None:
+            return self._tree(plan, logits, hidden, roots, combined[rows, last])
         state = {"hidden": hidden}
 
         def step(token: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -162,19 +153,18 @@ class HeadDrafter(Drafter):
             self.cache.advance([1] * B)
             return out[:, 0], self._output_layer_input(state["hidden"]) if self.hidden else None
 
-        drafts, q, num_draft, confidence = draft_chain(self.policy, self.sampler, self.generator, logits,
-                                           self._output_layer_input(hidden) if self.hidden else None, step,
-                                           budget or self.policy.plan())
+        drafts, q, num_draft, confidence = draft_chain(plan, self.sampler, self.generator, logits,
+                                                       self._output_layer_input(hidden) if self.hidden else None,
+                                                       step, plan.budget(agreement))
         return Proposal(drafts, num_draft, q, confidence=confidence)
 
-    def _parallel_slots(self) -> tuple[int, list[int] | None]:
+    @staticmethod
+    def _parallel_slots(plan: RoundPlan) -> tuple[int, list[int] | None]:
         """P-EAGLE: the drafts one forward makes this round (a tree's depth; a chain's longest
-        plan) and a chain's plan (None for a tree)."""
-        if self.policy.branching is not None:
-            return len(self.policy.branching), None
-        if self.policy.grows_dynamic_tree:
-            return self.policy.depth, None
-        budget = self.policy.plan()
+        budget) and a chain's budget (None for a tree)."""
+        if plan.tree is not None:
+            return plan.tree.max_depth, None
+        budget = plan.budget()
         return max(budget), budget
 
     def _with_masked_slots(self, ids: Tensor, combined: Tensor, pairs_t: Tensor, masked: int
@@ -190,18 +180,18 @@ class HeadDrafter(Drafter):
                                torch.where(mask[..., None], masked_input, 0))
         return ids, combined
 
-    def _parallel(self, logits: Tensor, hidden: Tensor, roots: Tensor, budget: list[int] | None) -> Proposal:
+    def _parallel(self, plan: RoundPlan, logits: Tensor, hidden: Tensor, roots: Tensor, budget: list[int] | None
+                  ) -> Proposal:
         """P-EAGLE's drafts from one forward's slots: ``logits`` [B,K,V] (slot j gives draft j + 1,
         whatever the drafts before it) and their fed-back states [B,K,H]; a chain (each slot
         processed after the drafts before it, drawn from its q) or a tree grown from the slots
         by depth (as a block drafter's)."""
-        if self.policy.grows_dynamic_tree or self.policy.branching is not None:
+        if plan.tree is not None:
             def refeed(tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
                 at = depth.clamp_max(logits.shape[1] - 1)
                 return logits.gather(1, at[..., None].expand(-1, -1, logits.shape[2]))
 
-            grow = grow_static_tree if self.policy.branching is not None else grow_dynamic_tree
-            return grow(self.policy, logits[:, 0], roots, refeed, self.sampler)
+            return grow_tree(plan.tree, logits[:, 0], roots, refeed, self.sampler)
         read = self._output_layer_input(hidden) if self.hidden else None
         slot = {"next": 0}
 
@@ -209,11 +199,11 @@ class HeadDrafter(Drafter):
             slot["next"] += 1
             return logits[:, slot["next"]], None if read is None else read[:, slot["next"]]
 
-        drafts, q, num_draft, confidence = draft_chain(self.policy, self.sampler, self.generator, logits[:, 0],
+        drafts, q, num_draft, confidence = draft_chain(plan, self.sampler, self.generator, logits[:, 0],
                                                        None if read is None else read[:, 0], step, budget)
         return Proposal(drafts, num_draft, q, confidence=confidence)
 
-    def _tree(self, logits: Tensor, hidden: Tensor, roots: Tensor, root_input: Tensor) -> Proposal:
+    def _tree(self, plan: RoundPlan, logits: Tensor, hidden: Tensor, roots: Tensor, root_input: Tensor) -> Proposal:
         """A static tree (``Tree``) or EAGLE-2's (``DynamicTree``): each level re-feeds the root
         (its token with the target's feature, at its own position) and the tree so far, each
         node paired with its parent's output."""
@@ -229,8 +219,7 @@ class HeadDrafter(Drafter):
             self.cache.advance([1] * B)
             return out
 
-        grow = grow_static_tree if self.policy.branching is not None else grow_dynamic_tree
-        return grow(self.policy, logits, roots, refeed, self.sampler)
+        return grow_tree(plan.tree, logits, roots, refeed, self.sampler)
 
     def commit(self, outcome: Outcome) -> None:
         features, ids, counts, counts_t = committed_features(outcome)
@@ -241,8 +230,7 @@ class HeadDrafter(Drafter):
             self.cache.rollback(self._kept, self._kept_t)
         self._pending = ids, features, counts, counts_t
         self.real = list(counts)
-        if self.policy.uses_bonus_agreement:
-            self.remember_bonus(outcome)
+        self.remember_bonus(outcome)
 
     def _after_waiting(self, ids: Tensor, features: Tensor, counts: list[int]
                        ) -> tuple[Tensor, Tensor, list[int], Tensor]:
@@ -265,3 +253,8 @@ class HeadDrafter(Drafter):
         self._pending = ids[index], features[index], [pairs[i] for i in rows], pairs_t[index]
         self.real = [self.real[i] for i in rows]
         self.keep_bonus_rows(index)
+
+
+KIND = register_kind(DraftKind("head", "a feature head", lambda draft: isinstance(draft, EagleHead), HeadDrafter,
+                               directory=lambda path: path != "mtp" and is_head_directory(path),
+                               load=lambda path, target: load_head(path)))

@@ -1,19 +1,22 @@
 """A draft model: a transformers causal LM with the target's tokenizer drafts a chain (as
-long as the length policy says), a static top-k tree (the policy's ``branching``) or
-EAGLE-2's dynamic tree (``DynamicTree``)."""
+long as the round's plan says) or a tree (a static top-k one, EAGLE-2's dynamic one)."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from spec_ext.drafters.base import (Drafter, Outcome, Proposal, Sampler, check_finite, draft_chain, grow_dynamic_tree,
-                                    grow_static_tree, pad_rows, prefill)
-from spec_ext.models import SpecCache, forward
-from spec_ext.policies import Policy
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, check_finite, draft_chain, grow_tree, pad_rows, \
+    prefill
+from spec_ext.drafters.kinds import DraftKind, register_kind
+from spec_ext.models import Forward, SpecCache, forward
+from spec_ext.policies import RoundPlan
 
 
 class ModelDrafter(Drafter):
-    """Drafts with ``model`` over its own :class:`SpecCache`.
+    """Drafts with ``model`` over its own :class:`SpecCache` (``hidden``: its forwards also
+    return the last hidden state, for plans that read it).
 
     Cache convention: the draft's cache holds a prefix of the committed tokens; what it has
     not seen (the last round's accepted drafts it was not fed, the corrected or bonus token)
@@ -22,14 +25,12 @@ class ModelDrafter(Drafter):
     tree level (a tree: the tree so far, re-fed with tree attention).
 
     Example:
-        >>> drafter = ModelDrafter(draft, spec_ext.policies.Fixed(4))            # doctest: +SKIP
-        >>> spec_ext.generate(target, drafter, ids).stats.draft_calls            # doctest: +SKIP
+        >>> spec_ext.generate(target, ModelDrafter(draft), ids, policy=Fixed(4)).stats.draft_calls  # doctest: +SKIP
     """
 
-    def __init__(self, model, policy: Policy):
-        super().__init__(policy)
+    def __init__(self, model, hidden: bool = False):
         self.model = model
-        self.hidden = policy.uses_draft_hidden
+        self.hidden = hidden
 
     def start(self, seqs: list[list[int]], capacity: int, sampler: Sampler, generator=None,
               features: Tensor | None = None) -> None:
@@ -37,6 +38,7 @@ class ModelDrafter(Drafter):
         self.device = self.model.device
         self.cache = SpecCache.for_model(self.model, len(seqs), capacity)
         self._carry: dict | None = None
+        self._fed = None
         self.all_accepted = self.bonus_p = None
 
     def prefill(self, rows: list[list[int]]) -> None:
@@ -45,50 +47,32 @@ class ModelDrafter(Drafter):
         if prefill(self.model, self.cache, rows, "draft") is not None:
             self.calls += 1
 
-    def forward(self, ids: Tensor, positions: Tensor, mask: Tensor | None = None):
-        """The draft's logits [B,T,V] (and hidden states [B,T,H] for policies that read them)."""
+    def forward(self, ids: Tensor, positions: Tensor, mask: Tensor | None = None) -> Forward:
+        """The draft's logits [B,T,V] (and hidden states [B,T,H] with ``hidden``)."""
         self.calls += 1
         return forward(self.model, ids, self.cache, positions, mask, self.hidden)
 
-    def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
-        if self.policy.branching is not None:
-            return self.tree(seqs, roots)
-        if self.policy.grows_dynamic_tree:
-            return self.dynamic_tree(seqs, roots)
-        drafts, q, num_draft, confidence = self.chain(seqs)
-        return Proposal(drafts, num_draft, q, confidence=confidence)
-
-    # ------------------------------------------------------------------ shapes
-    def chain(self, seqs: list[list[int]], budget: list[int] | None = None, forced: Tensor | None = None,
-              forced_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-        """Draft up to ``budget[b]`` tokens per row (None: the policy's ``plan()``), stopping a
-        row where the policy's ``keep_drafting`` says. ``forced_rows`` [B] bool: the rows whose
-        drafts come from elsewhere; ``forced`` [B,k] their tokens, which replace the drafts
-        there and are fed to the draft, so its cache keeps what the target accepts there
-        (None: its own drafts stand there; the caller discards them and names the rows it
-        verifies with :meth:`feeds`). Returns drafts [B,K] (-1 padded), the q [B,K,V]
-        each was drawn from (None when greedy), num_draft [B] and each draft's confidence
-        [B,K] (:func:`~spec_ext.drafters.base.draft_chain`)."""
-        logits, hidden = self._catch_up(seqs)
+    def propose(self, seqs: list[list[int]], roots: Tensor, plan: RoundPlan, forced: Tensor | None = None,
+                forced_rows: Tensor | None = None) -> Proposal:
+        logits, hidden, agreement = self._catch_up(seqs, plan.reads_agreement)
+        if plan.tree is not None:
+            proposal = grow_tree(plan.tree, logits, roots, self._refeed, self.sampler)
+            self._feeds(0)  # the cache holds the committed tokens up to the root: none of the tree
+            return proposal
         B = len(seqs)
 
         def step(token: Tensor) -> tuple[Tensor, Tensor | None]:
             out = self.forward(token.clamp_min(0)[:, None], self.cache.lengths[:, None])
             self.cache.advance([1] * B)
-            return (out[0][:, 0], out[1][:, 0]) if self.hidden else (out[:, 0], None)
+            return out.logits[:, 0], None if out.hidden is None else out.hidden[:, 0]
 
-        drafts, q, num_draft, confidence = draft_chain(self.policy, self.sampler, self.generator, logits, hidden, step,
-                                           self.policy.plan() if budget is None else budget, forced, forced_rows)
-        self.feeds(drafts.shape[1] - 1)
-        return drafts, q, num_draft, confidence
-
-    def tree(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
-        """The policy's static tree (:func:`~spec_ext.drafters.base.grow_static_tree`), the
-        tree so far re-fed with tree attention at each level."""
-        logits, _ = self._catch_up(seqs)
-        proposal = grow_static_tree(self.policy, logits, roots, self._refeed, self.sampler)
-        self.feeds(0)  # the cache holds the committed tokens up to the root: none of the tree
-        return proposal
+        drafts, q, num_draft, confidence = draft_chain(plan, self.sampler, self.generator, logits, hidden, step,
+                                                       plan.budget(agreement), forced, forced_rows)
+        if forced_rows is not None and forced is None:  # the rows' drafts are discarded: only the others' kept
+            self._feeds(drafts.shape[1] - 1, ~forced_rows, (~forced_rows).tolist())
+        else:
+            self._feeds(drafts.shape[1] - 1)
+        return Proposal(drafts, num_draft, q, confidence=confidence)
 
     def _refeed(self, tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
         """Logits [B,n,V] at every node of a tree re-fed after the committed tokens (the root,
@@ -96,28 +80,20 @@ class ModelDrafter(Drafter):
         self.cache.rollback([x - 1 for x in self.cache.host_lengths])
         out = self.forward(tokens, self.cache.lengths[:, None] + depth, mask)
         self.cache.advance([1] * len(tokens))
-        return out[0] if self.hidden else out
-
-    def dynamic_tree(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
-        """EAGLE-2's tree (:func:`~spec_ext.drafters.base.grow_dynamic_tree`)."""
-        logits, _ = self._catch_up(seqs)
-        proposal = grow_dynamic_tree(self.policy, logits, roots, self._refeed, self.sampler)
-        self.feeds(0)
-        return proposal
+        return out.logits
 
     # ------------------------------------------------------------------ state
-    def feeds(self, drafts: int, rows: Tensor | None = None, rows_host: list[bool] | None = None) -> None:
+    def _feeds(self, drafts: int, rows: Tensor | None = None, rows_host: list[bool] | None = None) -> None:
         """This round fed every row ``drafts`` tokens past the committed ones, of which the
         drafts of ``rows`` [B] bool (``rows_host`` the same on the host; None: every row) are
         what the target verifies: :meth:`commit` keeps those it accepts."""
         self._fed = drafts, rows, rows_host
 
     def skip(self) -> None:
-        """This round the draft proposed nothing (another drafter's round): it catches up
-        from the committed text next time."""
         self._carry, self._fed = None, None
 
     def commit(self, outcome: Outcome) -> None:
+        self.remember_bonus(outcome)
         if self._fed is None:
             return
         limit, rows, rows_host = self._fed
@@ -134,8 +110,6 @@ class ModelDrafter(Drafter):
         index = (fed_t[:, None] + torch.arange(max(lengths), device=self.device)).clamp_max(outcome.tokens.shape[1] - 1)
         self._carry = dict(ids=outcome.tokens.gather(1, index).clamp_min(0), lengths=lengths,
                            last=outcome.num_accepted - fed_t)
-        if self.policy.uses_bonus_agreement:
-            self.remember_bonus(outcome)
 
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
         self.cache.keep_rows(rows)
@@ -143,10 +117,11 @@ class ModelDrafter(Drafter):
             self._carry = {k: [v[i] for i in rows] if k == "lengths" else v[index] for k, v in self._carry.items()}
         self.keep_bonus_rows(index)
 
-    def _catch_up(self, seqs: list[list[int]]) -> tuple[Tensor, Tensor | None]:
+    def _catch_up(self, seqs: list[list[int]], agreement: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Feed the draft the committed tokens it has not seen (the carry, on the device; the
-        first round or after a skip: from the host lists); logits [B,V] after the last (and
-        the hidden state [B,H] that produced them, for policies that need it)."""
+        first round or after a skip: from the host lists); logits [B,V] after the last, the
+        hidden state [B,H] that produced them (with ``hidden``) and, where asked, the rows'
+        bonus agreement [B] bool."""
         carry, self._carry = self._carry, None
         if carry is None:
             pending = [s[n:] for s, n in zip(seqs, self.cache.host_lengths)]
@@ -160,11 +135,24 @@ class ModelDrafter(Drafter):
         self.cache.reserve(max(self.cache.host_lengths) + ids.shape[1])
         positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
         out = self.forward(ids, positions)
-        logits, hidden = out if self.hidden else (out, None)
         if self.calls == 1:  # the prompt
-            check_finite(logits, "draft")
+            check_finite(out.logits, "draft")
         self.cache.advance(lengths, last + 1)
-        if self.policy.uses_bonus_agreement:
-            self.policy.see_bonus_agreement(self.bonus_agreement(logits, ids, last))
+        agreed = self.bonus_agreement(out.logits, ids, last) if agreement else None
         rows = torch.arange(len(lengths), device=self.device)
-        return logits[rows, last], None if hidden is None else hidden[rows, last]
+        return out.logits[rows, last], None if out.hidden is None else out.hidden[rows, last], agreed
+
+
+def _is_causal_lm(draft) -> bool:
+    return hasattr(draft, "config") and hasattr(draft, "get_input_embeddings")
+
+
+def _load(path, target):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device).eval()
+
+
+# the catch-all kind: any transformers causal LM (tried after the heads, block drafters and MTP layers)
+KIND = register_kind(DraftKind("model", "a draft model", _is_causal_lm, ModelDrafter, order=100,
+                               directory=lambda path: path != "mtp" and Path(path).is_dir(), load=_load,
+                               parallel=True, own_tokenizer=True))

@@ -6,12 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from spec_ext.drafters.base import (Drafter, Outcome, Proposal, Sampler, draft_chain, grow_dynamic_tree,
-                                    grow_static_tree)
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain, grow_tree
+from spec_ext.drafters.kinds import DraftKind, register_kind
 from spec_ext.models import SpecCache, check_model, num_layers, vocabulary_size
-from spec_ext.models.mtp import (LeanMtp, layer_step, mtp_logits, position_shift, spec_attention, why_not_lean_mtp,
-                                 why_not_mtp)
-from spec_ext.policies import Policy
+from spec_ext.models.mtp import (LeanMtp, is_mtp_directory, layer_step, load_speculators_mtp, mtp_logits,
+                                 position_shift, spec_attention, why_not_lean_mtp, why_not_mtp)
+from spec_ext.policies import RoundPlan
 
 
 class MtpDrafter(Drafter):
@@ -43,12 +43,11 @@ class MtpDrafter(Drafter):
 
     drafts_every_round = True  # its catch-up over the target's features is the round's first forward
 
-    def __init__(self, mtp, policy: Policy):
-        super().__init__(policy)
+    def __init__(self, mtp, hidden: bool = False):
         self.mtp = mtp.eval()
         self.num_mtp = len(mtp.layers)
         self.shift = position_shift(mtp)  # layer i at index p runs at position p + i + shift
-        self.hidden = policy.uses_draft_hidden
+        self.hidden = hidden
 
     @property
     def proposer(self):
@@ -97,11 +96,13 @@ class MtpDrafter(Drafter):
                 F.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=torch.finfo(logits.dtype).min)
         return logits
 
-    def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
+    def propose(self, seqs: list[list[int]], roots: Tensor, plan: RoundPlan, forced: Tensor | None = None,
+                forced_rows: Tensor | None = None) -> Proposal:
         B, K, device = len(seqs), self.num_mtp, self.device
         span, valid = self.span, self.cache.host_lengths
         first = [v - f for v, f in zip(valid, self.fake)]  # the sequence index of each row's first input
-        M, kmax = max(span), max(1, self.policy.max_draft)
+        budget = None if plan.tree is not None else plan.budget()
+        M, kmax = max(span), max(1, plan.tree.room if plan.tree is not None else max(budget))
         # the tokens x_{first+1} ... x_{n+1} (the root) of every row, then room for its drafts
         text = [s[p + 1:p + 1 + m] for s, p, m in zip(seqs, first, span)]
         tokens = torch.tensor([t + [0] * (M + kmax - len(t)) for t in text], device=device)
@@ -114,10 +115,12 @@ class MtpDrafter(Drafter):
         if K == 1:  # every layer has its catch-up: the cache keeps it until commit says how much
             self.cache.advance(span, span_t)
         logits = self._logits(out[rows, last])
-        if self.policy.uses_bonus_agreement:  # layer 0 at index p predicts x_{p+2}: the bonus is tokens[last]
-            self.policy.see_bonus_agreement(self.bonus_agreement(self._logits(out), tokens[:, :M], last))
-        if self.policy.grows_dynamic_tree or self.policy.branching is not None:
-            return self._tree(out, logits, roots, first_t, span_t, tokens, positions)
+        agreement = None  # layer 0 at index p predicts x_{p+2}: the bonus is tokens[last]
+        if plan.reads_agreement:
+            agreement = self.bonus_agreement(self._logits(out), tokens[:, :M], last)
+            budget = plan.budget(agreement)
+        if plan.tree is not None:
+            return self._tree(plan, out, logits, roots, first_t, span_t, tokens, positions)
         state = {"drafts": 0, "out": out, "hidden": out[rows, last]}
 
         def step(token: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -136,9 +139,8 @@ class MtpDrafter(Drafter):
                 self.cache.advance([1] * B)
             return self._logits(state["hidden"]), state["hidden"] if self.hidden else None
 
-        drafts, q, num_draft, confidence = draft_chain(self.policy, self.sampler, self.generator, logits,
-                                                       state["hidden"] if self.hidden else None, step,
-                                                       self.policy.plan())
+        drafts, q, num_draft, confidence = draft_chain(plan, self.sampler, self.generator, logits,
+                                                       state["hidden"] if self.hidden else None, step, budget)
         if self._layers_run < K:  # the chain stopped before the last layer: the rest catch up on the committed
             # indices, so the cache keeps what every layer saw (not recomputed next round); the drafts in
             # place (the last one was never stepped), read by the indices an accepted draft keeps
@@ -151,8 +153,8 @@ class MtpDrafter(Drafter):
             self.cache.advance(span, span_t)
         return Proposal(drafts, num_draft, q, confidence=confidence)
 
-    def _tree(self, out: Tensor, logits: Tensor, roots: Tensor, first_t: Tensor, span_t: Tensor, tokens: Tensor,
-              positions: Tensor) -> Proposal:
+    def _tree(self, plan: RoundPlan, out: Tensor, logits: Tensor, roots: Tensor, first_t: Tensor, span_t: Tensor,
+              tokens: Tensor, positions: Tensor) -> Proposal:
         """A static tree (``Tree``) or EAGLE-2's (``DynamicTree``): the children of a node at
         depth d are drafted by layer min(d + 1, K) - 1, as a chain's draft d + 1 is. Layer l runs
         at index n - l + j for a node at depth j (the root x_{n+1} at n - l, its last committed
@@ -198,8 +200,7 @@ class MtpDrafter(Drafter):
             self.cache.rollback(valid, self.cache.lengths - before)
             return self._logits(outs[layer])
 
-        grow = grow_static_tree if self.policy.branching is not None else grow_dynamic_tree
-        proposal = grow(self.policy, logits, roots, refeed, self.sampler)
+        proposal = grow_tree(plan.tree, logits, roots, refeed, self.sampler)
         self._tree_round = True  # every layer's entries up to index n - K + 1 are committed ones
         kept = (span_t - K + 1).clamp_min(0)
         self.cache.advance(kept.tolist(), kept)
@@ -231,8 +232,7 @@ class MtpDrafter(Drafter):
         joined = torch.cat([self.pending, fresh.to(self.pending.dtype)], 1)
         self.pending = joined.gather(1, index[..., None].expand(-1, -1, joined.shape[-1]))
         self.span, self.fake = span, [False] * len(accepted)
-        if self.policy.uses_bonus_agreement:
-            self.remember_bonus(outcome)
+        self.remember_bonus(outcome)
 
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
         self.cache.keep_rows(rows)
@@ -254,3 +254,15 @@ def _without(mask: Tensor, exists: Tensor) -> Tensor:
 
     eye = pack(torch.eye(T, dtype=torch.bool, device=mask.device))
     return (mask.expand(B, -1, -1) & pack(exists)[:, None]) | eye[None]
+
+
+def _load(path, target):
+    if str(path) == "mtp":  # the target's own MTP layers, from its checkpoint
+        from spec_ext.models.mtp import load_mtp
+        return load_mtp(target)
+    return load_speculators_mtp(path, target)
+
+
+KIND = register_kind(DraftKind("mtp", "the target's MTP layers", lambda draft: type(draft).__name__ == "MtpModel",
+                               MtpDrafter, order=10, directory=lambda path: path == "mtp" or is_mtp_directory(path),
+                               load=_load))

@@ -33,17 +33,16 @@ differs from what it holds (a boundary that moved, a rejected draft) and the res
 
 Chains with every length policy (:func:`~spec_ext.drafters.base.draft_chain`); trees (a
 static tree's top-k, EAGLE-2's dynamic tree: of target ids under TLI, of draft tokens whose
-paths' texts are re-tokenised and merged under SLEM); beside the text's drafts (``NGram``,
-through :class:`~spec_ext.drafters.TextFirst`). Parallel policies (PEARL, SpecBranch) are
-refused with a ValueError.
+paths' texts are re-tokenised and merged under SLEM); beside the text's drafts. Parallel
+policies (PEARL, SpecBranch) are refused with a ValueError.
 
 The draft's forwards need its attention routed through spec_ext with its own vocabulary:
 :func:`spec_ext.generate` opens that block around the rounds (a caller driving the drafter
 itself: ``with spec_ext.models.attention_implementation(draft):``).
 
 Example:
-    >>> drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(4), mode="tli")  # doctest: +SKIP
-    >>> spec_ext.generate(target, drafter, ids, max_new_tokens=64)                          # doctest: +SKIP
+    >>> drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, mode="tli")       # doctest: +SKIP
+    >>> spec_ext.generate(target, drafter, ids, max_new_tokens=64, policy=Fixed(4))   # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -54,11 +53,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from spec_ext.drafters.base import (Drafter, Outcome, Proposal, Sampler, check_finite, draft_chain, grow_dynamic_tree,
-                                    grow_static_tree, pad_rows)
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, check_finite, draft_chain, grow_tree, pad_rows
 from spec_ext.drafters.text import tree_proposal
 from spec_ext.models import SpecCache, check_pair, forward, vocabulary_size
-from spec_ext.policies import Policy, continuation_tree
+from spec_ext.policies import RoundPlan, continuation_tree
 from spec_ext.vocab import PrefixIndex, VocabMap, prefix_index, vocab_map
 
 MODES = ("tli", "slem", "auto")
@@ -70,22 +68,17 @@ BACK = 2  # draft tokens re-tokenised at least, before the committed text's end
 
 class OtherTokenizerDrafter(Drafter):
     """Drafts with ``model``, a causal LM whose tokenizer ``tokenizer`` is not the target's
-    ``target_tokenizer``, under ``policy`` (a chain length policy or a tree; beside the text's
-    drafts, :class:`~spec_ext.drafters.TextFirst` asks it for chains), in ``mode`` (see the
-    module docstring). Both tokenizers must be fast (tokenizers-library) tokenizers."""
+    ``target_tokenizer``, chains or trees as the round's plan says, in ``mode`` (see the
+    module docstring; ``hidden``: plans that stop per draft step read the draft's hidden
+    state). Both tokenizers must be fast (tokenizers-library) tokenizers."""
 
-    def __init__(self, model, tokenizer, target_tokenizer, policy: Policy, mode: str = "auto"):
-        super().__init__(policy)
+    def __init__(self, model, tokenizer, target_tokenizer, mode: str = "auto", hidden: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
-        if policy.parallel:
-            raise ValueError(f"policy: {type(policy).__name__} drafts beside the verification, from a draft that "
-                             f"shares the target's tokens; a draft with another tokenizer runs with serial policies "
-                             f"(chains, trees, NGram beside it)")
         self.model, self.tokenizer, self.target_tokenizer, self.mode = model, tokenizer, target_tokenizer, mode
         self.vocab: VocabMap = vocab_map(tokenizer, target_tokenizer)
         self.prefixes: PrefixIndex = prefix_index(tokenizer, "draft_tokenizer")
-        self.hidden = policy.uses_draft_hidden
+        self.hidden = hidden
         self.rounds_by_mode = {"tli": 0, "slem": 0}  # this call's rounds in each mode
         # the special tokens the draft's tokenizer puts before a text (its BOS), fed once per row
         plain = tokenizer("a", add_special_tokens=False).input_ids
@@ -238,7 +231,7 @@ class OtherTokenizerDrafter(Drafter):
         ids = pad_rows(feed, 0, self.device)
         positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
         out = self._forward(ids, positions)
-        logits, hidden = out if self.hidden else (out, None)
+        logits, hidden = out.logits, out.hidden
         if self.calls == 1:
             check_finite(logits, "draft")
         self.cache.advance([len(f) for f in feed])
@@ -296,36 +289,28 @@ class OtherTokenizerDrafter(Drafter):
         return forward(self.model, ids, self.cache, positions, mask, self.hidden)
 
     # ------------------------------------------------------------------ rounds
-    def propose(self, seqs: list[list[int]], roots: Tensor) -> Proposal:
-        if self.policy.drafts_from_text:
-            raise ValueError(f"policy: {type(self.policy).__name__} drafts from the text; beside it this drafter runs "
-                             f"as TextFirst(TextDrafter(policy), drafter) (generate builds that from the tokenizers)")
-        if self.policy.branching is None and not self.policy.grows_dynamic_tree:
-            drafts, q, num_draft = self.chain(seqs)
-            proposal = Proposal(drafts, num_draft, q)
-        else:
-            self._begin(seqs)
+    def propose(self, seqs: list[list[int]], roots: Tensor, plan: RoundPlan, forced: Tensor | None = None,
+                forced_rows: Tensor | None = None) -> Proposal:
+        """A chain per row of up to ``plan.budget()[b]`` target tokens, where the plan's
+        ``keep_drafting`` says, or the plan's tree. ``forced_rows`` [B] bool: the rows whose
+        drafts come from elsewhere (the text's: its drafts there are not re-tokenised, and those
+        tokens are not fed: the next round re-tokenises whatever the target commits); ``forced``
+        [B,k] their tokens in place of the drafts there (None: they are discarded)."""
+        self._plan = plan
+        self._begin(seqs)
+        if plan.tree is not None:
             if self.current == "tli":
-                proposal = self._tli_tree(self._sync()[0], roots)
+                proposal = self._tli_tree(plan, self._sync()[0], roots)
             else:
                 logits, _, healed = self._sync(heal=True)
-                proposal = self._slem_tree(logits, healed)
-        proposal.explores = self.explores
-        return proposal
-
-    def chain(self, seqs: list[list[int]], budget: list[int] | None = None, forced: Tensor | None = None,
-              forced_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
-        """A chain per row of up to ``budget[b]`` target tokens (None: the policy's ``plan()``),
-        where the policy's ``keep_drafting`` says. ``forced_rows`` [B] bool: the rows whose
-        drafts come from elsewhere (the text's, beside this drafter: its drafts there are not
-        re-tokenised, and those tokens are not fed: the next round re-tokenises whatever
-        the target commits); ``forced`` [B,k] their tokens in place of the drafts there
-        (None: they are discarded). Returns drafts [B,K] of target ids (-1 padded), the q
-        [B,K,Vt] each was drawn from (None when deterministic) and num_draft [B]."""
-        self._begin(seqs)
+                proposal = self._slem_tree(plan, logits, healed)
+            proposal.explores = self.explores
+            return proposal
         if forced_rows is not None:
             self._own = (~forced_rows).tolist()
-        budget = self.policy.plan() if budget is None else budget
+        # (the bonus agreement is not computed across tokenizers: it counts as broken)
+        budget = plan.budget(torch.zeros(len(seqs), dtype=torch.bool, device=self.device)
+                             if plan.reads_agreement else None)
         if self.current == "tli":
             drafts, q, num_draft = self._tli(*self._sync()[:2], budget)
         else:
@@ -337,22 +322,15 @@ class OtherTokenizerDrafter(Drafter):
             num_draft = torch.where(forced_rows, (forced >= 0).sum(1), num_draft)
             if q is not None:
                 q = F.pad(q, (0, 0, 0, width - q.shape[1]))
-        return drafts, q, num_draft
-
-    def feeds(self, drafts: int, rows: Tensor | None = None, rows_host: list[bool] | None = None) -> None:
-        """(Beside the text's drafts) ``rows_host``: the rows whose drafts are this drafter's
-        (None: every row); nothing else to keep: the next round re-tokenises the text."""
-        self._own = rows_host
+        return Proposal(drafts, num_draft, q, explores=self.explores)
 
     def skip(self) -> None:
-        """(Beside the text's drafts) a round without this drafter: nothing to do."""
+        """A round without this drafter: nothing to do (the next re-tokenises the text)."""
         self.current = None
 
     def _begin(self, seqs: list[list[int]]) -> None:
         """Bring the rows' texts up to ``seqs`` and choose the round's mode."""
         self._decode(seqs)
-        if self.policy.uses_bonus_agreement:  # not computed across tokenizers: counts as broken
-            self.policy.see_bonus_agreement(torch.zeros(len(seqs), dtype=torch.bool, device=self.device))
         (self.current, leader), self._own = self._choose(), None
         self.explores = self.current != leader  # a round of the mode behind: the policy does not learn from it
         self.rounds_by_mode[self.current] += 1
@@ -396,7 +374,7 @@ class OtherTokenizerDrafter(Drafter):
         return self._chain(logits, hidden, self.sampler, budget, to_draft=lambda token: t2d[token].clamp_min(0),
                            to_logits=self._to_target)
 
-    def _tli_tree(self, logits: Tensor, roots: Tensor) -> Proposal:
+    def _tli_tree(self, plan: RoundPlan, logits: Tensor, roots: Tensor) -> Proposal:
         """The policy's tree of target ids grown from the draft's logits on the shared tokens
         (a static tree's top-k or EAGLE-2's scores), re-fed to the draft as its own ids."""
         t2d, context_last = self._tables[2], self._context_last()
@@ -406,8 +384,7 @@ class OtherTokenizerDrafter(Drafter):
             ids[:, 0] = context_last
             return self._to_target(self._refeed(ids, depth, mask))
 
-        grow = grow_static_tree if self.policy.branching is not None else grow_dynamic_tree
-        return grow(self.policy, self._to_target(logits), roots, refeed, self.sampler)
+        return grow_tree(plan.tree, self._to_target(logits), roots, refeed, self.sampler)
 
     def _slem(self, logits: Tensor, hidden: Tensor | None, healed: list[bytes | None], budget: list[int]):
         """String-level exact match: the draft's greedy chain (its first token beginning with
@@ -427,14 +404,13 @@ class OtherTokenizerDrafter(Drafter):
         tokens = pad_rows([p or [-1] for p in proposals], -1, self.device)
         return tokens, torch.tensor([len(p) for p in proposals], device=self.device)
 
-    def _slem_tree(self, logits: Tensor, healed: list[bytes | None]) -> Proposal:
+    def _slem_tree(self, plan: RoundPlan, logits: Tensor, healed: list[bytes | None]) -> Proposal:
         """The policy's tree grown in the draft's vocabulary (healed as the chain is); each
         root-to-leaf path's text re-tokenised by the target's tokenizer, the paths merged
         into one tree of target tokens with as many nodes as the draft's
         (:func:`~spec_ext.policies.continuation_tree`, the most shared nodes kept)."""
-        grow = grow_static_tree if self.policy.branching is not None else grow_dynamic_tree
-        tree = grow(self.policy, logits, self._context_last(),
-                    lambda tokens, parents, depth, mask: self._refeed(tokens, depth, mask))
+        tree = grow_tree(plan.tree, logits, self._context_last(),
+                         lambda tokens, parents, depth, mask: self._refeed(tokens, depth, mask))
         B, T = tree.tokens.shape
         tokens, parents = tree.tokens.tolist(), tree.parents.expand(B, T).tolist()
         rows, texts = [], []
@@ -453,7 +429,7 @@ class OtherTokenizerDrafter(Drafter):
         for b, ids in zip(rows, self._retokenise(texts, rows)):
             paths[b].append(ids)
         trees = [continuation_tree(p, T) for p in paths]
-        return tree_proposal(trees, self.device, from_text=[False] * B)[0]
+        return tree_proposal(trees, self.device)
 
     def _mask_to_prefixes(self, logits: Tensor, healed: list[bytes | None]) -> Tensor:
         """``logits`` [B,Vd] with every token that does not begin with row b's bytes
@@ -475,7 +451,7 @@ class OtherTokenizerDrafter(Drafter):
         self.cache.reserve(max(self.cache.host_lengths) + ids.shape[1])
         out = self._forward(ids, self.cache.lengths[:, None] + depth, mask)
         self.cache.advance([1] * len(ids))
-        return out[0] if self.hidden else out
+        return out.logits
 
     def _chain(self, logits: Tensor, hidden: Tensor | None, sampler: Sampler, budget: list[int], to_draft=None,
                to_logits=None):
@@ -490,11 +466,11 @@ class OtherTokenizerDrafter(Drafter):
             fed.append(ids)
             out = self._forward(ids[:, None], self.cache.lengths[:, None])
             self.cache.advance([1] * B)
-            out_logits, out_hidden = (out[0][:, 0], out[1][:, 0]) if self.hidden else (out[:, 0], None)
+            out_logits, out_hidden = out.logits[:, 0], None if out.hidden is None else out.hidden[:, 0]
             return (out_logits if to_logits is None else to_logits(out_logits)), out_hidden
 
         first = logits if to_logits is None else to_logits(logits)
-        drafts, q, num_draft, _ = draft_chain(self.policy, sampler, self.generator, first, hidden, step, budget)
+        drafts, q, num_draft, _ = draft_chain(self._plan, sampler, self.generator, first, hidden, step, budget)
         if fed:
             for b, row in enumerate(torch.stack(fed, 1).tolist()):
                 self.dids[b] += row

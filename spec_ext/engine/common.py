@@ -11,36 +11,81 @@ from torch import Tensor
 
 
 @dataclass
+class SourceCounts:
+    """One source's share of a call: the rounds (row, verification) it drafted, its drafts and
+    how many were accepted, and its rounds per row."""
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    row_rounds: list[int] = field(default_factory=list)
+
+
+@dataclass
 class Stats:
-    """Counters of one generate call. ``rounds`` counts (row, verification) pairs;
-    ``matched`` the rounds whose drafts came from the row's own text (``NGram``), and
-    ``text_drafted`` / ``text_accepted`` their drafts; the ``row_*`` lists hold the same
-    counts per row of the batch; ``cache_matched`` / ``cache_drafted`` / ``cache_accepted``
-    (and ``row_cache_matched``) the part of those whose drafts came from a
-    :class:`~spec_ext.policies.SuffixCache` of earlier requests."""
+    """Counters of one generate call. ``rounds`` counts (row, verification) pairs; the
+    ``row_*`` lists hold counts per row of the batch; ``by_source`` the rounds each source
+    drafted (:class:`~spec_ext.policies.Source` names: "model", "text", "cache"), from which
+    ``matched`` / ``text_drafted`` / ``text_accepted`` (the rows' text, own or from a
+    :class:`~spec_ext.policies.SuffixCache`) and ``cache_matched`` / ``cache_drafted`` /
+    ``cache_accepted`` (the cache's alone) are read."""
     target_calls: int = 0
     draft_calls: int = 0
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
-    matched: int = 0
-    text_drafted: int = 0
-    text_accepted: int = 0
-    cache_matched: int = 0
-    cache_drafted: int = 0
-    cache_accepted: int = 0
     new_tokens: int = 0
     discarded: int = 0  # drafts thrown away unverified (parallel methods draft ahead)
     wall_time: float = 0.0
     processing_time: float = 0.0  # in the logits processors and the grammar (spec_ext.processing)
     tokenizer_mode: str = ""  # a draft of another tokenizer: "tli" or "slem" (what ran)
+    gamma: int | None = None  # the parallel engine: the drafts per target forward it ran with
     accepted_lengths: list[int] = field(default_factory=list, repr=False)
     draft_lengths: list[int] = field(default_factory=list, repr=False)
     row_rounds: list[int] = field(default_factory=list, repr=False)
-    row_matched: list[int] = field(default_factory=list, repr=False)
-    row_cache_matched: list[int] = field(default_factory=list, repr=False)
     row_drafted: list[int] = field(default_factory=list, repr=False)
     row_accepted: list[int] = field(default_factory=list, repr=False)
+    by_source: dict[str, SourceCounts] = field(default_factory=dict, repr=False)
+
+    def _of(self, *names: str) -> list[SourceCounts]:
+        return [self.by_source[n] for n in names if n in self.by_source]
+
+    def _rows(self, *names: str) -> list[int]:
+        out = [0] * len(self.row_rounds)
+        for counts in self._of(*names):
+            out = [a + b for a, b in zip(out, counts.row_rounds)]
+        return out
+
+    @property
+    def matched(self) -> int:
+        return sum(c.rounds for c in self._of("text", "cache"))
+
+    @property
+    def text_drafted(self) -> int:
+        return sum(c.drafted for c in self._of("text", "cache"))
+
+    @property
+    def text_accepted(self) -> int:
+        return sum(c.accepted for c in self._of("text", "cache"))
+
+    @property
+    def cache_matched(self) -> int:
+        return sum(c.rounds for c in self._of("cache"))
+
+    @property
+    def cache_drafted(self) -> int:
+        return sum(c.drafted for c in self._of("cache"))
+
+    @property
+    def cache_accepted(self) -> int:
+        return sum(c.accepted for c in self._of("cache"))
+
+    @property
+    def row_matched(self) -> list[int]:
+        return self._rows("text", "cache")
+
+    @property
+    def row_cache_matched(self) -> list[int]:
+        return self._rows("cache")
 
     @property
     def rollback(self) -> int:
@@ -60,6 +105,24 @@ class Stats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / max(1e-9, self.wall_time)
 
+    def count(self, r: int, source: str, drafted: int, accepted: int) -> None:
+        """Row ``r``'s round, drafted by ``source``."""
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.accepted_lengths.append(accepted)
+        self.draft_lengths.append(drafted)
+        self.row_rounds[r] += 1
+        self.row_drafted[r] += drafted
+        self.row_accepted[r] += accepted
+        counts = self.by_source.get(source)
+        if counts is None:
+            counts = self.by_source[source] = SourceCounts(row_rounds=[0] * len(self.row_rounds))
+        counts.rounds += 1
+        counts.drafted += drafted
+        counts.accepted += accepted
+        counts.row_rounds[r] += 1
+
     def as_dict(self) -> dict:
         return dict(target_calls=self.target_calls, draft_calls=self.draft_calls, rounds=self.rounds,
                     drafted=self.drafted, accepted=self.accepted, rollback=self.rollback,
@@ -70,9 +133,10 @@ class Stats:
                     text_drafted=self.text_drafted, text_accepted=self.text_accepted,
                     cache_matched=self.cache_matched, cache_drafted=self.cache_drafted,
                     cache_accepted=self.cache_accepted,
+                    by_source={name: dict(rounds=c.rounds, drafted=c.drafted, accepted=c.accepted)
+                               for name, c in self.by_source.items()},
                     per_row=dict(rounds=self.row_rounds, matched=self.row_matched, drafted=self.row_drafted,
-                                 cache_matched=self.row_cache_matched,
-                                 accepted=self.row_accepted))
+                                 cache_matched=self.row_cache_matched, accepted=self.row_accepted))
 
 
 @dataclass
@@ -121,15 +185,12 @@ class Rows:
         self.new: list[list[int]] = [[] for _ in prompts]
         self.active = list(range(len(prompts)))
         self.max_new, self.eos, self.streamer = max_new_tokens, eos, streamer
-        self.stats = Stats(row_rounds=[0] * len(prompts), row_matched=[0] * len(prompts),
-                           row_cache_matched=[0] * len(prompts),
-                           row_drafted=[0] * len(prompts), row_accepted=[0] * len(prompts))
+        self.stats = Stats(row_rounds=[0] * len(prompts), row_drafted=[0] * len(prompts),
+                           row_accepted=[0] * len(prompts))
 
-    def emit(self, r: int, tokens: list[int], num_drafted: int, num_accepted: int, matched: bool = False,
-             cached: bool = False) -> bool:
+    def emit(self, r: int, tokens: list[int], num_drafted: int, num_accepted: int, source: str = "model") -> bool:
         """Append row ``r``'s tokens of one verification, cut at max_new_tokens and at EOS,
-        and count the round (``matched``: its drafts came from the text; ``cached``: from a
-        suffix cache of earlier requests); True while the row goes on."""
+        and count the round (``source``: what drafted it); True while the row goes on."""
         emitted = tokens[:self.max_new - len(self.new[r])]
         for n, tok in enumerate(emitted):
             if tok in self.eos:
@@ -140,24 +201,7 @@ class Rows:
             emitted = emitted[:cut]
         self.seqs[r] += emitted
         self.new[r] += emitted
-        self.stats.rounds += 1
-        self.stats.drafted += num_drafted
-        self.stats.accepted += num_accepted
-        self.stats.matched += matched
-        if matched:
-            self.stats.text_drafted += num_drafted
-            self.stats.text_accepted += num_accepted
-        if cached:
-            self.stats.cache_matched += 1
-            self.stats.cache_drafted += num_drafted
-            self.stats.cache_accepted += num_accepted
-            self.stats.row_cache_matched[r] += 1
-        self.stats.accepted_lengths.append(num_accepted)
-        self.stats.draft_lengths.append(num_drafted)
-        self.stats.row_rounds[r] += 1
-        self.stats.row_matched[r] += matched
-        self.stats.row_drafted[r] += num_drafted
-        self.stats.row_accepted[r] += num_accepted
+        self.stats.count(r, source, num_drafted, num_accepted)
         if self.streamer is not None:
             self.streamer.put(torch.tensor(emitted))
         return len(self.new[r]) < self.max_new and not (emitted and emitted[-1] in self.eos) and not stopped

@@ -10,15 +10,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from spec_ext.drafters import Drafter, OtherTokenizerDrafter, Sampler, TextDrafter, TextFirst, build, load, pad_rows
+from spec_ext.drafters import MixedDrafter, OtherTokenizerDrafter, Sampler, build, kind_of, load, pad_rows
 from spec_ext.engine.common import Output, Stats, prompt_rows
 from spec_ext.engine.parallel import ParallelEngine
 from spec_ext.engine.serial import SerialEngine
 from spec_ext.engine.settings import SETTINGS, make_processors, resolve_settings, sampling_temperature, stop_strings
 from spec_ext.engine.tensor_parallel import channel
 from spec_ext.models import attention_implementation, check_model, split_size, vocabulary_size
-from spec_ext.models.eagle import EagleHead
-from spec_ext.policies import Policy, Suffix, SuffixCache, resolve
+from spec_ext.policies import Call, Memory, Policy, Suffix, SuffixCache, resolve
 from spec_ext.vocab import fingerprint
 
 
@@ -84,15 +83,6 @@ def token_ids(value, name: str) -> list[int]:
     return list(values)
 
 
-def _policy(draft, policy: str | Policy) -> Policy:
-    """The policy of the call: a :class:`Drafter` brings its own."""
-    if not isinstance(draft, Drafter):
-        return resolve(policy)
-    if policy == "auto" or policy is draft.policy:
-        return draft.policy
-    raise ValueError(f"policy: a Drafter brings its own policy ({draft.policy!r}); leave policy at its default")
-
-
 def _with_cache(policy: str | Policy, suffix_cache) -> str | Policy:
     """The call's policy with ``suffix_cache``: the names "auto", "ngram" and "suffix" become
     ``Suffix(suffix_cache)``; a :class:`Suffix` must hold that very cache."""
@@ -101,7 +91,7 @@ def _with_cache(policy: str | Policy, suffix_cache) -> str | Policy:
     if not isinstance(suffix_cache, SuffixCache):
         raise ValueError(f"suffix_cache: expected a spec_ext.SuffixCache, got {type(suffix_cache).__name__}")
     if isinstance(policy, str) and policy.lower() in ("auto", "ngram", "suffix"):
-        return Suffix(suffix_cache)
+        return Suffix(cache=suffix_cache)
     if isinstance(policy, Suffix) and policy.cache is suffix_cache:
         return policy
     raise ValueError(f"suffix_cache: drafts with policy 'auto', 'ngram' or 'suffix' (or a Suffix holding this "
@@ -113,60 +103,49 @@ def _with_cache(policy: str | Policy, suffix_cache) -> str | Policy:
 PADDING = 512
 
 
-def _across_tokenizers(draft, policy: Policy, tokenizer, draft_tokenizer, mode: str):
+def _across_tokenizers(draft, tokenizer, draft_tokenizer, mode: str, policy: Policy):
     """``draft`` as an :class:`OtherTokenizerDrafter` when it is a causal LM with a tokenizer of
     its own (``draft_tokenizer``, not the target's ``tokenizer``); else ``draft`` as it is. A
-    drafter that reads the target's features and vocabulary (a DFlash block drafter, the
-    target's MTP layers) has no tokenizer of its own: refused with ``draft_tokenizer``."""
+    kind that cannot have a tokenizer of its own is refused with ``draft_tokenizer``."""
     if draft_tokenizer is None:
         return draft
-    from spec_ext.models.dflash import DFlashDraft
-    if isinstance(draft, DFlashDraft) or type(draft).__name__ == "MtpModel":
-        kind = "a DFlash block drafter" if isinstance(draft, DFlashDraft) else "the target's MTP layers"
-        raise ValueError(f"assistant_tokenizer: {kind} cannot draft across tokenizers: it reads the target's own "
-                         f"hidden states and drafts ids of the target's vocabulary (a reduced one maps to it by "
-                         f"d2t), so it has no tokenizer of its own; leave assistant_tokenizer unset")
+    if draft is None or not kind_of(draft).own_tokenizer:
+        what = "None" if draft is None else kind_of(draft).describe
+        raise ValueError(f"assistant_tokenizer: applies to a draft causal LM, not {what}: a head, a block drafter or "
+                         f"MTP layers read the target's own hidden states and draft ids of the target's vocabulary "
+                         f"(a reduced one maps to it by d2t); leave assistant_tokenizer unset")
     if tokenizer is None:
         raise ValueError("assistant_tokenizer: needs the target's tokenizer too (pass tokenizer=)")
-    if isinstance(draft, (Drafter, EagleHead)) or draft is None:
-        raise ValueError("assistant_tokenizer: applies to a draft causal LM (not a Drafter, a head or None)")
     if fingerprint(draft_tokenizer, "assistant_tokenizer") == fingerprint(tokenizer, "tokenizer"):
         return draft  # one tokenizer: the plain drafter
-    drafter = OtherTokenizerDrafter(draft, draft_tokenizer, tokenizer, policy, mode)
-    return TextFirst(TextDrafter(policy), drafter) if policy.drafts_from_text else drafter
+    if policy.parallel:
+        raise ValueError(f"policy: {type(policy).__name__} drafts beside the verification, from a draft that shares "
+                         f"the target's tokens; a draft with another tokenizer runs with serial policies")
+    return OtherTokenizerDrafter(draft, draft_tokenizer, tokenizer, mode, hidden=policy.reads_draft_hidden)
 
 
-def _across(drafter: Drafter | None) -> OtherTokenizerDrafter | None:
-    """The drafter's draft of another tokenizer (alone or beside the text's drafts), if any."""
-    inner = getattr(drafter, "model_drafter", drafter)
-    return inner if isinstance(inner, OtherTokenizerDrafter) else None
-
-
-def _drafter(target, draft, policy: Policy) -> Drafter | None:
-    """Check the models and make the drafter for ``draft`` (None: the draft runs on another rank)."""
+def _drafter(target, draft, policy: Policy) -> MixedDrafter:
+    """Check the models and make the call's drafting for ``draft``."""
     drafter = build(draft, policy)
-    distributed = policy.parallel and policy.mode == "distributed"
-    if drafter is None and not distributed:
-        raise ValueError("draft: required (None only with NGram, which drafts from the text, or a policy "
-                         "whose draft runs on another rank, e.g. PEARL(mode='distributed'))")
-    if policy.parallel and drafter is not None and drafter.model is None:
-        raise ValueError(f"policy: {type(policy).__name__} runs a draft model beside the target; "
-                         f"the drafter {type(drafter).__name__} has none")
-    if drafter is None:
-        check_model(target, "target")
-    else:
-        drafter.bind(target)
-        if drafter.model is not None and _across(drafter) is None:
-            vt, vd = vocabulary_size(target), vocabulary_size(drafter.model)
-            if abs(vt - vd) > PADDING:
-                raise ValueError(f"draft: its vocabulary has {vd} tokens and the target's {vt}, further apart than "
-                                 f"padding ({PADDING}): most likely another tokenizer. Pass the target's tokenizer "
-                                 f"and the draft's (tokenizer=..., assistant_tokenizer=...) to draft across "
-                                 f"tokenizers")
-    if distributed and split_size(target) > 1:
+    model = drafter.model_drafter
+    if policy.parallel and policy.mode == "distributed" and split_size(target) > 1:
         raise ValueError("policy: PEARL(mode='distributed') with a tensor-parallel target: transformers' tensor "
                          "parallelism takes the whole default process group (WORLD_SIZE == tp_size), so no rank "
                          "is left for the draft; use PEARL(mode='threads'), whose draft runs on the leading rank")
+    drafter.bind(target)
+    if model is None:
+        return drafter
+    shape, deepest = policy.tree_shape(), model.max_depth
+    if shape is not None and deepest is not None and shape.max_depth > deepest:
+        raise ValueError(f"policy: {policy!r} grows trees {shape.max_depth} deep; {kind_of(draft).describe} drafts "
+                         f"at most {deepest} in a line")
+    if model.model is not None and not isinstance(model, OtherTokenizerDrafter):
+        vt, vd = vocabulary_size(target), vocabulary_size(model.model)
+        if abs(vt - vd) > PADDING:
+            raise ValueError(f"draft: its vocabulary has {vd} tokens and the target's {vt}, further apart than "
+                             f"padding ({PADDING}): most likely another tokenizer. Pass the target's tokenizer "
+                             f"and the draft's (tokenizer=..., assistant_tokenizer=...) to draft across "
+                             f"tokenizers")
     return drafter
 
 
@@ -178,7 +157,8 @@ def warn_if_unrelated(target, draft, stats: Stats) -> None:
     """Warn (once, at the end of the call) when the draft model's proposals (not the text's)
     were almost never accepted: exact still, but slower than the target alone, and the likely cause, another
     tokenizer, cannot be seen in the configs (vocabularies may differ by padding)."""
-    drafted, accepted = stats.drafted - stats.text_drafted, stats.accepted - stats.text_accepted  # the model's
+    model = stats.by_source.get("model")
+    drafted, accepted = (0, 0) if model is None else (model.drafted, model.accepted)
     if draft is None or drafted < UNRELATED_DRAFTS or accepted >= UNRELATED_RATE * drafted:
         return
     vt, vd = vocabulary_size(target), vocabulary_size(draft)
@@ -195,7 +175,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
              policy: str | Policy = "auto", seed: int | None = None, streamer=None,
              fast_linear: bool | str = "auto", tokenizer=None, grammar=None, logits_processor=None,
              prefix_allowed_tokens_fn=None, assistant_tokenizer=None, tokenizer_mode: str = "auto",
-             suffix_cache: SuffixCache | None = None, **settings) -> Output:
+             suffix_cache: SuffixCache | None = None, memory: Memory | None = None, **settings) -> Output:
     """Speculative decoding of ``target`` with ``draft``: greedy output equals the
     target's own greedy output; sampled output follows the target's distribution.
 
@@ -210,6 +190,9 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         temperature: 0 for greedy; top_k / top_p as in HF, applied to target and draft alike.
         policy: a :class:`spec_ext.policies.Policy` or its lower-case name (default ``Auto``:
             no tuning, see the table in :mod:`spec_ext.policies`).
+        memory: what the policy learned in earlier calls (:class:`spec_ext.policies.Memory`;
+            ``accelerate`` keeps one per wrapped model): read at the start, added to at the end;
+            None: the call starts afresh.
         seed: seeds a private generator; None uses torch's global generator.
         streamer: an HF streamer (batch size 1).
         fast_linear: ``"auto"`` (the default) or True: the target's linear layers (in the
@@ -262,11 +245,12 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     started = time.perf_counter()
     if isinstance(draft, (str, Path)):
         draft = load(draft, target)
-    policy = _policy(draft, _with_cache(policy, suffix_cache))
-    drafter = _drafter(target, _across_tokenizers(draft, policy, tokenizer, assistant_tokenizer, tokenizer_mode),
+    policy = resolve(_with_cache(policy, suffix_cache))
+    drafter = _drafter(target, _across_tokenizers(draft, tokenizer, assistant_tokenizer, tokenizer_mode, policy),
                        policy)
-    draft = None if drafter is None else drafter.model
-    across = _across(drafter)
+    model = drafter.model_drafter
+    draft = None if model is None else model.model
+    across = model if isinstance(model, OtherTokenizerDrafter) else None
     _check_fast_linear(fast_linear)
     check_generation_config(target)
     eos_ids = token_ids(eos_token_id if eos_token_id is not None else target.generation_config.eos_token_id,
@@ -305,8 +289,6 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     generator = None
     if seed is not None:
         generator = torch.Generator(device=target.device).manual_seed(seed)
-    policy.bind(target, None if drafter is None else drafter.proposer)
-    policy.see_draft_shape(1 if drafter is None else drafter.drafts_per_forward)
     # a draft of another tokenizer keeps its own vocabulary (its drafter maps it to the target's)
     fitted = [m for m in (target, None if across is not None else draft) if m is not None]
     processors = make_processors(call, prompts, max(map(vocabulary_size, fitted)), tokenizer, grammar,
@@ -315,7 +297,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         if policy.parallel:
             raise ValueError(f"{', '.join(processors.names)}: not supported with {type(policy).__name__}, whose "
                              f"drafts run ahead of the verification whose tokens these settings read")
-        processors.start(head.tolist(), prompts, head.shape[1] + max_new_tokens + policy.max_draft + 2,
+        processors.start(head.tolist(), prompts, head.shape[1] + max_new_tokens + policy.lookahead + 2,
                          target.device)
     sampler = Sampler(temperature, top_k, top_p, **call.warpers, processors=processors)
     split = channel(target)  # a tensor-parallel target: the leading rank runs the loop, the others follow
@@ -326,7 +308,12 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
             loop = ParallelEngine(policy, target, draft, prompts, max_new_tokens, sampler, eos, generator, streamer,
                                   fast_linear)
         else:
-            loop = SerialEngine(target, drafter, prompts, max_new_tokens, sampler, eos, policy, generator, streamer)
+            controller = policy.start(Call(len(prompts), sampler.greedy, target, drafter.proposer,
+                                           1 if model is None else model.drafts_per_forward,
+                                           int(model is not None and model.drafts_every_round),
+                                           drafter.text is not None, memory))
+            loop = SerialEngine(target, drafter, policy, controller, prompts, max_new_tokens, sampler, eos, generator,
+                                streamer)
         loop.stop = stop_strings(call, tokenizer, head.tolist())
         if streamer is not None:
             streamer.put(torch.tensor([prompts[0]]))
@@ -344,8 +331,10 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     if streamer is not None:
         streamer.end()
     tail = pad_rows(loop.new, pad_token_id, target.device)
-    if isinstance(policy, Suffix):
-        policy.remember(prompts, loop.new)
+    cache = None if drafter.text is None else drafter.text.settings.cache
+    if cache is not None:  # suffix decoding: the finished rows for the next calls
+        for prompt, output in zip(prompts, loop.new):
+            cache.add(prompt, output)
     stats.wall_time = time.perf_counter() - started
     stats.processing_time = 0.0 if processors is None else processors.seconds
     output = Output(torch.cat([head, tail], 1), stats)
@@ -361,7 +350,10 @@ _HF_ARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "tempe
 
 class Accelerated:
     """The target model with a speculative ``generate``; every other attribute is the
-    target's. ``last_stats`` holds the stats of the latest call."""
+    target's. ``last_stats`` holds the stats of the latest call to finish. Calls may come from
+    several threads at once: the policy is a value, each call has its own controller, and
+    what the policy learns across calls is one :class:`~spec_ext.policies.Memory` (``memory``)
+    that every call reads at its start and adds to at its end, under its lock."""
 
     def __init__(self, target, draft, policy: str | Policy = "auto", fast_linear: bool | str = "auto", tokenizer=None,
                  draft_tokenizer=None, tokenizer_mode: str = "auto", suffix_cache: SuffixCache | bool = True):
@@ -372,12 +364,13 @@ class Accelerated:
         elif suffix_cache is False:
             suffix_cache = None
         self._target, self._draft = target, draft
-        self._policy = _policy(draft, _with_cache(policy, suffix_cache))
+        self._policy = resolve(_with_cache(policy, suffix_cache))
         self._fast_linear = fast_linear
         self._tokenizers = dict(tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer, tokenizer_mode=tokenizer_mode)
-        _drafter(target, _across_tokenizers(draft, self._policy, tokenizer, draft_tokenizer, tokenizer_mode),
+        _drafter(target, _across_tokenizers(draft, tokenizer, draft_tokenizer, tokenizer_mode, self._policy),
                  self._policy)
         _check_fast_linear(fast_linear)
+        self.memory = Memory()
         self.last_stats: Stats | None = None
 
     def __getattr__(self, name):
@@ -420,7 +413,7 @@ class Accelerated:
                        tokenizer=tokenizer or self._tokenizers["tokenizer"], grammar=grammar,
                        logits_processor=logits_processor, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
                        assistant_tokenizer=assistant_tokenizer or self._tokenizers["assistant_tokenizer"],
-                       tokenizer_mode=self._tokenizers["tokenizer_mode"], **settings)
+                       tokenizer_mode=self._tokenizers["tokenizer_mode"], memory=self.memory, **settings)
         self.last_stats = out.stats
         return out.sequences
 

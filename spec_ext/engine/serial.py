@@ -1,69 +1,66 @@
 """The serial engine: the drafter-verifier loop on Hugging Face models, for ragged batches.
 
-Each round, for every unfinished row at once: the drafter proposes a chain or a tree
-(:class:`spec_ext.drafters.Proposal`), the policy selects what of it is verified
-(``Policy.select``: all of it, or a prefix or subtree per row), the target verifies that in
-one forward through :class:`SpecCache` and tree attention, a rejection sampler keeps what the target's
-distribution allows, the target's cache keeps the accepted tokens and the drafter is told
-what was kept. One host sync per round (the emitted tokens and counts), plus one per
-draft step for length policies that decide on the host when to stop drafting.
+Each round, for every unfinished row at once: the controller plans the round (per row, what
+drafts it and how far), the drafter drafts by the plan (:class:`spec_ext.drafters.Proposal`,
+a chain or a tree), the plan selects what of it is verified (all of it, or a prefix or
+subtree per row), the target verifies that in one forward through :class:`SpecCache` and
+tree attention, a rejection sampler keeps what the target's distribution allows, the target's
+cache keeps the accepted tokens, the drafter is told what was kept and the controller what
+the round gave. One host sync per round (the emitted tokens and counts), plus one per draft
+step for plans that decide on the host when to stop drafting.
 
 Cache convention: the target cache holds every committed token but the last, which is
 the root of the next verification (``roots``, kept on the device).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import Tensor
 
 from spec_ext import ops
-from spec_ext.drafters import Drafter, Outcome, Proposal, prefill
-from spec_ext.engine.common import Rows, Stats
-from spec_ext.models import SpecCache, forward
-from spec_ext.policies import Policy
+from spec_ext.drafters import MixedDrafter, Outcome, Proposal, prefill
+from spec_ext.engine.common import Rows
+from spec_ext.models import Forward, SpecCache, forward
+from spec_ext.policies import Controller, Policy, Report, RoundState
 from spec_ext.processing import Positions
 
 
 class SerialEngine(Rows):
-    """Runs one generate call's rounds: whatever ``drafter`` proposes, a chain or a tree,
-    is verified by one target forward; ``policy`` is told each round's outcome."""
+    """Runs one generate call's rounds: ``controller`` (of ``policy``) plans each, ``drafter``
+    proposes by the plan, one target forward verifies whatever it proposed."""
 
-    def __init__(self, target, drafter: Drafter, prompts, max_new_tokens, sampler, eos, policy: Policy, generator,
-                 streamer):
+    def __init__(self, target, drafter: MixedDrafter, policy: Policy, controller: Controller, prompts,
+                 max_new_tokens, sampler, eos, generator, streamer):
         super().__init__(prompts, max_new_tokens, eos, streamer)
-        self.target, self.drafter = target, drafter
-        self.sampler, self.policy, self.generator = sampler, policy, generator
+        self.target, self.drafter, self.controller = target, drafter, controller
+        self.sampler, self.generator = sampler, generator
         self.device = target.device
-        self.capacity = max(len(p) for p in prompts) + max_new_tokens + policy.max_draft + 2
+        self.capacity = max(len(p) for p in prompts) + max_new_tokens + policy.lookahead + 2
         self.cache = SpecCache.for_model(target, len(prompts), self.capacity)
-        self.target_hidden = policy.uses_target_hidden
+        self.reads_target = policy.reads_target
         self.layers = drafter.target_layers
         self.roots = torch.tensor([p[-1] for p in prompts], device=self.device)
+        self.hidden: Tensor | None = None  # the target's last hidden state at each root (reads_target)
 
-    def _outputs(self, out) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """(logits, the last hidden state for the policy, the drafter's features) of a forward."""
-        out = list(out) if self.target_hidden or self.layers is not None else [out]
-        return out[0], out[1] if self.target_hidden else None, out[-1] if self.layers is not None else None
-
-    def _target(self, ids: Tensor, positions: Tensor, mask=None):
+    def _target(self, ids: Tensor, positions: Tensor, mask=None) -> Forward:
         self.stats.target_calls += 1
         extra = {} if self.layers is None else dict(layers=self.layers)
-        return self._outputs(forward(self.target, ids, self.cache, positions, mask, self.target_hidden, **extra))
+        return forward(self.target, ids, self.cache, positions, mask, self.reads_target, **extra)
 
     def prefill(self) -> Tensor | None:
         """The prompts but their last tokens into the target's cache; returns the drafter's
         features of them (None when it reads none)."""
         heads = [s[:-1] for s in self.seqs]
-        out = prefill(self.target, self.cache, heads, "target", self.target_hidden, self.layers)
+        out = prefill(self.target, self.cache, heads, "target", self.reads_target, self.layers)
         if out is None:
             return None
         self.stats.target_calls += 1
-        _, hidden, features = self._outputs(out)
-        if self.target_hidden and min(map(len, heads)) > 0:  # one-token prompts: the policy's first guess
+        if self.reads_target and min(map(len, heads)) > 0:  # one-token prompts: the policy's first guess
             last = torch.tensor([len(h) - 1 for h in heads], device=self.device)
-            rows = torch.arange(len(heads), device=self.device)
-            self.policy.see_target(hidden[rows, last], self.roots)
-        return features
+            self.hidden = out.hidden[torch.arange(len(heads), device=self.device), last]
+        return out.features
 
     def verify(self, proposal: Proposal) -> Outcome:
         """One target forward over the roots and the proposal, the sampler, the round's host
@@ -88,8 +85,8 @@ class SerialEngine(Rows):
         result = self._sample(proposal, logits, p)
         rows = torch.arange(B, device=self.device)
         last = result.num_accepted if not proposal.is_tree else result.path[rows, result.num_accepted]
-        if self.target_hidden:
-            self.policy.see_target(hidden[rows, last], result.tokens[rows, result.num_accepted])
+        if self.reads_target:
+            self.hidden = hidden[rows, last]
         # the round's one host sync: what was emitted (EOS, streaming, max_new_tokens)
         outcome = torch.cat([result.tokens, result.num_accepted[:, None], proposal.num_draft[:, None]], 1).tolist()
         accepted, drafted = [o[-2] for o in outcome], [o[-1] for o in outcome]
@@ -124,34 +121,41 @@ class SerialEngine(Rows):
         return ops.TreeResult(*(torch.where(rows[:, None] if a.dim() == 2 else rows, a, b)
                                 for a, b in zip(drawn, fixed)))
 
-    def run(self) -> Stats:
-        self.policy.start(len(self.active), self.sampler.greedy)
+    def run(self):
         features = self.prefill()
         self.drafter.start([list(s) for s in self.seqs], self.capacity, self.sampler, self.generator,
                            features=features)
+        controller, drafter = self.controller, self.drafter
         while self.active:
-            proposal = self.policy.select(self.drafter.propose([self.seqs[r] for r in self.active], self.roots))
+            started = time.perf_counter()
+            seqs = [self.seqs[r] for r in self.active]
+            plan = controller.plan(RoundState(len(self.active), drafter.text, self.hidden, self.roots))
+            proposal = plan.select(drafter.propose(seqs, self.roots, plan))
+            selected = time.perf_counter()
             outcome = self.verify(proposal)
             if self.sampler.processors is not None:
                 self.sampler.processors.commit(outcome.tokens, outcome.num_accepted + 1, outcome.committed)
-            if not proposal.explores:
-                if outcome.path is not None and self.policy.uses_tree_paths:
-                    self.policy.see_tree_path(outcome.path)
-                self.policy.observe(outcome.drafted, outcome.accepted)
-            self.drafter.commit(outcome)
-            from_text = proposal.from_text or [False] * len(self.active)
-            from_cache = proposal.from_cache or [False] * len(self.active)
+            drafter.commit(outcome)
+            now = time.perf_counter()
+            sources = proposal.source
+            controller.observe(Report(plan, sources, outcome.drafted, outcome.accepted, outcome.committed,
+                                      proposal.width, now - started, now - selected, proposal.draft_seconds,
+                                      proposal.draft_forwards, proposal.draft_steps, proposal.warm, outcome.path,
+                                      proposal.explores, self.hidden, self.roots))
             keep = [i for i, r in enumerate(self.active)
-                    if self.emit(r, outcome.committed[i], outcome.drafted[i], outcome.accepted[i], from_text[i],
-                                 from_cache[i])]
+                    if self.emit(r, outcome.committed[i], outcome.drafted[i], outcome.accepted[i],
+                                 sources[i].name.lower())]
             if len(keep) < len(self.active):
                 index = torch.tensor(keep, dtype=torch.long, device=self.device)
                 self.cache.keep_rows(keep)
-                self.drafter.keep_rows(keep, index)
-                self.policy.keep_rows(keep)
+                drafter.keep_rows(keep, index)
+                controller.keep_rows(keep)
                 if self.sampler.processors is not None:
                     self.sampler.processors.keep_rows(keep, index)
                 self.roots = self.roots[index]
+                if self.hidden is not None:
+                    self.hidden = self.hidden[index]
                 self.active = [self.active[i] for i in keep]
-        self.stats.draft_calls = self.drafter.calls
+        controller.finish()
+        self.stats.draft_calls = drafter.calls
         return self.finish()

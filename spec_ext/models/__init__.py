@@ -14,10 +14,10 @@
   :func:`hf_modules` keeps models off it).
 """
 from spec_ext.models.cache import MirroredCache, SpecCache, mirrored, split_size
-from spec_ext.models.hf import (attention_implementation, aux_layer_ids, check_model, check_pair, forward,
+from spec_ext.models.hf import (Forward, attention_implementation, aux_layer_ids, check_model, check_pair, forward,
                                 forward_path, num_layers, unsupported_reason, vocabulary_size)
 from spec_ext.models.lean import hf_modules
 
-__all__ = ["MirroredCache", "SpecCache", "attention_implementation", "aux_layer_ids", "check_model", "check_pair",
+__all__ = ["Forward", "MirroredCache", "SpecCache", "attention_implementation", "aux_layer_ids", "check_model", "check_pair",
            "forward", "forward_path", "hf_modules", "mirrored", "num_layers", "split_size", "unsupported_reason",
            "vocabulary_size"]

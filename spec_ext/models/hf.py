@@ -24,7 +24,7 @@ model lacks get the lowest float, so probability 0; extra columns are dropped) a
 model a placeholder id for a token it cannot embed.
 
 Features for draft heads that read the target's hidden states (EAGLE-3): ``forward(...,
-layers=(k, ...))`` also returns the concatenation of HF's ``hidden_states[k]`` of those
+layers=(k, ...)).features`` is the concatenation of HF's ``hidden_states[k]`` of those
 layers, from the same forward (the lean one keeps them as its layer loop passes them; the HF
 modules are asked for those entries only); :func:`aux_layer_ids` picks vLLM's three.
 """
@@ -36,7 +36,7 @@ import inspect
 import threading
 import types
 import weakref
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +50,7 @@ from spec_ext.ops.linear import kernel_applies
 
 ATTENTION = "spec_ext"
 
-__all__ = ["ATTENTION", "attention_implementation", "aux_layer_ids", "check_model", "check_pair", "forward",
+__all__ = ["ATTENTION", "Forward", "attention_implementation", "aux_layer_ids", "check_model", "check_pair", "forward",
            "forward_path", "num_layers", "unsupported_reason"]
 
 # keyword arguments models pass to the attention function that do not change what it computes
@@ -435,24 +435,33 @@ def _fit_vocab(logits: Tensor, size: int) -> Tensor:
 _NO_TREE = {}
 
 
+class Forward(NamedTuple):
+    """What :func:`forward` returns: ``logits`` [B,T,V] float32; ``hidden`` [B,T,H] the last
+    hidden state (after the final norm), where asked; ``features`` [B,T,len(layers)*H] the
+    hidden states of the layers asked for, in the model's dtype."""
+    logits: Tensor
+    hidden: Tensor | None = None
+    features: Tensor | None = None
+
+
 def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tensor | None = None,
-            hidden: bool = False, use_lean: bool = True, layers: Sequence[int] | None = None):
+            hidden: bool = False, use_lean: bool = True, layers: Sequence[int] | None = None) -> Forward:
     """One forward of T new tokens per row over ``cache`` (prefix lengths ``cache.lengths``).
 
     input_ids [B,T], positions [B,T], tree_mask [B|1,T,W] int32 or None (causal).
-    Returns logits [B,T,V] (float32; V: the ``vocab_size`` of the enclosing
-    :func:`attention_implementation`, else the model's) and, when ``hidden``, the last
-    hidden state [B,T,H] (after the final norm). ``layers``: a tuple of hidden-state indices
-    k in 0..L (L decoder layers; see :func:`aux_layer_ids`); then the features
-    [B,T,len(layers)*H] come last, in the model's dtype: HF's ``hidden_states[k]`` of each k
-    in the order given, concatenated (k=0: the embeddings as the first layer gets them;
-    0 < k < L: the output of layer k-1, the input of layer k; L: the final norm's output).
-    So: ``logits``, ``(logits, hidden)``, ``(logits, features)`` or ``(logits, hidden,
-    features)``. Models :mod:`spec_ext.models.lean` reproduces take the lean forward (same
-    numbers, less overhead) unless ``use_lean`` is False; others go through the HF modules.
+    Returns a :class:`Forward`: logits [B,T,V] (float32; V: the ``vocab_size`` of the
+    enclosing :func:`attention_implementation`, else the model's); with ``hidden``, the last
+    hidden state [B,T,H] (after the final norm); with ``layers`` (a tuple of hidden-state
+    indices k in 0..L, L decoder layers; see :func:`aux_layer_ids`), the features
+    [B,T,len(layers)*H] in the model's dtype: HF's ``hidden_states[k]`` of each k in the
+    order given, concatenated (k=0: the embeddings as the first layer gets them; 0 < k < L:
+    the output of layer k-1, the input of layer k; L: the final norm's output). Models
+    :mod:`spec_ext.models.lean` reproduces take the lean forward (same numbers, less overhead)
+    unless ``use_lean`` is False; others go through the HF modules.
 
     Example:
-        >>> logits, features = forward(target, ids, cache, positions, layers=aux_layer_ids(target))  # doctest: +SKIP
+        >>> out = forward(target, ids, cache, positions, layers=aux_layer_ids(target))  # doctest: +SKIP
+        >>> out.logits.shape, out.features.shape                                       # doctest: +SKIP
     """
     if layers is not None:
         layers = _feature_layers(model, layers)
@@ -468,6 +477,8 @@ def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tenso
         lean.lean_decoder(model) if block is None else block.decided[0]
     if decoder is not None:
         out = decoder(input_ids, cache, positions, tree_mask, hidden, layers)
+        out = out if isinstance(out, tuple) else (out,)
+        out = Forward(out[0], out[1] if hidden else None, out[-1] if layers is not None else None)
     else:
         if tree_mask is None:
             key = (input_ids.device, input_ids.shape[1])
@@ -476,23 +487,15 @@ def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tenso
             mask4d = _NO_TREE[key]
         else:
             mask4d = tree_mask.unsqueeze(1)
-        if layers is None:
-            captured = hidden
-        else:  # only the entries asked for are kept (the others come back None)
-            count = num_layers(model)
-            captured = sorted({*layers, count} if hidden else set(layers))
+        count = num_layers(model)
+        # only the entries asked for are kept (the others come back None)
+        captured = hidden if layers is None else sorted({*layers, count} if hidden else set(layers))
         result = model(input_ids=input_ids, position_ids=positions, attention_mask=mask4d, use_cache=True,
                        output_hidden_states=captured, spec_prefix_lens=cache.lengths,
                        **{_cache_argument(type(model)): cache})
-        logits = result.logits.float()
-        if layers is None:
-            out = (logits, result.hidden_states[-1]) if hidden else logits
-        else:
-            out = (logits, result.hidden_states[-1]) if hidden else (logits,)
-            out += (_features(model, result.hidden_states, layers, count),)
-    if vocab is None:
-        return out
-    return (_fit_vocab(out[0], vocab[2]), *out[1:]) if isinstance(out, tuple) else _fit_vocab(out, vocab[2])
+        out = Forward(result.logits.float(), result.hidden_states[-1] if hidden else None,
+                      None if layers is None else _features(model, result.hidden_states, layers, count))
+    return out if vocab is None else out._replace(logits=_fit_vocab(out.logits, vocab[2]))
 
 
 def _features(model, states: tuple, layers: tuple[int, ...], count: int) -> Tensor:

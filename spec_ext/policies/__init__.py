@@ -1,8 +1,11 @@
-"""Policies: how the draft proposes each round, behind one protocol (:class:`Policy`).
+"""Policies: what drafts each row every round and how far, behind one protocol
+(:mod:`spec_ext.policies.base`): a policy is settings (a frozen value, shared by calls and
+threads); ``policy.start(call)`` makes the call's controller, whose ``plan(state)`` and
+``observe(report)`` decide and learn round by round.
 
 | policy | what it does |
 |---|---|
-| ``Auto()`` (default) | picks k before each round from the acceptance and round costs it measures |
+| ``Auto()`` (default) | per row: the model, the row's own text or nothing, and k, from measured acceptance and costs |
 | ``Adaptive()`` | adaptive verification: each row verifies the prefix (subtree) of its drafts worth its measured cost |
 | ``Fixed(k=5)`` | always k drafts (vanilla speculative decoding) |
 | ``Heuristic()`` | HF assisted generation's schedule: +2 after a round that accepted all, else -1 |
@@ -17,18 +20,22 @@
 | ``PEARL()`` | draft and target at the same time (parallel engine) |
 | ``SpecBranch()``, ``LearnedSpecBranch()`` | PEARL plus branches at uncertain points |
 """
-from spec_ext.policies.base import POLICIES, Policy, register, resolve
-from spec_ext.policies.rules import SVIP, Auto, Confidence, Fixed, Heuristic
+from spec_ext.policies.base import (POLICIES, Call, Controller, Memory, Offer, Policy, Report, RoundPlan, RoundState,
+                                    Source, TextLookup, TreeShape, register, resolve)
+from spec_ext.policies.estimates import Acceptance, Costs, Pricing, Ratio, calibrate
+from spec_ext.policies.rules import SVIP, Confidence, Fixed, Heuristic
 from spec_ext.policies.tree import DynamicTree, Tree
+from spec_ext.policies.ngram import NGram, NGramIndex, TextSettings, continuation_tree, reference_occurrences
+from spec_ext.policies.auto import Auto
 from spec_ext.policies.adaptive import Adaptive
-from spec_ext.policies.step_costs import StepCosts
-from spec_ext.policies.ngram import NGram, NGramIndex, continuation_tree, reference_occurrences
 from spec_ext.policies.suffix import Suffix, SuffixCache, reference_tree
 from spec_ext.policies.parallel import PEARL, BranchHint, SpecBranch
 from spec_ext.policies.learned import (AdaLength, BranchPredictor, LearnedSpecBranch, ResidualMLP, SpecDecPP,
                                        draft_features, history_features)
 
-__all__ = ["POLICIES", "SVIP", "AdaLength", "Adaptive", "Auto", "BranchHint", "BranchPredictor", "Confidence",
-           "DynamicTree", "Fixed", "Heuristic", "LearnedSpecBranch", "NGram", "NGramIndex", "PEARL", "Policy",
-           "ResidualMLP", "SpecBranch", "SpecDecPP", "StepCosts", "Suffix", "SuffixCache", "Tree", "continuation_tree",
-           "draft_features", "history_features", "reference_occurrences", "reference_tree", "register", "resolve"]
+__all__ = ["POLICIES", "SVIP", "Acceptance", "AdaLength", "Adaptive", "Auto", "BranchHint", "BranchPredictor",
+           "Call", "Confidence", "Controller", "Costs", "DynamicTree", "Fixed", "Heuristic", "LearnedSpecBranch",
+           "Memory", "NGram", "NGramIndex", "Offer", "PEARL", "Policy", "Pricing", "Ratio", "Report",
+           "ResidualMLP", "RoundPlan", "RoundState", "Source", "SpecBranch", "SpecDecPP", "Suffix", "SuffixCache",
+           "TextLookup", "TextSettings", "Tree", "TreeShape", "calibrate", "continuation_tree", "draft_features",
+           "history_features", "reference_occurrences", "reference_tree", "register", "resolve"]

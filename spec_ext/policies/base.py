@@ -1,119 +1,363 @@
-"""The policy protocol: what the decoding engines ask of a policy, and the registry of
-policies by name.
+"""The decision layer's protocol, declared in one place.
 
-A policy decides how far a drafter goes each round (a *length rule*: ``plan`` and
-``keep_drafting``) or what shape it grows (a static tree's ``branching``; the text's
-continuation trees of :class:`spec_ext.policies.NGram`). Declared attributes say what else
-it needs, so no engine asks which class it is: ``branching`` (not None: a static tree the
-draft model grows), ``grows_dynamic_tree`` (EAGLE-2's tree), ``drafts_from_text`` (the drafts come from each row's own
-text; a draft model, if given, drafts the rows without a match) and ``parallel`` (the
-parallel engine runs it: :class:`spec_ext.policies.PEARL` and its subclasses).
+A :class:`Policy` is settings: an immutable value (a frozen dataclass: equal, hashable,
+printed with its arguments), safe to share between calls and threads. Per generate call,
+``policy.start(call)`` makes a :class:`Controller`, which holds all of that call's state and
+dies with it. A round, as the serial engine runs it::
 
-Every policy works with no arguments (published defaults; the learned ones load the
-bundled pair's predictors) and can be named by its lower-case class name in ``policy=``.
+    plan = controller.plan(RoundState(...))      # per row: who drafts it (Source) and how far
+    proposal = drafter.propose(seqs, roots, plan) # the model drafts by the plan (plan.budget,
+                                                  # plan.keep_drafting), text rows take plan.text
+    proposal = plan.select(proposal)              # what of it the target verifies
+    ... one target forward, rejection sampling ...
+    controller.observe(Report(...))               # per row and source: drafted, accepted; seconds
+
+What a policy learns across calls (measured costs, acceptance) lives in one :class:`Memory`
+that :func:`spec_ext.accelerate` owns: a controller reads it at its start and merges what
+it measured back in :meth:`Controller.finish`, under the memory's lock, so calls on several
+threads at once all contribute and none corrupts it. A sampled call neither reads nor
+writes it (its lengths follow its own draws, so a seed reproduces its output).
+
+Every policy works with no arguments (published defaults) and can be named by its
+lower-case class name in ``policy=``.
 """
 from __future__ import annotations
 
-from typing import ClassVar, Sequence
+import copy
+import enum
+import functools
+import threading
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
 
-class Policy:
-    """Base class and default behaviour of every policy (a fixed number of drafts).
+class Source(enum.IntEnum):
+    """What drafts a row in a round."""
+    NONE = 0   # nothing: the row's verification emits one token
+    MODEL = 1  # the draft model, feature head, block drafter or MTP layers
+    TEXT = 2   # the row's own prompt and output (n-gram lookup)
+    CACHE = 3  # a SuffixCache of earlier requests
 
-    Calls, per generate call: ``bind(target, draft)`` once; ``start(batch_size, greedy)``
-    before the first round; then per round ``plan()``, ``keep_drafting(...)`` after each
-    draft step, ``observe(...)`` after the verification, and ``keep_rows(rows)`` when
-    finished rows drop out. The serial engine also calls ``select(proposal)`` once per round,
-    between the drafter's proposal and its verification.
 
-    Capabilities (class attributes; the engine computes and passes these extras only to
-    policies that ask):
-      * ``uses_draft_hidden``: ``keep_drafting`` gets the draft's last hidden state;
-      * ``uses_target_hidden``: :meth:`see_target` is called after every verification;
-      * ``uses_bonus_agreement``: :meth:`see_bonus_agreement` is called before ``plan()``;
-      * ``uses_tree_paths``: :meth:`see_tree_path` is called after every tree round.
-    """
+@dataclass(frozen=True)
+class TreeShape:
+    """A draft tree's shape, as data for the one grower
+    (:func:`spec_ext.drafters.base.grow_tree`): static (``branching[d]`` children per node at
+    depth d, the top-k of the drafter) or dynamic (EAGLE-2: ``depth`` levels of the frontier's
+    ``top_k`` children by cumulative draft probability, the best ``nodes`` verified)."""
+    branching: tuple[int, ...] | None = None
+    depth: int = 0
+    top_k: int = 0
+    nodes: int = 0
 
-    max_draft: int = 5
-    branching: tuple[int, ...] | None = None  # a static tree: children per node at each depth
-    grows_dynamic_tree: ClassVar[bool] = False  # a tree grown by the draft's scores (DynamicTree)
-    drafts_from_text: ClassVar[bool] = False
-    parallel: ClassVar[bool] = False
-    uses_draft_hidden: ClassVar[bool] = False
-    uses_target_hidden: ClassVar[bool] = False
-    uses_bonus_agreement: ClassVar[bool] = False
-    uses_tree_paths: ClassVar[bool] = False
+    @property
+    def dynamic(self) -> bool:
+        return self.branching is None
 
-    def bind(self, target, draft) -> None:
-        """Called once per generate call with the models (draft None when it runs on another rank)."""
+    @property
+    def max_depth(self) -> int:
+        return self.depth if self.dynamic else len(self.branching)
 
-    def see_draft_shape(self, drafts_per_forward: int) -> None:
-        """Once per generate call, after ``bind``: how many drafts one draft forward proposes
-        (1: each draft costs a forward; a block drafter's whole block, ``b - 1``, costs one)."""
+    @functools.cached_property
+    def parents(self) -> tuple[int, ...]:
+        """A static tree's parent of every node (node 0 the root: -1), level by level."""
+        return _static_layout(self.branching)[0]
 
-    def start(self, batch_size: int, greedy: bool = True) -> None:
-        """Before the first round: the number of rows and the decoding mode."""
-        self.batch_size = batch_size
-        self.greedy = greedy
+    @functools.cached_property
+    def levels(self) -> tuple[tuple[int, ...], ...]:
+        """A static tree's node ids at depth 1, 2, ..."""
+        return _static_layout(self.branching)[1]
 
-    def plan(self) -> list[int]:
-        """The most drafts each row may propose this round."""
-        return [self.max_draft] * self.batch_size
+    @property
+    def room(self) -> int:
+        """The most tokens past the committed ones that growing it writes to a cache."""
+        if self.dynamic:
+            return max(self.nodes - 1, self.top_k * (self.depth - 1) + 1)
+        return len(self.parents) - 1
+
+
+def _static_layout(branching: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    parents, levels, frontier = [-1], [], [0]
+    for width in branching:
+        level = []
+        for node in frontier:
+            for _ in range(width):
+                parents.append(node)
+                level.append(len(parents) - 1)
+        levels.append(tuple(level))
+        frontier = level
+    return tuple(parents), tuple(levels)
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What a row's text offers this round (:class:`TextLookup`): ``tokens`` (a chain's drafts;
+    a tree's nodes with node 0 the root, token -1) and ``parents`` (None for a chain), from
+    ``source`` (TEXT or CACHE), after a match of ``match`` tokens; ``probs`` each draft's
+    empirical probability (node 1 on for a tree; the share of the earlier occurrences through
+    it), best first where a tree is cut by them."""
+    source: Source
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...] | None = None
+    match: int = 0
+    probs: tuple[float, ...] = ()
+
+    @property
+    def drafts(self) -> int:
+        return len(self.tokens) - (self.parents is not None)
+
+
+class TextLookup(Protocol):
+    """The rows' text, as the drafter keeps it in step with what the target committed
+    (:class:`spec_ext.drafters.text.TextSource`); controllers ask it for offers."""
+
+    def chain(self, row: int, most: int) -> list[int]:
+        """The tokens that followed the latest earlier occurrence of the row's longest matched
+        suffix (at most ``most``; [] without a match)."""
+
+    def tree(self, row: int, depth: int, nodes: int) -> Offer | None:
+        """The continuations of the row's latest occurrences merged into a tree (None: no match)."""
+
+    def cache_match(self, row: int) -> int:
+        """The longest suffix of the row found in the suffix cache with a token after it (0: none)."""
+
+    def cache_tree(self, row: int, depth: int, nodes: int) -> Offer | None:
+        """The cache's tree of the row's match's most frequent continuations (None: no match)."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a controller knows of its call when it starts."""
+    batch_size: int
+    greedy: bool = True
+    target: object = None  # the target model (None in unit tests)
+    draft: object = None  # the module whose parameters drafting reads (None: no model drafts)
+    drafts_per_forward: int = 1  # a block drafter's block: its drafts cost one forward
+    forwards_without_model: int = 0  # draft forwards a round runs where the model drafts no row (MTP: 1)
+    text: bool = False  # a TextLookup comes with every round
+    memory: "Memory | None" = None  # what earlier calls learned (accelerate's)
+
+
+@dataclass
+class RoundState:
+    """What a controller plans a round from: ``rows`` going; the rows' ``text`` (None when no
+    text source runs); ``target_hidden`` [B,H] the target's last hidden state at each row's
+    root and ``roots`` [B] (only where the policy reads them: ``Policy.reads_target``)."""
+    rows: int
+    text: TextLookup | None = None
+    target_hidden: Tensor | None = None
+    roots: Tensor | None = None
+
+
+@dataclass
+class RoundPlan:
+    """One round's decision, per row (B rows).
+
+    ``k[b]``: the most drafts the model makes for row b (0: none); ``tree``: the model grows
+    this tree for every row instead (where set); ``text[b]``: the text drafts row b verifies
+    instead of the model's (an :class:`Offer`, cut), or None. A round with no model drafts
+    and no text is a plain decode step. The plan is also the round's record: ``record`` is the
+    controller's own (what it priced), handed back in :attr:`Report.plan`.
+
+    Methods the drafter and the engine call: :meth:`budget` (the chain lengths, after the
+    drafter's catch-up; ``reads_agreement``: it wants the rows' bonus agreement then),
+    :meth:`keep_drafting` (after each draft step, where ``stops``), :meth:`select` (what of
+    the proposal the target verifies)."""
+    k: list[int]
+    text: list[Offer | None] | None = None
+    tree: TreeShape | None = None
+    stop: Callable | None = None  # (step, probs [B,V], tokens [B], hidden [B,H] | None) -> [B] bool
+    trim: Callable | None = None  # (proposal) -> proposal
+    after_catch_up: Callable | None = None  # (agreement [B] bool) -> k
+    reads_hidden: bool = False  # stop reads the draft's hidden state
+    record: object = None
+
+    def __post_init__(self):
+        if self.text is None:
+            self.text = [None] * len(self.k)
+
+    @property
+    def rows(self) -> int:
+        return len(self.k)
+
+    @property
+    def model_runs(self) -> bool:
+        """Whether the model drafts some row (else it waits or catches up only)."""
+        return self.tree is not None or any(self.k)
+
+    @property
+    def plain(self) -> bool:
+        """Nothing drafts: a plain decode step."""
+        return not self.model_runs and not any(self.text)
+
+    @property
+    def sources(self) -> list[Source]:
+        model = Source.MODEL if self.tree is not None else None
+        return [t.source if t is not None else model or (Source.MODEL if k else Source.NONE)
+                for t, k in zip(self.text, self.k)]
+
+    @property
+    def reads_agreement(self) -> bool:
+        return self.after_catch_up is not None
+
+    def budget(self, agreement: Tensor | None = None) -> list[int]:
+        """The chain length of every row, called once the drafter caught up (``agreement``
+        [B] bool: where ``reads_agreement``, whether the drafter agreed with the last round's
+        bonus token after accepting every draft)."""
+        return self.k if self.after_catch_up is None else self.after_catch_up(agreement)
+
+    @property
+    def stops(self) -> bool:
+        """Whether :meth:`keep_drafting` may stop a row (each draft step then syncs the host)."""
+        return self.stop is not None
 
     def keep_drafting(self, step: int, probs: Tensor, tokens: Tensor, hidden: Tensor | None = None) -> Tensor:
         """[B] bool: after draft ``step`` (1-based) was sampled, which rows go on. ``probs``
         [B,V] is the draft's temperature-1 distribution the tokens [B] came from; ``hidden``
-        [B,H] the draft's last hidden state that produced it (None unless
-        ``uses_draft_hidden``). A policy that does not override this never stops a row
-        early, and the engine then needs no host sync per draft step."""
-        return torch.ones(probs.shape[0], dtype=torch.bool, device=probs.device)
+        [B,H] the draft's last hidden state (None unless ``reads_hidden``)."""
+        if self.stop is None:
+            return torch.ones(probs.shape[0], dtype=torch.bool, device=probs.device)
+        return self.stop(step, probs, tokens, hidden)
 
     def select(self, proposal):
-        """What of this round's proposal (a :class:`spec_ext.drafters.Proposal`) the target
-        verifies: the proposal itself (the default), or a trimmed one (a prefix of each row's
-        chain, a subtree of each row's tree holding its nodes' parents: adaptive verification,
-        :class:`spec_ext.policies.Adaptive`). The drafter is told the outcome of what was verified."""
-        return proposal
+        """What of ``proposal`` (a :class:`spec_ext.drafters.Proposal`) the target verifies:
+        itself, or a prefix (subtree) per row."""
+        return proposal if self.trim is None else self.trim(proposal)
 
-    def observe(self, num_draft: Sequence[int], num_accepted: Sequence[int]) -> None:
-        """What the target accepted of each row's drafts this round."""
 
-    def see_target(self, hidden: Tensor, next_tokens: Tensor) -> None:
-        """(``uses_target_hidden``) After every verification and after the prefill: the
-        target's last hidden state [B,H] at the last accepted token and the token [B] it
-        produced, the root of the next round."""
+@dataclass
+class Report:
+    """What a round gave, per row (the rows of the round's plan).
 
-    def see_bonus_agreement(self, agreed: Tensor) -> None:
-        """(``uses_bonus_agreement``) Before ``plan()``: [B] bool per row, whether the last
-        round accepted every draft and the draft agrees with the target's token after them
-        (greedy: proposes it; sampling: a draw that accepts with probability sum_x min(p, q)
-        at that position), i.e. whether acceptance ran on unbroken through the root."""
+    ``source``: what drafted each row; ``drafted``, ``accepted``: its verified drafts and how
+    many were accepted; ``committed``: the tokens the target committed (accepted drafts and
+    one more); ``width``: tokens verified per row, the root included; ``seconds``: the round,
+    from its plan to its commit; ``verify_seconds``: of that, from the selection on (the
+    target's forward, the sampler, the commit); ``draft_seconds`` and ``draft_forwards``: the
+    model's forwards, ``draft_steps`` the drafts they computed (a chain's steps, a block's
+    slots, a tree's depth); ``warm``: those forwards are a draft step's cost (not a catch-up over
+    the prompt or skipped rounds); ``path`` [B,D+1]: a tree's accepted node ids; ``explores``:
+    the drafter tried another way only to measure it (nothing is learned from the round);
+    ``target_hidden`` [B,H] and ``roots`` [B]: the target's last hidden state at each row's
+    new root, and the root (where the policy reads them)."""
+    plan: RoundPlan
+    source: list[Source]
+    drafted: list[int]
+    accepted: list[int]
+    committed: list[list[int]]
+    width: int
+    seconds: float = 0.0
+    verify_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    draft_forwards: int = 0
+    draft_steps: int = 0
+    warm: bool = True
+    path: Tensor | None = None
+    explores: bool = False
+    target_hidden: Tensor | None = None
+    roots: Tensor | None = None
 
-    def see_tree_path(self, path: Tensor) -> None:
-        """(``uses_tree_paths``) After a tree round's verification (not an exploring one): the
-        accepted path [B,Dmax+1] of node indices (-1 past each row's end)."""
+
+class Memory:
+    """What a policy learned across calls: named entries, each read as a copy at a call's
+    start and merged back at its end under one lock. An entry nobody wrote since the call
+    read it is replaced by the call's (so consecutive calls go on from the last one, as one
+    long call would); one another call wrote meanwhile is merged with it (the entry's
+    ``merged(other)``), so concurrent calls both contribute."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._entries: dict = {}  # key -> (value, version)
+
+    def read(self, key) -> tuple[object, int]:
+        """(a copy of the entry ``key``, or None; its version)."""
+        with self._lock:
+            value, version = self._entries.get(key, (None, 0))
+            return copy.deepcopy(value), version
+
+    def write(self, key, value, version: int) -> None:
+        """Put the call's ``value`` for ``key``, read at ``version``."""
+        with self._lock:
+            current, now = self._entries.get(key, (None, 0))
+            if current is not None and now != version:
+                value = current.merged(value)
+            self._entries[key] = (value, now + 1)
+
+    def keys(self) -> list:
+        with self._lock:
+            return list(self._entries)
+
+
+class Controller:
+    """One call's decisions (the default: ``policy.max_draft`` drafts for every row)."""
+
+    def __init__(self, policy: "Policy", call: Call):
+        self.policy, self.call = policy, call
+        self.rows = call.batch_size
+
+    def plan(self, state: RoundState) -> RoundPlan:
+        return RoundPlan([self.policy.max_draft] * state.rows)
+
+    def observe(self, report: Report) -> None:
+        """What the round gave (after the verification)."""
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Only ``rows`` (indices into the current batch) go on."""
-        self.batch_size = len(rows)
+        self.rows = len(rows)
+
+    def finish(self) -> None:
+        """The call is over: what it learned goes back to ``call.memory``."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Base class of every policy: settings (frozen), and :meth:`start`, which makes the call's
+    :class:`Controller`.
+
+    Class attributes say what a policy needs of the engine and the drafters, so that none
+    asks which class it is: ``parallel`` (the parallel engine runs it: PEARL and SpecBranch),
+    ``reads_target`` (the engine hands the target's last hidden state at each root to
+    :class:`RoundState` and :class:`Report`), ``reads_draft_hidden`` (the drafter hands its
+    hidden state to ``keep_drafting``), ``reads_agreement`` (the drafter's bonus agreement,
+    after its catch-up), ``needs_model`` (it drafts with a model), ``text`` (a text source runs beside or instead of the
+    drafter: the policy's ``text_settings``), and :meth:`tree_shape` (the tree the model grows,
+    None for chains)."""
+    parallel: ClassVar[bool] = False
+    reads_target: ClassVar[bool] = False
+    reads_draft_hidden: ClassVar[bool] = False
+    reads_agreement: ClassVar[bool] = False  # the drafter's bonus agreement (RoundPlan.after_catch_up)
+    needs_model: ClassVar[bool] = True  # without text it drafts with a model (NGram and Suffix do not)
 
     @property
-    def adaptive(self) -> bool:
-        """Whether the policy may stop a row before its planned length (see keep_drafting)."""
-        return type(self).keep_drafting is not Policy.keep_drafting
+    def max_draft(self) -> int:
+        """The most drafts (tree nodes) a round proposes per row."""
+        return 5
 
     @property
     def lookahead(self) -> int:
         """How many tokens past the committed ones a round may write to the caches."""
         return self.max_draft
 
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items()
-                           if not k.startswith("_") and k not in ("batch_size", "greedy"))
-        return f"{type(self).__name__}({fields})"
+    def text_settings(self, has_model: bool):
+        """The text source's settings (:class:`spec_ext.policies.ngram.TextSettings`) for a
+        call with (``has_model``) or without a model, or None: no text source."""
+        return None
+
+    def tree_shape(self) -> TreeShape | None:
+        """The tree the model grows every round (None: chains)."""
+        return None
+
+    def fitted(self, drafts_per_forward: int, max_depth: int | None) -> "Policy":
+        """This policy for a drafter that drafts ``drafts_per_forward`` per forward and at most
+        ``max_depth`` deep (None: no limit): itself, or a copy whose unset defaults fit."""
+        return self
+
+    def start(self, call: Call) -> Controller:
+        """The call's controller."""
+        return Controller(self, call)
 
 
 POLICIES: dict[str, type[Policy]] = {}
@@ -132,3 +376,10 @@ def resolve(policy: str | Policy) -> Policy:
     if isinstance(policy, str) and policy.lower() in POLICIES:
         return POLICIES[policy.lower()]()
     raise ValueError(f"policy: expected a Policy or one of {sorted(POLICIES)}, got {policy!r}")
+
+
+def check(condition: bool, names: str, message: str) -> None:
+    """ValueError naming ``names`` unless ``condition``."""
+    if not condition:
+        raise ValueError(f"{names}: {message}")
+

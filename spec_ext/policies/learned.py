@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +42,7 @@ from torch import Tensor, nn
 from spec_ext import ops
 from spec_ext.bundled import bundled_path
 from spec_ext.models.eagle import EagleHead
-from spec_ext.policies.base import Policy, register
+from spec_ext.policies.base import Call, Controller, Policy, Report, RoundPlan, RoundState, check, register
 from spec_ext.policies.parallel import BranchHint, SpecBranch
 
 GREEDY, SAMPLING = 0, 1  # output columns of every predictor
@@ -171,7 +173,16 @@ def _per_mode(value, settings: dict, key: str, default: float) -> dict[tuple[boo
             (False, True): settings.get(f"{key}_batch_sampling", sampling)}
 
 
+def _loaded(policy, predictor, name: str) -> dict:
+    """Load ``predictor`` (see :func:`_predictor`) onto ``policy`` (a frozen value: the loaded
+    model and its settings are kept beside its fields) and return its settings."""
+    model, settings = _predictor(predictor, name)
+    object.__setattr__(policy, "_model", model)
+    return settings
+
+
 @register
+@dataclass(frozen=True)
 class SpecDecPP(Policy):
     """SpecDec++: stop drafting once 1 - prod(predicted acceptance) > ``threshold``.
 
@@ -188,20 +199,28 @@ class SpecDecPP(Policy):
             predictor (for greedy and for sampling, at batch 1 and for batches).
         max_draft: None takes the value tuned with the predictor.
     """
+    reads_draft_hidden: ClassVar[bool] = True
+    predictor: object = None
+    threshold: float | None = None
+    max_draft: int | None = None
 
-    uses_draft_hidden = True
-
-    def __init__(self, predictor=None, threshold: float | None = None, max_draft: int | None = None):
-        self._predictor, settings = _predictor(predictor, "specdecpp")
-        self.thresholds = _per_mode(threshold, settings, "threshold", 0.5)
-        self.max_draft = settings.get("max_draft", 12) if max_draft is None else max_draft
+    def __post_init__(self):
+        settings = _loaded(self, self.predictor, "specdecpp")
+        object.__setattr__(self, "thresholds", _per_mode(self.threshold, settings, "threshold", 0.5))
+        if self.max_draft is None:
+            object.__setattr__(self, "max_draft", settings.get("max_draft", 12))
         for value in self.thresholds.values():
-            if not 0 < value < 1:
-                raise ValueError(f"threshold: must be in (0, 1), got {value}")
-        if self.max_draft < 1:
-            raise ValueError(f"max_draft: must be >= 1, got {self.max_draft}")
+            check(0 < value < 1, "threshold", f"must be in (0, 1), got {value}")
+        check(self.max_draft >= 1, "max_draft", f"must be >= 1, got {self.max_draft}")
 
-    def bind(self, target, draft) -> None:
+    def start(self, call: Call) -> Controller:
+        return _SpecDecPP(self, call)
+
+
+class _SpecDecPP(Controller):
+    def __init__(self, policy: SpecDecPP, call: Call):
+        super().__init__(policy, call)
+        draft = call.draft
         if isinstance(draft, EagleHead):
             width, device = draft.hidden_size, draft.fc.weight.device
             what = "the head's hidden state and draft_features"
@@ -210,38 +229,40 @@ class SpecDecPP(Policy):
         else:
             raise ValueError(f"policy: SpecDecPP reads a draft model's or a feature head's hidden state; this "
                              f"drafter ({type(draft).__name__}) has neither")
-        _check_width(self._predictor, width + DRAFT_EXTRA_FEATURES, what, "SpecDecPP")
-        self._predictor.to(device)
-        self._weights = self._predictor.weights()
+        self.model = policy._model
+        _check_width(self.model, width + DRAFT_EXTRA_FEATURES, what, "SpecDecPP")
+        self.model.to(device)
+        self.weights = self.model.weights()
         # one fused call per draft step where the kernel runs (float32 on CPU), else torch ops
-        self._fused = (device.type == "cpu" and ops.registered("acceptance_head", "CPU")
-                       and all(t.dtype == torch.float32 for t in self._weights))
+        self.fused = (device.type == "cpu" and ops.registered("acceptance_head", "CPU")
+                      and all(t.dtype == torch.float32 for t in self.weights))
+        self.column = GREEDY if call.greedy else SAMPLING
+        self.verdicts = None
 
-    def _accept(self, probs: Tensor, hidden: Tensor, column: int) -> Tensor:
-        if self._fused and hidden.dtype == torch.float32:
-            return ops.acceptance_head(hidden, probs, self._weights, column, LAYER_NORM_EPS, validate=False)
-        return torch.sigmoid(self._predictor(draft_features(hidden, probs))[:, column])
+    def plan(self, state: RoundState) -> RoundPlan:
+        threshold = self.policy.thresholds[self.call.greedy, state.rows > 1]
+        survival: list[float] = []
 
-    def start(self, batch_size, greedy=True) -> None:
-        super().start(batch_size, greedy)
-        self._verdicts = None
+        def goes_on(step: int, probs: Tensor, tokens: Tensor, hidden: Tensor | None = None) -> Tensor:
+            accept = self._accept(probs, hidden).tolist()
+            # the survival products and the verdict in Python floats: the loop syncs on the
+            # verdict anyway, and each tensor op here costs ~10 us after a draft forward; the two
+            # verdict tensors are made once per batch size and shared: callers read them only
+            survival[:] = accept if step == 1 else [s * a for s, a in zip(survival, accept)]
+            if self.verdicts is None or len(self.verdicts[0]) != len(accept):
+                self.verdicts = [torch.full((len(accept),), go, dtype=torch.bool, device=probs.device)
+                                 for go in (False, True)]
+            return self.verdicts[int(1 - sum(survival) / len(survival) <= threshold)]
+        return RoundPlan([self.policy.max_draft] * state.rows, stop=goes_on, reads_hidden=True)
 
-    def keep_drafting(self, step, probs, tokens, hidden=None) -> Tensor:
-        column = GREEDY if self.greedy else SAMPLING
-        threshold = self.thresholds[self.greedy, self.batch_size > 1]
-        accept = self._accept(probs, hidden, column).tolist()
-        # the survival products and the verdict in Python floats: the loop syncs on the
-        # verdict anyway, and each tensor op here costs ~10 us after a draft forward; the two
-        # verdict tensors are made once per batch size and shared: callers read them only
-        self._survival = accept if step == 1 else [s * a for s, a in zip(self._survival, accept)]
-        if self._verdicts is None or len(self._verdicts[0]) != len(accept):
-            self._verdicts = [torch.full((len(accept),), go, dtype=torch.bool, device=probs.device)
-                              for go in (False, True)]
-        going_on = 1 - sum(self._survival) / len(self._survival) <= threshold
-        return self._verdicts[int(going_on)]
+    def _accept(self, probs: Tensor, hidden: Tensor) -> Tensor:
+        if self.fused and hidden.dtype == torch.float32:
+            return ops.acceptance_head(hidden, probs, self.weights, self.column, LAYER_NORM_EPS, validate=False)
+        return torch.sigmoid(self.model(draft_features(hidden, probs))[:, self.column])
 
 
 @register
+@dataclass(frozen=True)
 class AdaLength(Policy):
     """AdaEAGLE's lightweight draft-length predictor: each round drafts
     ceil(predicted accepted length + ``offset``) tokens, between 1 and ``max_draft``.
@@ -257,59 +278,63 @@ class AdaLength(Policy):
             (for greedy and for sampling, at batch 1 and for batches).
         max_draft: None takes the value tuned with the predictor.
     """
+    reads_target: ClassVar[bool] = True
+    reads_agreement: ClassVar[bool] = True
+    predictor: object = None
+    offset: float | None = None
+    max_draft: int | None = None
 
-    uses_target_hidden = True
-    uses_bonus_agreement = True
+    def __post_init__(self):
+        settings = _loaded(self, self.predictor, "adalength")
+        object.__setattr__(self, "offsets", _per_mode(self.offset, settings, "offset", 0.0))
+        if self.max_draft is None:
+            object.__setattr__(self, "max_draft", settings.get("max_draft", 12))
+        object.__setattr__(self, "first_round", settings.get("first_round", 3))
+        check(self.max_draft >= 1, "max_draft", f"must be >= 1, got {self.max_draft}")
 
-    def __init__(self, predictor=None, offset: float | None = None, max_draft: int | None = None):
-        self._predictor, settings = _predictor(predictor, "adalength")
-        self.offsets = _per_mode(offset, settings, "offset", 0.0)
-        self.max_draft = settings.get("max_draft", 12) if max_draft is None else max_draft
-        self._first = settings.get("first_round", 3)
-        if self.max_draft < 1:
-            raise ValueError(f"max_draft: must be >= 1, got {self.max_draft}")
+    def start(self, call: Call) -> Controller:
+        return _AdaLength(self, call)
 
-    def bind(self, target, draft) -> None:
-        _check_width(self._predictor, 2 * target.config.hidden_size + HISTORY_FEATURES,
+
+class _AdaLength(Controller):
+    def __init__(self, policy: AdaLength, call: Call):
+        super().__init__(policy, call)
+        target = call.target
+        self.model = policy._model
+        _check_width(self.model, 2 * target.config.hidden_size + HISTORY_FEATURES,
                      "[target input embedding; target hidden state; history_features]", "AdaLength")
-        self._embed = input_embedding(target)
-        self._predictor.to(target.device)
+        self.embed = input_embedding(target)
+        self.model.to(target.device)
+        self.k = [min(policy.first_round, policy.max_draft)] * call.batch_size
+        self.before = [0] * call.batch_size  # positions the draft agreed on in a row before the next root
 
-    def start(self, batch_size, greedy=True) -> None:
-        super().start(batch_size, greedy)
-        self._k = [min(self._first, self.max_draft)] * batch_size
-        self._before = [0] * batch_size  # positions the draft agreed on in a row before the next root
-        self._features = None
+    def plan(self, state: RoundState) -> RoundPlan:
+        features = None if state.target_hidden is None else \
+            torch.cat([self.embed(state.roots).float(), state.target_hidden.float()], -1)
 
-    def see_target(self, hidden: Tensor, next_tokens: Tensor) -> None:
-        # the round's outcome (observe) comes after this call: predict in plan()
-        self._features = torch.cat([self._embed(next_tokens).float(), hidden.float()], -1)
+        def length(agreed: Tensor | None) -> list[int]:
+            # the run goes on through the bonus token only if the draft agrees with it too, as the
+            # training data counts it
+            if agreed is not None:
+                self.before = [before if ok else 0 for before, ok in zip(self.before, agreed.tolist())]
+            if features is not None:
+                history = history_features(torch.tensor(self.before, device=features.device))
+                greedy = self.call.greedy
+                offset = self.policy.offsets[greedy, len(self.before) > 1]
+                column = GREEDY if greedy else SAMPLING
+                predicted = self.model(torch.cat([features, history], -1))[:, column].mean() + offset
+                self.k = [int(predicted.ceil().clamp(1, self.policy.max_draft))] * len(self.before)
+            return list(self.k)
+        return RoundPlan(list(self.k), after_catch_up=length)
 
-    def observe(self, num_draft, num_accepted) -> None:
-        # the run goes on through the bonus token only if the draft agrees with it too
-        # (see_bonus_agreement), as the training data counts it: accepted + 1
-        self._before = [min(self.max_draft, before + a + 1) if a >= n else 0
-                        for before, n, a in zip(self._before, num_draft, num_accepted)]
-
-    def see_bonus_agreement(self, agreed: Tensor) -> None:
-        self._before = [before if ok else 0 for before, ok in zip(self._before, agreed.tolist())]
-
-    def plan(self) -> list[int]:
-        if self._features is not None:
-            history = history_features(torch.tensor(self._before, device=self._features.device))
-            column = GREEDY if self.greedy else SAMPLING
-            offset = self.offsets[self.greedy, len(self._before) > 1]
-            length = self._predictor(torch.cat([self._features, history], -1))[:, column].mean() + offset
-            self._k = [int(length.ceil().clamp(1, self.max_draft))] * len(self._before)
-            self._features = None
-        return list(self._k)
+    def observe(self, report: Report) -> None:
+        self.before = [min(self.policy.max_draft, before + a + 1) if a >= n else 0
+                       for before, n, a in zip(self.before, report.drafted, report.accepted)]
 
     def keep_rows(self, rows) -> None:
         super().keep_rows(rows)
-        self._k = [self._k[r] for r in rows]
-        self._before = [self._before[r] for r in rows]
-        if self._features is not None:
-            self._features = self._features[torch.tensor(rows, dtype=torch.long, device=self._features.device)]
+        self.k = [self.k[r] for r in rows]
+        self.before = [self.before[r] for r in rows]
 
 
 class BranchPredictor:
@@ -329,26 +354,28 @@ class BranchPredictor:
         if self._model.config["out_features"] != 6:
             raise ValueError(f"predictor: a branch predictor has 6 outputs, got {self._model.config['out_features']}")
 
-    def bind(self, target) -> None:
+    def bound(self, target):
+        """Per call: (hidden [B,H], roots [B], greedy) -> a hint per row, for ``target``."""
         _check_width(self._model, 2 * target.config.hidden_size,
                      "[target input embedding; target hidden state]", "branch")
-        self._embed = input_embedding(target)
+        embed = input_embedding(target)
         self._model.to(target.device)
 
-    def classify(self, hidden: Tensor, roots: Tensor, greedy: bool) -> list[BranchHint]:
-        features = torch.cat([self._embed(roots).float(), hidden.float()], -1)
-        logits = self._model(features)[:, :3] if greedy else self._model(features)[:, 3:]
-        return [BranchHint(c) for c in logits.argmax(-1).tolist()]
+        def classify(hidden: Tensor, roots: Tensor, greedy: bool) -> list[BranchHint]:
+            features = torch.cat([embed(roots).float(), hidden.float()], -1)
+            logits = self._model(features)[:, :3] if greedy else self._model(features)[:, 3:]
+            return [BranchHint(c) for c in logits.argmax(-1).tolist()]
+        return classify
 
 
 @register
+@dataclass(frozen=True)
 class LearnedSpecBranch(SpecBranch):
     """:class:`spec_ext.policies.SpecBranch` with the bundled pair's branch-point
     predictor (``policies/branch.safetensors`` of :mod:`spec_ext.bundled`) or ``predictor`` (a path, a
     :class:`ResidualMLP` or a :class:`BranchPredictor`)."""
 
-    def __init__(self, branches: int = 4, gamma: int | None = None, mode: str = "threads", draft_rank: int = 1,
-                 timeout: float = 60.0, max_gamma: int = 12, predictor=None):
-        if not isinstance(predictor, BranchPredictor):
-            predictor = BranchPredictor(predictor)
-        super().__init__(branches, gamma, mode, draft_rank, timeout, max_gamma, predictor)
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.predictor, BranchPredictor):
+            object.__setattr__(self, "predictor", BranchPredictor(self.predictor))

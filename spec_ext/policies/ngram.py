@@ -9,14 +9,16 @@ deterministic function of the text, so the samplers verify them with one-hot q
 
 :class:`NGramIndex` is the incremental matcher (an index of every n-gram of a row's history,
 extended with each round's committed tokens, never rescanned); :func:`reference_occurrences`
-is the plain scan it is tested against. :class:`NGram` holds the settings and each row's
-depth; the drafter :class:`spec_ext.drafters.TextDrafter` keeps one index per row.
+is the plain scan it is tested against. :class:`NGram` holds the settings; its controller each row's
+depth; the drafters' :class:`~spec_ext.drafters.text.TextSource` keeps one index per row.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import KW_ONLY, dataclass
+from typing import ClassVar, Sequence
 
-from spec_ext.policies.base import Policy, register
+from spec_ext.policies.base import Call, Controller, Offer, Policy, Report, RoundPlan, RoundState, Source, check, \
+    register
 
 
 def reference_occurrences(history: Sequence[int], n_max: int, n_min: int) -> tuple[int, list[int]]:
@@ -85,16 +87,15 @@ class NGramIndex:
         return [self.tokens[s:s + k] for s in starts]
 
 
-def continuation_tree(continuations: Sequence[Sequence[int]], max_nodes: int, scored: bool = False) -> tuple:
+def continuation_tree(continuations: Sequence[Sequence[int]], max_nodes: int, shares: bool = False) -> tuple:
     """Merge token sequences into a tree of at most ``max_nodes`` nodes counting the root.
-    ``scored``: also return the tree's score, the sum over its nodes of the share of the
-    sequences through them (the drafts expected accepted if the sequences are equally likely).
 
     Returns (tokens, parents): node 0 is the root (token -1 here; the engine puts the last
     committed token there), nodes in topological order, siblings distinct tokens. Nodes are
     kept by how many of the sequences pass through them (then shallower, then earlier
     sequences first), so a node's parent always comes before it and the tree is the most
-    shared part of the continuations; siblings come out most shared first.
+    shared part of the continuations; siblings come out most shared first. ``shares``: also
+    each node's share of the sequences through it (node 1 on), its empirical probability.
 
     Example:
         >>> continuation_tree([[5, 6, 7], [5, 6, 8], [9]], max_nodes=5)
@@ -122,11 +123,81 @@ def continuation_tree(continuations: Sequence[Sequence[int]], max_nodes: int, sc
     for new, old in enumerate(order, start=1):
         renumber[old] = new
     tokens, parents = [-1] + [token_of[i] for i in order], [-1] + [renumber[parent_of[i]] for i in order]
-    return (tokens, parents, sum(count[i] for i in order) / max(1, len(continuations))) if scored else \
-        (tokens, parents)
+    if not shares:
+        return tokens, parents
+    return tokens, parents, [count[i] / max(1, len(continuations)) for i in order]
+
+
+@dataclass(frozen=True)
+class TextSettings:
+    """What a call's text source (:class:`spec_ext.drafters.text.TextSource`) indexes: each
+    row's n-grams of ``n_min``..``n_max`` tokens, trees of up to ``continuations`` latest
+    occurrences, and a suffix ``cache`` of earlier requests (None: none), whose trees follow
+    the paper's rule (at most ``alpha`` x the match length nodes, none below ``min_prob``)."""
+    n_max: int = 2
+    n_min: int = 1
+    continuations: int = 8
+    cache: object = None
+    alpha: float = 1.0
+    min_prob: float = 0.1
+
+
+class _Lookup(Controller):
+    """Each row drafts its own text (a chain or a tree within NGram's budget); beside a model,
+    the rows without a match take the model's ``draft_k`` drafts."""
+
+    def __init__(self, policy: "NGram", call: Call):
+        super().__init__(policy, call)
+        self.depth = [policy.k] * call.batch_size  # each row's most text drafts in a line next round
+
+    def budget(self, rows: int) -> tuple[int, int]:
+        """(the deepest a row's text chain or tree may go, a tree's most nodes counting the root)."""
+        policy = self.policy
+        if not policy.tree:
+            return max(1, min(policy.k, policy.round_tokens // rows - 1)), 0
+        nodes = max(2, min(policy.max_nodes, policy.round_tokens // rows))
+        return nodes - 1, nodes
+
+    def offers(self, state: RoundState) -> list[Offer | None]:
+        most, nodes = self.budget(state.rows)
+        if not self.policy.tree:
+            return [Offer(Source.TEXT, tuple(chain)) if chain else None
+                    for chain in (state.text.chain(r, min(most, d)) for r, d in enumerate(self.depth))]
+        return [state.text.tree(r, min(most, d), nodes) for r, d in enumerate(self.depth)]
+
+    def plan(self, state: RoundState) -> RoundPlan:
+        text = self.offers(state)
+        model = self.policy.draft_k if self.call.draft is not None else 0
+        return RoundPlan([0 if t is not None else model for t in text], text, record=[_depth(t) for t in text])
+
+    def observe(self, report: Report) -> None:
+        """With ``adapt_depth``: a row whose text drafts were all accepted drafts twice as deep
+        next round (up to k), one whose drafts were cut drafts one past what was accepted."""
+        if self.policy.adapt_depth:
+            for r, (depth, accepted) in enumerate(zip(report.plan.record, report.accepted)):
+                if depth:  # a full accept of drafts the budget or the history cut short keeps the depth
+                    self.depth[r] = (max(self.depth[r], min(self.policy.k, 2 * depth)) if accepted >= depth
+                                     else max(1, accepted + 1))
+
+    def keep_rows(self, rows) -> None:
+        super().keep_rows(rows)
+        self.depth = [self.depth[r] for r in rows]
+
+
+def _depth(offer: Offer | None) -> int:
+    """How deep a text offer goes (0: none)."""
+    if offer is None:
+        return 0
+    if offer.parents is None:
+        return len(offer.tokens)
+    depth = [0] * len(offer.parents)
+    for i in range(1, len(offer.parents)):
+        depth[i] = depth[offer.parents[i]] + 1
+    return max(depth)
 
 
 @register
+@dataclass(frozen=True)
 class NGram(Policy):
     """Prompt lookup: each row drafts the tokens that followed the longest earlier occurrence
     of its current suffix (``n_max`` down to ``n_min`` tokens) in its own prompt + output.
@@ -148,80 +219,48 @@ class NGram(Policy):
         tree: False: a chain from the most recent occurrence. True (the default): the
             distinct continuations of up to ``max_continuations`` most recent occurrences
             merged into a tree of at most ``max_nodes`` nodes (root included), verified in
-            one forward with tree attention (siblings drawn without replacement). Measured
-            (benchmarks/results/e2e_ngram_cpu.csv, greedy, tree vs chain, the target alone =
-            1): held-out prompts 2.88x vs 2.44x at batch 1, 1.67x vs 1.55x at batch 8;
-            input-grounded ones (a copy, where one occurrence is right and the tree's extra
-            nodes only cost) 4.97x vs 5.57x and 1.71x vs 1.84x. The tree leads on the
-            geometric mean of the four, and on text that is not a copy.
+            one forward with tree attention (siblings drawn without replacement); measured in
+            ``docs/suffix.md``: the tree leads on held-out text, a chain on copies.
         draft_k: drafts per round of the draft model, for rows without a match (only with a
             draft model).
         round_tokens: the most tokens the text's drafts of all rows may add to one
             verification: with B rows going, a row drafts at most ``round_tokens // B - 1``
             tokens (chains, at least 1) or ``round_tokens // B`` nodes (trees, at least 2), so
-            the batch-1 shapes (k=10, 32 nodes) shrink as the batch grows (k=3, 4 nodes at
-            batch 8, the best fixed k of the bundled pair at batch 8) and grow back as rows
-            finish; a verification's cost on CPU grows with its tokens.
+            the batch-1 shapes (k=10, 32 nodes) shrink as the batch grows and grow back as
+            rows finish; a verification's cost on CPU grows with its tokens.
         adapt_depth: a row whose text drafts were all accepted drafts twice as deep next
-            round (up to ``k``), one whose drafts were cut drafts one past what was accepted
-            (see :meth:`observe`). It verifies fewer tokens for nearly as many accepted; on the
-            bundled pair on CPU its time stayed within run-to-run noise, so it is off by
-            default: it pays where a verification's width costs compute.
+            round (up to ``k``), one whose drafts were cut drafts one past what was accepted.
 
     Example:
         >>> out = spec_ext.generate(target, None, ids, policy="ngram")   # doctest: +SKIP
         >>> out.stats.matched, out.stats.row_matched                      # doctest: +SKIP
     """
+    needs_model: ClassVar[bool] = False
+    _: KW_ONLY
+    k: int = 10
+    n_max: int = 2
+    n_min: int = 1
+    tree: bool = True
+    max_nodes: int = 32
+    max_continuations: int = 8
+    draft_k: int = 5
+    round_tokens: int = 32
+    adapt_depth: bool = False
 
-    drafts_from_text = True
+    def __post_init__(self):
+        check(self.k >= 1 and self.draft_k >= 1, "k, draft_k", f"must be >= 1, got {self.k}, {self.draft_k}")
+        check(1 <= self.n_min <= self.n_max, "n_min, n_max", f"need 1 <= n_min <= n_max, got {self.n_min}, "
+              f"{self.n_max}")
+        check(self.round_tokens >= 2, "round_tokens", f"must be >= 2, got {self.round_tokens}")
+        check(self.max_nodes >= 2 and self.max_continuations >= 1, "max_nodes, max_continuations",
+              f"need >= 2 and >= 1, got {self.max_nodes}, {self.max_continuations}")
 
-    def __init__(self, k: int = 10, n_max: int = 2, n_min: int = 1, tree: bool = True, max_nodes: int = 32,
-                 max_continuations: int = 8, draft_k: int = 5, round_tokens: int = 32, adapt_depth: bool = False):
-        if k < 1 or draft_k < 1:
-            raise ValueError(f"k, draft_k: must be >= 1, got {k}, {draft_k}")
-        if not 1 <= n_min <= n_max:
-            raise ValueError(f"n_min, n_max: need 1 <= n_min <= n_max, got {n_min}, {n_max}")
-        if round_tokens < 2:
-            raise ValueError(f"round_tokens: must be >= 2, got {round_tokens}")
-        if max_nodes < 2 or max_continuations < 1:
-            raise ValueError(f"max_nodes, max_continuations: need >= 2 and >= 1, got {max_nodes}, "
-                             f"{max_continuations}")
-        self.k, self.n_max, self.n_min, self.tree = k, n_max, n_min, bool(tree)
-        self.max_nodes, self.max_continuations, self.draft_k = max_nodes, max_continuations, draft_k
-        self.round_tokens = round_tokens
-        self.adapt_depth = bool(adapt_depth)
-        self.max_draft = max(max_nodes - 1 if tree else k, draft_k)
+    @property
+    def max_draft(self) -> int:
+        return max(self.max_nodes - 1 if self.tree else self.k, self.draft_k)
 
-    def start(self, batch_size: int, greedy: bool = True) -> None:
-        super().start(batch_size, greedy)
-        self._depth = [self.k] * batch_size  # each row's most text drafts in a line next round
-        self._proposed = [0] * batch_size  # the depth of each row's text drafts this round (0: none)
+    def text_settings(self, has_model: bool) -> TextSettings:
+        return TextSettings(self.n_max, self.n_min, self.max_continuations)
 
-    def chain_depths(self) -> list[int]:
-        """Per row, the most tokens its text chain may have this round."""
-        k = max(1, min(self.k, self.round_tokens // len(self._depth) - 1))
-        return [min(k, depth) for depth in self._depth]
-
-    def tree_budget(self) -> tuple[list[int], int]:
-        """(per row the deepest its text tree may go, the most nodes of a tree counting the root)."""
-        nodes = max(2, min(self.max_nodes, self.round_tokens // len(self._depth)))
-        return [min(depth, nodes - 1) for depth in self._depth], nodes
-
-    def proposed(self, depths: Sequence[int]) -> None:
-        """The depth of each row's text drafts this round (0: none), for :meth:`observe`."""
-        self._proposed = list(depths)
-
-    def observe(self, num_draft: Sequence[int], num_accepted: Sequence[int]) -> None:
-        """With ``adapt_depth``: a row whose text drafts were all accepted drafts twice as deep
-        next round (up to k), one whose drafts were cut drafts one past what was accepted."""
-        if self.adapt_depth:
-            for r, (depth, accepted) in enumerate(zip(self._proposed, num_accepted)):
-                if depth:
-                    # a full accept of drafts the budget or the history cut short keeps the depth
-                    self._depth[r] = (max(self._depth[r], min(self.k, 2 * depth)) if accepted >= depth
-                                      else max(1, accepted + 1))
-
-    def keep_rows(self, rows) -> None:
-        super().keep_rows(rows)
-        self._depth = [self._depth[r] for r in rows]
-        self._proposed = [self._proposed[r] for r in rows]
+    def start(self, call: Call) -> Controller:
+        return _Lookup(self, call)

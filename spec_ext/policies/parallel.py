@@ -4,10 +4,10 @@ runs them is :mod:`spec_ext.engine.parallel`."""
 from __future__ import annotations
 
 import enum
+from dataclasses import KW_ONLY, dataclass
+from typing import ClassVar
 
-from torch import Tensor
-
-from spec_ext.policies.base import Policy, register
+from spec_ext.policies.base import Policy, check, register
 
 
 class BranchHint(enum.IntEnum):
@@ -18,10 +18,12 @@ class BranchHint(enum.IntEnum):
 
 
 @register
+@dataclass(frozen=True)
 class PEARL(Policy):
     """Parallel speculative decoding (PEARL): the draft drafts continuously while the target
     verifies; each target forward verifies up to ``gamma`` queued drafts plus those that
-    arrived while it ran (see :mod:`spec_ext.engine.parallel`).
+    arrived while it ran (see :mod:`spec_ext.engine.parallel`; the gamma a call ran with is
+    its ``stats.gamma``).
 
     Args:
         gamma: most drafts fed to one target forward; None picks it from the measured
@@ -32,34 +34,42 @@ class PEARL(Policy):
         timeout: seconds without a message from the other side before giving up.
         max_gamma: the most drafts per forward that the automatic gamma may pick.
     """
+    parallel: ClassVar[bool] = True
+    branches: ClassVar[int] = 1
+    _: KW_ONLY
+    gamma: int | None = None
+    mode: str = "threads"
+    draft_rank: int = 1
+    timeout: float = 60.0
+    max_gamma: int = 12
 
-    branches = 1
-    parallel = True
-    learned = False  # whether the engine must pass the target's hidden states to hints()
+    def __post_init__(self):
+        check(self.gamma is None or self.gamma >= 1, "gamma", f"must be >= 1 or None (automatic), got {self.gamma}")
+        check(self.mode in ("threads", "distributed"), "mode",
+              f"expected 'threads' or 'distributed', got {self.mode!r}")
+        check(self.timeout > 0, "timeout", f"must be > 0 seconds, got {self.timeout}")
 
-    def __init__(self, gamma: int | None = None, mode: str = "threads", draft_rank: int = 1,
-                 timeout: float = 60.0, max_gamma: int = 12):
-        if gamma is not None and gamma < 1:
-            raise ValueError(f"gamma: must be >= 1 or None (automatic), got {gamma}")
-        if mode not in ("threads", "distributed"):
-            raise ValueError(f"mode: expected 'threads' or 'distributed', got {mode!r}")
-        if timeout <= 0:
-            raise ValueError(f"timeout: must be > 0 seconds, got {timeout}")
-        self.gamma, self.mode, self.draft_rank, self.timeout = gamma, mode, draft_rank, timeout
-        self.max_draft = max_gamma if gamma is None else gamma
-        self.chosen_gamma: int | None = None
+    @property
+    def max_draft(self) -> int:
+        return self.max_gamma if self.gamma is None else self.gamma
 
     @property
     def lookahead(self) -> int:
         """How far (tokens past the committed ones) a lane may draft ahead."""
         return 2 * self.max_draft + 2
 
-    def hints(self, hidden: Tensor, roots: Tensor, greedy: bool) -> list[BranchHint]:
-        """Per row, where to branch next (PEARL: never)."""
-        return [BranchHint.DEFER] * len(roots)
+    @property
+    def learned(self) -> bool:
+        """Whether the engine must pass the target's hidden states to the hinter."""
+        return False
+
+    def hinter(self, target):
+        """Per call: (hidden [B,H], roots [B], greedy) -> per row where to branch next (PEARL: never)."""
+        return lambda hidden, roots, greedy: [BranchHint.DEFER] * len(roots)
 
 
 @register
+@dataclass(frozen=True)
 class SpecBranch(PEARL):
     """PEARL plus branches at uncertain points: when the draft's probability of the token
     it drew is q, it forks k = max(1, floor(branches * (1 - q))) siblings there (top-k when
@@ -72,21 +82,18 @@ class SpecBranch(PEARL):
     (SpecBranch's learned branch points); None branches by the draft's confidence only.
     Other arguments as :class:`PEARL`.
     """
+    branches: int = 4
+    predictor: object = None
 
-    def __init__(self, branches: int = 4, gamma: int | None = None, mode: str = "threads", draft_rank: int = 1,
-                 timeout: float = 60.0, max_gamma: int = 12, predictor=None):
-        super().__init__(gamma, mode, draft_rank, timeout, max_gamma)
-        if branches < 1:
-            raise ValueError(f"branches: must be >= 1, got {branches}")
-        self.branches = branches
-        self._predictor = predictor
-        self.learned = predictor is not None
+    def __post_init__(self):
+        super().__post_init__()
+        check(self.branches >= 1, "branches", f"must be >= 1, got {self.branches}")
 
-    def bind(self, target, draft) -> None:
-        if self._predictor is not None:
-            self._predictor.bind(target)
+    @property
+    def learned(self) -> bool:
+        return self.predictor is not None
 
-    def hints(self, hidden: Tensor, roots: Tensor, greedy: bool) -> list[BranchHint]:
-        if self._predictor is None:
-            return super().hints(hidden, roots, greedy)
-        return self._predictor.classify(hidden, roots, greedy)
+    def hinter(self, target):
+        if self.predictor is None:
+            return super().hinter(target)
+        return self.predictor.bound(target)

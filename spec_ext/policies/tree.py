@@ -2,36 +2,45 @@
 (:class:`DynamicTree`); the target verifies either in one pass."""
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
 
-from spec_ext.policies.base import Policy, register
+from spec_ext.policies.base import Call, Controller, Policy, RoundPlan, RoundState, TreeShape, check, register
+
+
+class _Growing(Controller):
+    """Every round the model grows the policy's tree for every row."""
+
+    def plan(self, state: RoundState) -> RoundPlan:
+        return RoundPlan([0] * state.rows, tree=self.policy.tree_shape())
 
 
 @register
+@dataclass(frozen=True)
 class Tree(Policy):
     """A static draft tree expanded by top-k of the draft: ``branching[d]`` children for
     every node at depth d. Verified in one target pass with tree attention and (when
     sampling) recursive rejection sampling with deterministic drafts."""
+    branching: tuple[int, ...] = (3, 2, 1, 1)
 
-    def __init__(self, branching: Sequence[int] = (3, 2, 1, 1)):
-        if not branching or any(b < 1 for b in branching):
-            raise ValueError(f"branching: need one or more positive counts, got {branching!r}")
-        self.branching = tuple(branching)
-        parents, levels, frontier = [-1], [], [0]
-        for width in self.branching:
-            level = []
-            for node in frontier:
-                for _ in range(width):
-                    parents.append(node)
-                    level.append(len(parents) - 1)
-            levels.append(level)
-            frontier = level
-        self.parents = parents
-        self.levels = levels  # node ids at depth 1, 2, ...
-        self.max_draft = len(parents) - 1
+    def __post_init__(self):
+        check(isinstance(self.branching, (tuple, list)) and len(self.branching) > 0
+              and all(isinstance(b, int) and b >= 1 for b in self.branching), "branching",
+              f"need one or more positive counts, got {self.branching!r}")
+        object.__setattr__(self, "branching", tuple(self.branching))
+
+    def tree_shape(self) -> TreeShape:
+        return TreeShape(branching=self.branching)
+
+    @property
+    def max_draft(self) -> int:
+        return self.tree_shape().room
+
+    def start(self, call: Call) -> Controller:
+        return _Growing(self, call)
 
 
 @register
+@dataclass(frozen=True)
 class DynamicTree(Policy):
     """EAGLE-2's dynamic draft tree, grown by draft models and feature heads: from the root,
     every node on the frontier proposes its ``top_k`` most likely tokens, each scored by its
@@ -47,12 +56,20 @@ class DynamicTree(Policy):
     rejection, removes x from the residual (siblings without replacement), which leaves the
     emitted token distributed as the target's (tests chi-square it against the enumerated law).
     """
+    depth: int = 6
+    top_k: int = 10
+    nodes: int = 60
 
-    grows_dynamic_tree = True
+    def __post_init__(self):
+        check(self.depth >= 1 and self.top_k >= 1 and self.nodes >= 2, "depth, top_k, nodes",
+              f"need >= 1, >= 1 and >= 2, got {self.depth}, {self.top_k}, {self.nodes}")
 
-    def __init__(self, depth: int = 6, top_k: int = 10, nodes: int = 60):
-        if depth < 1 or top_k < 1 or nodes < 2:
-            raise ValueError(f"depth, top_k, nodes: need >= 1, >= 1 and >= 2, got {depth}, {top_k}, {nodes}")
-        self.depth, self.top_k, self.nodes = depth, top_k, nodes
-        # the verification's width, and the draft's cache while it re-feeds the expanded tree
-        self.max_draft = max(nodes - 1, top_k * (depth - 1) + 1)
+    def tree_shape(self) -> TreeShape:
+        return TreeShape(depth=self.depth, top_k=self.top_k, nodes=self.nodes)
+
+    @property
+    def max_draft(self) -> int:
+        return self.tree_shape().room
+
+    def start(self, call: Call) -> Controller:
+        return _Growing(self, call)

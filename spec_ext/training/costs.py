@@ -12,7 +12,7 @@ from tqdm import tqdm
 from spec_ext.engine import generate
 from spec_ext.models import SpecCache
 from spec_ext.models.eagle import EagleHead
-from spec_ext.policies import AdaLength, Fixed, SpecDecPP
+from spec_ext.policies import AdaLength, Call, Fixed, Report, RoundPlan, RoundState, Source, SpecDecPP
 from spec_ext.training.replay import MAX_LENGTH
 
 COST_KS = (1, 2, 3, 4, 6, 8, 12)  # draft lengths whose round cost is measured
@@ -44,19 +44,19 @@ def decision_ms(predictors, target, draft, batch=1, repeats=300) -> dict:
     step (features and head), AdaLength's per round (embedding, history and predictor). Each
     call follows a draft forward (``draft``: a causal LM or an :class:`EagleHead`), as in the
     loop: after one, small ops run 2-3x slower than back to back."""
-    specdecpp, adalength = SpecDecPP(predictors["specdecpp"]), AdaLength(predictors["adalength"])
-    for policy in (specdecpp, adalength):
-        policy.bind(target, draft)
-        policy.start(batch, greedy=True)
+    call = Call(batch, True, target, draft)
+    specdecpp = SpecDecPP(predictors["specdecpp"]).start(call)
+    adalength = AdaLength(predictors["adalength"]).start(call)
     vocab, width, draft_step = _draft_step(target, draft, batch)
     probs = torch.softmax(torch.randn(batch, vocab) * 4, -1)
     token, draft_hidden = probs.argmax(-1), torch.randn(batch, width)
-    target_hidden = torch.randn(batch, target.config.hidden_size)
+    state = RoundState(batch, target_hidden=torch.randn(batch, target.config.hidden_size), roots=token)
     agreed = torch.ones(batch, dtype=torch.bool)
-    calls = dict(specdecpp_per_draft=lambda: specdecpp.keep_drafting(1, probs, token, draft_hidden),
-                 adalength_per_round=lambda: (adalength.see_target(target_hidden, token),
-                                              adalength.observe([3] * batch, [3] * batch),
-                                              adalength.see_bonus_agreement(agreed), adalength.plan()))
+    drafted = RoundPlan([3] * batch)
+    report = Report(drafted, [Source.MODEL] * batch, [3] * batch, [3] * batch, [[0]] * batch, 4)
+    specdecpp_plan = specdecpp.plan(state)
+    calls = dict(specdecpp_per_draft=lambda: specdecpp_plan.keep_drafting(1, probs, token, draft_hidden),
+                 adalength_per_round=lambda: (adalength.observe(report), adalength.plan(state).budget(agreed)))
     costs = {}
     with torch.inference_mode():
         for name, call in calls.items():

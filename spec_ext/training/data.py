@@ -121,9 +121,8 @@ def _head_grids(target, head: EagleHead, sequences: Tensor, hidden_states, p: Te
     root's chain is its own), and SpecDecPP's samples at ``ends`` (see
     :func:`features_and_labels`). ``hidden_states``: the target's, HF's output_hidden_states."""
     from spec_ext.drafters import HeadDrafter
-    from spec_ext.policies import Fixed
     from spec_ext.training.head import unroll
-    drafter = HeadDrafter(head, Fixed())
+    drafter = HeadDrafter(head)
     drafter.bind(target)  # the checks, layers and embedding of inference
     features = torch.cat([hidden_states[k] for k in drafter.target_layers], -1)
     N, L = sequences.shape

@@ -13,7 +13,7 @@ from spec_ext.drafters import ModelDrafter, Sampler
 from spec_ext.engine.parallel.links import DistributedLink, send_pickled
 from spec_ext.engine.parallel.messages import Done, Drafts, End, Failure, Hello, PeerError, Shutdown, Start, Verdict
 from spec_ext.models import attention_implementation, check_model
-from spec_ext.policies import BranchHint, Policy
+from spec_ext.policies import BranchHint
 
 
 def serve_draft(draft, target_rank: int = 0, timeout: float = 600.0, group=None) -> None:
@@ -75,7 +75,7 @@ class DraftSide:
     def __init__(self, draft, link, stream=None):
         self.draft, self.link, self.stream = draft, link, stream
         # the lanes are rows of one drafter: its cache, forward and sampler (the lane logic is here)
-        self.drafter = ModelDrafter(draft, Policy())
+        self.drafter = ModelDrafter(draft)
 
     def run(self):
         start = self.link.get(wait_forever=True)  # a serving rank may idle between generate calls
@@ -147,7 +147,7 @@ class DraftSide:
         ids = torch.zeros(slots, 1, dtype=torch.int64)
         for lane in live:
             ids[lane.slot, 0] = lane.next_token
-        logits = self.drafter.forward(ids.to(self.device), self.cache.lengths[:, None])[:, 0]
+        logits = self.drafter.forward(ids.to(self.device), self.cache.lengths[:, None]).logits[:, 0]
         advance = [0] * slots
         for lane in live:
             advance[lane.slot] = 1

@@ -41,6 +41,7 @@ class ParallelEngine(Rows):
         self.root_node = {r: -1 for r in self.active}  # the draft node id of each row's root (-1: none)
         self.forward_seconds: list[float] = []
         self.draft_seconds: list[float] = []
+        self.hints = policy.hinter(target)  # (hidden, roots, greedy) -> where each row branches next
 
     def _gamma(self) -> int:
         if self.policy.gamma is not None:
@@ -119,7 +120,7 @@ class ParallelEngine(Rows):
         while not isinstance(message := link.get(), Done):
             pass
         self.stats.draft_calls = message.draft_calls
-        self.policy.chosen_gamma = self._gamma()
+        self.stats.gamma = self._gamma()
         return self.finish()
 
     def _prefill(self) -> None:
@@ -172,9 +173,8 @@ class ParallelEngine(Rows):
         positions = self.cache.lengths[:, None] + depth
         started = time.perf_counter()
         self.stats.target_calls += 1
-        out = forward(self.target, ids.to(self.device), self.cache, positions, tree_mask,
-                         hidden=self.policy.learned)
-        logits, hidden = out if self.policy.learned else (out, None)
+        logits, hidden, _ = forward(self.target, ids.to(self.device), self.cache, positions, tree_mask,
+                                    hidden=self.policy.learned)
         self.forward_seconds.append(time.perf_counter() - started)
         logits = logits.gather(1, source.to(self.device)[..., None].expand(-1, -1, logits.shape[-1]))
         tokens_v, parents_v = tokens_v.to(self.device), parents_v.to(self.device)
@@ -233,8 +233,7 @@ class ParallelEngine(Rows):
         if hidden is not None and keep:  # the state that produced each row's new root
             index = torch.tensor([commit_paths[i][-1] for i in keep], device=self.device)
             roots = torch.tensor([self.seqs[rows[i]][-1] for i in keep], device=self.device)
-            hints = self.policy.hints(hidden[torch.tensor(keep, device=self.device), index], roots,
-                                      self.sampler.greedy)
+            hints = self.hints(hidden[torch.tensor(keep, device=self.device), index], roots, self.sampler.greedy)
             verdict.hints = {rows[i]: h for i, h in zip(keep, hints)}
         width = max(map(len, commit_paths))
         self.cache.commit(torch.tensor([p + [-1] * (width - len(p)) for p in commit_paths]), commit_counts)

@@ -1,0 +1,323 @@
+"""The default policy: per row and round, what drafts (the model, the row's own text, a suffix
+cache of earlier requests, or nothing) and how far, to maximise expected tokens per second
+from what it measures as it goes (``docs/auto.md``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from spec_ext.models.cache import split_size
+from spec_ext.policies.base import Call, Controller, Offer, Policy, Report, RoundPlan, RoundState, Source, check, \
+    register
+from spec_ext.policies.estimates import SAMPLED_ROWS, SAMPLED_WIDEST, Acceptance, Costs, Pricing, size_ratio, \
+    verification_costs
+from spec_ext.policies.ngram import TextSettings
+
+
+@register
+@dataclass(frozen=True)
+class Auto(Policy):
+    """The default: before every round, per row, what drafts and how far, to maximise
+    expected tokens per second from what it measures as it goes.
+
+    What drafts: the model (a draft model, a feature head, a block drafter, MTP layers), and
+    with ``text=True`` each row's own text (the n-gram matcher of
+    :class:`~spec_ext.policies.NGram`, chains up to ``max_draft``): a row whose text has a
+    match drafts the text (cut to the best length) where the text is expected to give more
+    accepted tokens than the model's k drafts, else the model does; the model runs only where
+    some row takes it (a text-only round costs no draft step). Under
+    :class:`~spec_ext.policies.Suffix` with a model, a row's offers also include the suffix
+    cache's tree, valued at its nodes' empirical probabilities times the share of them its
+    kind of match has been accepted (:meth:`SuffixCache.expected`). Nothing drafts at all (a
+    plain decode step) where that beats every draft, after ``PLAIN_AFTER`` rounds and
+    outside the exploring rounds.
+
+    Acceptance (:class:`~spec_ext.policies.estimates.Acceptance`): runs counted per depth,
+    apart for the model and for the text, with ``prior_weight`` observations of
+    ``prior_acceptance`` for the first draft; the text's runs also come from the rows the
+    model drafted (what their text offered against what the target committed).
+
+    Cost: a round verifying w tokens per row over B rows and drafting k steps costs
+    verify(B, w) + draft(k) (:class:`~spec_ext.policies.estimates.Pricing`): greedy, both as
+    measured on this device (the verification is the round's time but its draft forwards;
+    irregular by width where the step reads weights), so outputs never depend on timing but
+    lengths do; sampled, modeled (one target step per verification, or the target's
+    verification by width timed once per process beside a block drafter; a draft forward at
+    the draft's share of the target's parameters), so a seed reproduces the output.
+
+    The first round drafts the text and the model to ``initial``, the second the model alone at
+    the narrowest width, so that two widths give the cost's slope; then every
+    ``explore_every``-th round tries the model's k one more, the next such round one less. A
+    chain grows at most one draft past the deepest its rounds reached (its width is then
+    timed). Across calls (``accelerate`` keeps a memory): greedy calls start from the costs and
+    the model's acceptance the earlier greedy calls measured; the text's runs start afresh, and
+    a sampled call reads and writes nothing.
+
+    Args:
+        max_draft: the model's largest k and the text's longest chain.
+        initial: the model's k until a round's cost is known.
+        prior_acceptance, prior_weight: the chance of a first draft before any round, and how
+            many observations each depth's prior is worth.
+        forget_runs: the weight old acceptance runs keep per round.
+        explore_every: how often a round drafts off the best choice.
+        text: also draft each row's own text (n-gram matches), where the drafter supports it.
+    """
+    PLAIN_AFTER: ClassVar[int] = 16  # rounds before a plain step is weighed: until then acceptance is mostly the prior
+    max_draft: int = 12
+    initial: int = 4
+    prior_acceptance: float = 0.5
+    prior_weight: float = 1.0
+    forget_runs: float = 0.99
+    explore_every: int = 8
+    text: bool = True
+
+    def __post_init__(self):
+        check(self.max_draft >= 1 and 1 <= self.initial <= self.max_draft, "max_draft, initial",
+              f"need 1 <= initial <= max_draft, got {self.initial}, {self.max_draft}")
+        check(0 < self.prior_acceptance < 1 and 0 < self.forget_runs <= 1, "prior_acceptance, forget_runs",
+              f"need 0 < prior_acceptance < 1 and forget_runs in (0, 1], got {self.prior_acceptance}, "
+              f"{self.forget_runs}")
+        check(self.prior_weight > 0, "prior_weight", f"must be > 0, got {self.prior_weight}")
+        check(self.explore_every >= 2, "explore_every", f"must be >= 2, got {self.explore_every}")
+
+    def text_settings(self, has_model: bool) -> TextSettings | None:
+        return TextSettings() if self.text and has_model else None
+
+    def start(self, call: Call) -> Controller:
+        return AutoController(self, call)
+
+
+@dataclass(frozen=True)
+class CacheRule:
+    """How :class:`AutoController` offers a suffix cache's trees (``Suffix`` beside a model)."""
+    cache: object
+    nodes: int = 64  # the most nodes (root included) while one row is going
+    round_tokens: int = 32  # with B rows: round_tokens // B nodes (at least 2, at most max_nodes)
+    max_nodes: int = 32
+    max_depth: int | None = None
+    min_score: float = 0.0
+
+
+@dataclass
+class _Round:
+    """What :meth:`AutoController.observe` needs of a round it planned: per row the own text's
+    chain it did not draft (compared with what was committed), and a cache row's kind and its
+    verified nodes' probability sum."""
+    unused: list[list[int]] = field(default_factory=list)
+    cache: list[tuple | None] = field(default_factory=list)
+
+
+class AutoController(Controller):
+    """One call of :class:`Auto` (and of :class:`~spec_ext.policies.Suffix` beside a model,
+    with its ``cache`` rule)."""
+
+    def __init__(self, policy: Auto, call: Call, cache: CacheRule | None = None):
+        super().__init__(policy, call)
+        self.cache = cache
+        self.memory = call.memory if call.greedy else None
+        costs, self.costs_version = self.memory.read("costs") if self.memory else (None, 0)
+        model, self.model_version = self.memory.read("model") if self.memory else (None, 0)
+        self.costs = costs or Costs()
+        fresh = lambda: Acceptance(policy.max_draft, policy.prior_acceptance, policy.prior_weight,  # noqa: E731
+                                   policy.forget_runs)
+        self.accept = {Source.MODEL: model or fresh(), Source.TEXT: fresh()}
+        per_forward = call.drafts_per_forward
+        self.largest = min(policy.max_draft, per_forward) if per_forward > 1 else policy.max_draft
+        modeled = None
+        if not call.greedy and per_forward > 1 and call.target is not None and split_size(call.target) == 1:
+            # sampling beside a block drafter, whose block is one forward however long: only the
+            # verification's price bounds it (a tensor-parallel target's followers replay its forwards)
+            modeled = verification_costs(call.target, call.batch_size, min(self.largest + 1, SAMPLED_WIDEST))
+        self.pricing = Pricing(self.costs, call.greedy, size_ratio(call.target, call.draft), per_forward, modeled,
+                               min(call.batch_size, SAMPLED_ROWS))
+        self.rounds, self.k, self.narrowed = 0, policy.initial, 0
+
+    # ------------------------------------------------------------------ estimates
+    def survival(self, source: Source = Source.MODEL) -> list[float]:
+        return self.accept[source].survival()
+
+    def _chain_widths(self, rows: int) -> list[int]:
+        widths = self.costs.widths(rows) if self.pricing.timed else []
+        return [w for w in widths if w <= self.policy.max_draft + 1]
+
+    def _longest_priced(self) -> int:
+        """The model's largest k this round: one past the deepest draft its rounds have reached
+        (a chain grows a draft a round where the estimates say it pays, never onto depths
+        priced by the prior alone)."""
+        acc = self.accept[Source.MODEL]
+        deepest = max((j for j in range(1, self.policy.max_draft + 1) if acc.reached[j] >= 0.5 * acc.unit), default=0)
+        return max(1, min(self.largest, deepest + 1))
+
+    def _explored(self, k: int, rows: int) -> int:
+        """``k``, or one more / one less in the exploring rounds; in the second round, with one
+        width alone timed, the narrowest chain: two widths give the cost's slope."""
+        if self.rounds == 2 and len(self._chain_widths(rows)) == 1:
+            return self._narrowest(rows)
+        every = self.policy.explore_every
+        phase = self.rounds % (2 * every)
+        step = 1 if phase == every else -1 if phase == 0 else 0
+        return min(self.largest, max(1, k + step))
+
+    def _narrowest(self, rows: int) -> int:
+        seen, = self._chain_widths(rows)
+        return 1 if seen > 2 else min(self.largest, max(2, self.policy.initial))
+
+    # ------------------------------------------------------------------ the round
+    def _offers(self, state: RoundState) -> tuple[list[list[int]], list[tuple | None]]:
+        """Per row its own text's chain ([] none) and the cache's offer ((offer, kind,
+        curve) or None), curve[m] the expected accepted drafts of its best m nodes."""
+        B, text = state.rows, state.text
+        chains = [text.chain(r, self.policy.max_draft) for r in range(B)] if text is not None and self.policy.text \
+            else [[] for _ in range(B)]
+        trees: list[tuple | None] = [None] * B
+        rule = self.cache
+        if rule is not None and text is not None:
+            from spec_ext.policies.suffix import match_kind
+            nodes = rule.nodes if B == 1 else max(2, min(rule.max_nodes, rule.round_tokens // B))
+            depth = nodes - 1 if rule.max_depth is None else min(rule.max_depth, nodes - 1)
+            for r in range(B):
+                n = text.cache_match(r)
+                if n == 0:
+                    continue
+                kind = match_kind(True, n)
+                offer = text.cache_tree(r, depth, nodes)
+                if offer is None or sum(offer.probs) < rule.min_score:
+                    continue
+                share, curve = rule.cache.expected(kind, 1.0), [0.0]
+                for p in sorted(offer.probs, reverse=True):
+                    curve.append(curve[-1] + share * p)
+                trees[r] = offer, kind, curve
+        return chains, trees
+
+    def plan(self, state: RoundState) -> RoundPlan:
+        self.rounds += 1
+        B, policy = state.rows, self.policy
+        chains, trees = self._offers(state)
+        model, own = self.accept[Source.MODEL].cumulative(), self.accept[Source.TEXT].cumulative()
+        # per row its text's curve: expected accepted of m drafts, the better offer at each m
+        curves = []
+        for chain, tree in zip(chains, trees):
+            n = min(len(chain), policy.max_draft)
+            curve = own[:n + 1]
+            if tree is not None:
+                tc = tree[2]
+                curve = [max(a, b) for a, b in zip(curve + [0.0] * (len(tc) - len(curve)),
+                                                   tc + [0.0] * (len(curve) - len(tc)))]
+            curves.append(curve)
+        price = self.pricing
+        # timed: once a chain's width at this batch size and a draft forward (where text competes) are measured
+        known = not price.timed or (bool(self._chain_widths(B)) and
+                                    (price.draft(1) is not None or not any(len(c) > 1 for c in curves)))
+        wait = self.call.forwards_without_model
+        if len(self._chain_widths(B)) == 1 and self.narrowed < 2:  # the model alone at another width: the slope
+            self.narrowed += 1
+            k, cap, runs = self._narrowest(B), 0, True
+        elif not known:  # the first rounds: the text where it matches and the model, both to the initial k, timed
+            k, cap, runs = min(policy.initial, self.largest), policy.initial, True
+        else:
+            best, plain = None, None
+            V = [None] + [price.verify(B, w) for w in range(1, 2 + max(policy.max_draft, *map(len, curves)))]
+            D = [price.draft(j) or 0.0 for j in range(self.largest + 1)]
+            caps = {len(c) - 1 for c in curves if len(c) > 1}
+            for tree in trees:  # a tree is cut to its best m nodes, any m
+                if tree is not None:
+                    caps.update(range(1, len(tree[2])))
+            for cap in [0] + sorted(caps):
+                values = [c[min(len(c) - 1, cap)] for c in curves]
+                used = [min(len(c) - 1, cap) for c in curves]
+                for k in range(0, self._longest_priced() + 1):
+                    tokens, widest, runs = 0.0, 0, False
+                    for value, m in zip(values, used):
+                        if m > 0 and value >= model[k]:
+                            tokens, widest = tokens + 1 + value, max(widest, m)
+                        else:
+                            tokens, runs = tokens + 1 + model[k], runs or k > 0
+                    seconds = V[1 + max(widest, k if runs else 0)] + (D[k] if runs else wait * D[1])
+                    rate = tokens / max(seconds, 1e-12)
+                    if not runs and widest == 0:
+                        plain = rate, 0, 0, False
+                    elif best is None or rate > best[0]:
+                        best = rate, k if runs else 0, cap, runs
+            # a plain step where it beats every draft, but not in the exploring rounds (nor before
+            # PLAIN_AFTER rounds): acceptance is measured only where something drafts
+            if best is None or (plain is not None and plain[0] > best[0] and self.rounds > policy.PLAIN_AFTER
+                                and self.rounds % policy.explore_every):
+                best = plain
+            _, k, cap, runs = best
+            if runs:
+                k = self._explored(k, B)
+        self.k = k if runs else 0
+        text: list[Offer | None] = []
+        record = _Round()
+        for chain, tree, curve in zip(chains, trees, curves):
+            m = min(len(curve) - 1, cap)
+            offer = None
+            if m > 0 and (not known or curve[m] >= model[self.k]):
+                if tree is not None and tree[2][min(m, len(tree[2]) - 1)] >= own[min(m, len(chain))]:
+                    offer = best_nodes(tree[0], min(m, len(tree[2]) - 1))
+                    record.cache.append((tree[1], sum(offer.probs)))
+                else:
+                    offer = Offer(Source.TEXT, tuple(chain[:m]), match=0)
+                    record.cache.append(None)
+            else:
+                record.cache.append(None)
+            record.unused.append(chain if offer is None or offer.source != Source.TEXT else [])
+            text.append(offer)
+        # (while the costs are measured the model drafts beside the text rows too: its forwards are timed)
+        k_rows = [self.k if t is None or not known else 0 for t in text]
+        return RoundPlan(k_rows, text, record=record)
+
+    def observe(self, report: Report) -> None:
+        if report.explores:
+            return
+        rows = len(report.drafted)
+        if self.pricing.timed:
+            self.costs.record_verify(rows, report.width, max(report.seconds - report.draft_seconds, 0.0))
+            if report.draft_forwards and report.warm:
+                self.costs.record_draft(report.draft_steps, report.draft_seconds)
+        for acceptance in self.accept.values():
+            acceptance.new_round()
+        record: _Round = report.plan.record
+        for r, (source, n, a) in enumerate(zip(report.source, report.drafted, report.accepted)):
+            if source == Source.MODEL:
+                self.accept[Source.MODEL].run(n, a)
+            elif source == Source.TEXT:
+                self.accept[Source.TEXT].run(n, a)
+            elif source == Source.CACHE and record is not None and record.cache[r] is not None:
+                kind, score = record.cache[r]
+                self.cache.cache.calibrate(kind, a, score)
+        if record is not None:  # what the text would have given where it did not draft
+            for chain, committed in zip(record.unused, report.committed):
+                n = min(len(chain), len(committed))
+                if n:
+                    self.accept[Source.TEXT].run(n, next((j for j in range(n) if chain[j] != committed[j]), n))
+
+    def finish(self) -> None:
+        if self.memory is not None:
+            self.memory.write("costs", self.costs, self.costs_version)
+            self.memory.write("model", self.accept[Source.MODEL], self.model_version)
+
+
+def best_nodes(offer: Offer, m: int) -> Offer:
+    """``offer`` (a tree) cut to the root and its ``m`` likeliest nodes (ties: the earlier),
+    renumbered in their order. A node is never likelier than its parent, so the kept nodes hold
+    their parents (the ancestors of a kept node are kept in any case).
+
+    Example:
+        >>> cut = best_nodes(Offer(Source.CACHE, (-1, 5, 9, 6, 7), (-1, 0, 0, 1, 3), 2, (0.6, 0.4, 0.6, 0.3)), 2)
+        >>> cut.tokens, cut.parents
+        ((-1, 5, 6), (-1, 0, 1))
+    """
+    tokens, parents, probs = offer.tokens, offer.parents, offer.probs
+    ranked = sorted(range(1, len(tokens)), key=lambda i: (-probs[i - 1], i))[:max(0, m)]
+    kept = set(ranked)
+    for i in ranked:
+        while parents[i] > 0 and parents[i] not in kept:
+            i = parents[i]
+            kept.add(i)
+    order = sorted(kept)
+    renumber = {0: 0}
+    for new, old in enumerate(order, start=1):
+        renumber[old] = new
+    return Offer(offer.source, (-1,) + tuple(tokens[i] for i in order), (-1,) + tuple(renumber[parents[i]] for i in order),
+                 offer.match, tuple(probs[i - 1] for i in order))

@@ -1,0 +1,415 @@
+"""The estimates every measuring policy decides from (``Auto``, ``Adaptive``, ``Suffix``): what
+a round costs on this device (:class:`Costs`, :class:`Pricing`) and how likely drafts are
+accepted (:class:`Acceptance`; :class:`Ratio` for a calibrated share). Each is a plain value
+with ``merged(other)``, so a :class:`~spec_ext.policies.base.Memory` can keep it across calls.
+Where each constant comes from: ``docs/auto.md`` and ``docs/adaptive.md``.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+import weakref
+
+import torch
+
+# upper edges of Acceptance's confidence bins
+EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97)
+
+
+class Costs:
+    """Seconds of a round's parts by shape on one device: the target's verification of
+    ``rows`` x ``width`` tokens, and drafting by steps (a chain's sequential forwards, or the
+    slots of a block drafter's one forward).
+
+    A shape's estimate is the low median of its last ``window`` measurements (of 2: the
+    faster; a stall adds time, it never takes any away), shrunk toward the weighted
+    least-squares line through the shapes of its rows, worth ``PULL`` measurements (a width
+    seldom measured reads mostly the line, one measured every round mostly its own). A shape
+    not measured reads that line (never below half the cheapest shape of its rows measured) (with one shape of its rows measured: the line over rows x
+    width through every shape; one shape in all: its seconds); one not measured in the last
+    ``STALE`` measurements reads the line through the fresh ones (a width measured only while
+    the machine was slow would otherwise stay dear for good). Drafting likewise by steps,
+    without the pull: with one length measured, a sequential drafter's other lengths cost its
+    seconds per step, a block's the same forward.
+    """
+
+    PULL = 3.0
+    STALE = 64
+
+    def __init__(self, window: int = 9):
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window: must be an int >= 1, got {window!r}")
+        self.window = window
+        self._verify: dict[tuple[int, int], list] = {}  # (rows, width) -> [estimate, recent seconds, tick]
+        self._draft: dict[int, list] = {}  # steps -> [estimate, recent seconds, tick]
+        self._ticks = {"verify": 0, "draft": 0}
+        self._memo: dict = {}  # answers since the last measurement
+
+    def record_verify(self, rows: int, width: int, seconds: float) -> None:
+        """One verification of ``rows`` rows of ``width`` tokens each (the root included) took ``seconds``."""
+        self._record(self._verify, (rows, width), seconds, "verify")
+
+    def record_draft(self, steps: int, seconds: float) -> None:
+        """One round's drafting of ``steps`` steps took ``seconds``."""
+        self._record(self._draft, steps, seconds, "draft")
+
+    def _record(self, table: dict, key, seconds: float, name: str) -> None:
+        self._ticks[name] += 1
+        entry = table.setdefault(key, [0.0, [], 0])
+        entry[2] = self._ticks[name]
+        entry[1].append(float(seconds))
+        del entry[1][:-self.window]
+        entry[0] = sorted(entry[1])[(len(entry[1]) - 1) // 2]
+        self._memo.clear()
+
+    @property
+    def measured(self) -> int:
+        """How many verification shapes have a measurement."""
+        return len(self._verify)
+
+    def widths(self, rows: int) -> list[int]:
+        """The widths measured at ``rows``."""
+        return sorted(w for r, w in self._verify if r == rows)
+
+    def verify(self, rows: int, width: int) -> float | None:
+        """Estimated seconds of verifying ``rows`` x ``width`` tokens; None before any measurement."""
+        key = ("verify", rows, width)
+        if key not in self._memo:
+            self._memo[key] = self._verify_estimate(rows, width)
+        return self._memo[key]
+
+    def _verify_estimate(self, rows: int, width: int) -> float | None:
+        fresh = self._ticks["verify"] - self.STALE
+        if ("line", rows) not in self._memo:
+            same = [(w, e[0], len(e[1])) for (r, w), e in self._verify.items() if r == rows and e[2] > fresh]
+            self._memo["line", rows] = _fit(same) if len(same) >= 2 else None
+        fit = self._memo["line", rows]
+        if ("floor", rows) not in self._memo:  # a line never prices a width below half the cheapest measured
+            self._memo["floor", rows] = 0.5 * min((e[0] for (r, _), e in self._verify.items() if r == rows),
+                                                  default=0.0)
+        line = None if fit is None else max(self._memo["floor", rows], fit[0] + fit[1] * width)
+        entry = self._verify.get((rows, width))
+        if entry is not None and (line is None or entry[2] > fresh):
+            n = len(entry[1])
+            return entry[0] if line is None else (n * entry[0] + self.PULL * line) / (n + self.PULL)
+        if line is not None:
+            return line
+        if not self._verify:
+            return None
+        points = [(r * w, e[0], 1) for (r, w), e in self._verify.items()]
+        if len({x for x, _, _ in points}) < 2:
+            return sum(m for _, m, _ in points) / len(points)
+        intercept, slope = _fit(points)
+        return max(0.0, intercept + slope * rows * width)
+
+    def draft(self, steps: int, sequential: bool = True) -> float | None:
+        """Estimated seconds of drafting ``steps`` steps; None before any measurement."""
+        key = ("draft", steps, sequential)
+        if key not in self._memo:
+            self._memo[key] = self._draft_estimate(steps, sequential)
+        return self._memo[key]
+
+    def _draft_estimate(self, steps: int, sequential: bool) -> float | None:
+        fresh = self._ticks["draft"] - self.STALE
+        entry = self._draft.get(steps)
+        if entry is not None and (entry[2] > fresh or len(self._draft) == 1):
+            return entry[0]
+        points = [(s, e[0], 1) for s, e in self._draft.items() if e[2] > fresh] or \
+            [(s, e[0], 1) for s, e in self._draft.items()]
+        if not points:
+            return None
+        if len(points) == 1:
+            s, m, _ = points[0]
+            return m * steps / max(s, 1) if sequential else m
+        intercept, slope = _fit(points)
+        return max(0.0, intercept + slope * steps)
+
+    def merged(self, other: "Costs") -> "Costs":
+        """Both calls' measurements: per shape the newer ones of each, interleaved."""
+        out = Costs(self.window)
+        for name, mine, theirs, into in (("verify", self._verify, other._verify, out._verify),
+                                         ("draft", self._draft, other._draft, out._draft)):
+            for key in mine.keys() | theirs.keys():
+                a, b = mine.get(key, [0, [], 0])[1], theirs.get(key, [0, [], 0])[1]
+                recent = _interleave(a, b)
+                for seconds in recent[-self.window:]:
+                    out._record(into, key, seconds, name)
+        return out
+
+
+def _interleave(a: list[float], b: list[float]) -> list[float]:
+    """The two lists' items, newest last, taken alternately from their ends."""
+    out, i, j = [], len(a), len(b)
+    while i or j:
+        if i:
+            i -= 1
+            out.append(a[i])
+        if j:
+            j -= 1
+            out.append(b[j])
+    return out[::-1]
+
+
+def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the weighted least-squares line through ``points`` (x, y, weight)."""
+    n = sum(p[2] for p in points)
+    mx = sum(p[2] * p[0] for p in points) / n
+    my = sum(p[2] * p[1] for p in points) / n
+    sxx = sum(p[2] * (p[0] - mx) ** 2 for p in points)
+    slope = sum(p[2] * (p[0] - mx) * (p[1] - my) for p in points) / sxx if sxx > 0 else 0.0
+    return my - slope * mx, slope
+
+
+class Pricing:
+    """What a call's rounds cost, as its policy prices them. Greedy (``timed``): ``costs`` as
+    measured (None until measured). Sampled (untimed, so that a seed reproduces the output
+    whatever the machine's load): ``costs`` if it holds measurements given before the call
+    (not updated), else the verification as ``modeled`` (the target timed once per process,
+    :func:`verification_costs`; None: one target step whatever the width), and a draft
+    forward at ``size_ratio`` of a one-token verification (the draft's share of the target's
+    parameters: decoding reads every weight once per step). ``per_forward``: drafts one
+    forward proposes (a block drafter's block: any length costs one forward)."""
+
+    def __init__(self, costs: Costs, timed: bool, size_ratio: float = 0.1, per_forward: int = 1,
+                 modeled: Costs | None = None, modeled_rows: int = 1):
+        self.costs, self.timed, self.size_ratio, self.per_forward = costs, timed, size_ratio, per_forward
+        self.modeled, self.modeled_rows = modeled, modeled_rows
+
+    def forwards(self, steps: int) -> int:
+        """Draft forwards ``steps`` drafts cost."""
+        return -(-steps // self.per_forward)
+
+    def verify(self, rows: int, width: int) -> float | None:
+        """Seconds (untimed: as modeled) of verifying ``rows`` x ``width`` tokens; None
+        before a timed call measured any."""
+        if self.timed or self.costs.measured:
+            return self.costs.verify(rows, width)
+        if self.modeled is not None:
+            return self.modeled.verify(self.modeled_rows, width)
+        return 1.0
+
+    def draft(self, steps: int, rows: int = 1) -> float | None:
+        """Seconds (untimed: as modeled) of drafting ``steps`` drafts for ``rows`` rows."""
+        seconds = self.costs.draft(steps, sequential=self.per_forward == 1)
+        if seconds is not None or self.timed:
+            return seconds
+        return self.forwards(steps) * self.size_ratio * (self.verify(rows, 1) or 1.0)
+
+
+def size_ratio(target, draft) -> float:
+    """The draft's share of the target's parameters (at least 0.02; 0.1 without models)."""
+    if target is None or draft is None:
+        return 0.1
+    size = sum(p.numel() for p in target.parameters())
+    return max(0.02, sum(p.numel() for p in draft.parameters()) / size) if size else 0.1
+
+
+class Ratio:
+    """A decayed ratio with a prior: ``(hits + weight * prior) / (trials + weight)`` over
+    observations that each weigh ``forget`` times the next one's."""
+
+    def __init__(self, prior: float, weight: float, forget: float = 1.0):
+        self.prior, self.weight, self.forget = prior, weight, forget
+        self.hits = self.trials = 0.0
+
+    def add(self, hits: float, trials: float = 1.0) -> None:
+        self.hits = self.forget * self.hits + hits
+        self.trials = self.forget * self.trials + trials
+
+    @property
+    def value(self) -> float:
+        return (self.hits + self.weight * self.prior) / (self.trials + self.weight)
+
+    def merged(self, other: "Ratio") -> "Ratio":
+        out = Ratio(self.prior, self.weight, self.forget)
+        out.hits, out.trials = (self.hits + other.hits) / 2, (self.trials + other.trials) / 2
+        return out
+
+
+class Acceptance:
+    """How likely drafts are accepted: by depth (the chance that draft j is accepted once
+    drafts 1..j-1 were), and, with ``bins``, by the drafter's confidence.
+
+    By depth: draft 1's rate with ``weight`` observations of ``prior``; past it, the pooled
+    rate of every draft past the first (with draft 1's rate as its prior) is the prior of
+    each depth's own rate. So a depth rarely reached is priced like the drafts after an
+    accepted one, and bursty acceptance (runs on easy text, none on hard) is valued as it
+    is: j drafts yield ``1 + sum_{i<=j} S(i)`` tokens, S(i) the chance the first i all pass.
+
+    By confidence (``bins``): a draft's chance is its confidence bin's rate in its depth
+    class (right after the root, or after an accepted draft: acceptance is bursty) shrunk
+    toward the class's pooled rate, past depth 1 scaled by how that depth's drafts fared
+    against what their bins predicted (so a block drafter's weaker later slots are priced as
+    they are, without counting their lower confidences twice).
+
+    Each round (:meth:`new_round`) older observations weigh ``forget`` times less: the sums
+    are kept in units of the newest round's weight, which grows, so forgetting touches no sum.
+    """
+
+    def __init__(self, depths: int, prior: float = 0.5, weight: float = 1.0, forget: float = 0.99,
+                 bins: bool = False):
+        self.depths, self.prior, self.weight, self.forget, self.bins = depths, prior, weight, forget, bins
+        self.reached = [0.0] * (depths + 1)  # [d]: drafts at depth d verified with every draft before them accepted
+        self.passed = [0.0] * (depths + 1)
+        nb = len(EDGES) + 1
+        self.bin_reached = [[0.0] * nb for _ in range(2)]  # [depth class][bin]
+        self.bin_passed = [[0.0] * nb for _ in range(2)]
+        self.depth_bins = [[0.0] * nb for _ in range(depths + 1)]  # [d][bin]: drafts reached
+        self.unit = 1.0
+        self._cache = None
+
+    def new_round(self) -> None:
+        if self.forget < 1:
+            self.unit /= self.forget
+            if self.unit > 1e100:
+                self._rescale()
+        self._cache = None
+
+    def _rescale(self) -> None:
+        u = self.unit
+        self.reached = [x / u for x in self.reached]
+        self.passed = [x / u for x in self.passed]
+        for table in (self.bin_reached, self.bin_passed, self.depth_bins):
+            table[:] = [[x / u for x in row] for row in table]
+        self.unit = 1.0
+
+    def add(self, depth: int, passed: bool, confidence: float | None = None) -> None:
+        """One draft at ``depth`` reached with every draft before it accepted: ``passed`` or not."""
+        d = min(depth, self.depths)
+        self.reached[d] += self.unit
+        self.passed[d] += self.unit * passed
+        if self.bins and confidence is not None:
+            b, c = bisect.bisect_left(EDGES, confidence), min(depth, 2) - 1
+            self.bin_reached[c][b] += self.unit
+            self.bin_passed[c][b] += self.unit * passed
+            self.depth_bins[d][b] += self.unit
+        self._cache = None
+
+    def run(self, drafted: int, accepted: int) -> None:
+        """A chain of ``drafted`` drafts of which the first ``accepted`` passed, the next (if
+        drafted) did not."""
+        for j in range(1, min(accepted + 1, drafted, self.depths) + 1):
+            self.add(j, j <= accepted)
+
+    def _tables(self):
+        if self._cache is None:
+            w = self.weight * self.unit
+            first = (self.passed[1] + w * self.prior) / (self.reached[1] + w)
+            later = (sum(self.passed[2:]) + w * first) / (sum(self.reached[2:]) + w)
+            chance = [first, first] + [(p + w * later) / (r + w) for r, p in zip(self.reached[2:], self.passed[2:])]
+            table = scale = None
+            if self.bins:
+                table = [[(p + w * m) / (r + w) for r, p in zip(reached, passed)]
+                         for reached, passed, m in zip(self.bin_reached, self.bin_passed, (first, later))]
+                predicted = [sum(n * t for n, t in zip(bins, table[1])) for bins in self.depth_bins[2:]]
+                scale = [1.0, 1.0] + [(p + w * later) / (e + w * later) for p, e in zip(self.passed[2:], predicted)]
+            self._cache = chance, table, scale
+        return self._cache
+
+    def chance(self, depth: int) -> float:
+        """The chance that a draft at ``depth`` is accepted once the drafts before it were."""
+        return self._tables()[0][min(max(depth, 1), self.depths)]
+
+    def survival(self) -> list[float]:
+        """[S(1), ..., S(depths)]: the chance that drafts 1..j are all accepted."""
+        out, alive = [], 1.0
+        for j in range(1, self.depths + 1):
+            alive *= self.chance(j)
+            out.append(alive)
+        return out
+
+    def cumulative(self) -> list[float]:
+        """[j]: the expected accepted drafts of a chain of j (index 0: 0)."""
+        out = [0.0]
+        for s in self.survival():
+            out.append(out[-1] + s)
+        return out
+
+    def acceptance(self, confidence: float, depth: int = 1) -> float:
+        """(``bins``) The chance that a draft of this confidence at this depth is accepted
+        once the drafts before it were; at most 1."""
+        _, table, scale = self._tables()
+        d = min(max(depth, 1), self.depths)
+        return min(1.0, table[min(d, 2) - 1][bisect.bisect_left(EDGES, confidence)] * scale[d])
+
+    def merged(self, other: "Acceptance") -> "Acceptance":
+        """Both calls' observations, averaged (each holds what they both read at their start)."""
+        out = Acceptance(self.depths, self.prior, self.weight, self.forget, self.bins)
+        a, b = self.unit, other.unit
+
+        def mean(x, y):
+            return [(u / a + v / b) / 2 for u, v in zip(x, y)]
+        out.reached, out.passed = mean(self.reached, other.reached), mean(self.passed, other.passed)
+        for name in ("bin_reached", "bin_passed", "depth_bins"):
+            setattr(out, name, [mean(x, y) for x, y in zip(getattr(self, name), getattr(other, name))])
+        return out
+
+
+@torch.no_grad()
+def calibrate(target, rows=(1,), widths=range(1, 17), context: int = 128, repeats: int = 5,
+              costs: Costs | None = None) -> Costs:
+    """Time the target's forward over ``rows`` x ``width`` new tokens after ``context`` cached
+    ones, for every pair of ``rows`` and ``widths`` (fastest of ``repeats``, after one warm-up),
+    on the target's own forward path (:func:`spec_ext.models.forward` over a SpecCache) and
+    record them in ``costs`` (a new :class:`Costs` if None), which is returned: a one-off
+    measurement before generating (``Adaptive(costs=...)``); rounds then refine it."""
+    from spec_ext.models import attention_implementation
+
+    costs = Costs() if costs is None else costs
+    widths = list(widths)
+    if not widths or min(widths) < 1 or not rows or min(rows) < 1 or context < 1 or repeats < 1:
+        raise ValueError(f"rows, widths, context, repeats: need positive values, got {rows}, {widths}, {context}, "
+                         f"{repeats}")
+    with attention_implementation(target):
+        for B in rows:
+            time_rows(target, costs, B, widths, context, repeats)
+    return costs
+
+
+@torch.no_grad()
+def time_rows(target, costs: Costs, B: int, widths: list[int], context: int, repeats: int) -> None:
+    """:func:`calibrate`'s timings of ``B`` rows, on the forward path in effect. Its random ids
+    come from a generator of its own: the global random state is not touched."""
+    from spec_ext.models import SpecCache, forward
+
+    device = target.device
+    vocab = target.config.get_text_config().vocab_size
+    generator = torch.Generator(device=device).manual_seed(0)
+    cache = SpecCache.for_model(target, B, context + max(widths) + 1)
+    ids = torch.randint(0, vocab, (B, context), device=device, generator=generator)
+    forward(target, ids, cache, torch.arange(context, device=device).expand(B, -1))
+    cache.advance([context] * B)
+    for width in widths:
+        new = torch.randint(0, vocab, (B, width), device=device, generator=generator)
+        positions = context + torch.arange(width, device=device).expand(B, -1)
+        best = float("inf")
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            logits = forward(target, new, cache, positions).logits
+            float(logits[0, -1, 0])  # the host waits for the forward, as a round's sync does
+            best = min(best, time.perf_counter() - started)
+        costs.record_verify(B, width, best)
+
+
+SAMPLED_WIDEST = 33  # the widest verification timed to price sampled rounds (wider ones read the line)
+SAMPLED_ROWS = 256  # the most rows timed to price sampled rounds (a larger batch reads theirs)
+_VERIFICATION_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(rows, widest): costs}
+_TIMING = threading.Lock()
+
+
+def verification_costs(target, rows: int, widest: int) -> Costs:
+    """The verification's cost on ``target`` of ``rows`` rows (at most ``SAMPLED_ROWS``) by
+    width 1..``widest``, timed once per process (fastest of 2 after a warm-up, on the forward
+    path in effect) and kept for the target's life, under a lock (calls on other threads wait
+    for the one timing): what prices a sampled call's rounds, so that a seed reproduces the
+    output (a call's own timings would split its random stream into rounds by the machine's
+    load)."""
+    rows = min(rows, SAMPLED_ROWS)
+    with _TIMING:
+        table = _VERIFICATION_COSTS.setdefault(target, {})
+        if (rows, widest) not in table:
+            costs = Costs()
+            time_rows(target, costs, rows, list(range(1, widest + 1)), context=64, repeats=2)
+            table[rows, widest] = costs
+        return table[rows, widest]
