@@ -198,7 +198,8 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
     :func:`positions`). softcap > 0: the scaled scores become softcap * tanh(score / softcap)
     before the mask. sinks [Hq] (any float dtype, read in the compute dtype): one extra logit per query head in the softmax's
     denominator, with no value. A query that sees no key returns zeros, whatever its sink
-    (a finite sink takes all the weight; -inf, exp(-inf) = 0, is no sink)."""
+    (a finite sink takes all the weight; -inf, exp(-inf) = 0, is no sink). Not width-invariant:
+    PyTorch's matmuls pick their order of summation by the query count (docs/invariance.md)."""
     B, Hq, T, D = q.shape
     S = k.shape[2]
     group = Hq // k.shape[1]

@@ -26,8 +26,9 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, prefix_lens: Tensor, tree_ma
     row's output on the cpu, cuda, triton, triton_split and triton_invariant backends, so
     they may hold anything, NaN included (those kernels never load them, but for the C++
     kernel's batched GEMMs over a ragged batch, which read the rows' common span and redo a
-    row that comes out NaN over its own keys). The torch and sdpa backends multiply them by weight 0, so
-    there, and with "auto", which may pick those, they must be finite (0 * NaN is NaN).
+    row that comes out NaN over its own keys). The torch and sdpa backends multiply them by
+    weight 0, so there, and with "auto", which may pick those, they must be finite (0 * NaN
+    is NaN).
 
     Positions: prefix key s sits at s, tree node j at ``prefix_lens[b] + depth(j)``, where
     depth is the number of ancestors (node j of the causal chain: j; with a mask: the
@@ -113,9 +114,8 @@ def invariant_attention(device: torch.device | str, backend: str = "auto"):
     scale, window, softcap, sinks; unchecked) of the width-invariant tree attention on
     ``device``: ``backend`` "auto" gives the C++ kernel's invariant entry point on CPU, on a
     GPU the CUDA kernel where it is built, else "triton_invariant"; "cpu", "cuda" or
-    "triton_invariant" name one. ValueError naming
-    ``backend`` for a backend that is not invariant or cannot run here (a model forward takes
-    this once, not per layer)."""
+    "triton_invariant" name one. ValueError naming ``backend`` for a backend that is not
+    invariant or cannot run here (a model forward takes this once, not per layer)."""
     return _invariant_attention(torch.device(device), backend)
 
 
@@ -130,11 +130,9 @@ def _invariant_attention(device: torch.device, backend: str):
     if backend not in INVARIANT_BACKENDS:
         fail("backend", f"{backend!r} is not width-invariant (a query's output depends on T there); with "
                         f"invariant=True use 'auto' or one of {INVARIANT_BACKENDS}")
+    op = "tree_attention_invariant" if backend == "cpu" else "tree_attention"
     try:
-        if backend == "cpu":
-            return registry.kernel("tree_attention_invariant", registry.resolve("tree_attention_invariant", "cpu",
-                                                                                device), device)
-        return registry.kernel("tree_attention", registry.resolve("tree_attention", backend, device), device)
+        return registry.kernel(op, registry.resolve(op, backend, device), device)
     except ValueError as error:
         fail("backend", f"no width-invariant tree attention on {device} with {backend!r}: {error}")
 

@@ -131,8 +131,8 @@ def invariant_linear(device: torch.device | str, dtype: torch.dtype):
     the row count); this is the fixed-order kernel at every row count, never F.linear.
 
     On CPU: skinny_linear's kernel (backend "cpu": every ISA path gives the same bits, so a
-    row's result is also the same on every x86-64 machine); x float32 with weights float32 or
-    bfloat16, or x bfloat16 / float16 with weights of its dtype; float32 sums, the bias added
+    row's result is also the same on every x86-64 machine); x float32 with weights float32,
+    bfloat16 or float16, or x bfloat16 / float16 with weights of its dtype; float32 sums, the bias added
     in float32, y rounded once to x's dtype. Costs what skinny_linear costs at that row count
     (docs/invariance.md: about F.linear's time or less up to 16-32 rows, more beyond). On a
     GPU: the Triton kernel of spec_ext/kernels/linear.py (backend "triton_invariant": float32

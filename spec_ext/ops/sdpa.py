@@ -10,6 +10,12 @@ finite (0 * NaN is NaN; SpecCache's buffers start as zeros), as with the torch r
 tensor on the host and every shape follows the inputs' shapes, so CUDA graphs can capture
 it. GQA goes to SDPA as ``enable_gqa=True`` (no copy of K/V). Soft-capping and sinks act inside the softmax,
 where SDPA has no hook: this backend refuses them (``auto`` sends such calls elsewhere).
+
+Not width-invariant (docs/invariance.md): SDPA picks its kernel (math, flash, memory-efficient)
+and that kernel its blocking by the number of queries, so a query's bits depend on T (on CPU,
+B=2, Hq=4, D=32, 120 keys, T = 2, 3, 5, 9, 17, 33 against T = 1: float32 differed at every T,
+float16 at 5, 17 and 33, bfloat16 at none, which no contract promises); ``tree_attention(...,
+invariant=True)`` refuses this backend by name.
 """
 from __future__ import annotations
 
