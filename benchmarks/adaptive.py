@@ -6,8 +6,8 @@ machine's load falls on all of them alike.
 
 Methods, for each drafter: ``fixed k=2,4,6,8``; ``adaptive`` (a fresh ``Adaptive()`` per
 call: it measures its costs and learns its confidence bins from nothing each time);
-``adaptive (warm)`` (one ``Adaptive()`` kept across the calls of a drafter and batch size, as a
-server keeps it). The target alone (HF ``generate``) is measured in every pass, and each
+``adaptive (warm)`` (the calls of a drafter and batch size share one memory, as ``accelerate``
+keeps it for a server). The target alone (HF ``generate``) is measured in every pass, and each
 method's speed-up is the median of its per-pass ratios against it. ``vs_best_fixed`` is the
 median over passes of the method's tokens/s over the best fixed k's of that drafter in the
 same pass (that k chosen by the median speed-up). Every greedy output is checked to equal the
@@ -15,7 +15,7 @@ target's own.
 
 Cost model against measurement (``<name>_costs.csv``): for each fixed k, the measured seconds
 per round (wall time over verification rounds) beside what the warm Adaptive's estimates
-(its StepCosts at the end) say such a round costs, draft(k) + verify(B, k + 1), and its
+(its memory's Costs at the end) say such a round costs, draft(k) + verify(B, k + 1), and its
 calibrated acceptance per confidence bin (the "bins" rows).
 
     OMP_NUM_THREADS=1 python benchmarks/adaptive.py [--prompts 8] [--repeats 2] [--new-tokens 64]
@@ -32,7 +32,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -41,7 +40,9 @@ from transformers import AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spec_ext  # noqa: E402
 from spec_ext.models.eagle import load_head  # noqa: E402
-from spec_ext.policies import Adaptive, Fixed  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+from spec_ext.policies import Adaptive, Call, Controller, Fixed, Memory, Report  # noqa: E402
 from e2e import left_pad, load, timed  # noqa: E402
 from stdlib_data import code_prompts  # noqa: E402
 
@@ -50,37 +51,35 @@ RESULTS = ROOT / "benchmarks" / "results"
 KS = (2, 4, 6, 8)
 
 
+ROUND_SECONDS: dict = {}  # k -> the list RoundTimed(k) appends each round's seconds to
+
+
+@dataclass(frozen=True)
 class RoundTimed(Fixed):
     """Fixed(k) that records the seconds of every round but the first (which holds the
-    prefill), from one verification's outcome to the next: drafting, verification and the
-    engine's bookkeeping, what Adaptive's estimates of a round stand for."""
+    drafter's prefill), from its plan to its commit (the report's): drafting, verification and
+    the engine's bookkeeping, what Adaptive's estimates of a round stand for."""
 
-    def __init__(self, k: int, seconds: list):
-        super().__init__(k)
-        self.seconds = seconds
+    def start(self, call: Call) -> Controller:
+        controller, seconds = super().start(call), ROUND_SECONDS.setdefault(self.k, [])
+        observe = controller.observe
 
-    def start(self, batch_size: int, greedy: bool = True) -> None:
-        super().start(batch_size, greedy)
-        self._last = None
-
-    def observe(self, num_draft, num_accepted) -> None:
-        now = time.perf_counter()
-        if self._last is not None:
-            self.seconds.append(now - self._last)
-        self._last = now
-        super().observe(num_draft, num_accepted)
+        def timed(report: Report) -> None:
+            if report.warm:
+                seconds.append(report.seconds)
+            observe(report)
+        controller.observe = timed
+        return controller
 
 
-def methods(draft, head, warm: dict, batch: int, round_seconds: dict) -> dict:
-    """{name: (drafter, a function making the call's policy)} for both drafters."""
+def methods(draft, head, warm: dict, batch: int) -> dict:
+    """{name: (drafter, the call's policy, the calls' memory or None)} for both drafters."""
     out = {}
     for label, drafter in (("draft model", draft), ("head", head)):
         for k in KS:
-            seconds = round_seconds.setdefault((label, batch, k), [])
-            out[f"{label}: fixed k={k}"] = (drafter, lambda k=k, seconds=seconds: RoundTimed(k, seconds))
-        out[f"{label}: adaptive"] = (drafter, Adaptive)
-        policy = warm.setdefault((label, batch), Adaptive())
-        out[f"{label}: adaptive (warm)"] = (drafter, lambda policy=policy: policy)
+            out[f"{label}: fixed k={k}"] = (drafter, RoundTimed(k), None)
+        out[f"{label}: adaptive"] = (drafter, Adaptive(), None)
+        out[f"{label}: adaptive (warm)"] = (drafter, Adaptive(), warm.setdefault((label, batch), Memory()))
     return out
 
 
@@ -94,7 +93,7 @@ def run(args, target, draft, head, prompts, pad, batch, warm, round_seconds):
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     groups = [g for g in groups if len(g) == batch]
     results: dict[str, dict] = {}
-    table = methods(draft, head, warm, batch, round_seconds)
+    table = methods(draft, head, warm, batch)
     names = list(table)
     for repeat in range(args.repeats):
         for g, group in enumerate(groups):
@@ -109,10 +108,13 @@ def run(args, target, draft, head, prompts, pad, batch, warm, round_seconds):
             shift = (repeat * len(groups) + g) % len(names)  # a different method first in every pass
             rates = {}
             for name in names[shift:] + names[:shift]:
-                drafter, policy = table[name]
+                drafter, policy, memory = table[name]
+                ROUND_SECONDS.clear()
                 out, seconds = timed(lambda: spec_ext.generate(target, drafter, ids, attention_mask=mask,
                                                                max_new_tokens=args.new_tokens, eos_token_id=[],
-                                                               pad_token_id=pad, policy=policy()))
+                                                               pad_token_id=pad, policy=policy, memory=memory))
+                for k, measured in ROUND_SECONDS.items():
+                    round_seconds.setdefault((name.split(":")[0], batch, k), []).extend(measured)
                 if not torch.equal(out.sequences, expected):
                     raise AssertionError(f"{name}: the greedy output differs from the target's (batch {batch})")
                 entry = results.setdefault(name, dict(rates=[], ratios=[], stats=[], passes=[]))
@@ -161,9 +163,8 @@ def rows_of(args, results, batch, commit, label):
 def cost_rows(results, warm, batch, round_seconds, target, context):
     """The warm Adaptive's cost estimates beside what each fixed-k round took (the median of
     :class:`RoundTimed`'s rounds), and its verification estimates by width beside the fastest
-    of 5 forwards of that width (:func:`spec_ext.policies.step_costs.calibrate`, after the
-    passes)."""
-    from spec_ext.policies.step_costs import calibrate
+    of 5 forwards of that width (:func:`spec_ext.policies.calibrate`, after the passes)."""
+    from spec_ext.policies import calibrate
     rows = []
     fastest = calibrate(target, rows=(batch,), widths=range(1, 10), context=context, repeats=5)
     rows.append(dict(drafter="target", batch=batch, k="verify by width 1..9, fastest of 5", measured_round_s="",
@@ -171,9 +172,9 @@ def cost_rows(results, warm, batch, round_seconds, target, context):
                      estimated_draft_s="", estimated_round_s="", accepted_per_round="",
                      measured_tokens_per_round_s=""))
     for drafter in ("draft model", "head"):
-        policy = warm[(drafter, batch)]
+        # a controller started from the warm calls' memory: their costs and acceptance
+        policy = Adaptive().start(Call(batch, True, memory=warm[(drafter, batch)]))
         costs = policy.costs
-        policy.batch_size = batch  # (finished rows left it at 0)
         rows.append(dict(drafter=drafter, batch=batch, k="its verify estimates by width 1..9", measured_round_s="",
                          estimated_verify_s=" ".join(f"{costs.verify(batch, w):.4f}" for w in range(1, 10)),
                          estimated_draft_s="", estimated_round_s="", accepted_per_round="",
@@ -190,17 +191,17 @@ def cost_rows(results, warm, batch, round_seconds, target, context):
                              accepted_per_round=round(accepted, 3),
                              measured_tokens_per_round_s=f"{(1 + accepted) / measured:.4g}"))
         rows.append(dict(drafter=drafter, batch=batch, k="bins after the root", measured_round_s="",
-                         estimated_verify_s=" ".join(f"{policy.acceptance(c):.2f}" for c in
+                         estimated_verify_s=" ".join(f"{policy.accept.acceptance(c):.2f}" for c in
                                                      (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.935,
                                                       0.985)),
                          estimated_draft_s="", estimated_round_s="", accepted_per_round="",
                          measured_tokens_per_round_s=""))
         rows.append(dict(drafter=drafter, batch=batch, k="bins after an accepted draft", measured_round_s="",
-                         estimated_verify_s=" ".join(f"{policy.acceptance(c, 2):.2f}" for c in
+                         estimated_verify_s=" ".join(f"{policy.accept.acceptance(c, 2):.2f}" for c in
                                                      (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.935,
                                                       0.985)),
                          estimated_draft_s="", estimated_round_s="", accepted_per_round="",
-                         measured_tokens_per_round_s=f"plan bound {policy._draft_bound()}"))
+                         measured_tokens_per_round_s=f"plan bound {policy._draft_bound(batch)}"))
     return rows
 
 

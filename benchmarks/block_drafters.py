@@ -69,7 +69,7 @@ def block_cost(target, dflash, prompt: list[int], batch: int, slots: int, repeat
     """Fastest-of-``repeats`` seconds of one DFlash round's drafter work at ``batch``: the block
     forward after the prompt's context (its first ``slots`` drafts' outputs and logits) and the
     commit of 4 positions' features."""
-    drafter = BlockDrafter(dflash, Fixed(1))
+    drafter = BlockDrafter(dflash)
     drafter.bind(target)
     L = len(prompt)
     with torch.inference_mode():

@@ -158,8 +158,8 @@ def matcher_cost(tokenizer, target, history_tokens: int = 32768, rounds: int = 4
     """Median seconds per round of the n-gram matcher (commit ``per_round`` tokens, then propose
     a chain, or a tree) over a held-out history of ``history_tokens`` tokens, and of one
     verification forward of the target (11 tokens after a 512-token prefix, batch 1)."""
-    from spec_ext.drafters import Sampler, TextDrafter
-    from spec_ext.policies import NGram
+    from spec_ext.drafters import TextSource
+    from spec_ext.policies import Call, NGram, RoundState
     history = []
     for path in split_files("test"):
         history += tokenizer(read_text(path), add_special_tokens=False)["input_ids"]
@@ -167,17 +167,16 @@ def matcher_cost(tokenizer, target, history_tokens: int = 32768, rounds: int = 4
             break
     costs = {}
     for name, policy in (("chain", NGram(tree=False)), ("tree", NGram(tree=True))):
-        policy.start(1)
-        drafter = TextDrafter(policy)
+        controller, text = policy.start(Call(1, text=True)), TextSource(policy.text_settings(False))
         started = time.perf_counter()
-        drafter.start([history[:history_tokens]], 0, Sampler())
+        text.start([history[:history_tokens]])
         costs[f"index_{history_tokens}_tokens_s"] = time.perf_counter() - started
         times = []
         for r in range(rounds):
             new = history[history_tokens + r * per_round:history_tokens + (r + 1) * per_round]
             started = time.perf_counter()
-            drafter.rows[0].extend(new)
-            drafter.trees() if policy.tree else drafter.chains()
+            text.rows[0].extend(new)
+            controller.plan(RoundState(1, text))
             times.append(time.perf_counter() - started)
         costs[f"matcher_{name}_round_s"] = statistics.median(times)
     ids = torch.tensor([history[:512]])
@@ -295,7 +294,7 @@ def width_costs(target, draft, head, prompt, batch: int, repeats: int = 7) -> di
                              for _ in range(3 * repeats))
     if head is not None:
         from spec_ext.drafters import HeadDrafter
-        drafter = HeadDrafter(head, spec_ext.policies.Fixed(1))
+        drafter = HeadDrafter(head)
         drafter.bind(target)
         with torch.inference_mode():
             cache = spec_ext.SpecCache(head.num_layers, None, None, batch, L + 1, head.fc.weight.dtype, "cpu")
@@ -445,10 +444,10 @@ def run_passes(target, draft, groups, batch, temperature, n, repeats, pad, wante
                     match = bool(torch.equal(out.sequences, alone)) if greedy else None
                     record(f"spec_ext {name}{tag}", rate, rate / base, out.stats, match)
                     if name == "pearl":  # serial SD with the window PEARL chose, on the same prompts
-                        gammas.append(policy.chosen_gamma)
+                        gammas.append(out.stats.gamma)
                         out = spec_ext.generate(target, draft, ids, attention_mask=mask, max_new_tokens=n,
                                                 temperature=temperature, eos_token_id=[], pad_token_id=pad,
-                                                policy=spec_ext.policies.Fixed(policy.chosen_gamma))
+                                                policy=spec_ext.policies.Fixed(out.stats.gamma))
                         rate = out.stats.tokens_per_s
                         record(f"spec_ext {SAME_WINDOW}{tag}", rate, rate / base, out.stats,
                                bool(torch.equal(out.sequences, alone)) if greedy else None)
@@ -518,7 +517,7 @@ def forward_costs(target, draft, prompt, head=None):
     costs["draft_step_ms"] = statistics.median(times) * 1e3
     if head is not None:
         from spec_ext.drafters import HeadDrafter
-        drafter = HeadDrafter(head, spec_ext.policies.Fixed(1))
+        drafter = HeadDrafter(head)
         drafter.bind(target)
         cache = spec_ext.SpecCache(head.num_layers, None, None, 1, L + 1, head.fc.weight.dtype, "cpu")
         hidden = torch.randn(1, L, head.hidden_size, dtype=head.fc.weight.dtype)

@@ -76,16 +76,17 @@ def rank_main(rank: int, rendezvous: str, args) -> None:
             if not temperature:
                 assert torch.equal(out.sequences, alone), "PEARL's greedy output differs from the target's"
             pearl = out.stats.tokens_per_s
-            gammas.append(policy.chosen_gamma)
+            gamma = out.stats.gamma
+            gammas.append(gamma)
             accepted.append(out.stats.mean_accepted)
             torch.set_num_threads(cores)
             out = spec_ext.generate(target, draft, [prompt], max_new_tokens=args.new_tokens, eos_token_id=[],
-                                    temperature=temperature, policy=Fixed(policy.chosen_gamma))
+                                    temperature=temperature, policy=Fixed(gamma))
             for name, rate in (("target alone", base), ("pearl (2 processes)", pearl),
                                ("serial fixed k=gamma", out.stats.tokens_per_s)):
                 rates[name].append(rate)
                 ratios[name].append(rate / base)
-            print(f"T={temperature} gamma={policy.chosen_gamma} alone {base:.1f} pearl {pearl:.1f} "
+            print(f"T={temperature} gamma={gamma} alone {base:.1f} pearl {pearl:.1f} "
                   f"serial {out.stats.tokens_per_s:.1f} tok/s", flush=True)
         pearl_vs_serial = statistics.median(p / s for p, s in zip(rates["pearl (2 processes)"],
                                                                    rates["serial fixed k=gamma"]))

@@ -9,8 +9,7 @@ Methods: the target alone (HF generate), HF prompt lookup (``prompt_lookup_num_t
 batch 1 only: HF refuses it for batches), ``NGram`` (spec_ext, the row's own text), the bundled
 head (models/stdlib-head, policy auto), ``Suffix`` alone (the cache and the row's own text),
 and ``Suffix`` beside the head where the build supports it (rows without a cache match drafted
-by the head; with ``--unpriced``, also the same with ``price_width=False``: the rule before the
-round's width was priced, interleaved in the same run), then the head again (a control: the
+by the head), then the head again (a control: the
 spread of one request's ratio between two runs of the same method, against which the suffix
 beside the head's per-request ratios to the head alone are read). Greedy outputs are checked equal to the
 target's. ``--requests`` times a subset of the requests (the others still go into the caches,
@@ -156,7 +155,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def methods(target, head, batch: int, unpriced: bool = False) -> dict:
+def methods(target, head, batch: int) -> dict:
     """Name -> (a function that makes the method's per-pass state, then runs a batch)."""
     def hf(prompt_lookup):
         def run(state, ids, mask, n, temperature, seed):
@@ -186,19 +185,17 @@ def methods(target, head, batch: int, unpriced: bool = False) -> dict:
         try:
             spec_ext.drafters.build(head, Suffix(SuffixCache()))
             table["suffix beside head"] = (cached, ours(lambda cache: Suffix(cache), head))
-            if unpriced:
-                table["beside head unpriced"] = (cached, ours(lambda cache: Suffix(cache, price_width=False), head))
         except ValueError as error:
             print(f"suffix beside head: not run ({error})")
         table["head again"] = table["head"]  # the control: how far one request's ratio moves between two equal runs
     return table
 
 
-def run_config(target, head, requests, batch, temperature, n, repeats, pad, unpriced=False, timed=None):
+def run_config(target, head, requests, batch, temperature, n, repeats, pad, timed=None):
     """Per pass, per batch of requests, every method in turn: rows of the CSV. ``timed``: the
     batch indices to time (None: all); the others' outputs (greedy, by NGram: the target's, computed once)
     go into the methods' caches only (greedy)."""
-    table = methods(target, head, batch, unpriced)
+    table = methods(target, head, batch)
     groups = [requests[i:i + batch] for i in range(0, len(requests), batch)]
     rows = []
     for repeat in range(repeats):
@@ -273,7 +270,7 @@ def summary(rows) -> list[str]:
             lines.append(f"  head again / head alone (the same method twice: the noise of one batch's ratio), per batch: "
                          f"min {floor:.2f}x, p10 {control[len(control) // 10]:.2f}x, max {control[-1]:.2f}x, "
                          f"{sum(x < 1 for x in control)} of {len(control)} below 1")
-        for beside in ("suffix beside head", "beside head unpriced"):
+        for beside in ("suffix beside head",):
             if beside in names and "head" in names:
                 ratios = [time_of["head"][g] / time_of[beside][g] for g in base]
                 total = sum(time_of["head"].values()) / sum(time_of[beside].values())
@@ -306,7 +303,7 @@ def per_batch(mine, time_of) -> list[str]:
         return statistics.median(r["seconds"] / max(1, r["target_calls"]) for r in mine
                                  if r["method"] == name and r["group"] == g) * 1e3
 
-    others = [name for name in ("suffix beside head", "beside head unpriced") if name in time_of]
+    others = [name for name in ("suffix beside head",) if name in time_of]
     lines = ["  per batch: head alone (forwards, accepted, ms per forward) | " + " | ".join(
         f"{name} (forwards, accepted, text rounds, cache rounds, ms per forward, time ratio head / it)"
         for name in others)]
@@ -370,8 +367,6 @@ def main():
     parser.add_argument("--repeats", type=int, default=2, help="passes over the whole workload (fresh caches each)")
     parser.add_argument("--no-cost", action="store_true", help="skip the 1M-token cache cost")
     parser.add_argument("--name", default="suffix_cpu")
-    parser.add_argument("--unpriced", action="store_true",
-                        help="also run the suffix beside the head with price_width=False (the rule before), interleaved")
     parser.add_argument("--requests", type=int, nargs="+", default=None,
                         help="time only these batches (B=1: request indices); the others only feed the caches")
     parser.add_argument("--threads", type=int, default=1,
@@ -397,7 +392,7 @@ def main():
     for config in args.configs:  # the files are written after each configuration
         batch, temperature = int(config.split(":")[0]), float(config.split(":")[1])
         rows += run_config(target, head, requests, batch, temperature, args.new_tokens, args.repeats, pad,
-                           args.unpriced, None if args.requests is None else set(args.requests))
+                           None if args.requests is None else set(args.requests))
         with open(RESULTS / f"{args.name}.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()

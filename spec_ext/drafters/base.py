@@ -341,6 +341,29 @@ def draft_chain(plan: RoundPlan, sampler: Sampler, generator, logits: Tensor, hi
     return drafts[:, :steps], None if q_all is None else q_all[:, :steps], num_draft, confidence[:, :steps]
 
 
+def from_slots(plan: RoundPlan, logits: Tensor, read: Tensor | None, roots: Tensor, sampler: "Sampler", generator,
+               budget: list[int] | None) -> Proposal:
+    """Drafts from one forward's slots (a block drafter's, P-EAGLE's): ``logits`` [B,K,V], slot
+    j the distribution of draft j + 1 whatever the drafts before it, and what each slot's output
+    layer read [B,K,H] (None unless the plan reads hidden states). A chain of ``budget[b]``
+    drafts (each slot processed after the drafts before it, drawn from its q), or the plan's
+    tree grown by depth (a node at depth d: its children drawn from slot d)."""
+    if plan.tree is not None:
+        def refeed(tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
+            at = depth.clamp_max(logits.shape[1] - 1)
+            return logits.gather(1, at[..., None].expand(-1, -1, logits.shape[2]))
+        return grow_tree(plan.tree, logits[:, 0], roots, refeed, sampler)
+    slot = {"next": 0}
+
+    def step(token: Tensor) -> tuple[Tensor, Tensor | None]:
+        slot["next"] += 1
+        return logits[:, slot["next"]], None if read is None else read[:, slot["next"]]
+
+    drafts, q, num_draft, confidence = draft_chain(plan, sampler, generator, logits[:, 0],
+                                                   None if read is None else read[:, 0], step, budget)
+    return Proposal(drafts, num_draft, q, confidence=confidence)
+
+
 def grow_tree(shape: TreeShape, logits: Tensor, roots: Tensor, refeed, sampler: Sampler | None = None) -> Proposal:
     """The tree ``shape`` of every row, grown from the root's drafter logits [B,V]:
     ``refeed(tokens [B,n], parents [B,n], depth [B,n], mask)`` gives the drafter's logits
@@ -355,12 +378,8 @@ def grow_tree(shape: TreeShape, logits: Tensor, roots: Tensor, refeed, sampler: 
 
 def _grow_static(policy: TreeShape, logits: Tensor, roots: Tensor, refeed, sampler: Sampler | None = None
                  ) -> Proposal:
-    """The static tree (``branching[d]`` children per node at depth d), each level
-    the top-k of the drafter's logits after its parent: deterministic drafts. ``logits``
-    [B,V] are the root's; ``refeed(tokens [B,n], parents [B,n], depth [B,n], mask)`` gives the
-    drafter's logits [B,n,V] at every node of the tree grown so far (node 0 the root); the
-    ``sampler``'s processors, if any, act on them (each node's prefix its path). Each node's
-    confidence is the softmax of its parent's processed logits at its token."""
+    """The static tree (``branching[d]`` children per node at depth d), each level the top-k
+    of the drafter's logits after its parent (see :func:`grow_tree`)."""
     B, device = logits.shape[0], logits.device
     parents, depth, mask, max_depth = _static_tree(tuple(policy.parents), device)
     levels, branching = policy.levels, policy.branching

@@ -2,10 +2,9 @@
 proposes the whole block, from the target's hidden states tapped from the verification."""
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain, grow_tree
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, from_slots
 from spec_ext.drafters.features import bind_layers, check_draft_vocabulary, committed_features, prompt_features
 from spec_ext.models import SpecCache, check_model, num_layers, vocabulary_size
 from spec_ext.drafters.kinds import DraftKind, register_kind
@@ -105,26 +104,10 @@ class BlockDrafter(Drafter):
         budget = None if tree_depth is not None else [min(k, self.num_drafts) for k in plan.budget()]
         slots = tree_depth or max(1, max(budget))
         logits, hidden = self.block(roots, slots)
-        if tree_depth is not None:
-            def refeed(tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
-                # a node at depth d: its children are drafts d + 1, drawn from slot d + 1 (index d)
-                return logits.gather(1, depth.clamp_max(logits.shape[1] - 1)[..., None].expand(-1, -1,
-                                                                                              logits.shape[2]))
-
-            proposal = grow_tree(plan.tree, logits[:, 0], roots, refeed, self.sampler)
-            proposal.draft_steps = slots
-            return proposal
-        slot = {"next": 0}
-        normed = self.draft.norm(hidden) if self.hidden else None
-
-        def step(token: Tensor) -> tuple[Tensor, Tensor | None]:
-            slot["next"] += 1
-            j = slot["next"]
-            return logits[:, j], None if normed is None else normed[:, j]
-
-        drafts, q, num_draft, confidence = draft_chain(plan, self.sampler, self.generator, logits[:, 0],
-                                                       None if normed is None else normed[:, 0], step, budget)
-        return Proposal(drafts, num_draft, q, confidence=confidence, draft_steps=slots)
+        proposal = from_slots(plan, logits, self.draft.norm(hidden) if self.hidden else None, roots, self.sampler,
+                              self.generator, budget)
+        proposal.draft_steps = slots
+        return proposal
 
     def commit(self, outcome: Outcome) -> None:
         features, _, counts, counts_t = committed_features(outcome)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain, grow_tree
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain, from_slots, grow_tree
 from spec_ext.drafters.features import bind_layers, check_draft_vocabulary, committed_features, prompt_features
 from spec_ext.models import SpecCache, aux_layer_ids, check_model, num_layers, vocabulary_size
 from spec_ext.drafters.kinds import DraftKind, register_kind
@@ -139,8 +139,10 @@ class HeadDrafter(Drafter):
             if pairs != self.real else self.cache.lengths
         if slots > 1:
             at = last[:, None] + torch.arange(slots, device=self.device)
-            return self._parallel(plan, logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])),
-                                  hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1])), roots, budget)
+            hidden = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
+            return from_slots(plan, logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])),
+                              self._output_layer_input(hidden) if self.hidden else None, roots, self.sampler,
+                              self.generator, budget)
         logits, hidden = logits[rows, last], hidden[rows, last]
         if plan.tree is not None:
             return self._tree(plan, logits, hidden, roots, combined[rows, last])
@@ -179,29 +181,6 @@ class HeadDrafter(Drafter):
         combined = torch.where(real[..., None], F.pad(combined, (0, 0, 0, masked)),
                                torch.where(mask[..., None], masked_input, 0))
         return ids, combined
-
-    def _parallel(self, plan: RoundPlan, logits: Tensor, hidden: Tensor, roots: Tensor, budget: list[int] | None
-                  ) -> Proposal:
-        """P-EAGLE's drafts from one forward's slots: ``logits`` [B,K,V] (slot j gives draft j + 1,
-        whatever the drafts before it) and their fed-back states [B,K,H]; a chain (each slot
-        processed after the drafts before it, drawn from its q) or a tree grown from the slots
-        by depth (as a block drafter's)."""
-        if plan.tree is not None:
-            def refeed(tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
-                at = depth.clamp_max(logits.shape[1] - 1)
-                return logits.gather(1, at[..., None].expand(-1, -1, logits.shape[2]))
-
-            return grow_tree(plan.tree, logits[:, 0], roots, refeed, self.sampler)
-        read = self._output_layer_input(hidden) if self.hidden else None
-        slot = {"next": 0}
-
-        def step(token: Tensor) -> tuple[Tensor, Tensor | None]:
-            slot["next"] += 1
-            return logits[:, slot["next"]], None if read is None else read[:, slot["next"]]
-
-        drafts, q, num_draft, confidence = draft_chain(plan, self.sampler, self.generator, logits[:, 0],
-                                                       None if read is None else read[:, 0], step, budget)
-        return Proposal(drafts, num_draft, q, confidence=confidence)
 
     def _tree(self, plan: RoundPlan, logits: Tensor, hidden: Tensor, roots: Tensor, root_input: Tensor) -> Proposal:
         """A static tree (``Tree``) or EAGLE-2's (``DynamicTree``): each level re-feeds the root

@@ -7,7 +7,6 @@ offers are a deterministic function of the text (one-hot q): exact at every temp
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from spec_ext import ops
 from spec_ext.drafters.base import Outcome, Proposal

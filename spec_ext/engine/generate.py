@@ -16,7 +16,7 @@ from spec_ext.engine.parallel import ParallelEngine
 from spec_ext.engine.serial import SerialEngine
 from spec_ext.engine.settings import SETTINGS, make_processors, resolve_settings, sampling_temperature, stop_strings
 from spec_ext.engine.tensor_parallel import channel
-from spec_ext.models import attention_implementation, check_model, split_size, vocabulary_size
+from spec_ext.models import attention_implementation, split_size, vocabulary_size
 from spec_ext.policies import Call, Memory, Policy, Suffix, SuffixCache, resolve
 from spec_ext.vocab import fingerprint
 

@@ -22,7 +22,7 @@ threads); ``policy.start(call)`` makes the call's controller, whose ``plan(state
 """
 from spec_ext.policies.base import (POLICIES, Call, Controller, Memory, Offer, Policy, Report, RoundPlan, RoundState,
                                     Source, TextLookup, TreeShape, register, resolve)
-from spec_ext.policies.estimates import Acceptance, Costs, Pricing, Ratio, calibrate
+from spec_ext.policies.estimates import Acceptance, Costs, Pricing, calibrate
 from spec_ext.policies.rules import SVIP, Confidence, Fixed, Heuristic
 from spec_ext.policies.tree import DynamicTree, Tree
 from spec_ext.policies.ngram import NGram, NGramIndex, TextSettings, continuation_tree, reference_occurrences
@@ -35,7 +35,7 @@ from spec_ext.policies.learned import (AdaLength, BranchPredictor, LearnedSpecBr
 
 __all__ = ["POLICIES", "SVIP", "Acceptance", "AdaLength", "Adaptive", "Auto", "BranchHint", "BranchPredictor",
            "Call", "Confidence", "Controller", "Costs", "DynamicTree", "Fixed", "Heuristic", "LearnedSpecBranch",
-           "Memory", "NGram", "NGramIndex", "Offer", "PEARL", "Policy", "Pricing", "Ratio", "Report",
+           "Memory", "NGram", "NGramIndex", "Offer", "PEARL", "Policy", "Pricing", "Report",
            "ResidualMLP", "RoundPlan", "RoundState", "Source", "SpecBranch", "SpecDecPP", "Suffix", "SuffixCache",
            "TextLookup", "TextSettings", "Tree", "TreeShape", "calibrate", "continuation_tree", "draft_features",
            "history_features", "reference_occurrences", "reference_tree", "register", "resolve"]

@@ -1,34 +1,14 @@
 """Adaptive verification (vLLM's confidence-scheduled verification, DSpark's D-Cut): each
-round the target verifies, of every row's drafts, the prefix of its chain (the subtree of
-its tree) worth its cost: what the batch's expected accepted tokens gain, less what the
-same seconds give at the call's long-run rate.
-
-Expected tokens come from the drafts' confidences (:attr:`Proposal.confidence`, the
-drafter's probability of each draft given its prefix): a draft's chance of acceptance is
-the rate the target has shown for drafts of the same confidence (per confidence bin, learned
-as rounds run; apart for a draft right after the root and one after an accepted draft, as
-acceptance is bursty), shrunk toward its depth class's pooled rate, which starts at an
-optimistic prior (a fresh policy verifies as a fixed length does, and ranks by confidence as
-the bins fill), and a draft's survival (the chance that it and every draft before it on its
-path are accepted) is the product of those chances along its path. Round time is what this
-device measured (:class:`~spec_ext.policies.estimates.Costs`: the low median of recent measurements per
-(rows, width), shrunk toward the line through its neighbours), since the verification is one
-forward of the padded batch. One budget over the batch: every row gets its best ``W`` drafts
-(chains: its first ``W``; trees: the ``W`` with the highest survival, which hold their
-parents, as a child never survives its parent), the same ``W`` for all since they pay for
-the widest row anyway, and ``W`` maximises (sum over rows of 1 + their kept survivals) -
-R x verify(rows, W + 1), R the call's long-run tokens per second so far (Dinkelbach's rule:
-it maximises the call's tokens per second; before R is known, the round's own ratio).
-
-Sequential drafters (a draft model, a head) spend a forward per draft step, so the same
-estimates also bound the drafting: ``plan()`` gives the most steps worth drafting from the
-acceptance at each depth (:meth:`Adaptive.depth_acceptance`; ``initial`` while the costs are
-unknown), and ``keep_drafting`` stops the batch once no longer chain is expected to add more
-than R x its further steps' seconds (a step's seconds: the low median of the recent steps) and their
-verification.
-
-The guide, with the cost model, each drafter, what ``Auto`` does for block drafters and a
-runnable example: ``docs/adaptive.md``.
+round the target verifies, of every row's drafts, the prefix of its chain (the subtree of its
+tree) worth its cost. A draft's survival (the chance that it and every draft before it on its
+path are accepted) is the product of its path's acceptance chances by confidence and depth
+(:class:`~spec_ext.policies.estimates.Acceptance`); one budget over the batch: every row keeps
+its best ``W`` drafts, ``W`` maximising (sum over rows of 1 + their kept survivals) - R x
+verify(rows, W + 1), R the call's long-run tokens per second (Dinkelbach's rule: it maximises
+the call's tokens per second), the verification's cost as measured
+(:class:`~spec_ext.policies.estimates.Costs`). Sequential drafters also stop drafting where no
+longer chain is expected to pay for its steps. The guide, with the cost model and a runnable
+example: ``docs/adaptive.md``.
 """
 from __future__ import annotations
 
@@ -467,7 +447,7 @@ def trim_tree(proposal, kept: list[list[int]], parents: list[list[int]]):
     parents on the host), renumbered in their order; rows with fewer nodes than the widest
     are padded with absent nodes (-1) under the root."""
     device = proposal.tokens.device
-    B, T = len(kept), 1 + max(map(len, kept), default=0)
+    T = 1 + max(map(len, kept), default=0)
     index, new_parents, depths = [], [], []
     for nodes, row_parents in zip(kept, parents):
         renumber = {0: 0}

@@ -12,6 +12,7 @@ from spec_ext.policies.base import Call, Controller, Offer, Policy, Report, Roun
 from spec_ext.policies.estimates import SAMPLED_ROWS, SAMPLED_WIDEST, Acceptance, Costs, Pricing, size_ratio, \
     verification_costs
 from spec_ext.policies.ngram import TextSettings
+from spec_ext.policies.suffix import match_kind
 
 
 @register
@@ -172,14 +173,13 @@ class AutoController(Controller):
         trees: list[tuple | None] = [None] * B
         rule = self.cache
         if rule is not None and text is not None:
-            from spec_ext.policies.suffix import match_kind
             nodes = rule.nodes if B == 1 else max(2, min(rule.max_nodes, rule.round_tokens // B))
             depth = nodes - 1 if rule.max_depth is None else min(rule.max_depth, nodes - 1)
             for r in range(B):
                 n = text.cache_match(r)
                 if n == 0:
                     continue
-                kind = match_kind(True, n)
+                kind = match_kind(n)
                 offer = text.cache_tree(r, depth, nodes)
                 if offer is None or sum(offer.probs) < rule.min_score:
                     continue

@@ -1,6 +1,6 @@
 """The estimates every measuring policy decides from (``Auto``, ``Adaptive``, ``Suffix``): what
 a round costs on this device (:class:`Costs`, :class:`Pricing`) and how likely drafts are
-accepted (:class:`Acceptance`; :class:`Ratio` for a calibrated share). Each is a plain value
+accepted (:class:`Acceptance`). Each is a plain value
 with ``merged(other)``, so a :class:`~spec_ext.policies.base.Memory` can keep it across calls.
 Where each constant comes from: ``docs/auto.md`` and ``docs/adaptive.md``.
 """
@@ -203,28 +203,6 @@ def size_ratio(target, draft) -> float:
         return 0.1
     size = sum(p.numel() for p in target.parameters())
     return max(0.02, sum(p.numel() for p in draft.parameters()) / size) if size else 0.1
-
-
-class Ratio:
-    """A decayed ratio with a prior: ``(hits + weight * prior) / (trials + weight)`` over
-    observations that each weigh ``forget`` times the next one's."""
-
-    def __init__(self, prior: float, weight: float, forget: float = 1.0):
-        self.prior, self.weight, self.forget = prior, weight, forget
-        self.hits = self.trials = 0.0
-
-    def add(self, hits: float, trials: float = 1.0) -> None:
-        self.hits = self.forget * self.hits + hits
-        self.trials = self.forget * self.trials + trials
-
-    @property
-    def value(self) -> float:
-        return (self.hits + self.weight * self.prior) / (self.trials + self.weight)
-
-    def merged(self, other: "Ratio") -> "Ratio":
-        out = Ratio(self.prior, self.weight, self.forget)
-        out.hits, out.trials = (self.hits + other.hits) / 2, (self.trials + other.trials) / 2
-        return out
 
 
 class Acceptance:

@@ -1,31 +1,15 @@
 """Learned policies: predictors that choose draft lengths and branch points.
 
-* :class:`SpecDecPP` (SpecDec++): a residual MLP on the draft's last hidden state (a feature
-  head's: what its output layer reads) plus three numbers of the distribution q it produced
-  (log max q, entropy, top-1 minus top-2, see :func:`draft_features`) predicts the
-  probability that the token drafted from q is accepted; drafting stops once the predicted
-  probability that some draft of the round is rejected, 1 - prod(accept), exceeds
-  ``threshold``. Deciding costs no extra draft forward; on CPU in float32 each draft step's
-  decision is one call of the fused kernel :func:`spec_ext.ops.acceptance_head`.
-* :class:`AdaLength` (AdaEAGLE's length predictor): a residual MLP on [target input
-  embedding of the round's root token; target last hidden state that produced it; the
-  row's recent history (:func:`history_features`)] predicts how many drafts the target
-  will accept; the round drafts that many.
-* :class:`BranchPredictor` (SpecBranch's branch points): a 3-class residual MLP on the same
-  features says whether the next drafts are likely all rejected (branch at once), all
-  accepted (no branches) or uncertain (branch by the draft's confidence);
-  :class:`LearnedSpecBranch` is SpecBranch driven by it.
-
-Each predictor has two outputs, one per decoding mode: greedy (exact greedy labels) and
-sampling (soft labels sum_x min(p, q) = E_{x~q} min(1, p(x)/q(x))), each with its own
-threshold or offset, tuned at batch 1 and for batches (where a draft step costs more next
-to a verification, so shorter drafts pay). The policies only choose lengths, so outputs
-stay exact whatever the predictors say.
-
-Predictors are safetensors files with their config in the metadata;
-:mod:`spec_ext.training` makes them for any pair (``benchmarks/train_policies.py``), and
-``policy="specdecpp"`` / ``"adalength"`` / ``"learnedspecbranch"`` load the bundled pair's
-(``policies/*.safetensors`` of :mod:`spec_ext.bundled`).
+:class:`SpecDecPP` (SpecDec++: stop drafting by a predicted acceptance), :class:`AdaLength`
+(AdaEAGLE: a predicted length per round), :class:`BranchPredictor` and
+:class:`LearnedSpecBranch` (SpecBranch's branch points). Each predictor is a
+:class:`ResidualMLP` with two outputs (or sets of outputs), one per decoding mode: greedy
+(exact greedy labels) and sampling (soft labels sum_x min(p, q)), each with its own threshold
+or offset, tuned at batch 1 and for batches. The policies only choose lengths, so outputs stay
+exact whatever the predictors say. Predictors are safetensors files with their config in the
+metadata; :mod:`spec_ext.training` makes them for any pair (``benchmarks/train_policies.py``),
+and the policies by name load the bundled pair's (``policies/*.safetensors`` of
+:mod:`spec_ext.bundled`).
 """
 from __future__ import annotations
 

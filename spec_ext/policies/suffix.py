@@ -354,17 +354,15 @@ def _best_first(start, depth: int, most: int, min_prob: float) -> tuple[list[int
 
 # the accepted share of a text tree's score before any round of its kind measured it, by
 # (source, match length bucket): short matches seen once score their size yet rarely hold
-PRIOR_SHARE = {("own", 0): 0.5, ("cache", 1): 0.25, ("cache", 4): 0.4, ("cache", 8): 0.6, ("cache", 16): 0.8,
+PRIOR_SHARE = {("cache", 1): 0.25, ("cache", 4): 0.4, ("cache", 8): 0.6, ("cache", 16): 0.8,
                ("cache", 32): 0.9}
 PRIOR_WEIGHT = 8.0  # the prior counts as this much score
 CALIBRATION_DECAY = 0.97  # the cache's, per round of the kind: the share follows the workload
 
 
-def match_kind(from_cache: bool, n: int) -> tuple[str, int]:
-    """The kind a text tree's calibration is kept by: its source and its match length (the
-    own text's n-gram length; the cache's by powers of two: 1-3, 4-7, 8-15, 16-31, 32+)."""
-    if not from_cache:
-        return "own", max(1, min(n, 2))
+def match_kind(n: int) -> tuple[str, int]:
+    """The kind a cache tree's calibration is kept by: its match length by powers of two
+    (1-3, 4-7, 8-15, 16-31, 32+)."""
     return "cache", next(b for b in (32, 16, 8, 4, 1) if n >= b)
 
 
