@@ -72,7 +72,7 @@ def build(draft, policy: Policy) -> MixedDrafter:
     drafter and, where the policy drafts the rows' text, a :class:`TextSource` beside it.
     Refusals follow from what the kind can do, and name the argument."""
     model = None
-    if draft is not None:
+    if draft is not None and policy.drafts:
         kind = kind_of(draft)
         name = type(policy).__name__
         if policy.parallel and not kind.parallel:
@@ -83,7 +83,7 @@ def build(draft, policy: Policy) -> MixedDrafter:
             raise ValueError(f"policy: {name} reads the drafter's agreement with the token after a fully accepted "
                              f"round; {kind.describe} has no slot past its drafts to agree with")
     text = policy.text_settings(model is not None)
-    if model is None and text is None and not policy.parallel:
+    if model is None and text is None and policy.needs_model and not policy.parallel:
         raise ValueError(f"draft: required with policy {type(policy).__name__} (None only with a policy that drafts "
                          f"from the text, NGram or Suffix, or whose draft runs on another rank, e.g. "
                          f"PEARL(mode='distributed'))")

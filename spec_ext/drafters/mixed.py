@@ -83,6 +83,12 @@ class MixedDrafter:
         self.ran_last = proposal.draft_forwards > 0
         return proposal
 
+    def skip(self) -> None:
+        """A round nothing drafts (a plain step): the model catches up over it in its next."""
+        if self.model_drafter is not None:
+            self.model_drafter.skip()
+        self.ran_last = False
+
     def commit(self, outcome: Outcome) -> None:
         if self.text is not None:
             self.text.commit(outcome)

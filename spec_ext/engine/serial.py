@@ -23,7 +23,7 @@ from spec_ext import ops
 from spec_ext.drafters import MixedDrafter, Outcome, Proposal, prefill
 from spec_ext.engine.common import Rows
 from spec_ext.models import Forward, SpecCache, forward
-from spec_ext.policies import Controller, Policy, Report, RoundState
+from spec_ext.policies import Controller, Policy, Report, RoundState, Source
 from spec_ext.processing import Positions
 
 
@@ -43,6 +43,7 @@ class SerialEngine(Rows):
         self.layers = drafter.target_layers
         self.roots = torch.tensor([p[-1] for p in prompts], device=self.device)
         self.hidden: Tensor | None = None  # the target's last hidden state at each root (reads_target)
+        self._plains: dict[int, Proposal] = {}
 
     def _target(self, ids: Tensor, positions: Tensor, mask=None) -> Forward:
         self.stats.target_calls += 1
@@ -98,6 +99,14 @@ class SerialEngine(Rows):
         return Outcome(result.tokens, result.num_accepted, accepted, [o[:a + 1] for o, a in zip(outcome, accepted)],
                        proposal.num_draft, drafted, last, result.path if proposal.is_tree else None, p, features)
 
+    def _plain(self, rows: int) -> Proposal:
+        """A proposal of no drafts for ``rows`` rows (made once per batch size)."""
+        if self._plains.get(rows) is None:
+            self._plains[rows] = Proposal(torch.zeros(rows, 0, dtype=torch.int64, device=self.device),
+                                          torch.zeros(rows, dtype=torch.int64, device=self.device),
+                                          source=[Source.NONE] * rows)
+        return self._plains[rows]
+
     def _sample(self, proposal: Proposal, logits: Tensor, p: Tensor | None):
         """The greedy or rejection-sampling verification of a chain or a tree."""
         if not proposal.is_tree:
@@ -130,7 +139,11 @@ class SerialEngine(Rows):
             started = time.perf_counter()
             seqs = [self.seqs[r] for r in self.active]
             plan = controller.plan(RoundState(len(self.active), drafter.text, self.hidden, self.roots))
-            proposal = plan.select(drafter.propose(seqs, self.roots, plan))
+            if plan.plain and not (drafter.model_drafter is not None and drafter.model_drafter.drafts_every_round):
+                proposal = self._plain(len(seqs))  # a plain step: no drafting, no selection
+                drafter.skip()
+            else:
+                proposal = plan.select(drafter.propose(seqs, self.roots, plan))
             selected = time.perf_counter()
             outcome = self.verify(proposal)
             if self.sampler.processors is not None:

@@ -5,6 +5,7 @@ threads); ``policy.start(call)`` makes the call's controller, whose ``plan(state
 
 | policy | what it does |
 |---|---|
+| ``Plain()`` | no drafts: one target forward per token (spec_ext's decoding without speculation) |
 | ``Auto()`` (default) | per row: the model, the row's own text or nothing, and k, from measured acceptance and costs |
 | ``Adaptive()`` | adaptive verification: each row verifies the prefix (subtree) of its drafts worth its measured cost |
 | ``Fixed(k=5)`` | always k drafts (vanilla speculative decoding) |
@@ -23,7 +24,7 @@ threads); ``policy.start(call)`` makes the call's controller, whose ``plan(state
 from spec_ext.policies.base import (POLICIES, Call, Controller, Memory, Offer, Policy, Report, RoundPlan, RoundState,
                                     Source, TextLookup, TreeShape, register, resolve)
 from spec_ext.policies.estimates import Acceptance, Costs, Pricing, calibrate
-from spec_ext.policies.rules import SVIP, Confidence, Fixed, Heuristic
+from spec_ext.policies.rules import SVIP, Confidence, Fixed, Heuristic, Plain
 from spec_ext.policies.tree import DynamicTree, Tree
 from spec_ext.policies.ngram import NGram, NGramIndex, TextSettings, continuation_tree, reference_occurrences
 from spec_ext.policies.auto import Auto
@@ -35,7 +36,7 @@ from spec_ext.policies.learned import (AdaLength, BranchPredictor, LearnedSpecBr
 
 __all__ = ["POLICIES", "SVIP", "Acceptance", "AdaLength", "Adaptive", "Auto", "BranchHint", "BranchPredictor",
            "Call", "Confidence", "Controller", "Costs", "DynamicTree", "Fixed", "Heuristic", "LearnedSpecBranch",
-           "Memory", "NGram", "NGramIndex", "Offer", "PEARL", "Policy", "Pricing", "Report",
+           "Memory", "NGram", "NGramIndex", "Offer", "PEARL", "Plain", "Policy", "Pricing", "Report",
            "ResidualMLP", "RoundPlan", "RoundState", "Source", "SpecBranch", "SpecDecPP", "Suffix", "SuffixCache",
            "TextLookup", "TextSettings", "Tree", "TreeShape", "calibrate", "continuation_tree", "draft_features",
            "history_features", "reference_occurrences", "reference_tree", "register", "resolve"]

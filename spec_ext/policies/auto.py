@@ -30,7 +30,8 @@ class Auto(Policy):
     :class:`~spec_ext.policies.Suffix` with a model, a row's offers also include the suffix
     cache's tree, valued at its nodes' empirical probabilities times the share of them its
     kind of match has been accepted (:meth:`SuffixCache.expected`). Nothing drafts at all (a
-    plain decode step) where that beats every draft, after ``PLAIN_AFTER`` rounds and
+    plain decode step, what :class:`Plain` runs) where that beats every draft, once the model's
+    acceptance rests on ``PLAIN_AFTER`` measured first drafts (the memory's count too) and
     outside the exploring rounds.
 
     Acceptance (:class:`~spec_ext.policies.estimates.Acceptance`): runs counted per depth,
@@ -63,7 +64,7 @@ class Auto(Policy):
         explore_every: how often a round drafts off the best choice.
         text: also draft each row's own text (n-gram matches), where the drafter supports it.
     """
-    PLAIN_AFTER: ClassVar[int] = 16  # rounds before a plain step is weighed: until then acceptance is mostly the prior
+    PLAIN_AFTER: ClassVar[int] = 16  # first drafts measured before a plain step is weighed: else mostly the prior
     max_draft: int = 12
     initial: int = 4
     prior_acceptance: float = 0.5
@@ -238,9 +239,12 @@ class AutoController(Controller):
                         plain = rate, 0, 0, False
                     elif best is None or rate > best[0]:
                         best = rate, k if runs else 0, cap, runs
-            # a plain step where it beats every draft, but not in the exploring rounds (nor before
-            # PLAIN_AFTER rounds): acceptance is measured only where something drafts
-            if best is None or (plain is not None and plain[0] > best[0] and self.rounds > policy.PLAIN_AFTER
+            # a plain step where it beats every draft, but not in the exploring rounds, nor before the
+            # model's acceptance rests on PLAIN_AFTER drafts (this call's rows' and the memory's):
+            # acceptance is measured only where something drafts
+            model_acceptance = self.accept[Source.MODEL]
+            evidence = model_acceptance.reached[1] / model_acceptance.unit
+            if best is None or (plain is not None and plain[0] > best[0] and evidence >= policy.PLAIN_AFTER
                                 and self.rounds % policy.explore_every):
                 best = plain
             _, k, cap, runs = best

@@ -330,6 +330,7 @@ class Policy:
     reads_draft_hidden: ClassVar[bool] = False
     reads_agreement: ClassVar[bool] = False  # the drafter's bonus agreement (RoundPlan.after_catch_up)
     needs_model: ClassVar[bool] = True  # without text it drafts with a model (NGram and Suffix do not)
+    drafts: ClassVar[bool] = True  # False: it drafts nothing (Plain), a draft given is not used
 
     @property
     def max_draft(self) -> int:

@@ -1,12 +1,36 @@
-"""Chain rules: how many drafts each row proposes per round (vanilla speculative decoding,
-HF assisted generation's schedules, SVIP)."""
+"""Chain rules: how many drafts each row proposes per round (none; vanilla speculative
+decoding; HF assisted generation's schedules; SVIP)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torch import Tensor
 
 from spec_ext.policies.base import Call, Controller, Policy, Report, RoundPlan, RoundState, check, register
+
+
+@register
+@dataclass(frozen=True)
+class Plain(Policy):
+    """No drafts: one target forward per token through spec_ext's forward, cache, sampler, HF
+    settings, grammars and streamer (a draft given beside it is not used). spec_ext's decoding
+    without speculation, and the reference that speculative greedy output is bit-identical to
+    (``docs/invariance.md``)."""
+    needs_model: ClassVar[bool] = False
+    drafts: ClassVar[bool] = False
+
+    @property
+    def max_draft(self) -> int:
+        return 0
+
+    def start(self, call: Call) -> Controller:
+        return _Plain(self, call)
+
+
+class _Plain(Controller):
+    def plan(self, state: RoundState) -> RoundPlan:
+        return RoundPlan([0] * state.rows)
 
 
 @register
