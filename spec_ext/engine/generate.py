@@ -303,11 +303,17 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     split = channel(target)  # a tensor-parallel target: the leading rank runs the loop, the others follow
     if split is not None and not split.leading:
         return split.follow(target)
-    with split.leading_run(target) if split is not None else contextlib.nullcontext():
+    # the draft's rounding changes only which tokens are proposed, never the output; a draft
+    # of another tokenizer keeps its own vocabulary
+    own = contextlib.nullcontext() if across is None else \
+        attention_implementation(across.model, fast_linear=fast_linear or "auto")
+    with split.leading_run(target) if split is not None else contextlib.nullcontext(), \
+            attention_implementation(*fitted, fast_linear=[fast_linear, fast_linear or "auto"][:len(fitted)],
+                                     vocab_size=vocabulary_size(target)), own:
         if policy.parallel:
             loop = ParallelEngine(policy, target, draft, prompts, max_new_tokens, sampler, eos, generator, streamer,
                                   fast_linear)
-        else:
+        else:  # (a controller may time the target's forward when it starts: inside the block)
             controller = policy.start(Call(len(prompts), sampler.greedy, target, drafter.proposer,
                                            1 if model is None else model.drafts_per_forward,
                                            int(model is not None and model.drafts_every_round),
@@ -317,13 +323,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         loop.stop = stop_strings(call, tokenizer, head.tolist())
         if streamer is not None:
             streamer.put(torch.tensor([prompts[0]]))
-        # the draft's rounding changes only which tokens are proposed, never the output; a draft
-        # of another tokenizer keeps its own vocabulary
-        own = contextlib.nullcontext() if across is None else \
-            attention_implementation(across.model, fast_linear=fast_linear or "auto")
-        with attention_implementation(*fitted, fast_linear=[fast_linear, fast_linear or "auto"][:len(fitted)],
-                                      vocab_size=vocabulary_size(target)), own:
-            stats = loop.run()
+        stats = loop.run()
     if across is not None:
         stats.tokenizer_mode = across.mode_used or ""
     else:

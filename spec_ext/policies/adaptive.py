@@ -195,7 +195,7 @@ class AdaptiveController(Controller):
             value = tokens - R * sum(cost) if R is not None else tokens / max(sum(cost), 1e-12)
             if best_value is None or value > best_value:
                 best, best_value = k, value
-        measures_next = self.pricing.timed and self.policy.explore and self.round % 4 == 3
+        measures_next = self.pricing.timed and self.policy.explore and (self.round - 1) % 4 == 3
         return min(self.longest, best + measures_next)
 
     def _keep_drafting(self, record: _Round, step: int, probs: Tensor, tokens: Tensor, hidden=None) -> Tensor:
@@ -224,7 +224,7 @@ class AdaptiveController(Controller):
             else:
                 fitted = [self.draft_cost(step), self.draft_cost(step + 1)]
                 per_step = None if None in fitted else max(0.0, fitted[1] - fitted[0])
-            if step == 1 and self.policy.explore and self.round % 8 == 7:  # now and then a second step, measured
+            if step == 1 and self.policy.explore and (self.round - 1) % 8 == 7:  # now and then a second step, measured
                 return go
         else:
             drafted = self.draft_cost(step)
