@@ -73,10 +73,12 @@ def extension():
 setup(
     # models/ (the bundled pair and the policies' predictors) installs as spec_ext/_models, where
     # spec_ext.bundled finds it in a non-editable install
-    packages=find_packages(include=["spec_ext", "spec_ext.*"]) + ["spec_ext._models"],
+    # (models/policies is named as a package of its own: a folder with an importable name is one)
+    packages=find_packages(include=["spec_ext", "spec_ext.*"]) + ["spec_ext._models", "spec_ext._models.policies"],
     package_dir={"spec_ext": "spec_ext", "spec_ext._models": "models"},
     package_data={"spec_ext": ["_build_info.json"],
-                  "spec_ext._models": ["*.json", "*/*.json", "*/*.safetensors", "*/*/*.json", "*/*/*.safetensors"]},
+                  "spec_ext._models": ["*.json", "*/*.json", "*/*.safetensors", "*/*/*.json", "*/*/*.safetensors"],
+                  "spec_ext._models.policies": ["*.json", "*.safetensors"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

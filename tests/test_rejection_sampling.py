@@ -657,3 +657,39 @@ def test_tree_max_depth_argument():
     assert computed.tokens.tolist() == given_depth.tokens.tolist() == [[1, 2, 3, 4]]
     with pytest.raises(ValueError, match="max_depth: 1 is less than"):
         spec_ext.tree_greedy_verify(p, tokens, parents, max_depth=1)
+
+
+@pytest.mark.parametrize("backend", backend_params("chain_verify", with_torch=True))
+def test_greedy_verification_takes_logits_masked_with_minus_inf(backend):
+    """Logits masked with -inf (how HF's processors, bad words and grammars mask tokens) are
+    verified with validation on, on every backend, chain and tree: the argmax over what is left
+    (hand-computed), drafts of masked tokens rejected; NaN, +inf and a row masked entirely are
+    refused by name."""
+    dev = device_for(backend)
+    logits = torch.tensor([[[0.0, 5.0, 1.0, float("-inf")], [float("-inf"), float("-inf"), 2.0, 1.0],
+                            [3.0, float("-inf"), float("-inf"), 0.0]],
+                           [[float("-inf"), 0.0, 1.0, 0.5], [1.0, float("-inf"), 0.0, 4.0],
+                            [float("-inf"), float("-inf"), float("-inf"), 7.0]]])
+    drafts = torch.tensor([[1, 2], [3, 1]])  # row 0: both argmaxes; row 1: a masked-out draft after one wrong
+    out = spec_ext.greedy_verify(logits.to(dev), drafts.to(dev), backend=backend)
+    assert out.num_accepted.tolist() == [2, 0] and out.tokens.tolist() == [[1, 2, 0], [2, -1, -1]]
+    parents = torch.tensor([-1, 0, 1])
+    tree = spec_ext.tree_greedy_verify(logits.to(dev), torch.tensor([[0, 1, 2], [0, 3, 1]]).to(dev), parents.to(dev),
+                                       backend=backend if backend in ops_backends("tree_verify") else "auto")
+    assert tree.num_accepted.tolist() == [2, 0] and tree.tokens[:, 0].tolist() == [1, 2]
+    for value, problem in ((float("nan"), "contains NaN"), (float("inf"), "contains \\+inf")):
+        bad = logits.clone()
+        bad[1, 0, 2] = value
+        with pytest.raises(ValueError, match=f"target_logits: {problem}"):
+            spec_ext.greedy_verify(bad.to(dev), drafts.to(dev), backend=backend)
+    masked = logits.clone()
+    masked[0, 1] = float("-inf")
+    with pytest.raises(ValueError, match="target_logits: has a row masked entirely"):
+        spec_ext.greedy_verify(masked.to(dev), drafts.to(dev), backend=backend)
+    with pytest.raises(ValueError, match="target_logits: has a row masked entirely"):
+        spec_ext.tree_greedy_verify(masked.to(dev), torch.tensor([[0, 1, 2], [0, 3, 1]]).to(dev), parents.to(dev))
+
+
+def ops_backends(op):
+    from spec_ext.ops import registry
+    return registry.backends_of(op)

@@ -4,6 +4,7 @@ recognised and made into a :class:`~spec_ext.drafters.base.Drafter`, and what it
 file with its drafter and one :func:`register_kind` call (``docs/architecture.md``)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -60,6 +61,12 @@ def kind_of(draft) -> DraftKind:
 def load(path, target):
     """The draft in the directory ``path`` (or ``"mtp"``: the target's own MTP layers), as the
     first kind whose ``directory`` recognises it loads it, in the target's dtype and on its device."""
+    config = Path(path) / "config.json"
+    if str(path) != "mtp" and config.is_file():
+        try:
+            json.loads(config.read_text())
+        except ValueError as error:
+            raise ValueError(f"draft: {config} is not valid JSON ({error})") from None
     for kind in KINDS:
         if kind.directory is not None and kind.directory(path if str(path) == "mtp" else Path(path)):
             return kind.load(Path(path), target)

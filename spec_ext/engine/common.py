@@ -3,11 +3,12 @@ bookkeeping (the sampler, padding and the prefill are in
 :mod:`spec_ext.drafters.base`, shared with the drafters)."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
-
 
 
 @dataclass
@@ -146,21 +147,37 @@ class Output:
 
 
 def prompt_rows(input_ids, attention_mask, vocab_size: int | None = None) -> list[list[int]]:
-    """The prompts as token-id lists (left padding removed with ``attention_mask``), each id
-    checked to be in [0, ``vocab_size``) when given (the target's embedding would raise an
+    """The prompts as token-id lists (the positions ``attention_mask`` masks removed: left
+    padding, or right padding, whose rows then go on from their own text), each id checked to
+    be an int in [0, ``vocab_size``) when given (the target's embedding would raise an
     IndexError from deep inside the forward)."""
     if isinstance(input_ids, Tensor):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: expected [B, L], got shape {tuple(input_ids.shape)}")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids: expected integer token ids, got a tensor of {input_ids.dtype}")
         if attention_mask is not None:
-            if attention_mask.shape != input_ids.shape:
-                raise ValueError(f"attention_mask: expected shape {tuple(input_ids.shape)}, "
-                                 f"got {tuple(attention_mask.shape)}")
-            rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu())]
+            if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask: expected a tensor of shape {tuple(input_ids.shape)}, got "
+                                 f"{tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else attention_mask!r}")
+            mask = attention_mask.cpu().bool()
+            if mask.shape[1] and bool((~mask[:, -1] & mask.any(1)).any()):  # a row ends in padding
+                _warn_right_padding()
+            rows = [ids[m].tolist() for ids, m in zip(input_ids.cpu(), mask)]
         else:
             rows = input_ids.tolist()
     else:
-        rows = [list(map(int, r)) for r in input_ids]
+        try:
+            rows = [list(r) for r in input_ids]
+        except TypeError:
+            raise TypeError(f"input_ids: expected a [B, L] tensor or a list of token-id lists, got "
+                            f"{type(input_ids).__name__}") from None
+        for b, r in enumerate(rows):
+            bad = next((t for t in r if isinstance(t, bool) or not isinstance(t, (int, np.integer))), None)
+            if bad is not None:
+                raise TypeError(f"input_ids: prompt {b} holds {bad!r} ({type(bad).__name__}); token ids are ints "
+                                f"(tokenize the text first)")
+        rows = [[int(t) for t in r] for r in rows]
     if not rows:
         raise ValueError("input_ids: the batch is empty")
     for b, r in enumerate(rows):
@@ -171,6 +188,18 @@ def prompt_rows(input_ids, attention_mask, vocab_size: int | None = None) -> lis
             raise ValueError(f"input_ids: prompt {b} has token id {bad}, outside the target's vocabulary of "
                              f"{vocab_size} ids (0..{vocab_size - 1}): was it made by another model's tokenizer?")
     return rows
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_right_padding() -> None:
+    """Once per process: a row whose last positions are masked (right padding)."""
+    if "right padding" not in _WARNED:
+        _WARNED.add("right padding")
+        warnings.warn("attention_mask: right padding (a masked position after the prompt's tokens). spec_ext "
+                      "continues each row's own text, as if it were left-padded; HF's generate continues after the "
+                      "pads. Pad on the left (tokenizer padding_side='left') to get what HF computes.", stacklevel=4)
 
 
 class Rows:

@@ -149,6 +149,35 @@ def _drafter(target, draft, policy: Policy) -> MixedDrafter:
     return drafter
 
 
+def inferred_mask(input_ids, pad_token_id, config_pad_token_id, eos_ids: list[int]) -> Tensor | None:
+    """The attention mask HF's generate infers where none is given (``input_ids`` a [B, L]
+    integer tensor): every position holding the pad id (the argument, else the generation
+    config's, else the first EOS id) is masked where it occurs in the prompts and is not an EOS
+    id; else none (None), with HF's warnings for a batch."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        return None
+    pad = pad_token_id if pad_token_id is not None else config_pad_token_id
+    batched = input_ids.shape[0] > 1
+    if pad is None and eos_ids:
+        if batched:
+            warnings.warn("The attention mask and the pad token id were not set, with a batched input. As a "
+                          "consequence, you may observe unexpected behavior. Please pass your input's "
+                          "`attention_mask` to obtain reliable results.", stacklevel=3)
+        pad = eos_ids[0]
+    if pad is None:
+        return None
+    pad = token_ids(pad, "pad_token_id")[0]
+    if pad in eos_ids:
+        if batched:
+            warnings.warn("The attention mask is not set with a batched input, and cannot be inferred from input "
+                          "because pad token is same as eos token. As a consequence, you may observe unexpected "
+                          "behavior. Please pass your input's `attention_mask` to obtain reliable results.",
+                          stacklevel=3)
+        return None
+    mask = input_ids.ne(pad)
+    return None if bool(mask.all()) else mask.long()
+
+
 # a draft that agrees this rarely over this many drafts is most likely not a draft of this target
 UNRELATED_RATE, UNRELATED_DRAFTS = 0.02, 64
 
@@ -186,7 +215,11 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
             the policy's draft runs on another rank). ``draft`` may also be a
             :class:`spec_ext.drafters.Drafter`, which brings its own policy.
         input_ids: [B, L] LongTensor (left-padded, with ``attention_mask``) or a list of
-            token-id lists (ragged).
+            token-id lists (ragged). Without ``attention_mask``, the mask is inferred as HF's
+            generate infers it: the positions holding the pad id (``pad_token_id``, else the
+            generation config's, else the first EOS id) are masked, unless it is an EOS id.
+            Right padding (a row ending in masked positions): spec_ext continues each row's own
+            text, where HF's generate continues after the pads (warned once).
         temperature: 0 for greedy; top_k / top_p as in HF, applied to target and draft alike.
         policy: a :class:`spec_ext.policies.Policy` or its lower-case name (default ``Auto``:
             no tuning, see the table in :mod:`spec_ext.policies`).
@@ -258,8 +291,12 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     call = resolve_settings(target, settings, eos_ids, logits_processor, prefix_allowed_tokens_fn,
                             sampling=(temperature or 0) > 0)
     _check_tokenizer(tokenizer, target)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed: expected an int or None, got {seed!r}")
     if call.token_healing:
         input_ids, attention_mask = _healed(target, tokenizer, input_ids, attention_mask)
+    if attention_mask is None:
+        attention_mask = inferred_mask(input_ids, pad_token_id, target.generation_config.pad_token_id, eos_ids)
     prompts = prompt_rows(input_ids, attention_mask, vocabulary_size(target))
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be a positive int, got {max_new_tokens!r}")

@@ -30,9 +30,15 @@ def _upcast(logits):
     return logits
 
 
-def _check_finite(name: str, logits: Tensor) -> None:
-    if not bool(torch.isfinite(logits).all()):
-        fail(name, "contains NaN or inf")
+def _check_logits(name: str, logits: Tensor) -> None:
+    """Logits may mask tokens with -inf (HF's processors, grammars, bad words do); NaN, +inf and
+    a row masked entirely (nothing left to emit) are refused."""
+    if bool(torch.isnan(logits).any()):
+        fail(name, "contains NaN")
+    if bool((logits == float("inf")).any()):
+        fail(name, "contains +inf")
+    if logits.shape[-1] and bool((logits == float("-inf")).all(-1).any()):
+        fail(name, "has a row masked entirely (every entry -inf: no token left to emit)")
 
 
 def _chain_args(name: str, target: Tensor, draft_tokens: Tensor, num_draft: Tensor | None, check: bool) -> Tensor:
@@ -109,7 +115,8 @@ def greedy_verify(target_logits: Tensor, draft_tokens: Tensor, num_draft: Tensor
                   backend: str = "auto", validate: bool | None = None) -> ChainResult:
     """Greedy verification: accept drafts while they equal the target's argmax (first
     index on ties), then emit the argmax. Shapes as :func:`chain_rejection_sample`;
-    ``target_logits`` [B,K+1,V] may be logits or probabilities (float32, float16, bfloat16).
+    ``target_logits`` [B,K+1,V] may be logits or probabilities (float32, float16, bfloat16);
+    logits may mask tokens with -inf (refused: NaN, +inf, a row masked entirely).
 
     Example:
         >>> logits = torch.randn(1, 3, 10)
@@ -119,7 +126,7 @@ def greedy_verify(target_logits: Tensor, draft_tokens: Tensor, num_draft: Tensor
     target_logits, check = _upcast(target_logits), registry.checking(validate)
     num_draft = _chain_args("target_logits", target_logits, draft_tokens, num_draft, check)
     if check:
-        _check_finite("target_logits", target_logits)
+        _check_logits("target_logits", target_logits)
     verify = registry.kernel("chain_verify", backend, target_logits.device)
     return ChainResult(*verify(target_logits, draft_tokens, None, num_draft, None, True))
 
@@ -193,12 +200,12 @@ def tree_greedy_verify(target_logits: Tensor, tree_tokens: Tensor, parents: Tens
                        backend: str = "auto", validate: bool | None = None) -> TreeResult:
     """Greedy tree verification: from the root, follow the first child whose token is the
     target's argmax; emit the argmax where none is. Shapes as :func:`tree_rejection_sample`;
-    ``backend="triton_split"`` finds every node's argmax split over the vocabulary (opt-in,
+    ``target_logits`` as :func:`greedy_verify`'s (-inf entries allowed); ``backend="triton_split"`` finds every node's argmax split over the vocabulary (opt-in,
     not yet run on a GPU)."""
     target_logits, check = _upcast(target_logits), registry.checking(validate)
     parents = _tree_args("target_logits", target_logits, tree_tokens, parents, check)
     if check:
-        _check_finite("target_logits", target_logits)
+        _check_logits("target_logits", target_logits)
     return _call_tree(backend, target_logits, tree_tokens, parents, None, None, True, True, max_depth, check)
 
 

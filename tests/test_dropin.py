@@ -1,0 +1,82 @@
+"""A drop-in for HF generate: the attention mask HF infers when none is given, right padding,
+and bad input refused with an error naming the argument."""
+import warnings
+
+import pytest
+import torch
+
+import spec_ext
+from helpers import llama, perturbed
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = llama(97, 64, 2, seed=0, sharpen=4.0)
+    return target, perturbed(target, 0.02, seed=1)
+
+
+def hf(target, ids, **kwargs):
+    return target.generate(ids, max_new_tokens=12, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("source", ["argument", "generation_config"])
+def test_no_attention_mask_is_inferred_as_hf_infers_it(pair, source):
+    """Prompts holding the pad id (left padding, and a pad id inside a prompt's text) with no
+    attention_mask: the pad id from the argument or from generation_config; spec_ext's output
+    equals HF's bit for bit, batch 1 and a ragged batch; with the pad id an EOS id, nothing is
+    masked, as HF (which warns for a batch)."""
+    target, draft = pair
+    pad = 7
+    batch = torch.tensor([[pad, pad, 5, 17, 33, 8], [9, 4, pad, 21, 3, 40], [pad, 11, 12, 13, 14, 15]])
+    fast = spec_ext.accelerate(target, draft)
+    config = target.generation_config
+    old = (config.pad_token_id, config.eos_token_id)
+    try:
+        if source == "generation_config":
+            config.pad_token_id, kwargs = pad, {}
+        else:
+            kwargs = dict(pad_token_id=pad)
+        for ids in (batch[:1], batch[1:2], batch):
+            expected = hf(target, ids, **kwargs)
+            got = fast.generate(ids, max_new_tokens=12, do_sample=False, **kwargs)
+            assert torch.equal(got, expected), (source, ids)
+            unmasked = hf(target, ids, attention_mask=torch.ones_like(ids), **kwargs)
+            assert not torch.equal(unmasked, expected) or ids.shape[0] == 1, "the mask must matter here"
+        config.eos_token_id = pad  # the pad id is an EOS id: nothing is inferred
+        with pytest.warns(UserWarning, match="cannot be inferred from input because pad token is same as eos"):
+            got = fast.generate(batch, max_new_tokens=12, do_sample=False, **kwargs)
+        assert torch.equal(got, hf(target, batch, attention_mask=torch.ones_like(batch), **kwargs))
+    finally:
+        config.pad_token_id, config.eos_token_id = old
+
+
+def test_right_padding_continues_each_rows_text_and_warns_once(pair):
+    """A right-padded batch: spec_ext continues each row's own text (what the row left-padded
+    gives), unlike HF, and says so once per process."""
+    import spec_ext.engine.common as common
+    target, draft = pair
+    right = torch.tensor([[5, 17, 33, 8], [9, 4, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    left = torch.tensor([[5, 17, 33, 8], [0, 0, 9, 4]])
+    common._WARNED.discard("right padding")
+    with pytest.warns(UserWarning, match="attention_mask: right padding"):
+        got = spec_ext.generate(target, draft, right, attention_mask=mask, max_new_tokens=8).sequences
+    expected = spec_ext.generate(target, draft, left, attention_mask=mask.flip(1), max_new_tokens=8).sequences
+    assert torch.equal(got[:, 4:], expected[:, 4:])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        spec_ext.generate(target, draft, right, attention_mask=mask, max_new_tokens=2)
+
+
+def test_bad_input_is_refused_naming_the_argument(pair, tmp_path):
+    target, draft = pair
+    with pytest.raises(TypeError, match="input_ids: prompt 0 holds 'a' \\(str\\)"):
+        spec_ext.generate(target, draft, [["a", "b"]], max_new_tokens=2)
+    with pytest.raises(TypeError, match="input_ids: expected integer token ids, got a tensor of torch.float32"):
+        spec_ext.generate(target, draft, torch.tensor([[1.0, 2.0]]), max_new_tokens=2)
+    with pytest.raises(TypeError, match="seed: expected an int or None, got 'abc'"):
+        spec_ext.generate(target, draft, [[1, 2]], max_new_tokens=2, seed="abc")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="draft: .*config.json is not valid JSON"):
+        spec_ext.accelerate(target, tmp_path)
+    assert spec_ext.generate(target, draft, [[1, 2]], max_new_tokens=2, seed=3).sequences.shape == (1, 4)
