@@ -399,3 +399,20 @@ def test_lean_invariant_needs_an_invariant_linear(monkeypatch):
     monkeypatch.setattr(ops.linear, "_invariant", lambda device: ops.checks.fail("device", "none here"))
     with pytest.raises(ValueError, match="device: none here"):
         LeanDecoder(model, invariant=True)
+
+
+@pytest.mark.skipif(not ops.registered("tree_attention_invariant", "CPU"), reason="C++ kernels not built")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_invariant_cpu_kernel_gives_the_same_bits_on_every_isa_path(dtype, monkeypatch):
+    """The scores come from skinny_linear's kernel (the same bits on every path) and the softmax
+    loop is built for the baseline target and for AVX2, neither fusing a multiply-add: forcing
+    SPEC_EXT_CPU_ISA=portable changes no bit (with a window, softcap and sinks)."""
+    if best_isa() == "portable":
+        pytest.skip("this CPU runs only the portable path")
+    q, k, v, prefix, sinks, g = attention_inputs(dtype, seed=16)
+    mask = reference.tree_mask(random_parents(2, 9, g))[1]
+    results = []
+    for isa in ("portable", best_isa()):
+        monkeypatch.setenv(ISA_VARIABLE, isa)
+        results.append(attend("cpu", q[:, :, :9], k, v, prefix, mask, 9, 30.0, sinks))
+    assert torch.equal(results[0], results[1])

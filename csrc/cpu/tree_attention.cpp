@@ -39,6 +39,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "skinny_linear.h"
 
 namespace spec_ext {
@@ -142,7 +146,7 @@ inline float soft_capped(float score, float softcap) {
 // takes never changes its value (unlike libm's scalar exp beside a vector one). No fused
 // multiply-adds: the baseline x86-64 target this file is built for has none to contract into.
 // Relative error about 2e-7; below -87 (exp < 2^-125) it gives 0, at -inf 0, at NaN NaN.
-inline float exp_nonpositive(float x) {
+__attribute__((always_inline)) inline float exp_nonpositive(float x) {
   const float clamped = x < -87.f ? -87.f : x;
   const float n = (clamped * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest
   const float r = (clamped - n * 0.693359375f) - n * -2.12194440e-4f;
@@ -159,6 +163,62 @@ inline float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : p * scale;
 }
 
+// One query's softmax and weighted values over its scores [0, span) (unseen keys' -inf):
+// w = exp_nonpositive(score - best) for every key (a loop the compiler vectorises), then key
+// by key in rising order total += w, acc[d] += w * value[d] over the seen ones; total starts
+// at the sink's exp(sink - best). Returns total. Compiled twice, for the baseline target and
+// for AVX2 (wider vectors): neither has fused multiply-adds to contract into, and a product
+// and a sum are the same correctly rounded operations in any vector width, so the two give
+// the same bits.
+template <int kPath>
+__attribute__((always_inline)) inline float softmax_row(const float* score, float* weights, const float* values, float* acc, int64_t span,
+                         int64_t Dv, float best, float sink) {
+  for (int64_t c = 0; c < span; ++c) weights[c] = exp_nonpositive(score[c] - best);
+  float total = exp_nonpositive(sink - best);  // exp(-inf) = 0: no sink
+  for (int64_t c = 0; c < span; ++c) {
+    if (score[c] == kNegInf) continue;  // unseen (or a score of -inf: weight 0); its value may be NaN
+    const float w = weights[c];
+    total += w;
+    const float* value = values + c * Dv;
+    for (int64_t d = 0; d < Dv; ++d) acc[d] += w * value[d];
+  }
+  return total;
+}
+// no-trapping-math: GCC keeps a comparison's select (exp_nonpositive's clamp) a branch, and so
+// the exp loop scalar, while FP exceptions may trap; values are the same either way
+#define SPEC_EXT_SELECTS __attribute__((optimize("no-trapping-math")))
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) SPEC_EXT_SELECTS float softmax_row_avx2(const float* score, float* weights,
+                                                                        const float* values, float* acc, int64_t span,
+                                                                        int64_t Dv, float best, float sink) {
+  return softmax_row<1>(score, weights, values, acc, span, Dv, best, sink);
+}
+#endif
+SPEC_EXT_SELECTS float softmax_row_portable(const float* score, float* weights, const float* values, float* acc,
+                                            int64_t span, int64_t Dv, float best, float sink) {
+  return softmax_row<0>(score, weights, values, acc, span, Dv, best, sink);
+}
+
+// n elements to float32 (exact for every type); float16 by F16C where the vector path is on
+// (c10::Half's own conversion is bit arithmetic, one element at a time)
+#if defined(__x86_64__)
+__attribute__((target("avx2,f16c"))) void widen_f16c(const c10::Half* source, float* out, int64_t n) {
+  int64_t e = 0;
+  for (; e + 8 <= n; e += 8)
+    _mm256_storeu_ps(out + e, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(source + e))));
+  for (; e < n; ++e) out[e] = static_cast<float>(source[e]);
+}
+#endif
+template <typename scalar_t>
+void widen(const scalar_t* source, float* out, int64_t n, bool wide) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+    if (wide) return widen_f16c(source, out, n);
+  }
+#endif
+  for (int64_t e = 0; e < n; ++e) out[e] = static_cast<float>(source[e]);
+}
+
 // One query at a time, each over the keys it sees in rising order (the loop path: T = 1, and
 // every T for tree_attention_invariant). A query's output is a function of its own q, the keys
 // and values it sees (in order), the scale, softcap and its head's sink only: never of T, of
@@ -168,9 +228,7 @@ inline float exp_nonpositive(float x) {
 // (its keys in the same order). The order: each score q * scale . key by skinny_linear's
 // kernel (fixed_order_products: one fixed order per (query, key), the same on every ISA
 // path), then soft-capped; the max over the seen keys and the sink (exact in any order); then
-// w = exp_nonpositive(score - max) per key, and key by key in rising order total += w,
-// acc[d] += w * value[d]; out = acc * (1 / total), with the sink's exp(sink - max) the first
-// term of total. One task per (row, kv head): its group's query heads and queries take their
+// softmax_row. One task per (row, kv head): its group's query heads and queries take their
 // scores from one call over the keys any of them may see, and the K/V rows are read (and for
 // 16-bit types widened) once for all of them.
 template <typename scalar_t>
@@ -179,6 +237,13 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o
             int64_t longest, float scale, int64_t window, float softcap, const float* sinks) {
   const int64_t group = Hq / Hkv, R = group * T;
   const at::ScalarType key_type = c10::CppTypeToScalarType<scalar_t>::value;
+  // AVX2 (and F16C) where skinny_linear takes a vector path (SPEC_EXT_CPU_ISA=portable: not)
+  const bool wide = std::strcmp(skinny_linear_isa(), "portable") != 0;
+#if defined(__x86_64__)
+  auto* const row_softmax = wide ? &softmax_row_avx2 : &softmax_row_portable;
+#else
+  auto* const row_softmax = &softmax_row_portable;
+#endif
   // enough multiply-adds per chunk that a thread's wake-up is worth it
   const int64_t work = std::max<int64_t>(1, R * longest * D);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / work);
@@ -201,10 +266,11 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o
       } else {
         widened.resize(span * Dv);
         const scalar_t* source = v + (task * S + first) * Dv;
-        for (int64_t e = 0; e < span * Dv; ++e) widened[e] = static_cast<float>(source[e]);
+        widen(source, widened.data(), span * Dv, wide);
         values = widened.data();
       }
       weights.resize(span);
+      const int64_t in_prefix = std::min(prefix, limit) - first;  // keys [first, prefix): the cache's
       for (int64_t r = 0; r < R; ++r) {
         const int64_t h = g * group + r / T, i = r % T;
         scalar_t* o = out + ((b * Hq + h) * T + i) * Dv;
@@ -212,7 +278,17 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o
         float* score = scores.data() + r * span;
         const float sink = sinks ? sinks[h] : kNegInf;
         float best = sink;
-        for (int64_t c = 0; c < span; ++c) {
+        // a cached key is seen from this query's window on (prefix + depth - window + 1; all without one)
+        const int64_t seen_from = window ? std::max<int64_t>(prefix + tree.depth(b, i) - window + 1, 0) - first : 0;
+        for (int64_t c = 0; c < in_prefix; ++c) {
+          if (c < seen_from) {
+            score[c] = kNegInf;
+            continue;
+          }
+          score[c] = soft_capped(score[c], softcap);
+          best = std::max(best, score[c]);
+        }
+        for (int64_t c = std::max<int64_t>(in_prefix, 0); c < span; ++c) {  // the new tokens: the tree decides
           if (!tree.sees(mrow, b, prefix, i, first + c, window)) {
             score[c] = kNegInf;
             continue;
@@ -221,17 +297,8 @@ void attend(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o
           best = std::max(best, score[c]);
         }
         std::fill(acc.begin(), acc.end(), 0.f);
-        float total = 0.f;
-        if (best != kNegInf) {
-          for (int64_t c = 0; c < span; ++c) weights[c] = exp_nonpositive(score[c] - best);  // vectorised
-          total = exp_nonpositive(sink - best);  // exp(-inf) = 0: no sink
-          for (int64_t c = 0; c < span; ++c) {
-            if (score[c] == kNegInf) continue;  // unseen (or a score of -inf: weight 0)
-            total += weights[c];
-            const float* value = values + c * Dv;
-            for (int64_t d = 0; d < Dv; ++d) acc[d] += weights[c] * value[d];
-          }
-        }
+        const float total = best != kNegInf ? row_softmax(score, weights.data(), values, acc.data(), span, Dv, best, sink)
+                                            : 0.f;
         const float inv = total > 0.f ? 1.f / total : 0.f;  // a query that sees no key: zeros
         for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<scalar_t>(acc[d] * inv);
       }
