@@ -80,3 +80,59 @@ def test_bad_input_is_refused_naming_the_argument(pair, tmp_path):
     with pytest.raises(ValueError, match="draft: .*config.json is not valid JSON"):
         spec_ext.accelerate(target, tmp_path)
     assert spec_ext.generate(target, draft, [[1, 2]], max_new_tokens=2, seed=3).sequences.shape == (1, 4)
+
+
+def counted(model):
+    """A list that grows by one at each forward of ``model`` (the handle removes the count)."""
+    calls = []
+    return calls, model.register_forward_pre_hook(lambda module, args: calls.append(1))
+
+
+@pytest.mark.parametrize("new", [24, 25])
+def test_with_a_draft_model_every_draft_accepted_target_forwards_equal_hf_assisted_generation(new):
+    """A draft equal to the target (every draft accepted), k = 3: HF's assisted generation
+    verifies its first drafts in the prompt's own forward, and so does spec_ext's first round:
+    the same number of target forwards for odd and even lengths (one fewer than a separate
+    prefill); greedy outputs equal."""
+    import copy
+    target = llama(97, 64, 2, seed=0, sharpen=4.0)
+    draft = copy.deepcopy(target)
+    ids = torch.tensor([[5, 17, 33, 8, 40, 2]])
+    config = draft.generation_config  # k = 3 every round, no stop by the draft's confidence
+    config.num_assistant_tokens, config.num_assistant_tokens_schedule = 3, "constant"
+    config.assistant_confidence_threshold = 0.0
+    calls, handle = counted(target)
+    expected = target.generate(ids, assistant_model=draft, max_new_tokens=new, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)
+    handle.remove()
+    out = spec_ext.generate(target, draft, ids, max_new_tokens=new, eos_token_id=[], policy=spec_ext.policies.Fixed(3))
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.accepted == out.stats.drafted > 0
+    assert out.stats.target_calls == len(calls), (out.stats.target_calls, len(calls))
+
+
+@pytest.mark.parametrize("new", [24, 25])
+def test_with_mtp_target_forwards_equal_transformers_use_mtp(new, tmp_path_factory):
+    """The checkpoint's own MTP layer, Fixed(1): spec_ext's prefill emits the first token and
+    the MTP layer drafts from the prefill's hidden state, as transformers' ``use_mtp`` does:
+    the same target forwards on every prompt, odd and even lengths, accepted or not (before, one
+    more where the first draft, drafted before the prompt's forward, was rejected)."""
+    import random
+    import test_mtp
+    from test_mtp import PROMPTS, target_with_mtp
+    test_mtp._TMP[:] = [tmp_path_factory]  # (its checkpoints' folder, as test_mtp's own fixture sets it)
+    target, _ = target_with_mtp("glm4_moe", 1)
+    rng = random.Random(0)
+    rejected = 0
+    for prompt in PROMPTS + [[rng.randrange(3, 61) for _ in range(rng.randrange(2, 8))] for _ in range(3)]:
+        ids = torch.tensor([prompt])
+        calls, handle = counted(target)
+        expected = target.generate(ids, max_new_tokens=new, do_sample=False, use_mtp=True, eos_token_id=None,
+                                   pad_token_id=0)
+        handle.remove()
+        out = spec_ext.generate(target, "mtp", ids, max_new_tokens=new, eos_token_id=[],
+                                policy=spec_ext.policies.Fixed(1))
+        assert torch.equal(out.sequences, expected)
+        assert out.stats.target_calls == len(calls), (prompt, out.stats.target_calls, len(calls))
+        rejected += out.stats.accepted < out.stats.drafted
+    assert rejected, "prompts with rejected drafts too"

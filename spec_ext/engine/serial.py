@@ -14,16 +14,18 @@ the root of the next verification (``roots``, kept on the device).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from spec_ext import ops
-from spec_ext.drafters import MixedDrafter, Outcome, Proposal, prefill
+from spec_ext.drafters import MixedDrafter, Outcome, Proposal, check_finite, pad_rows
 from spec_ext.engine.common import Rows
 from spec_ext.models import Forward, SpecCache, forward
-from spec_ext.policies import Controller, Policy, Report, RoundState, Source
+from spec_ext.policies import Controller, Policy, Report, RoundPlan, RoundState, Source
 from spec_ext.processing import Positions
 
 
@@ -44,38 +46,42 @@ class SerialEngine(Rows):
         self.roots = torch.tensor([p[-1] for p in prompts], device=self.device)
         self.hidden: Tensor | None = None  # the target's last hidden state at each root (reads_target)
         self._plains: dict[int, Proposal] = {}
+        self.prompt_features: Tensor | None = None  # (the first round) the target's features of every prompt token
 
     def _target(self, ids: Tensor, positions: Tensor, mask=None) -> Forward:
         self.stats.target_calls += 1
         extra = {} if self.layers is None else dict(layers=self.layers)
         return forward(self.target, ids, self.cache, positions, mask, self.reads_target, **extra)
 
-    def prefill(self) -> Tensor | None:
-        """The prompts but their last tokens into the target's cache; returns the drafter's
-        features of them (None when it reads none)."""
-        heads = [s[:-1] for s in self.seqs]
-        out = prefill(self.target, self.cache, heads, "target", self.reads_target, self.layers)
-        if out is None:
-            return None
-        self.stats.target_calls += 1
-        if self.reads_target and min(map(len, heads)) > 0:  # one-token prompts: the policy's first guess
-            last = torch.tensor([len(h) - 1 for h in heads], device=self.device)
-            self.hidden = out.hidden[torch.arange(len(heads), device=self.device), last]
-        return out.features
-
-    def verify(self, proposal: Proposal) -> Outcome:
+    def verify(self, proposal: Proposal, prompt: bool = False) -> Outcome:
         """One target forward over the roots and the proposal, the sampler, the round's host
-        sync, and the target cache's commit (a chain keeps a prefix, a tree its path)."""
+        sync, and the target cache's commit (a chain keeps a prefix, a tree its path).
+        ``prompt``: the call's first round, whose forward also reads every prompt token before
+        the root (a chain: each row's prompt, then its drafts; the cache is empty before it)."""
         B = len(self.active)
         nodes = proposal.tokens
+        columns = None  # (prompt) each row's root and drafts among the forward's positions
         if proposal.is_tree:
             nodes = proposal.tokens.clone()
             nodes[:, 0] = self.roots
             ids, positions = nodes.clamp_min(0), self.cache.lengths[:, None] + proposal.depth
+        elif prompt:
+            rows = [self.seqs[r] for r in self.active]
+            K = proposal.tokens.shape[1]
+            root = torch.tensor([len(row) - 1 for row in rows], device=self.device)
+            columns = root[:, None] + torch.arange(K + 1, device=self.device)
+            ids = F.pad(pad_rows(rows, 0, self.device), (0, K)).scatter(1, columns[:, 1:],
+                                                                         proposal.tokens.clamp_min(0))
+            positions = torch.arange(ids.shape[1], device=self.device).expand(B, -1)
         else:
             ids = torch.cat([self.roots[:, None], proposal.tokens.clamp_min(0)], 1)
             positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
         logits, hidden, features = self._target(ids, positions, proposal.mask)
+        if columns is not None:
+            check_finite(logits, "target")  # once per call, on the prompt
+            self.prompt_features = features
+            logits, hidden, features = (None if x is None else x.gather(1, columns[..., None].expand(-1, -1, x.shape[-1]))
+                                        for x in (logits, hidden, features))
         if self.sampler.processors is not None:  # each position's prefix: the row's text, then its path
             logits = self.sampler.process(logits, Positions.tree(nodes, proposal.parents, proposal.depth,
                                                                  proposal.max_depth) if proposal.is_tree else
@@ -93,6 +99,10 @@ class SerialEngine(Rows):
         accepted, drafted = [o[-2] for o in outcome], [o[-1] for o in outcome]
         if proposal.is_tree:
             self.cache.commit(result.path, accepted, result.num_accepted)
+        elif prompt:  # the prompt's tokens before the root, the root and the accepted drafts
+            before = [len(self.seqs[r]) - 1 for r in self.active]
+            self.cache.advance([n + a + 1 for n, a in zip(before, accepted)],
+                               torch.tensor(before, device=self.device) + result.num_accepted + 1)
         else:
             self.cache.advance([a + 1 for a in accepted], result.num_accepted + 1)
         self.roots = result.tokens[rows, result.num_accepted]
@@ -131,37 +141,56 @@ class SerialEngine(Rows):
                                 for a, b in zip(drawn, fixed)))
 
     def run(self):
-        features = self.prefill()
-        self.drafter.start([list(s) for s in self.seqs], self.capacity, self.sampler, self.generator,
-                           features=features)
         controller, drafter = self.controller, self.drafter
+        # a drafter that reads the target's features starts once the prompt's forward gave them
+        # (and the first new token: it drafts from there on); the others draft from the prompt,
+        # their first drafts verified in the prompt's own forward
+        waiting = self.layers is not None
+        if not waiting:
+            drafter.start([list(s) for s in self.seqs], self.capacity, self.sampler, self.generator)
+        first = True
         while self.active:
             started = time.perf_counter()
             seqs = [self.seqs[r] for r in self.active]
-            plan = controller.plan(RoundState(len(self.active), drafter.text, self.hidden, self.roots))
-            if plan.plain and not (drafter.model_drafter is not None and drafter.model_drafter.drafts_every_round):
-                proposal = self._plain(len(seqs))  # a plain step: no drafting, no selection
-                drafter.skip()
+            B = len(seqs)
+            plan = RoundPlan([0] * B) if waiting else \
+                controller.plan(RoundState(B, drafter.text, self.hidden, self.roots))
+            if first and plan.tree is not None:  # (trees are verified from the second round on)
+                plan = RoundPlan([0] * B)
+            elif first and any(t is not None and t.parents is not None for t in plan.text):
+                plan = dataclasses.replace(plan, text=[None if t is not None and t.parents is not None else t
+                                                       for t in plan.text])
+            model = drafter.model_drafter
+            if plan.plain and (waiting or model is None or not model.drafts_every_round):
+                proposal = self._plain(B)  # a plain step: no drafting, no selection
+                if not waiting:
+                    drafter.skip()
             else:
                 proposal = plan.select(drafter.propose(seqs, self.roots, plan))
             selected = time.perf_counter()
-            outcome = self.verify(proposal)
+            outcome = self.verify(proposal, prompt=first)
             if self.sampler.processors is not None:
                 self.sampler.processors.commit(outcome.tokens, outcome.num_accepted + 1, outcome.committed)
-            drafter.commit(outcome)
+            if not waiting:
+                drafter.commit(outcome)
             now = time.perf_counter()
             sources = proposal.source
-            controller.observe(Report(plan, sources, outcome.drafted, outcome.accepted, outcome.committed,
-                                      proposal.width, now - started, now - selected, proposal.draft_seconds,
-                                      proposal.draft_forwards, proposal.draft_steps, proposal.warm, outcome.path,
-                                      proposal.explores, self.hidden, self.roots))
+            if not waiting:  # (the first round's seconds hold the prompt's forward: no round's cost)
+                controller.observe(Report(plan, sources, outcome.drafted, outcome.accepted, outcome.committed,
+                                          proposal.width, now - started, now - selected, proposal.draft_seconds,
+                                          proposal.draft_forwards, proposal.draft_steps, proposal.warm, outcome.path,
+                                          proposal.explores, self.hidden, self.roots, timed=not first))
             keep = [i for i, r in enumerate(self.active)
                     if self.emit(r, outcome.committed[i], outcome.drafted[i], outcome.accepted[i],
                                  sources[i].name.lower())]
+            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            if waiting:  # each prompt's features, the context of the first new token
+                drafter.start([list(self.seqs[self.active[i]]) for i in keep], self.capacity, self.sampler,
+                              self.generator, features=self.prompt_features[index])
             if len(keep) < len(self.active):
-                index = torch.tensor(keep, dtype=torch.long, device=self.device)
                 self.cache.keep_rows(keep)
-                drafter.keep_rows(keep, index)
+                if not waiting:
+                    drafter.keep_rows(keep, index)
                 controller.keep_rows(keep)
                 if self.sampler.processors is not None:
                     self.sampler.processors.keep_rows(keep, index)
@@ -169,6 +198,8 @@ class SerialEngine(Rows):
                 if self.hidden is not None:
                     self.hidden = self.hidden[index]
                 self.active = [self.active[i] for i in keep]
+            first = waiting = False
+            self.prompt_features = None
         controller.finish()
         self.stats.draft_calls = drafter.calls
         return self.finish()

@@ -268,7 +268,7 @@ class AdaptiveController(Controller):
         record: _Round = report.plan.record
         if report.explores or record is None:
             return
-        if self.pricing.timed:
+        if self.pricing.timed and report.timed:
             self.costs.record_verify(record.rows, record.width, report.verify_seconds)
             if report.warm and report.draft_forwards:
                 self.costs.record_draft(report.draft_steps, report.seconds - report.verify_seconds)

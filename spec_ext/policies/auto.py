@@ -275,7 +275,7 @@ class AutoController(Controller):
         if report.explores:
             return
         rows = len(report.drafted)
-        if self.pricing.timed:
+        if self.pricing.timed and report.timed:
             self.costs.record_verify(rows, report.width, max(report.seconds - report.draft_seconds, 0.0))
             if report.draft_forwards and report.warm:
                 self.costs.record_draft(report.draft_steps, report.draft_seconds)

@@ -242,7 +242,8 @@ class Report:
     the prompt or skipped rounds); ``path`` [B,D+1]: a tree's accepted node ids; ``explores``:
     the drafter tried another way only to measure it (nothing is learned from the round);
     ``target_hidden`` [B,H] and ``roots`` [B]: the target's last hidden state at each row's
-    new root, and the root (where the policy reads them)."""
+    new root, and the root (where the policy reads them); ``timed`` False: the round's seconds
+    are not a round's cost (the call's first, whose forward also read the prompt)."""
     plan: RoundPlan
     source: list[Source]
     drafted: list[int]
@@ -259,6 +260,7 @@ class Report:
     explores: bool = False
     target_hidden: Tensor | None = None
     roots: Tensor | None = None
+    timed: bool = True
 
 
 class Memory:
