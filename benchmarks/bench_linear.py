@@ -20,6 +20,20 @@ method: the fastest and the median of the rounds, GB/s, speed-up over F.linear) 
 table. Run it with the machine as quiet as it gets and record ``uptime`` (printed first).
 
     python benchmarks/bench_linear.py [--threads 1] [--rounds 15] [--quick]
+
+``--invariant``: the width-invariant path (docs/invariance.md) against what runs today, in
+float32, bfloat16 and float16 (x and weights of one dtype), at 1 to 64 rows: per linear,
+``invariant_linear`` (the kernel at every row count) against ``skinny_linear``'s auto (the
+kernel or F.linear) and F.linear, weights from memory as above, on the bundled target's
+shapes and the weight-read ones (linear_cpu.invariant.csv); per attention call of the
+bundled target's shape (Hq 10, Hkv 5, D 32, a 200- or 500-token prefix, batch 1 and 8),
+``tree_attention(invariant=True)`` against the cpu backend and auto
+(linear_cpu.invariant_attention.csv); and per forward of the bundled target over a
+200-token cache, the lean forward with ``invariant`` against it without (fast_linear auto)
+(linear_cpu.invariant_forward.csv). Every row: the fastest of the rounds, the methods of a
+shape called in turn within each round.
+
+    python benchmarks/bench_linear.py --invariant [--threads 1] [--rounds 15] [--quick]
 """
 from __future__ import annotations
 
@@ -149,6 +163,130 @@ def print_table(rows: list[dict], isas: list[str]) -> None:
         print(line + f" {'kernel' if r['auto_takes_kernel'] else 'F.linear'}")
 
 
+INVARIANT_SHAPES = [(320, 320), (320, 160), (320, 864), (864, 320), (320, 4096), (320, 16384), (16384, 320)]
+INVARIANT_ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def bench_invariant_linear(K: int, N: int, dtype: torch.dtype, rows: tuple[int, ...], rounds: int) -> list[dict]:
+    """invariant_linear, skinny_linear's auto and F.linear on x and a weight [N, K] of one dtype."""
+    g = torch.Generator().manual_seed(K * N)
+    weight_bytes = N * K * torch.finfo(dtype).bits // 8
+    ring = max(2, -(-RING_BYTES // weight_bytes))
+    weights = [(torch.randn(N, K, generator=g) / K ** 0.5).to(dtype) for _ in range(ring)]
+    turn = {"i": 0}
+
+    def pick():
+        turn["i"] = (turn["i"] + 1) % ring
+        return weights[turn["i"]]
+
+    invariant = ops.linear.invariant_linear("cpu", dtype)
+    out = []
+    for M in rows:
+        x = torch.randn(M, K, generator=g).to(dtype)
+        methods = {"invariant": lambda: invariant(x, pick(), None),
+                   "auto": lambda: ops.skinny_linear(x, pick(), validate=False),
+                   "F.linear": lambda: F.linear(x, pick())}
+        times, _ = time_methods(methods, rounds)
+        best = {name: min(t) for name, t in times.items()}
+        for name, t in times.items():
+            out.append(dict(kind="linear", shape=f"{K}->{N}", dtype=str(dtype)[6:], rows=M, method=name,
+                            best_us=round(best[name] * 1e6, 2), median_us=round(statistics.median(t) * 1e6, 2),
+                            of_auto=round(best[name] / best["auto"], 3), rounds=len(t)))
+    return out
+
+
+def bench_invariant_attention(dtype: torch.dtype, rounds: int) -> list[dict]:
+    """tree_attention(invariant=True) against backend "cpu" and auto, the bundled target's heads."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for B, prefix in ((1, 200), (1, 500), (8, 200)):
+        for T in (1, 2, 5, 8, 16, 33, 64):
+            S = prefix + T
+            q = torch.randn(B, 10, T, 32, generator=g).to(dtype)
+            k, v = (torch.randn(B, 5, S, 32, generator=g).to(dtype) for _ in range(2))
+            lengths = torch.full((B,), prefix)
+            methods = {"invariant": lambda: ops.tree_attention(q, k, v, lengths, validate=False, invariant=True),
+                       "cpu": lambda: ops.tree_attention(q, k, v, lengths, validate=False, backend="cpu"),
+                       "auto": lambda: ops.tree_attention(q, k, v, lengths, validate=False)}
+            times, _ = time_methods(methods, rounds)
+            best = {name: min(t) for name, t in times.items()}
+            for name, t in times.items():
+                out.append(dict(kind="attention", shape=f"B={B},prefix={prefix},T={T},Hq=10,Hkv=5,D=32",
+                                dtype=str(dtype)[6:], rows=B * T, method=name, best_us=round(best[name] * 1e6, 2),
+                                median_us=round(statistics.median(t) * 1e6, 2),
+                                of_auto=round(best[name] / best["auto"], 3), rounds=len(t)))
+    return out
+
+
+def bench_invariant_forward(dtype: torch.dtype, rounds: int) -> list[dict]:
+    """One lean forward of the bundled target (T new tokens, batch 1, a 200-token cache):
+    invariant against fast_linear auto (generate's default)."""
+    from transformers import AutoModelForCausalLM
+
+    from spec_ext.models import SpecCache
+    from spec_ext.models.lean import LeanDecoder
+    model = AutoModelForCausalLM.from_pretrained(Path(__file__).resolve().parents[1] / "models" / "stdlib-target",
+                                                 dtype=dtype).eval()
+    decoders = {"invariant": LeanDecoder(model, invariant=True), "auto": LeanDecoder(model, fast_linear=True)}
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for T in (1, 2, 5, 8, 16, 33):
+        cache = SpecCache.for_model(model, 1, 256)
+        with torch.inference_mode():
+            decoders["auto"](torch.randint(0, 4096, (1, 200), generator=g), cache, torch.arange(200)[None])
+        cache.advance([200])
+        ids, positions = torch.randint(0, 4096, (1, T), generator=g), 200 + torch.arange(T)[None]
+
+        def run(decoder):
+            def call():
+                with torch.inference_mode():
+                    decoder(ids, cache, positions)  # the cache keeps 200: the new tokens are written over
+            return call
+
+        times, _ = time_methods({name: run(d) for name, d in decoders.items()}, rounds)
+        best = {name: min(t) for name, t in times.items()}
+        for name, t in times.items():
+            out.append(dict(kind="forward", shape=f"stdlib-target,T={T},cache=200", dtype=str(dtype)[6:], rows=T,
+                            method=name, best_us=round(best[name] * 1e6, 2),
+                            median_us=round(statistics.median(t) * 1e6, 2),
+                            of_auto=round(best[name] / best["auto"], 3), rounds=len(t)))
+    return out
+
+
+def invariant_main(args) -> None:
+    os.environ.pop(ISA_VARIABLE, None)
+    rows_list = (1, 5, 33) if args.quick else INVARIANT_ROWS
+    rounds = 3 if args.quick else args.rounds
+    results = {"invariant": [], "invariant_attention": [], "invariant_forward": []}
+    load = os.getloadavg()
+    for dtype in DTYPES:
+        for K, N in INVARIANT_SHAPES:
+            results["invariant"] += bench_invariant_linear(K, N, dtype, rows_list, rounds)
+        results["invariant_attention"] += bench_invariant_attention(dtype, rounds)
+        results["invariant_forward"] += bench_invariant_forward(dtype, rounds)
+    load_after = os.getloadavg()
+    version, head = getattr(__import__("spec_ext"), "__version__", "?"), commit()
+    for name, rows in results.items():
+        for r in rows:
+            r.update(threads=args.threads, device="cpu", isa=ops.linear.cpu_isa(), load_before=f"{load[0]:.2f}",
+                     load_after=f"{load_after[0]:.2f}", version=version, commit=head)
+        path = args.out.with_name(f"linear_cpu.{name}.csv")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        print(f"wrote {path}")
+        table = {}
+        for r in rows:
+            table.setdefault((r["shape"], r["dtype"], r["rows"]), {})[r["method"]] = r["best_us"]
+        for (shape, dtype, M), times in table.items():
+            print(f"{shape:>40} {dtype:>8} {M:>3} " + " ".join(f"{m} {t:9.1f}" for m, t in times.items()) +
+                  f"  invariant/auto {times['invariant'] / times['auto']:.2f}")
+    print(f"load average before {load[0]:.2f}, after {load_after[0]:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (MKL's and the kernel's)")
@@ -156,8 +294,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="rows 1, 4, 16 and 5 rounds (a smoke run)")
     parser.add_argument("--portable-rows", type=int, default=4, help="time the portable path up to this many rows")
     parser.add_argument("--out", type=Path, default=RESULTS / "linear_cpu.csv")
+    parser.add_argument("--invariant", action="store_true", help="the width-invariant path against auto "
+                                                                "(linear_cpu.invariant*.csv beside --out)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.invariant:
+        return invariant_main(args)
     isas = isas_here()
     if not isas:
         raise SystemExit("skinny_linear's CPU kernel is not built (spec_ext._C)")

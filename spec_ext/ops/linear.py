@@ -134,7 +134,9 @@ def invariant_linear(device: torch.device | str, dtype: torch.dtype):
     row's result is also the same on every x86-64 machine); x float32 with weights float32,
     bfloat16 or float16, or x bfloat16 / float16 with weights of its dtype; float32 sums, the bias added
     in float32, y rounded once to x's dtype. Costs what skinny_linear costs at that row count
-    (docs/invariance.md: about F.linear's time or less up to 16-32 rows, more beyond). On a
+    (docs/invariance.md, one thread: float32 what auto costs up to 16 rows, 0.6-1.0x at 17-33,
+    1.1-1.3x at 64; bfloat16 0.3-0.9x F.linear up to 8 rows, 2-4x at 64; float16 0.2-0.5x
+    F.linear from 2 rows on). On a
     GPU: the Triton kernel of spec_ext/kernels/linear.py (backend "triton_invariant": float32
     sums over K in blocks in a fixed order, same dtypes), tested bit-invariant in the Triton
     interpreter and compiled ahead of time for sm_80/sm_90, not yet run on a GPU.
