@@ -229,7 +229,7 @@ def lean_alone(target, group, n, temperature, fast_linear, prefill: list | None 
     with torch.inference_mode(), spec_ext.models.attention_implementation(target, fast_linear=fast_linear):
         cache = spec_ext.SpecCache.for_model(target, B, L + n)
         started = time.perf_counter()
-        logits = spec_ext.models.forward(target, ids, cache, torch.arange(L).expand(B, L))[:, -1]
+        logits = spec_ext.models.forward(target, ids, cache, torch.arange(L).expand(B, L)).logits[:, -1]
         if prefill is not None:
             prefill.append(time.perf_counter() - started)
         cache.advance([L] * B)
@@ -237,7 +237,7 @@ def lean_alone(target, group, n, temperature, fast_linear, prefill: list | None 
             token = logits.argmax(-1) if sampler.greedy else torch.multinomial(sampler.probs(logits), 1)[:, 0]
             tokens.append(token)
             if step + 1 < n:
-                logits = spec_ext.models.forward(target, token[:, None], cache, cache.lengths[:, None])[:, 0]
+                logits = spec_ext.models.forward(target, token[:, None], cache, cache.lengths[:, None]).logits[:, 0]
                 cache.advance([1] * B)
     return torch.cat([ids, torch.stack(tokens, 1)], 1)
 

@@ -185,6 +185,7 @@ def assert_follows(samples: np.ndarray, joint: dict):
 def eagle2_paths(logp, policy) -> set[tuple[int, ...]]:
     """The token paths EAGLE-2 keeps (``DynamicTree``), from ``logp(path)``: the drafter's
     log-probabilities [V] after a path of tokens from the root, computed by the caller."""
+    policy = policy.tree_shape()
     frontier, nodes = [((), 0.0)], []
     for _ in range(policy.depth):
         children = []

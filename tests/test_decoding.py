@@ -31,8 +31,9 @@ def test_greedy_batch1_equals_target(greedy_pair, policy):
     out = spec_ext.generate(target, draft, [prompt], max_new_tokens=40, eos_token_id=[],
                             policy=make_policy(policy, target, draft))
     assert out.sequences[0, len(prompt):].tolist() == expected
-    assert out.stats.new_tokens == 40 and out.stats.target_calls <= 41
-    assert out.stats.accepted > 0, "the perturbed draft should agree with the target sometimes"
+    assert out.stats.new_tokens == 40 and out.stats.target_calls <= 40
+    if policy != "plain":  # (Plain drafts nothing)
+        assert out.stats.accepted > 0, "the perturbed draft should agree with the target sometimes"
 
 
 @pytest.mark.parametrize("policy", ["fixed", "tree", "pearl"])
@@ -214,7 +215,7 @@ def test_sampling_follows_target_distribution(sampling_models, policy, temperatu
     if top_p is not None:
         assert sum(p == 0 for p in joint.values()) > 0, "top_p cut nothing here"
     assert_follows(samples, joint)
-    if draft_name == "near":
+    if draft_name == "near" and policy != "plain":  # (Plain drafts nothing)
         assert out.stats.accepted > 0
 
 
@@ -550,15 +551,15 @@ def test_the_dynamic_tree_is_eagle2s_expansion_of_the_drafts_own_scores(greedy_p
     by cumulative log-probability go on; the best ``nodes`` overall are kept."""
     from spec_ext.drafters import ModelDrafter
     from spec_ext.models import attention_implementation
-    from spec_ext.policies import DynamicTree
+    from spec_ext.policies import DynamicTree, RoundPlan
     _, draft = greedy_pair
     prompts = [[5, 17, 33, 8], [9, 4, 60, 61, 2]]
     policy = DynamicTree(depth=3, top_k=3, nodes=8)
-    drafter = ModelDrafter(draft, policy)
-    policy.start(2)
+    drafter = ModelDrafter(draft)
     drafter.start(prompts, 64, Sampler())
     with attention_implementation(draft):
-        proposal = drafter.propose(prompts, torch.tensor([p[-1] for p in prompts]))
+        proposal = drafter.propose(prompts, torch.tensor([p[-1] for p in prompts]),
+                                   RoundPlan([0, 0], tree=policy.tree_shape()))
     for b, prompt in enumerate(prompts):
         def logp(path):
             return torch.log_softmax(draft(torch.tensor([prompt + list(path)])).logits[0, -1].float(), -1)
@@ -570,7 +571,7 @@ def test_a_confident_draft_never_leaves_a_kept_node_without_its_parent():
     """A draft sure of its top token (log q = 0 exactly in float32) ties every child with its
     parent: the kept tree must still hold every node's parent, before it (the review's case:
     a tie-break of 1e-6 per level is lost below scores of -16)."""
-    from spec_ext.drafters.base import grow_dynamic_tree
+    from spec_ext.drafters import grow_tree
     from spec_ext.policies import DynamicTree
     V, B = 12, 3
     generator = torch.Generator().manual_seed(0)
@@ -584,7 +585,7 @@ def test_a_confident_draft_never_leaves_a_kept_node_without_its_parent():
         return confident(tokens.numel()).view(*tokens.shape, V)
 
     policy = DynamicTree(depth=4, top_k=3, nodes=8)
-    proposal = grow_dynamic_tree(policy, confident(B), torch.zeros(B, dtype=torch.int64), refeed)
+    proposal = grow_tree(policy.tree_shape(), confident(B), torch.zeros(B, dtype=torch.int64), refeed)
     parents = proposal.parents.tolist()
     for row in parents:
         assert row[0] == -1 and all(0 <= p < i for i, p in enumerate(row) if i), row

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import spec_ext
-from helpers import llama, perturbed
+from helpers import hf_greedy, llama, perturbed
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +136,52 @@ def test_with_mtp_target_forwards_equal_transformers_use_mtp(new, tmp_path_facto
         assert out.stats.target_calls == len(calls), (prompt, out.stats.target_calls, len(calls))
         rejected += out.stats.accepted < out.stats.drafted
     assert rejected, "prompts with rejected drafts too"
+
+
+@pytest.mark.parametrize("kind", ["model", "head", "block", "text"])
+@pytest.mark.parametrize("new", [1, 2])
+def test_calls_that_end_in_the_first_round_equal_hf(kind, new):
+    """One or two new tokens, row 0 ending at its first token (its EOS): the first round, which
+    emits the first token with or without drafts, ends rows as HF does for every kind of drafter
+    (a drafter reading the target's features starts on the rows left, here none or one)."""
+    from helpers import ragged_greedy_equals_target
+    from test_dflash import random_dflash
+    from test_heads import echo_head
+    from spec_ext.policies import NGram
+    target = llama(12, 32, 4, seed=3, sharpen=3.0)
+    draft = {"model": perturbed(target, 0.01, seed=1), "head": echo_head(target, noise=0.05),
+             "block": random_dflash(target), "text": None}[kind]
+    policy = NGram() if kind == "text" else "fixed"
+    prompts = [[5, 7, 3, 8, 11, 4], [9, 4, 10]]
+    if new == 1:
+        out = spec_ext.generate(target, draft, prompts, max_new_tokens=1, eos_token_id=[], policy=policy)
+        assert [out.sequences[b, -1].item() for b in range(2)] == [hf_greedy(target, p, 1, [])[0] for p in prompts]
+    else:
+        out = ragged_greedy_equals_target(target, draft, prompts, policy, max_new=new, eos_steps=[0])
+    assert out.stats.target_calls == new
+
+
+def test_policy_defaults_fit_the_drafter_and_numbers_beyond_it_are_refused(tmp_path_factory):
+    """A block of 4 slots drafts 3 in a line: Fixed(), Tree(), DynamicTree() and an Adaptive
+    tree without numbers fit it and stay exact (ragged, EOS); numbers set beyond it are refused
+    naming the policy. Two MTP layers: Fixed() drafts 2, one per layer, as transformers' use_mtp."""
+    import test_mtp
+    from helpers import ragged_greedy_equals_target
+    from test_dflash import random_dflash
+    from spec_ext.policies import Adaptive, DynamicTree, Fixed, Tree
+    target = llama(12, 32, 4, seed=3, sharpen=3.0)
+    block = random_dflash(target, block=4, scale=0.3)
+    prompts = [[5, 7, 3, 8, 11, 4], [9, 4, 10]]
+    for policy, fitted in [(Fixed(), Fixed(3)), (Tree(), Tree((3, 2, 1))), (DynamicTree(), DynamicTree(depth=3)),
+                           (Adaptive(tree=DynamicTree(top_k=4)), Adaptive(tree=DynamicTree(depth=3, top_k=4)))]:
+        assert policy.fitted(3, 3) == fitted
+        out = ragged_greedy_equals_target(target, block, prompts, policy, max_new=16)
+        assert 0 < max(out.stats.draft_lengths) <= fitted.lookahead, policy
+    for policy, said in [(Fixed(4), r"Fixed\(k=4\) drafts 4 in a line"), (Tree((2, 1, 1, 1)), "grows trees 4 deep"),
+                         (DynamicTree(depth=5), "grows trees 5 deep")]:
+        with pytest.raises(ValueError, match=rf"policy: .*{said}.*a block drafter drafts at most 3"):
+            spec_ext.generate(target, block, prompts[:1], max_new_tokens=4, policy=policy)
+    test_mtp._TMP[:] = [tmp_path_factory]
+    with_mtp, _ = test_mtp.target_with_mtp("glm4_moe", 2)
+    out = spec_ext.generate(with_mtp, "mtp", [[5, 17, 33, 8]], max_new_tokens=12, eos_token_id=[], policy=Fixed())
+    assert set(out.stats.draft_lengths[1:]) == {2}  # (the first round: the prompt's forward, no drafts)

@@ -54,9 +54,23 @@ def test_threads_mode_chooses_gamma_and_reports_stats():
     policy = PEARL()
     out = spec_ext.generate(target, draft, [RAGGED[0]], max_new_tokens=40, eos_token_id=[], policy=policy)
     assert out.sequences[0, 4:].tolist() == hf_greedy(target, RAGGED[0], 40, eos=[])
-    assert 1 <= policy.chosen_gamma <= policy.max_draft
+    assert 1 <= out.stats.gamma <= policy.max_draft
     assert out.stats.accepted > 0 and out.stats.draft_calls >= out.stats.drafted
     assert max(out.stats.draft_lengths) <= policy.max_draft + 1
+
+
+def test_the_prompts_forward_emits_the_first_token():
+    """No separate prefill: every target forward is a verification (the first reads the
+    prompts and emits each row's first new token), so forwards == rounds of the batch."""
+    target, draft = greedy_models()
+    forwards = [0]
+    target.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    out = spec_ext.generate(target, draft, RAGGED, max_new_tokens=12, eos_token_id=[], policy=PEARL(gamma=2))
+    assert forwards[0] == out.stats.target_calls
+    L = max(map(len, RAGGED))  # (left-padded)
+    for b, prompt in enumerate(RAGGED):
+        assert out.sequences[b, L:].tolist() == hf_greedy(target, prompt, 12, eos=[])
+    assert out.stats.target_calls == max(out.stats.row_rounds)  # every forward verified each unfinished row
 
 
 @pytest.mark.parametrize("action,match", [

@@ -665,8 +665,8 @@ def test_fixed_and_trees_plan_as_their_settings_say():
 def test_auto_drafts_the_text_beside_a_feature_head_greedy_and_sampling():
     """Beside a feature head (which waits out the rounds the text drafts alone) the text
     drafts its rows too: greedy equals the target on ragged rows with text rounds and head
-    rounds, and the first 3 sampled tokens' joint law is the target's (rows of text and of
-    the head mixed)."""
+    rounds (Auto), and the first 3 sampled tokens' joint law is the target's with rows of text
+    and of the head mixed in every round (a policy that alternates them)."""
     from helpers import PROMPT, VOCAB, assert_follows, exact_joint, hf_greedy
     from spec_ext.engine import Sampler
     from test_heads import echo_head
@@ -677,9 +677,27 @@ def test_auto_drafts_the_text_beside_a_feature_head_greedy_and_sampling():
     for b, prompt in enumerate(prompts):
         assert out.sequences[b, -40:].tolist() == hf_greedy(target, prompt, 40, eos=[]), b
     assert out.stats.matched > 0 and out.stats.accepted > out.stats.text_accepted > 0, out.stats
+    from spec_ext.policies import Controller, Offer, RoundPlan, TextSettings
+
+    class Alternating(Controller):
+        """Even rows their text's chain (where it matches), the others the head's 3 drafts."""
+
+        def plan(self, state):
+            chains = [state.text.chain(r, 3) if r % 2 == 0 else [] for r in range(state.rows)]
+            text = [Offer(Source.TEXT, tuple(c)) if c else None for c in chains]
+            return RoundPlan([0 if t is not None else 3 for t in text], text)
+
+    @dataclasses.dataclass(frozen=True)
+    class Mixed(spec_ext.policies.Policy):
+        def text_settings(self, has_model):
+            return TextSettings()
+
+        def start(self, call):
+            return Alternating(self, call)
+
     target = llama(VOCAB, 32, 2, seed=10, sharpen=3.0)
     head = echo_head(target, draft_vocab=5, noise=0.05, seed=4)
     out = spec_ext.generate(target, head, [PROMPT] * 20_000, max_new_tokens=3, temperature=1.0, eos_token_id=[],
-                            policy=Auto(), seed=7)
+                            policy=Mixed(), seed=7)
     assert 0 < out.stats.text_accepted < out.stats.accepted < out.stats.drafted, out.stats
     assert_follows(out.sequences[:, len(PROMPT):].numpy(), exact_joint(target, Sampler(1.0)))

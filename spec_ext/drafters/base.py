@@ -118,13 +118,16 @@ class Drafter:
     (HF's ``hidden_states[k]``) the drafter reads from every target forward (None: none),
     handed over in :meth:`start` and :class:`Outcome`; ``drafts_per_forward``: drafts one
     forward proposes (a block drafter's whole block); ``drafts_every_round``: a round where it
-    drafts no row still runs its catch-up forward (MTP layers).
+    drafts no row still runs its catch-up forward (MTP layers); ``chain_length``: the chain
+    it drafts where the policy names no length (a block's slots, the MTP layers; None: the
+    policy's default).
     """
 
     calls: int = 0
     model = None
     drafts_per_forward: int = 1
     drafts_every_round: bool = False
+    chain_length: int | None = None
     target_layers: tuple[int, ...] | None = None
     reads_hidden: bool = False  # the plan's keep_drafting reads the drafter's hidden state
     # what plans that read the bonus agreement need of the last round (see :meth:`bonus_agreement`):

@@ -56,6 +56,10 @@ class BlockDrafter(Drafter):
     def max_depth(self) -> int:
         return self.num_drafts
 
+    @property
+    def chain_length(self) -> int:
+        return self.num_drafts
+
     def bind(self, target) -> None:
         check_model(target, "target")
         draft, config = self.draft, self.draft.config

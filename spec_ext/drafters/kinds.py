@@ -90,7 +90,7 @@ def build(draft, policy: Policy) -> MixedDrafter:
             raise ValueError(f"policy: {name} reads the drafter's agreement with the token after a fully accepted "
                              f"round; {kind.describe} has no slot past its drafts to agree with")
     text = policy.text_settings(model is not None)
-    if model is None and text is None and policy.needs_model and not policy.parallel:
+    if model is None and text is None and policy.needs_model and not policy.drafts_elsewhere:
         raise ValueError(f"draft: required with policy {type(policy).__name__} (None only with a policy that drafts "
                          f"from the text, NGram or Suffix, or whose draft runs on another rank, e.g. "
                          f"PEARL(mode='distributed'))")

@@ -45,7 +45,7 @@ class MtpDrafter(Drafter):
 
     def __init__(self, mtp, hidden: bool = False):
         self.mtp = mtp.eval()
-        self.num_mtp = len(mtp.layers)
+        self.num_mtp = self.chain_length = len(mtp.layers)  # Fixed(): one draft per layer, as transformers' use_mtp
         self.shift = position_shift(mtp)  # layer i at index p runs at position p + i + shift
         self.hidden = hidden
 

@@ -124,21 +124,19 @@ def _across_tokenizers(draft, tokenizer, draft_tokenizer, mode: str, policy: Pol
     return OtherTokenizerDrafter(draft, draft_tokenizer, tokenizer, mode, hidden=policy.reads_draft_hidden)
 
 
-def _drafter(target, draft, policy: Policy) -> MixedDrafter:
-    """Check the models and make the call's drafting for ``draft``."""
+def _drafter(target, draft, policy: Policy) -> tuple[MixedDrafter, Policy]:
+    """Check the models and make the call's drafting for ``draft``; the policy fitted to it
+    (:meth:`Policy.fitted`)."""
     drafter = build(draft, policy)
     model = drafter.model_drafter
-    if policy.parallel and policy.mode == "distributed" and split_size(target) > 1:
+    if policy.drafts_elsewhere and split_size(target) > 1:
         raise ValueError("policy: PEARL(mode='distributed') with a tensor-parallel target: transformers' tensor "
                          "parallelism takes the whole default process group (WORLD_SIZE == tp_size), so no rank "
                          "is left for the draft; use PEARL(mode='threads'), whose draft runs on the leading rank")
     drafter.bind(target)
     if model is None:
-        return drafter
-    shape, deepest = policy.tree_shape(), model.max_depth
-    if shape is not None and deepest is not None and shape.max_depth > deepest:
-        raise ValueError(f"policy: {policy!r} grows trees {shape.max_depth} deep; {kind_of(draft).describe} drafts "
-                         f"at most {deepest} in a line")
+        return drafter, policy
+    policy = policy.fitted(model.max_depth, model.chain_length, kind_of(draft).describe)
     if model.model is not None and not isinstance(model, OtherTokenizerDrafter):
         vt, vd = vocabulary_size(target), vocabulary_size(model.model)
         if abs(vt - vd) > PADDING:
@@ -146,7 +144,7 @@ def _drafter(target, draft, policy: Policy) -> MixedDrafter:
                              f"padding ({PADDING}): most likely another tokenizer. Pass the target's tokenizer "
                              f"and the draft's (tokenizer=..., assistant_tokenizer=...) to draft across "
                              f"tokenizers")
-    return drafter
+    return drafter, policy
 
 
 def inferred_mask(input_ids, pad_token_id, config_pad_token_id, eos_ids: list[int]) -> Tensor | None:
@@ -279,8 +277,8 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     if isinstance(draft, (str, Path)):
         draft = load(draft, target)
     policy = resolve(_with_cache(policy, suffix_cache))
-    drafter = _drafter(target, _across_tokenizers(draft, tokenizer, assistant_tokenizer, tokenizer_mode, policy),
-                       policy)
+    drafter, policy = _drafter(target, _across_tokenizers(draft, tokenizer, assistant_tokenizer, tokenizer_mode,
+                                                           policy), policy)
     model = drafter.model_drafter
     draft = None if model is None else model.model
     across = model if isinstance(model, OtherTokenizerDrafter) else None

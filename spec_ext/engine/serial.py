@@ -184,7 +184,7 @@ class SerialEngine(Rows):
                     if self.emit(r, outcome.committed[i], outcome.drafted[i], outcome.accepted[i],
                                  sources[i].name.lower())]
             index = torch.tensor(keep, dtype=torch.long, device=self.device)
-            if waiting:  # each prompt's features, the context of the first new token
+            if waiting and keep:  # each prompt's features, the context of the first new token
                 drafter.start([list(self.seqs[self.active[i]]) for i in keep], self.capacity, self.sampler,
                               self.generator, features=self.prompt_features[index])
             if len(keep) < len(self.active):

@@ -346,7 +346,7 @@ def load_speculators_mtp(path: str | Path, target):
     one spec_ext cannot honour (more than one layer, unknown fields or weights)."""
     from safetensors.torch import load_file
     from transformers import initialization
-    from transformers.modeling_layers import MtpLayer, MtpModel
+    from transformers.modeling_layers import MtpModel
 
     path = Path(path)
     if not (path / "config.json").is_file():

@@ -100,6 +100,11 @@ class Adaptive(Policy):
     def tree_shape(self):
         return None if self.tree is None else self.tree.tree_shape()
 
+    def fitted(self, max_depth: int | None, chain: int | None, drafter: str = "the drafter") -> Policy:
+        if self.tree is None:
+            return self
+        return dataclasses.replace(self, tree=self.tree.fitted(max_depth, chain, drafter))
+
     @property
     def depth_limit(self) -> int:
         """The most drafts in a line (a chain's length, a tree's depth)."""

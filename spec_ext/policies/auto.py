@@ -43,9 +43,9 @@ class Auto(Policy):
     verify(B, w) + draft(k) (:class:`~spec_ext.policies.estimates.Pricing`): greedy, both as
     measured on this device (the verification is the round's time but its draft forwards;
     irregular by width where the step reads weights), so outputs never depend on timing but
-    lengths do; sampled, modeled (one target step per verification, or the target's
-    verification by width timed once per process beside a block drafter; a draft forward at
-    the draft's share of the target's parameters), so a seed reproduces the output.
+    lengths do; sampled, modeled (the target's verification by width, timed once per process;
+    a draft forward at the draft's share of the target's parameters), so a seed reproduces the
+    output in a process.
 
     The first round drafts the text and the model to ``initial``, the second the model alone at
     the narrowest width, so that two widths give the cost's slope; then every
@@ -126,10 +126,10 @@ class AutoController(Controller):
         per_forward = call.drafts_per_forward
         self.largest = min(policy.max_draft, per_forward) if per_forward > 1 else policy.max_draft
         modeled = None
-        if not call.greedy and per_forward > 1 and call.target is not None and split_size(call.target) == 1:
-            # sampling beside a block drafter, whose block is one forward however long: only the
-            # verification's price bounds it (a tensor-parallel target's followers replay its forwards)
-            modeled = verification_costs(call.target, call.batch_size, min(self.largest + 1, SAMPLED_WIDEST))
+        if not call.greedy and hasattr(call.target, "config") and split_size(call.target) == 1:
+            # sampled: the verification priced by width as timed once per process, so a seed reproduces the
+            # output in a process (a tensor-parallel target's followers replay its forwards: it is not timed)
+            modeled = verification_costs(call.target, call.batch_size, min(policy.max_draft + 1, SAMPLED_WIDEST))
         self.pricing = Pricing(self.costs, call.greedy, size_ratio(call.target, call.draft), per_forward, modeled,
                                min(call.batch_size, SAMPLED_ROWS))
         self.rounds, self.k, self.narrowed = 0, policy.initial, 0

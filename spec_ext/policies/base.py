@@ -344,6 +344,11 @@ class Policy:
         """How many tokens past the committed ones a round may write to the caches."""
         return self.max_draft
 
+    @property
+    def drafts_elsewhere(self) -> bool:
+        """The draft runs in another process (the call is given none)."""
+        return False
+
     def text_settings(self, has_model: bool):
         """The text source's settings (:class:`spec_ext.policies.ngram.TextSettings`) for a
         call with (``has_model``) or without a model, or None: no text source."""
@@ -353,9 +358,15 @@ class Policy:
         """The tree the model grows every round (None: chains)."""
         return None
 
-    def fitted(self, drafts_per_forward: int, max_depth: int | None) -> "Policy":
-        """This policy for a drafter that drafts ``drafts_per_forward`` per forward and at most
-        ``max_depth`` deep (None: no limit): itself, or a copy whose unset defaults fit."""
+    def fitted(self, max_depth: int | None, chain: int | None, drafter: str = "the drafter") -> "Policy":
+        """This policy for ``drafter`` (its description, for errors), which drafts at most
+        ``max_depth`` in a line (None: any) and a ``chain`` of drafts where the policy names
+        no length (None: the policy's default): itself, or a copy whose numbers left unset
+        (None) fit it. A number set beyond ``max_depth`` raises ValueError naming the policy."""
+        shape = self.tree_shape()
+        if shape is not None and max_depth is not None and shape.max_depth > max_depth:
+            raise ValueError(f"policy: {self!r} grows trees {shape.max_depth} deep; {drafter} drafts at most "
+                             f"{max_depth} in a line")
         return self
 
     def start(self, call: Call) -> Controller:

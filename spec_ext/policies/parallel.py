@@ -54,6 +54,10 @@ class PEARL(Policy):
         return self.max_gamma if self.gamma is None else self.gamma
 
     @property
+    def drafts_elsewhere(self) -> bool:
+        return self.mode == "distributed"
+
+    @property
     def lookahead(self) -> int:
         """How far (tokens past the committed ones) a lane may draft ahead."""
         return 2 * self.max_draft + 2

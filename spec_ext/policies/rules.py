@@ -36,15 +36,26 @@ class _Plain(Controller):
 @register
 @dataclass(frozen=True)
 class Fixed(Policy):
-    """Vanilla speculative decoding: always ``k`` drafts."""
-    k: int = 5
+    """Vanilla speculative decoding: always ``k`` drafts (None: the drafter's own chain, a
+    block drafter's slots or the MTP layers' count, else 5)."""
+    k: int | None = None
+
+    DEFAULT: ClassVar[int] = 5
 
     def __post_init__(self):
-        check(isinstance(self.k, int) and self.k >= 1, "k", f"must be an int >= 1, got {self.k!r}")
+        check(self.k is None or isinstance(self.k, int) and self.k >= 1, "k",
+              f"must be an int >= 1 or None, got {self.k!r}")
 
     @property
     def max_draft(self) -> int:
-        return self.k
+        return self.DEFAULT if self.k is None else self.k
+
+    def fitted(self, max_depth: int | None, chain: int | None, drafter: str = "the drafter") -> Policy:
+        if self.k is None:
+            return Fixed(min(chain or self.DEFAULT, max_depth or self.DEFAULT))
+        if max_depth is not None and self.k > max_depth:
+            raise ValueError(f"policy: {self!r} drafts {self.k} in a line; {drafter} drafts at most {max_depth}")
+        return self
 
 
 @register

@@ -137,7 +137,6 @@ def initial_dflash(target, layer_ids: tuple[int, ...], layers: int, block_size: 
     layer.setdefault("num_key_value_heads", text.num_attention_heads)
     layer.setdefault("rms_norm_eps", getattr(text, "layer_norm_eps", 1e-6))
     layer.setdefault("intermediate_size", 4 * text.hidden_size)
-    vocab = text.vocab_size
     config = DFlashConfig(layer, block_size, tuple(layer_ids), mask_token_id,
                           None if draft_ids is None else len(draft_ids), text.hidden_size,
                           verifier=dict(name_or_path=getattr(target.config, "_name_or_path", None) or None,

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from spec_ext import ops
-from spec_ext.drafters import prefill
+from spec_ext.drafters import check_finite, pad_rows
 from spec_ext.engine.common import Rows
 from spec_ext.engine.parallel.draft_side import serve_one, split_threads
 from spec_ext.engine.parallel.links import DistributedLink, ThreadLink
@@ -113,19 +113,16 @@ class ParallelEngine(Rows):
                          vocabulary_size(self.target)))
         while not isinstance(link.get(), Hello):
             pass  # leftovers of an earlier call that failed on this side
-        self._prefill()
+        first = True
         while self.active:
-            self._round(link)
+            self._round(link, first)
+            first = False
         link.send(End())
         while not isinstance(message := link.get(), Done):
             pass
         self.stats.draft_calls = message.draft_calls
         self.stats.gamma = self._gamma()
         return self.finish()
-
-    def _prefill(self) -> None:
-        if prefill(self.target, self.cache, [s[:-1] for s in self.seqs], "target") is not None:
-            self.stats.target_calls += 1
 
     def _plan(self, tree: dict, gamma: int) -> tuple[dict[int, int], list[int]]:
         """(fed, checked): the forward position of the root (-1 -> 0) and of every node fed
@@ -138,8 +135,11 @@ class ParallelEngine(Rows):
         checked = [n for n in sorted(tree) if n in fed or tree[n][0] in fed]
         return fed, checked
 
-    def _round(self, link) -> None:
-        rows, gamma = self.active, self._gamma()
+    def _round(self, link, prompt: bool = False) -> None:
+        """One verification. ``prompt``: the call's first, whose forward reads every prompt token
+        (the cache is empty before it) and checks only the root's children, unfed (their
+        subtrees survive when one is kept): the prompt's forward emits the first new token."""
+        rows, gamma = self.active, 0 if prompt else self._gamma()
         for message in link.poll():
             self._take(message)
         while not all(any(parent == -1 for parent, _, _ in self.trees[r].values()) for r in rows):
@@ -169,13 +169,23 @@ class ParallelEngine(Rows):
                 tokens_v[i, j + 1], parents_v[i, j + 1] = token, check_index[parent]
                 # an unfed node is a leaf here: its p only feeds a bonus draw that is never used
                 source[i, j + 1] = fed.get(n, fed[parent])
-        depth, tree_mask = ops.tree_mask(forward_parents.to(self.device), validate=False)
-        positions = self.cache.lengths[:, None] + depth
         started = time.perf_counter()
         self.stats.target_calls += 1
-        logits, hidden, _ = forward(self.target, ids.to(self.device), self.cache, positions, tree_mask,
-                                    hidden=self.policy.learned)
-        self.forward_seconds.append(time.perf_counter() - started)
+        if prompt:  # each row's prompt, causal; the root is each row's last prompt token
+            prompts = [self.seqs[r] for r in rows]
+            ids = pad_rows(prompts, 0, self.device)
+            positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+            logits, hidden, _ = forward(self.target, ids, self.cache, positions, hidden=self.policy.learned)
+            check_finite(logits, "target")
+            root = torch.tensor([len(p) - 1 for p in prompts], device=self.device)[:, None, None]
+            logits = logits.gather(1, root.expand(-1, -1, logits.shape[-1]))
+            hidden = None if hidden is None else hidden.gather(1, root.expand(-1, -1, hidden.shape[-1]))
+        else:
+            depth, tree_mask = ops.tree_mask(forward_parents.to(self.device), validate=False)
+            positions = self.cache.lengths[:, None] + depth
+            logits, hidden, _ = forward(self.target, ids.to(self.device), self.cache, positions, tree_mask,
+                                        hidden=self.policy.learned)
+            self.forward_seconds.append(time.perf_counter() - started)
         logits = logits.gather(1, source.to(self.device)[..., None].expand(-1, -1, logits.shape[-1]))
         tokens_v, parents_v = tokens_v.to(self.device), parents_v.to(self.device)
         if self.sampler.greedy:
@@ -189,10 +199,11 @@ class ParallelEngine(Rows):
             result = ops.tree_rejection_sample(self.sampler.probs(logits), tokens_v, parents_v, q,
                                                siblings="without_replacement", generator=self.generator,
                                                validate=False)
-        self._settle(link, rows, plans, result, hidden)
+        self._settle(link, rows, plans, result, hidden, prompt)
 
-    def _settle(self, link, rows, plans, result, hidden) -> None:
-        """Emit the accepted tokens, commit the target cache, tell the draft side."""
+    def _settle(self, link, rows, plans, result, hidden, prompt: bool) -> None:
+        """Emit the accepted tokens, commit the target cache (``prompt``: all of each row's
+        prompt), tell the draft side."""
         paths, tokens, accepted = result.path.tolist(), result.tokens.tolist(), result.num_accepted.tolist()
         commit_paths, commit_counts = [], []
         verdict, keep = Verdict(committed={}), []
@@ -236,7 +247,10 @@ class ParallelEngine(Rows):
             hints = self.hints(hidden[torch.tensor(keep, device=self.device), index], roots, self.sampler.greedy)
             verdict.hints = {rows[i]: h for i, h in zip(keep, hints)}
         width = max(map(len, commit_paths))
-        self.cache.commit(torch.tensor([p + [-1] * (width - len(p)) for p in commit_paths]), commit_counts)
+        if prompt:  # (the root is the only fed node)
+            self.cache.advance([len(self.prompts[r]) for r in rows])
+        else:
+            self.cache.commit(torch.tensor([p + [-1] * (width - len(p)) for p in commit_paths]), commit_counts)
         if len(keep) < len(rows):
             self.cache.keep_rows(keep)
             self.active = [rows[i] for i in keep]
