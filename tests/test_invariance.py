@@ -416,3 +416,127 @@ def test_invariant_cpu_kernel_gives_the_same_bits_on_every_isa_path(dtype, monke
         monkeypatch.setenv(ISA_VARIABLE, isa)
         results.append(attend("cpu", q[:, :, :9], k, v, prefix, mask, 9, 30.0, sinks))
     assert torch.equal(results[0], results[1])
+
+
+# ------------------------------------------------------------------ every architecture, end to end
+def hf_forwards(model, steps, rows=2, capacity=64):
+    """As :func:`lean_forward`, through :func:`spec_ext.models.forward` inside an invariant
+    block (the HF modules, or the lean forward for the models it takes)."""
+    from spec_ext.models import SpecCache, attention_implementation, forward
+    cache = SpecCache.for_model(model, rows, capacity)
+    outs = []
+    with torch.inference_mode(), attention_implementation(model, invariant=True):
+        for step in steps:
+            if step[0] == "rollback":
+                cache.rollback(step[1])
+                continue
+            ids, positions, mask = step
+            outs.append(forward(model, ids, cache, positions, mask).logits)
+            cache.advance([ids.shape[1]] * rows)
+    return outs
+
+
+@pytest.mark.skipif(not CPU_BUILT, reason="C++ kernels not built")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", __import__("test_architectures").ARCHITECTURES)
+def test_every_architectures_invariant_forward_gives_a_position_the_same_logits_alone_or_in_a_block(kind, dtype):
+    """The HF modules (and the lean forward where it applies) with ``invariant=True``: a ragged
+    verification block of 9 after a prompt of 7 (rows cut back to 7 and 4) gives every
+    position the logits of feeding its tokens one at a time, bit for bit (mixtures of experts,
+    MLA, sinks, soft-caps, windows, Conv1D, GELU, rotary), and a tree's nodes those of their
+    paths decoded alone."""
+    from test_architectures import sharpened_model
+    model = sharpened_model(kind).to(dtype)
+    g = torch.Generator().manual_seed(0)
+    prompt, block = torch.randint(3, 61, (2, 7), generator=g), torch.randint(3, 61, (2, 9), generator=g)
+    cut = torch.tensor([7, 4])
+    block_positions = cut[:, None] + torch.arange(9)
+    rollback = ("rollback", cut.tolist())
+    at_once = hf_forwards(model, [(prompt, torch.arange(7).expand(2, 7), None), rollback,
+                                  (block, block_positions, None)])
+    singly = hf_forwards(model, one_at_a_time(prompt, torch.arange(7).expand(2, 7)) + [rollback] +
+                         one_at_a_time(block, block_positions))
+    for j in range(9):
+        assert torch.equal(at_once[1][:, j], singly[7 + j][:, 0]), f"block position {j}"
+    parents = [-1, 0, 0, 1, 2, 2, 5]
+    tree = spec_ext.build_tree(parents)
+    nodes = torch.randint(3, 61, (1, 7), generator=g)
+    prefill = (prompt[:1, :5], torch.arange(5)[None], None)
+    verified = hf_forwards(model, [prefill, (nodes, tree.positions(torch.tensor([5])), tree.mask)], rows=1)[1]
+    for node in (3, 6):  # two leaves, on either branch
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        path.reverse()
+        decoded = hf_forwards(model, [prefill] + one_at_a_time(nodes[:, path], 5 + torch.arange(len(path))[None]),
+                              rows=1)
+        assert torch.equal(verified[:, node], decoded[-1][:, 0]), node
+
+
+def plain_and_speculative(target, draft, prompts, policy, new=20, **kwargs):
+    plain = spec_ext.generate(target, None, prompts, max_new_tokens=new, eos_token_id=[], policy="plain", **kwargs)
+    out = spec_ext.generate(target, draft, prompts, max_new_tokens=new, eos_token_id=[], policy=policy, **kwargs)
+    return plain.sequences, out
+
+
+RAGGED = [[5, 17, 33, 8, 9, 10, 11], [40, 3], [7, 21, 50, 4]]
+
+
+@pytest.mark.skipif(not CPU_BUILT, reason="C++ kernels not built")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", __import__("test_architectures").ARCHITECTURES)
+def test_on_every_architecture_greedy_speculation_is_bit_identical_to_plain_decoding(kind, dtype):
+    """``invariant=True``, a ragged batch: chains (Fixed) and trees (DynamicTree) from a draft
+    model give exactly ``Plain()``'s tokens, drafts accepted."""
+    from spec_ext.policies import DynamicTree, Fixed
+    from test_architectures import sharpened_model
+    from helpers import perturbed
+    target = sharpened_model(kind).to(dtype)
+    draft = perturbed(target, 0.01, seed=1)
+    for policy in (Fixed(4), DynamicTree(depth=3, top_k=3, nodes=8)):
+        plain, out = plain_and_speculative(target, draft, RAGGED, policy, invariant=True)
+        assert torch.equal(out.sequences, plain), policy
+        assert out.stats.accepted > 0, policy
+
+
+@pytest.mark.skipif(not CPU_BUILT, reason="C++ kernels not built")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_every_policy_and_drafter_is_bit_identical_to_plain_decoding(dtype, tmp_path_factory):
+    """Llama (the lean forward) with a draft model under every serial and parallel policy, an
+    EAGLE-3 head, a DFlash block and the text; glm4_moe (the HF modules) with its MTP layers:
+    ``invariant=True`` greedy output equals ``Plain()``'s, bit for bit, in bfloat16 and float16
+    (without it, llama's bfloat16 chains part from plain decoding at a near-tie)."""
+    import test_mtp
+    from spec_ext.policies import (SVIP, Adaptive, Auto, Confidence, DynamicTree, Fixed, Heuristic, NGram, PEARL,
+                                   Suffix, SuffixCache, Tree)
+    from test_architectures import sharpened_model
+    from test_dflash import random_dflash
+    from test_heads import echo_head
+    from helpers import perturbed
+    target = sharpened_model("llama").to(dtype)
+    draft = perturbed(target, 0.01, seed=1)
+    cases = [(draft, p) for p in (Fixed(4), Auto(), Adaptive(), Heuristic(), Confidence(), SVIP(), Tree(),
+                                  DynamicTree(depth=3, top_k=3, nodes=8), PEARL(gamma=2), NGram())]
+    cases += [(echo_head(target.float(), noise=0.05).to(dtype), p) for p in (Fixed(3), DynamicTree(depth=3, top_k=3))]
+    cases += [(random_dflash(target.float(), scale=0.3).to(dtype), p) for p in (Fixed(), Adaptive(tree=Tree()))]
+    cases += [(None, NGram()), (None, Suffix(SuffixCache()))]
+    for drafter, policy in cases:
+        plain, out = plain_and_speculative(target, drafter, RAGGED, policy, invariant=True)
+        assert torch.equal(out.sequences, plain), (type(drafter).__name__, policy)
+    test_mtp._TMP[:] = [tmp_path_factory]
+    with_mtp, _ = test_mtp.target_with_mtp("glm4_moe", 2)
+    with_mtp = with_mtp.to(dtype)
+    for policy in (Fixed(), DynamicTree(depth=3, top_k=3, nodes=8)):
+        plain, out = plain_and_speculative(with_mtp, "mtp", RAGGED, policy, invariant=True)
+        assert torch.equal(out.sequences, plain), ("mtp", policy)
+
+
+def test_generate_takes_invariant_where_measured_no_slower_and_refuses_bad_values():
+    """None (the default): on for a float16 target on the CPU's lean forward, off elsewhere."""
+    from spec_ext.engine.generate import _invariant
+    from test_architectures import sharpened_model
+    llama = sharpened_model("llama")
+    assert _invariant(None, llama.half()) is CPU_BUILT and _invariant(None, llama.float()) is False
+    assert _invariant(None, llama.bfloat16()) is False and _invariant(None, sharpened_model("gpt2").half()) is False
+    with pytest.raises(ValueError, match="invariant: expected True, False or None, got 'yes'"):
+        spec_ext.generate(llama.float(), None, [[1, 2]], policy="plain", invariant="yes")

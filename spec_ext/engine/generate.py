@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from spec_ext import ops
+
 from spec_ext.drafters import MixedDrafter, OtherTokenizerDrafter, Sampler, build, kind_of, load, pad_rows
 from spec_ext.engine.common import Output, Stats, prompt_rows
 from spec_ext.engine.parallel import ParallelEngine
@@ -17,8 +19,23 @@ from spec_ext.engine.serial import SerialEngine
 from spec_ext.engine.settings import SETTINGS, make_processors, resolve_settings, sampling_temperature, stop_strings
 from spec_ext.engine.tensor_parallel import channel
 from spec_ext.models import attention_implementation, split_size, vocabulary_size
+from spec_ext.models.lean import why_not_lean
 from spec_ext.policies import Call, Memory, Policy, Suffix, SuffixCache, resolve
 from spec_ext.vocab import fingerprint
+
+
+def _invariant(invariant, target) -> bool:
+    """generate's ``invariant`` for ``target`` (None: where it was measured no slower)."""
+    if invariant is None:
+        return target.device.type == "cpu" and target.dtype == torch.float16 and split_size(target) == 1 \
+            and ops.registered("skinny_linear", "CPU") and ops.registered("tree_attention_invariant", "CPU") \
+            and why_not_lean(target) is None
+    if not isinstance(invariant, bool):
+        raise ValueError(f"invariant: expected True, False or None, got {invariant!r}")
+    if invariant and split_size(target) > 1:
+        raise ValueError("invariant: a tensor-parallel target's shards sum their linear layers across ranks in "
+                         "no fixed order; run it unsplit")
+    return invariant
 
 
 def _check_fast_linear(fast_linear) -> None:
@@ -202,7 +219,8 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
              policy: str | Policy = "auto", seed: int | None = None, streamer=None,
              fast_linear: bool | str = "auto", tokenizer=None, grammar=None, logits_processor=None,
              prefix_allowed_tokens_fn=None, assistant_tokenizer=None, tokenizer_mode: str = "auto",
-             suffix_cache: SuffixCache | None = None, memory: Memory | None = None, **settings) -> Output:
+             suffix_cache: SuffixCache | None = None, memory: Memory | None = None, invariant: bool | None = None,
+             **settings) -> Output:
     """Speculative decoding of ``target`` with ``draft``: greedy output equals the
     target's own greedy output; sampled output follows the target's distribution.
 
@@ -239,6 +257,14 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
             within that rounding (not seen on the bundled pair's held-out prompts). The draft
             takes skinny_linear wherever it applies, whatever this says: its rounding
             changes only which tokens are proposed, never the output.
+        invariant: the target's forward width-invariant (docs/invariance.md): a position's
+            logits the same bits verified among others or decoded alone, so greedy output is
+            bit-identical to ``policy=Plain()``'s (the same forward, no drafts) in every
+            precision. True: the invariant linear and attention kernels (the lean forward, or
+            the HF modules with their activations and rotary applied a position at a time);
+            ValueError where there is no invariant kernel for its device and dtype. None (the
+            default): True where it was measured no slower (a float16 target on the CPU on the
+            lean forward), else False.
         tokenizer: the target's tokenizer (for ``grammar``, ``stop_strings`` and ``assistant_tokenizer``).
         assistant_tokenizer, tokenizer_mode: the draft's tokenizer, when it is not the target's
             (HF's name): the draft proposes across tokenizers (:class:`spec_ext.drafters.OtherTokenizerDrafter`),
@@ -283,6 +309,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     draft = None if model is None else model.model
     across = model if isinstance(model, OtherTokenizerDrafter) else None
     _check_fast_linear(fast_linear)
+    invariant = _invariant(invariant, target)
     check_generation_config(target)
     eos_ids = token_ids(eos_token_id if eos_token_id is not None else target.generation_config.eos_token_id,
                         "eos_token_id")
@@ -344,7 +371,8 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         attention_implementation(across.model, fast_linear=fast_linear or "auto")
     with split.leading_run(target) if split is not None else contextlib.nullcontext(), \
             attention_implementation(*fitted, fast_linear=[fast_linear, fast_linear or "auto"][:len(fitted)],
-                                     vocab_size=vocabulary_size(target)), own:
+                                     vocab_size=vocabulary_size(target), invariant=[invariant, False][:len(fitted)]), \
+            own:
         if policy.parallel:
             loop = ParallelEngine(policy, target, draft, prompts, max_new_tokens, sampler, eos, generator, streamer,
                                   fast_linear)
@@ -391,7 +419,8 @@ class Accelerated:
     that every call reads at its start and adds to at its end, under its lock."""
 
     def __init__(self, target, draft, policy: str | Policy = "auto", fast_linear: bool | str = "auto", tokenizer=None,
-                 draft_tokenizer=None, tokenizer_mode: str = "auto", suffix_cache: SuffixCache | bool = True):
+                 draft_tokenizer=None, tokenizer_mode: str = "auto", suffix_cache: SuffixCache | bool = True,
+                 invariant: bool | None = None):
         if isinstance(draft, (str, Path)):
             draft = load(draft, target)
         if suffix_cache is True:  # a cache of its own, for the text-drafting policies named
@@ -405,6 +434,7 @@ class Accelerated:
         _drafter(target, _across_tokenizers(draft, tokenizer, draft_tokenizer, tokenizer_mode, self._policy),
                  self._policy)
         _check_fast_linear(fast_linear)
+        self._invariant = _invariant(invariant, target)
         self.memory = Memory()
         self.last_stats: Stats | None = None
 
@@ -448,16 +478,17 @@ class Accelerated:
                        tokenizer=tokenizer or self._tokenizers["tokenizer"], grammar=grammar,
                        logits_processor=logits_processor, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
                        assistant_tokenizer=assistant_tokenizer or self._tokenizers["assistant_tokenizer"],
-                       tokenizer_mode=self._tokenizers["tokenizer_mode"], memory=self.memory, **settings)
+                       tokenizer_mode=self._tokenizers["tokenizer_mode"], memory=self.memory,
+                       invariant=self._invariant, **settings)
         self.last_stats = out.stats
         return out.sequences
 
 
 def accelerate(target, draft, policy: str | Policy = "auto", fast_linear: bool | str = "auto", tokenizer=None,
-               draft_tokenizer=None, tokenizer_mode: str = "auto",
-               suffix_cache: SuffixCache | bool = True) -> Accelerated:
+               draft_tokenizer=None, tokenizer_mode: str = "auto", suffix_cache: SuffixCache | bool = True,
+               invariant: bool | None = None) -> Accelerated:
     """Wrap ``target`` so that ``.generate(...)`` runs speculative decoding with ``draft``
-    (``fast_linear``: see :func:`generate`; ``tokenizer`` and ``draft_tokenizer``: the
+    (``fast_linear`` and ``invariant``: see :func:`generate`; ``tokenizer`` and ``draft_tokenizer``: the
     target's and the draft's, for a draft of another tokenizer, set once for every call;
     ``tokenizer_mode``: see :func:`generate`).
 
@@ -471,4 +502,5 @@ def accelerate(target, draft, policy: str | Policy = "auto", fast_linear: bool |
         >>> fast = accelerate(target, draft, policy="fixed")            # doctest: +SKIP
         >>> fast.generate(input_ids, max_new_tokens=64)                 # doctest: +SKIP
     """
-    return Accelerated(target, draft, policy, fast_linear, tokenizer, draft_tokenizer, tokenizer_mode, suffix_cache)
+    return Accelerated(target, draft, policy, fast_linear, tokenizer, draft_tokenizer, tokenizer_mode, suffix_cache,
+                       invariant)

@@ -23,6 +23,14 @@ drafting for Qwen2.5-7B's 152064): inside :func:`attention_implementation` with
 model lacks get the lowest float, so probability 0; extra columns are dropped) and feeds a
 model a placeholder id for a token it cannot embed.
 
+Width invariance (``attention_implementation(..., invariant=True)``, docs/invariance.md): a
+position's logits are the same bits whatever else the forward computes. The lean forward does
+it itself; on the HF modules the forward runs under :class:`_Invariant`, a torch function
+mode of its thread that puts every linear product on :func:`spec_ext.ops.invariant_linear`
+and applies elementwise transcendentals one position at a time (they take a vectorised and a
+scalar path by where an element falls in the call), and the attention takes its invariant
+path.
+
 Features for draft heads that read the target's hidden states (EAGLE-3): ``forward(...,
 layers=(k, ...)).features`` is the concatenation of HF's ``hidden_states[k]`` of those
 layers, from the same forward (the lean one keeps them as its layer loop passes them; the HF
@@ -46,7 +54,9 @@ from transformers import AttentionInterface
 from spec_ext import ops
 from spec_ext.models import lean
 from spec_ext.models.cache import split_size
-from spec_ext.ops.linear import kernel_applies
+from spec_ext.ops.attention import invariant_attention
+from spec_ext.ops.checks import FLOAT_TYPES
+from spec_ext.ops.linear import invariant_linear, kernel_applies
 
 ATTENTION = "spec_ext"
 
@@ -83,7 +93,7 @@ def _attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask
                            "spec_ext's packed tree bits")
     tree_mask = attention_mask[:, 0] if attention_mask.shape[-1] else None
     out = ops.tree_attention(query, key, value, spec_prefix_lens, tree_mask, scale=scaling, window=sliding_window,
-                             softcap=softcap, sinks=s_aux, validate=False)
+                             softcap=softcap, sinks=s_aux, validate=False, invariant=_invariant_here())
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -210,15 +220,73 @@ def _skinny_forward(module: nn.Linear, x: Tensor) -> Tensor:
     """nn.Linear's forward on :func:`spec_ext.ops.skinny_linear` (backend auto: the kernel
     where its measured rule says it is faster, F.linear elsewhere), for the HF modules of a
     model inside a block with ``fast_linear`` opened on this thread (another thread's calls
-    of the same module keep F.linear). The kernel has no backward and ignores autocast, so a
-    forward that records gradients or runs under CPU autocast keeps F.linear."""
-    if (torch.is_grad_enabled() or torch.is_autocast_enabled("cpu")
+    of the same module keep F.linear; an invariant forward's F.linear is the invariant one).
+    The kernel has no backward and ignores autocast, so a forward that records gradients or
+    runs under CPU autocast keeps F.linear."""
+    if (torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or _invariant_here()
             or not _routes_here(_ROUTED_OWNER.get(module))):
         return F.linear(x, module.weight, module.bias)
     return ops.skinny_linear(x, module.weight, module.bias, validate=False)
 
 
 _skinny_forward.spec_ext_linear = True  # lean._hooked: this replaced forward is not a user's patch
+
+# elementwise functions whose vectorised and scalar paths round differently (a transcendental)
+_TRANSCENDENTAL = frozenset(
+    getattr(owner, name) for owner in (torch, Tensor, F, torch.special) for name in (
+        "exp", "exp_", "expm1", "exp2", "log", "log1p", "log2", "sigmoid", "sigmoid_", "tanh", "tanh_", "sin", "cos",
+        "erf", "erfc", "silu", "gelu", "softplus", "mish", "logsigmoid", "selu", "elu", "celu", "hardswish", "expit",
+        "sinh", "cosh", "atan", "asin", "acos") if hasattr(owner, name))
+
+
+_GROUPED_MM = frozenset(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f)
+
+
+def _grouped_linear(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """grouped_mm(a [S,K], b [E,K,N], offs [E] group ends) on the invariant linear, group by
+    group (rows past the last group are zero)."""
+    linear = invariant_linear(a.device, a.dtype)
+    out = a.new_zeros(a.shape[0], b.shape[-1])
+    start = 0
+    for group, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = linear(a[start:end], b[group].t().contiguous(), None)
+        start = end
+    return out
+
+
+class _Invariant(torch.overrides.TorchFunctionMode):
+    """The HF modules' forward of a model whose block is invariant (a torch function mode: it
+    sees this thread's calls only). ``F.linear``, ``torch.addmm`` (GPT-2's Conv1D) and grouped
+    products (mixture-of-experts layers) take :func:`spec_ext.ops.invariant_linear`; an
+    elementwise transcendental on a tensor of two or more dimensions runs one row of its last
+    dimension at a time, so each position's result is the same call whatever else the forward
+    holds."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _GROUPED_MM and len(args) == 2 and kwargs.get("offs") is not None and args[1].dim() == 3 \
+                and kwargs.get("bias") is None and kwargs.get("out_dtype") in (None, args[0].dtype) \
+                and args[0].dtype in FLOAT_TYPES:
+            return _grouped_linear(args[0], args[1], kwargs["offs"])
+        if func is F.linear:
+            x, weight, bias = (list(args) + [kwargs.get("weight"), kwargs.get("bias")])[:3] if len(args) < 3 \
+                else args
+            if x.dtype in FLOAT_TYPES and weight.dtype in FLOAT_TYPES:
+                return invariant_linear(x.device, x.dtype)(x, weight.contiguous(), bias)
+        elif func is torch.addmm and len(args) == 3 and not kwargs and args[1].dim() == 2:
+            bias, x, weight = args  # Conv1D: x @ weight + bias, weight [K, N]
+            if x.dtype in FLOAT_TYPES:
+                return invariant_linear(x.device, x.dtype)(x, weight.t().contiguous(), bias)
+        elif func in _TRANSCENDENTAL and args and isinstance(args[0], Tensor) and args[0].dim() >= 2:
+            x = args[0]
+            rows = x.reshape(-1, x.shape[-1]) if x.is_contiguous() else None
+            if func.__name__.endswith("_"):  # in place, row by row
+                for row in (rows if rows is not None else x.view(-1, x.shape[-1])).unbind(0):
+                    func(row, *args[1:], **kwargs)
+                return x
+            return lean.per_position(lambda row: func(row, *args[1:], **kwargs), x)
+        return func(*args, **kwargs)
 
 # model -> the nn.Linear modules whose forward a block replaced, each with the bound method
 # set. Why a forward set on the instances (not a pre-hook, a function mode or a patched
@@ -259,11 +327,12 @@ def _unroute_linear(model) -> None:
 
 class _Block:
     """What one open :func:`attention_implementation` block set for one model: its padded
-    vocabulary entry (or None), the lean forward's decision, and whether the HF modules'
-    linear layers take skinny_linear (a model on the HF modules with ``fast_linear``)."""
+    vocabulary entry (or None), the lean forward's decision, whether the HF modules'
+    linear layers take skinny_linear (a model on the HF modules with ``fast_linear``) and
+    whether its forwards are width-invariant."""
 
-    def __init__(self, vocab: tuple[int, int, int] | None, decided: tuple, route_linear: bool):
-        self.vocab, self.decided, self.route_linear = vocab, decided, route_linear
+    def __init__(self, vocab: tuple[int, int, int] | None, decided: tuple, route_linear: bool, invariant: bool):
+        self.vocab, self.decided, self.route_linear, self.invariant = vocab, decided, route_linear, invariant
 
 
 # Blocks are per thread: a forward reads the newest block its own thread opened for the model
@@ -295,6 +364,11 @@ def _block_here(model) -> _Block | None:
 def _routes_here(model) -> bool:
     block = None if model is None else _block_here(model)
     return block is not None and block.route_linear
+
+
+def _invariant_here() -> bool:
+    """Whether this thread is inside :func:`forward` of a model whose block is invariant."""
+    return getattr(_HERE, "invariant", False)
 
 
 def _configs(model) -> list:
@@ -358,7 +432,7 @@ def _close(opened: list[tuple[object, _Block]]) -> None:
 
 @contextlib.contextmanager
 def attention_implementation(*models, fast_linear: bool | str | Sequence[bool | str] = False,
-                             vocab_size: int | None = None):
+                             vocab_size: int | None = None, invariant: bool | Sequence[bool] = False):
     """Route the models' attention through spec_ext for the duration of the block, on this
     thread (and choose, per model, between the lean forward and the HF modules; ``fast_linear``, one
     for all models or one per model: see :func:`spec_ext.models.lean.prepare`; True or
@@ -367,7 +441,9 @@ def attention_implementation(*models, fast_linear: bool | str | Sequence[bool | 
     auto for the block, and hands them back unchanged when the model's last block closes;
     False: HF's own arithmetic).
     ``vocab_size``: :func:`forward` returns logits [B,T,vocab_size] for every model (the
-    target's V; see the module docstring); None: each model's own.
+    target's V; see the module docstring); None: each model's own. ``invariant``, one for all
+    models or one per model: the model's forwards are width-invariant (the module docstring;
+    docs/invariance.md); ValueError where there is no invariant kernel for its device and dtype.
 
     Blocks nest, with the same model too, and are per thread: inside, the newest block this
     thread opened sets a model's forward; when it closes, the one this thread opened before
@@ -378,20 +454,27 @@ def attention_implementation(*models, fast_linear: bool | str | Sequence[bool | 
     fast = list(fast_linear) if isinstance(fast_linear, (list, tuple)) else [fast_linear] * len(models)
     if len(fast) != len(models):
         raise ValueError(f"fast_linear: {len(fast)} settings for {len(models)} models")
+    invariants = list(invariant) if isinstance(invariant, (list, tuple)) else [invariant] * len(models)
+    if len(invariants) != len(models) or not all(isinstance(i, bool) for i in invariants):
+        raise ValueError(f"invariant: expected True or False, or one per model ({len(models)}), got {invariant!r}")
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
         raise ValueError(f"vocab_size: expected None or a positive int, got {vocab_size!r}")
     opened: list[tuple[object, _Block]] = []
     here = _here()
     try:
         with _OPEN_LOCK:
-            for m, f in zip(models, fast):
-                lean.prepare(m, f)
+            for m, f, inv in zip(models, fast, invariants):
+                lean.prepare(m, f, invariant=inv)
                 rows = _embeddable(m)
                 padded = vocab_size is not None and (rows < vocab_size or vocabulary_size(m) != vocab_size)
                 decided = lean.decision(m)
+                if inv and decided[0] is None:  # (the lean decoder checked its own)
+                    invariant_linear(m.device, m.dtype)  # refused by name where there is no kernel
+                    invariant_attention(m.device)
                 # a tensor-parallel target's shards keep F.linear: its weights may be DTensors
                 route = bool(f) and decided[0] is None and split_size(m) == 1 and kernel_applies(m.device, m.dtype)
-                block = _Block((rows, _placeholder(m, rows), vocab_size) if padded else None, decided, route)
+                block = _Block((rows, _placeholder(m, rows), vocab_size) if padded else None, decided, route,
+                               inv and decided[0] is None)
                 entry = _OPEN.get(m)
                 if entry is None:
                     configs = _configs(m)
@@ -490,9 +573,18 @@ def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tenso
         count = num_layers(model)
         # only the entries asked for are kept (the others come back None)
         captured = hidden if layers is None else sorted({*layers, count} if hidden else set(layers))
-        result = model(input_ids=input_ids, position_ids=positions, attention_mask=mask4d, use_cache=True,
-                       output_hidden_states=captured, spec_prefix_lens=cache.lengths,
-                       **{_cache_argument(type(model)): cache})
+        invariant = block is not None and block.invariant
+        if invariant and torch.is_grad_enabled():
+            raise RuntimeError(f"{type(model).__name__}: an invariant forward records no gradients (its kernels "
+                               f"have no backward); run it under torch.no_grad()")
+        outer, _HERE.invariant = _invariant_here(), invariant
+        try:
+            with _Invariant() if invariant else contextlib.nullcontext():
+                result = model(input_ids=input_ids, position_ids=positions, attention_mask=mask4d, use_cache=True,
+                               output_hidden_states=captured, spec_prefix_lens=cache.lengths,
+                               **{_cache_argument(type(model)): cache})
+        finally:
+            _HERE.invariant = outer
         out = Forward(result.logits.float(), result.hidden_states[-1] if hidden else None,
                       None if layers is None else _features(model, result.hidden_states, layers, count))
     return out if vocab is None else out._replace(logits=_fit_vocab(out.logits, vocab[2]))

@@ -137,7 +137,7 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * (x if dtype == torch.float32 else x.to(dtype))
 
 
-def _per_position(act, x: Tensor) -> Tensor:
+def per_position(act, x: Tensor) -> Tensor:
     """``act(x)`` computed one position (a row of x's last dim) at a time: an elementwise
     function with a transcendental (SiLU's exp) takes a vectorised exp on most elements and
     the C library's on the few past the last whole vector of the call (and of each thread's
@@ -169,7 +169,7 @@ class LeanDecoder:
     block of k+1, a tree, a prefill), in float32, bfloat16 and float16: every linear layer
     (the projections, the LM head) is :func:`spec_ext.ops.invariant_linear` at every row
     count, the attention :func:`spec_ext.ops.tree_attention` with ``invariant=True``, the
-    MLP's activation is applied one position at a time (:func:`_per_position`); the rest is
+    MLP's activation is applied one position at a time (:func:`per_position`); the rest is
     per position already (embedding, RMSNorm's float32 mean over one position's features,
     the rotary's elementwise products from a table, residual adds). So greedy decoding with
     verification blocks picks the tokens one-token-at-a-time decoding picks. Not bit-equal to
@@ -252,7 +252,7 @@ class LeanDecoder:
             x = x + linear(a.transpose(1, 2).reshape(B, T, -1), *layer["o"])
             h = _rms_norm(x, *layer["post_norm"])
             gate = linear(h, *layer["gate"])
-            gate = _per_position(layer["act"], gate) if self.invariant else layer["act"](gate)
+            gate = per_position(layer["act"], gate) if self.invariant else layer["act"](gate)
             x = x + linear(gate * linear(h, *layer["up"]), *layer["down"])
         x = _rms_norm(x, *self.norm)
         logits = linear(x, *self.lm_head).float()

@@ -75,7 +75,9 @@ def chain_rejection_sample(target_probs: Tensor, draft_tokens: Tensor, draft_pro
     tokens follow the target distribution).
 
     Args:
-        target_probs: [B,K+1,V] float32; row i is p after the prefix and drafts < i.
+        target_probs: [B,K+1,V] float32; row i is p after the prefix and drafts < i. A masked
+            token has probability 0; refused: NaN, inf, negative entries, a row summing to 0
+            (masked entirely) or not to 1 (the same for ``draft_probs``).
         draft_tokens: [B,K] int64; -1 (or positions >= num_draft) means no draft.
         draft_probs: [B,K,V] float32, the q each draft was sampled from; None for
             deterministic drafts (one-hot q).
@@ -157,7 +159,7 @@ def tree_rejection_sample(target_probs: Tensor, tree_tokens: Tensor, parents: Te
 
     Args:
         target_probs: [B,T,V] float32; row i is p after node i (node 0 is the root, the
-            last committed token).
+            last committed token). Masked tokens are 0; refused as in :func:`chain_rejection_sample`.
         tree_tokens: [B,T] int64 node tokens (the root's is ignored; -1 marks an absent node).
         parents: [T], [1,T] or [B,T] int64; ``parents[0] == -1``, ``parents[i] < i``.
         draft_probs: [B,T,V] float32: q that node i's children were sampled from; None
