@@ -137,12 +137,6 @@ def _invariant_attention(device: torch.device, backend: str):
         fail("backend", f"no width-invariant tree attention on {device} with {backend!r}: {error}")
 
 
-if registry._C_ERROR is None:
-    @torch.library.register_fake("spec_ext::tree_attention_invariant")
-    def _(q, k, v, prefix_lens, tree_mask, scale, window, softcap, sinks):
-        return q.new_empty(*q.shape[:3], v.shape[3])
-
-
 # the kernels that take values of the keys' head size only (their tiles span one D)
 _SAME_HEAD_SIZE_ONLY = ("cuda", "triton", "triton_split")
 

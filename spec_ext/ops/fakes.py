@@ -25,6 +25,10 @@ if _C_ERROR is None:
     def _(q, k, v, prefix_lens, tree_mask, scale, window, softcap, sinks):
         return q.new_empty(*q.shape[:3], v.shape[3])
 
+    @torch.library.register_fake("spec_ext::tree_attention_invariant")
+    def _(q, k, v, prefix_lens, tree_mask, scale, window, softcap, sinks):
+        return q.new_empty(*q.shape[:3], v.shape[3])
+
     @torch.library.register_fake("spec_ext::compact_kv")
     def _(caches, src, dst_start):
         return None
