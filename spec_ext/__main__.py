@@ -23,7 +23,7 @@ from spec_ext.bundled import ENV, bundled_path
 # the registry's names (spec_ext.policies.POLICIES; a test keeps the two equal), here so that
 # --help and argument errors come before torch and transformers load
 POLICY_NAMES = ("adalength", "adaptive", "auto", "confidence", "dynamictree", "fixed", "heuristic", "learnedspecbranch",
-                "ngram", "pearl", "specbranch", "specdecpp", "suffix", "svip", "tree")
+                "ngram", "pearl", "plain", "specbranch", "specdecpp", "suffix", "svip", "tree")
 DEMO_PROMPT = '''def median(data):
     """Return the median (middle value) of numeric data.
 

@@ -21,6 +21,7 @@ from spec_ext.engine.tensor_parallel import channel
 from spec_ext.models import attention_implementation, split_size, vocabulary_size
 from spec_ext.models.lean import why_not_lean
 from spec_ext.policies import Call, Memory, Policy, Suffix, SuffixCache, resolve
+from spec_ext.policies.learned import input_embedding
 from spec_ext.vocab import fingerprint
 
 
@@ -363,6 +364,8 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
                          target.device)
     sampler = Sampler(temperature, top_k, top_p, **call.warpers, processors=processors)
     split = channel(target)  # a tensor-parallel target: the leading rank runs the loop, the others follow
+    if split is not None and policy.reads_target:  # (AdaLength embeds the roots on the leader alone)
+        input_embedding(target)
     if split is not None and not split.leading:
         return split.follow(target)
     # the draft's rounding changes only which tokens are proposed, never the output; a draft

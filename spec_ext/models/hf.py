@@ -419,7 +419,9 @@ def _close(opened: list[tuple[object, _Block]]) -> None:
             configs, classes, count = entry
             mine = here[id(m)]
             mine.remove(block)  # by identity: _Block has no __eq__
-            if not mine:
+            if mine:  # forward_path and lean_decoder report this thread's enclosing block again
+                lean.restore(m, mine[-1].decided)
+            else:
                 del here[id(m)]
             _enter_configs(configs, -1)
             entry[2] = count - 1

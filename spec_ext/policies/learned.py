@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -81,12 +82,21 @@ class ResidualMLP(nn.Module):
         return model.eval(), json.loads(meta.get("settings", "{}"))
 
 
+_GATHERED: "weakref.WeakKeyDictionary[nn.Module, tuple[Tensor, Tensor]]" = weakref.WeakKeyDictionary()
+
+
 def input_embedding(target):
-    """``target``'s input embedding as a function of token ids that runs on this rank alone
-    (a tensor-parallel target's table is gathered once: its own module would need every rank)."""
-    weight = target.get_input_embeddings().weight
+    """``target``'s input embedding as a function of token ids that runs on this rank alone.
+    A tensor-parallel target's table (its own module would need every rank) is gathered by a
+    collective, so the first call for a table must come on every rank (generate makes it
+    before the leader starts); the whole table is kept beside the shard from then on."""
+    module = target.get_input_embeddings()
+    weight = module.weight
     if hasattr(weight, "full_tensor"):  # a DTensor shard
-        weight = weight.full_tensor()
+        shard, table = _GATHERED.get(module, (None, None))
+        if shard is not weight:
+            _GATHERED[module] = weight, weight.full_tensor()
+        weight = _GATHERED[module][1]
     return functools.partial(F.embedding, weight=weight)
 
 
@@ -237,7 +247,7 @@ class _SpecDecPP(Controller):
                 self.verdicts = [torch.full((len(accept),), go, dtype=torch.bool, device=probs.device)
                                  for go in (False, True)]
             return self.verdicts[int(1 - sum(survival) / len(survival) <= threshold)]
-        return RoundPlan([self.policy.max_draft] * state.rows, stop=goes_on, reads_hidden=True)
+        return RoundPlan([self.policy.max_draft] * state.rows, stop=goes_on)
 
     def _accept(self, probs: Tensor, hidden: Tensor) -> Tensor:
         if self.fused and hidden.dtype == torch.float32:
