@@ -6,6 +6,9 @@ same tokens for the same uniforms, up to float rounding at inverse-CDF bin edges
 """
 from __future__ import annotations
 
+import heapq
+from typing import Sequence
+
 import torch
 from torch import Tensor
 
@@ -267,3 +270,66 @@ def acceptance_head(hidden: Tensor, probs: Tensor, weights: list[Tensor], column
         u = (normed * norm_w + norm_b) @ up_w.T + up_b
         h = h + (u * torch.sigmoid(u)) @ down_w.T + down_b
     return torch.sigmoid(h @ w[-2][column] + w[-1][column]).float()
+
+
+# ----------------------------------------------------------------------------- text lookups
+# What the policies' text indexes answer (spec_ext.policies.NGramIndex, SuffixCache), by scans.
+def reference_occurrences(history: Sequence[int], n_max: int, n_min: int) -> tuple[int, list[int]]:
+    """The plain matcher (a scan of the whole history): ``(n, starts)`` where n is the
+    longest suffix length in [n_min, n_max] that occurred earlier, and ``starts`` the
+    positions just after each earlier occurrence, most recent first; ``(0, [])`` if none.
+
+    Example:
+        >>> reference_occurrences([1, 2, 3, 1, 2, 4, 1, 2], 2, 1)
+        (2, [5, 2])
+    """
+    L = len(history)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        suffix = list(history[L - n:])
+        starts = [p for p in range(L - 1, n - 1, -1) if list(history[p - n:p]) == suffix]
+        if starts:
+            return n, starts
+    return 0, []
+
+
+def reference_tree(texts: Sequence[Sequence[int]], history: Sequence[int], depth: int, nodes: int,
+                   alpha: float = 1.0, min_prob: float = 0.1, max_match: int = 64
+                   ) -> tuple[list[int], list[int], int, float]:
+    """What :meth:`SuffixCache.propose` returns, by a plain scan of the stored ``texts``: the
+    longest suffix of ``history`` (at most ``max_match`` tokens) that occurs in a text with a
+    token after it, then its continuations best first by ``count(x + c) / count(x)`` (counts
+    of occurrences over all texts).
+
+    Example:
+        >>> reference_tree([[1, 2, 3, 4, 5, 6], [9, 3, 4, 5, 7]], [8, 3, 4], depth=4, nodes=8)
+        ([-1, 5, 6], [-1, 0, 1], 2, 1.5)
+    """
+    def count(x: tuple) -> int:
+        return sum(tuple(t[e - len(x):e]) == x for t in texts for e in range(len(x), len(t) + 1))
+
+    def followed(x: tuple) -> bool:
+        return any(tuple(t[e - len(x):e]) == x for t in texts for e in range(len(x), len(t)))
+
+    L = len(history)
+    n = next((m for m in range(min(max_match, L), 0, -1) if followed(tuple(history[L - m:]))), 0)
+    if n == 0:
+        return [-1], [-1], 0, 0.0
+    vocabulary = sorted({c for t in texts for c in t})
+    tokens, parents, score, heap = [-1], [-1], 0.0, []
+
+    def push(path: tuple, prob: float, parent: int) -> None:
+        total = count(path)
+        for c in vocabulary:
+            p = prob * count(path + (c,)) / total
+            if p > 0 and p >= min_prob:
+                heapq.heappush(heap, (-p, parent, c, path + (c,)))
+
+    push(tuple(history[L - n:]), 1.0, 0)
+    while heap and len(tokens) <= min(nodes - 1, int(alpha * n)):
+        p, parent, c, path = heapq.heappop(heap)
+        tokens.append(c)
+        parents.append(parent)
+        score -= p
+        if len(path) - n < depth:
+            push(path, -p, len(tokens) - 1)
+    return tokens, parents, n, score

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from spec_ext import ops, reference
-from spec_ext.policies import ResidualMLP, SpecDecPP, draft_features
+from spec_ext.policies import Call, ResidualMLP, RoundState, SpecDecPP, draft_features
 from spec_ext.policies.learned import LAYER_NORM_EPS
 
 pytestmark = pytest.mark.skipif(not ops.registered("acceptance_head", "CPU"), reason="C++ kernels not built")
@@ -79,26 +79,27 @@ def test_no_rows():
 def test_specdecpp_decides_with_the_kernel_as_with_torch_ops(tmp_path):
     head, hidden, probs = make(4, 24, 40, 16, 1, 2, seed=3)
     head.save(tmp_path / "h.safetensors", kind="specdecpp", threshold=0.5)
-    fused, plain = SpecDecPP(tmp_path / "h.safetensors"), SpecDecPP(tmp_path / "h.safetensors")
+    policy = SpecDecPP(tmp_path / "h.safetensors")
 
     class Draft:
         device = torch.device("cpu")
         config = type("Config", (), {"hidden_size": 24})
 
-    fused.bind(None, Draft())
-    plain.bind(None, Draft())
-    plain._fused = False
-    assert fused._fused
     with torch.no_grad():
         for greedy in (True, False):
-            for policy in (fused, plain):
-                policy.start(4, greedy)
+            fused, plain = (policy.start(Call(4, greedy, None, Draft())) for _ in range(2))
+            plain.fused = False
+            assert fused.fused
+            plans = [controller.plan(RoundState(4)) for controller in (fused, plain)]
+            survival = [torch.ones(4), torch.ones(4)]
             for step in (1, 2, 3):
                 tokens = probs.argmax(-1)
-                fused.keep_drafting(step, probs, tokens, hidden)
-                plain.keep_drafting(step, probs, tokens, hidden)
-                torch.testing.assert_close(torch.tensor(fused._survival), torch.tensor(plain._survival),
-                                           rtol=1e-5, atol=1e-6)
+                # each step's predicted acceptance, whose running product the plan stops by
+                for i, controller in enumerate((fused, plain)):
+                    survival[i] = survival[i] * controller._accept(probs, hidden)
+                torch.testing.assert_close(survival[0], survival[1], rtol=1e-5, atol=1e-6)
+                assert torch.equal(plans[0].keep_drafting(step, probs, tokens, hidden),
+                                   plans[1].keep_drafting(step, probs, tokens, hidden))
 
 
 def test_errors_name_the_argument():

@@ -215,17 +215,17 @@ def test_padded_logits_have_the_targets_width_and_zero_probability():
     with torch.inference_mode():
         for model in (short, long):
             with hf.attention_implementation(model, vocab_size=61):
-                logits = hf.forward(model, ids, SpecCache.for_model(model, 1, 8), torch.arange(3)[None])
+                logits = hf.forward(model, ids, SpecCache.for_model(model, 1, 8), torch.arange(3)[None]).logits
             assert logits.shape == (1, 3, 61) and torch.isfinite(logits).all()
         assert Sampler(0.7).probs(logits)[..., 53:].sum() > 0  # the long draft's columns are its own
         with hf.attention_implementation(short, vocab_size=61):
-            logits = hf.forward(short, ids, SpecCache.for_model(short, 1, 8), torch.arange(3)[None])
+            logits = hf.forward(short, ids, SpecCache.for_model(short, 1, 8), torch.arange(3)[None]).logits
         assert torch.equal(Sampler(0.7).probs(logits)[..., 53:], torch.zeros(1, 3, 8))
         assert (logits.argmax(-1) < 53).all()
         placeholder = torch.tensor([[5, 0, 0]])  # the short draft's pad id stands in
         with hf.attention_implementation(short, vocab_size=61):
-            a = hf.forward(short, ids, SpecCache.for_model(short, 1, 8), torch.arange(3)[None])
-            b = hf.forward(short, placeholder, SpecCache.for_model(short, 1, 8), torch.arange(3)[None])
+            a = hf.forward(short, ids, SpecCache.for_model(short, 1, 8), torch.arange(3)[None]).logits
+            b = hf.forward(short, placeholder, SpecCache.for_model(short, 1, 8), torch.arange(3)[None]).logits
         assert torch.equal(a, b)
 
 

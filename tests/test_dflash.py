@@ -6,6 +6,7 @@ equal to a fresh drafter's on the committed text, the speculators and z-lab layo
 refusals by field. A drafter trained here for a few hundred steps on the tiny target's own
 greedy continuations (through ``block_logits``, the training forward) is accepted often, so
 the exactness tests see accepted and rejected drafts."""
+import dataclasses
 import json
 
 import pytest
@@ -197,38 +198,74 @@ def test_the_cached_block_forward_equals_the_written_out_block(target, variant):
                                                                         embedding, output), rtol=1e-4, atol=1e-4)
 
 
-def recording(draft, policy):
+def recording(draft):
     """A BlockDrafter that keeps each round's committed rows and its block's logits."""
     rounds = []
 
     class Recording(BlockDrafter):
-        def propose(self, seqs, roots):
+        def propose(self, seqs, roots, plan, forced=None, forced_rows=None):
             self._seqs = [list(s) for s in seqs]
-            return super().propose(seqs, roots)
+            return super().propose(seqs, roots, plan, forced, forced_rows)
 
         def block(self, roots, slots=None):
             logits, hidden = super().block(roots, slots)
             rounds.append((self._seqs, roots.tolist(), logits.clone()))
             return logits, hidden
 
-    return Recording(draft, policy), rounds
+    return Recording(draft), rounds
+
+
+def recording_auto(chosen, offers_nothing=lambda round: False):
+    """Auto whose controller appends to ``chosen`` the longest model chain each round's plan
+    drafts (0: the model drafts no row); in the rounds where ``offers_nothing(round)`` (counted
+    from 0) the rows' text offers no match."""
+
+    class NoMatch:  # a TextLookup without a match anywhere
+        def chain(self, row, most):
+            return []
+
+        def tree(self, row, depth, nodes):
+            return None
+
+        def cache_match(self, row):
+            return 0
+
+        def cache_tree(self, row, depth, nodes):
+            return None
+
+    class Recording(Auto):
+        def start(self, call):
+            controller = super().start(call)
+            plan = controller.plan
+
+            def recorded(state):
+                if state.text is not None and offers_nothing(len(chosen)):
+                    state = dataclasses.replace(state, text=NoMatch())
+                decided = plan(state)
+                chosen.append(max(decided.k) if decided.tree is None else decided.tree.max_depth)
+                return decided
+            controller.plan = recorded
+            return controller
+    return Recording()
 
 
 @torch.no_grad()
 def test_the_first_drafts_are_the_slots_of_the_block_on_hf_features(target, trained):
     """Slot j of the block anchored at the root predicts the token after j - 1 drafts: the
-    first round's drafts are the argmax of the written-out block on HF's features of the
-    prompt's positions before the root (a drafter fed the root's own feature, or one whose
-    drafts are its slots shifted by one, fails here), and the trained drafter is accepted
-    most of the time (which slots shifted by one would not be)."""
-    drafter, rounds = recording(trained, Fixed(2))
-    out = spec_ext.generate(target, drafter, PROMPTS, max_new_tokens=24, eos_token_id=[])
+    first block's drafts (after the first round, which emits the first token from the prompt's
+    forward) are the argmax of the written-out block on HF's features of the committed text's
+    positions before the root (a drafter fed the root's own feature, or one whose drafts are
+    its slots shifted by one, fails here), and the trained drafter is accepted most of the
+    time (which slots shifted by one would not be)."""
+    drafter, rounds = recording(trained)
+    out = spec_ext.generate(target, drafter, PROMPTS, max_new_tokens=24, eos_token_id=[], policy=Fixed(2))
     seqs, roots, logits = rounds[0]
     assert logits.shape[1] == 2 < trained.config.num_drafts  # the slots drafted from, no more
     embedding, output = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    for row, prompt in enumerate(PROMPTS):
-        features = hf_features(target, prompt, trained.config.layer_ids)[0, :-1]
-        expected = written_out_block(trained, features, prompt[-1], embedding, output)
+    for row, (prompt, seq) in enumerate(zip(PROMPTS, seqs)):
+        assert seq[:len(prompt)] == prompt and len(seq) > len(prompt) and roots[row] == seq[-1]
+        features = hf_features(target, seq, trained.config.layer_ids)[0, :-1]
+        expected = written_out_block(trained, features, seq[-1], embedding, output)
         torch.testing.assert_close(logits[row], expected[:2], rtol=1e-4, atol=1e-4)
         assert out.sequences.shape[1] > len(prompt)
     assert out.stats.accepted > 0.5 * out.stats.drafted, out.stats
@@ -244,14 +281,14 @@ def test_after_every_round_the_block_equals_a_fresh_drafters_on_the_committed_te
     committed text alone (its features from HF's forward), over rounds that accepted all,
     some and none of their drafts, chains and trees, greedy and sampled; a short chain or a
     shallow tree computes the slots it drafts from, which equal the fresh block's first."""
-    drafter, rounds = recording(trained, policy)
+    drafter, rounds = recording(trained)
     out = spec_ext.generate(target, drafter, PROMPTS, max_new_tokens=20, eos_token_id=[], temperature=temperature,
-                            seed=3)
+                            seed=3, policy=policy)
     lengths = out.stats.accepted_lengths
     assert min(lengths) == 0 and 0 < out.stats.accepted < out.stats.drafted, lengths
     for seqs, roots, logits in rounds[1:]:
         for row, seq in enumerate(seqs):
-            fresh = BlockDrafter(trained, Fixed(3))
+            fresh = BlockDrafter(trained)
             fresh.bind(target)
             fresh.start([seq], 64, Sampler(), features=hf_features(target, seq, trained.config.layer_ids)[:, :-1])
             expected, _ = fresh.block(torch.tensor([seq[-1]]))  # every slot; a round computes those it drafts
@@ -260,23 +297,15 @@ def test_after_every_round_the_block_equals_a_fresh_drafters_on_the_committed_te
 
 
 @torch.no_grad()
-def test_after_rounds_where_only_the_text_drafted_the_block_equals_a_fresh_drafters(target, trained, monkeypatch):
+def test_after_rounds_where_only_the_text_drafted_the_block_equals_a_fresh_drafters(target, trained):
     """Draft fidelity beside the text (Auto, the default): in a round where only the rows' own
     text drafts no block runs, and the next block still equals a fresh drafter's on the
     committed text (its context grew in commit whatever was drafted)."""
-    import spec_ext.drafters
     chosen = []
-
-    class Alternating(Auto):  # every other round the text offers nothing, so the model drafts again
-        def choose(self, text_lengths, forwards_without_model=0):
-            if len(chosen) % 2:
-                text_lengths = [0] * len(text_lengths)
-            choice = super().choose(text_lengths, forwards_without_model)
-            chosen.append(choice[0])
-            return choice
-    block, rounds = recording(trained, Fixed(3))
-    monkeypatch.setattr(spec_ext.drafters, "BlockDrafter", lambda draft, policy: type(block)(draft, policy))
-    out = spec_ext.generate(target, trained, PROMPTS, max_new_tokens=40, eos_token_id=[], policy=Alternating())
+    # every other round the text offers nothing, so the model drafts again
+    alternating = recording_auto(chosen, offers_nothing=lambda round: round % 2)
+    block, rounds = recording(trained)
+    out = spec_ext.generate(target, block, PROMPTS, max_new_tokens=40, eos_token_id=[], policy=alternating)
     for row, prompt in enumerate(PROMPTS):
         expected = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None)
         assert out.sequences[row, -40:].tolist() == expected[0, -40:].tolist()
@@ -285,7 +314,7 @@ def test_after_rounds_where_only_the_text_drafted_the_block_equals_a_fresh_draft
     assert len(rounds) == sum(k > 0 for k in chosen)
     for seqs, roots, logits in rounds:
         for row, seq in enumerate(seqs):
-            fresh = BlockDrafter(trained, Fixed(3))
+            fresh = BlockDrafter(trained)
             fresh.bind(target)
             fresh.start([seq], 64, Sampler(), features=hf_features(target, seq, trained.config.layer_ids)[:, :-1])
             expected, _ = fresh.block(torch.tensor([seq[-1]]))
@@ -301,13 +330,14 @@ def test_auto_sampling_drafts_the_block_its_priced_verification_pays(target, tra
     of the parameters: a steep verification keeps the block to one draft, a flat one drafts
     the whole block (a flat price everywhere drafted every slot on a CPU, where that is
     slower than the target alone); each round's block computes the slots it drafts."""
-    from spec_ext.policies import Auto, StepCosts
-    costs = StepCosts()
+    from spec_ext.policies import Auto, Costs
+    costs = Costs()
     for w in range(1, 40):
         costs.record_verify(len(PROMPTS), w, 1.0 + slope * (w - 1))
-    monkeypatch.setattr("spec_ext.policies.rules.verification_costs", lambda t, rows, widest: costs)
-    drafter, rounds = recording(trained, Auto(text=False))
-    spec_ext.generate(target, drafter, PROMPTS, max_new_tokens=12, eos_token_id=[], temperature=1.0, seed=0)
+    monkeypatch.setattr("spec_ext.policies.auto.verification_costs", lambda t, rows, widest: costs)
+    drafter, rounds = recording(trained)
+    spec_ext.generate(target, drafter, PROMPTS, max_new_tokens=12, eos_token_id=[], temperature=1.0, seed=0,
+                      policy=Auto(text=False))
     slots = [logits.shape[1] for _, _, logits in rounds]  # every eighth round explores one more or one fewer
     assert max(set(slots), key=slots.count) == longest and max(slots) <= longest + 1, slots
 
@@ -323,12 +353,7 @@ def test_greedy_equals_the_target_with_a_block_drafter(target, trained, policy, 
     prompts = PROMPTS + [[6]]
     chosen = []
     if policy == "auto":
-        class Recording(Auto):
-            def choose(self, text_lengths, forwards_without_model=0):
-                choice = super().choose(text_lengths, forwards_without_model)
-                chosen.append(choice[0])
-                return choice
-        policy = Recording()
+        policy = recording_auto(chosen)
     if path == "hf":
         with hf_modules(target):
             out = ragged_greedy_equals_target(target, trained, prompts, policy, max_new=24)
@@ -392,10 +417,10 @@ def test_sampling_follows_the_target_with_a_reduced_draft_vocabulary(temperature
     tokens' joint law is the target's, by enumeration; also under Adaptive, whose sampled
     rounds are priced by a verification of 1 + 0.5 (w - 1) (the block cut to 1 or 2 slots by
     the pooled acceptance, and chains stopped by keep_drafting on the drafts before)."""
-    from spec_ext.policies import Adaptive, StepCosts
+    from spec_ext.policies import Adaptive, Costs
     target = llama(VOCAB, 32, 4, seed=10, sharpen=3.0)
     draft = random_dflash(target, block=3, draft_vocab=5, seed=4, scale=0.5)
-    costs = StepCosts()
+    costs = Costs()
     for w in range(1, 5):
         costs.record_verify(256, w, 1.0 + 0.5 * (w - 1))
     monkeypatch.setattr("spec_ext.policies.adaptive.verification_costs", lambda t, rows, widest: costs)
@@ -413,15 +438,15 @@ def test_a_chain_carries_each_drafts_confidence(target, trained):
     seen = []
 
     class Recording(BlockDrafter):
-        def propose(self, seqs, roots):
-            proposal = super().propose(seqs, roots)
+        def propose(self, seqs, roots, plan, forced=None, forced_rows=None):
+            proposal = super().propose(seqs, roots, plan, forced, forced_rows)
             seen.append(proposal)
             return proposal
 
     for temperature in (0.0, 0.8):
         seen.clear()
-        spec_ext.generate(target, Recording(trained, Fixed(3)), PROMPTS, max_new_tokens=6, eos_token_id=[],
-                          temperature=temperature, seed=1)
+        spec_ext.generate(target, Recording(trained), PROMPTS, max_new_tokens=6, eos_token_id=[],
+                          temperature=temperature, seed=1, policy=Fixed(3))
         proposal = seen[0]
         assert proposal.confidence.shape == proposal.tokens.shape
         if temperature:
@@ -504,10 +529,9 @@ def test_the_command_line_takes_a_dflash_directory_as_its_draft(tmp_path):
     (dict(target_hidden_size=48), "target_hidden_size"),
     (dict(vocab=V + 4), "transformer_layer_config.vocab_size"),
     (dict(num_target_layers=6), "num_target_layers"),
-    (dict(policy=Tree((2, 2, 1, 1))), "policy: .* 4 deep; a block of 4 slots drafts 3"),
+    (dict(policy=Tree((2, 2, 1, 1))), "policy: .* grows trees 4 deep; a block drafter drafts at most 3 in a line"),
     (dict(policy=spec_ext.policies.PEARL()), "policy: PEARL drafts while the target verifies"),
     (dict(policy=spec_ext.policies.SpecBranch()), "policy: SpecBranch drafts while the target verifies"),
-    (dict(policy=spec_ext.policies.NGram()), "policy: NGram with a block drafter"),
 ])
 def test_a_drafter_for_another_target_or_policy_is_refused_by_name(target, change, field):
     text = target.config
@@ -559,5 +583,17 @@ def test_bad_configs_are_refused_by_field(tmp_path):
 
 
 def test_a_policy_reading_the_bonus_agreement_is_refused(target, trained):
-    with pytest.raises(ValueError, match="policy: AdaLength reads the drafter's agreement"):
-        BlockDrafter(trained, spec_ext.policies.AdaLength())
+    with pytest.raises(ValueError, match="policy: AdaLength reads the drafter's agreement .* a block drafter has no "
+                                         "slot past its drafts"):
+        spec_ext.generate(target, trained, PROMPTS, max_new_tokens=4, policy=spec_ext.policies.AdaLength())
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_text_drafts_run_beside_a_block_drafter(target, trained, tree):
+    """NGram beside a block drafter: rows whose text matches draft it, the others a block, in
+    the same round; greedy output equals the target's and both kinds of drafts are accepted."""
+    out = ragged_greedy_equals_target(target, trained, PROMPTS + [[6]], spec_ext.policies.NGram(tree=tree, draft_k=3),
+                                      max_new=24)
+    by_source = out.stats.by_source
+    assert by_source["model"].accepted > 0 and by_source["text"].accepted > 0, out.stats.as_dict()
+    assert out.stats.matched > 0 and out.stats.draft_calls > 0

@@ -5,9 +5,10 @@ catches a drafter whose state drifts from the text (a cache not rolled back to w
 accepted, a head fed the wrong position's target feature) while its output stays exact, so
 that no exactness test could see it; only its acceptance drops.
 
-Rounds run chains and trees, untrimmed and trimmed after drafting (a policy whose
+Rounds run chains and trees, untrimmed and trimmed after drafting (a policy whose plans'
 ``select`` cuts each row to a prefix or subtree, as adaptive verification does), and each
 test checks that its rounds held full, partial and zero acceptance."""
+import dataclasses
 import random
 
 import pytest
@@ -20,45 +21,76 @@ from spec_ext.policies.adaptive import trim_chain, trim_tree
 from helpers import llama, perturbed
 
 
+def settings(policy) -> dict:
+    """A policy's arguments (its dataclass fields), to make one of another class with them."""
+    return {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+
+
+def with_trim(policy, trim):
+    """``policy`` whose every plan selects what ``trim(plan, proposal)`` gives of its proposal
+    (``RoundPlan.select``); ``untrimmed``: ``policy`` itself."""
+
+    class Trimmed(type(policy)):
+        untrimmed = getattr(policy, "untrimmed", policy)
+
+        def start(self, call):
+            controller = super().start(call)
+            plan = controller.plan
+            controller.plan = lambda state: (lambda p: dataclasses.replace(p, trim=lambda proposal: trim(p, proposal)))(
+                plan(state))
+            return controller
+
+    return Trimmed(**settings(policy))
+
+
 def trimming(base):
-    """``base`` (a Fixed, Tree or DynamicTree) whose ``select`` cuts every row at random
+    """``base`` (a Fixed, Tree or DynamicTree) whose plans' ``select`` cuts every row at random
     (seeded) to a prefix of its chain or a subtree of its tree, sometimes to nothing."""
     rng = random.Random(0)
 
-    class Trimming(type(base)):
-        def select(self, proposal):
-            B, T = proposal.tokens.shape
-            if not proposal.is_tree:
-                return trim_chain(proposal, [rng.randint(0, n) for n in proposal.num_draft.tolist()])
-            parents = proposal.parents.expand(B, T).tolist()
-            kept = []
-            for row in parents:
-                nodes = {0}
-                for i in range(1, T):
-                    if row[i] in nodes and rng.random() < 0.7:
-                        nodes.add(i)
-                kept.append(sorted(nodes - {0}))
-            return trim_tree(proposal, kept, parents)
+    def trim(plan, proposal):
+        B, T = proposal.tokens.shape
+        if not proposal.is_tree:
+            return trim_chain(proposal, [rng.randint(0, n) for n in proposal.num_draft.tolist()])
+        parents = proposal.parents.expand(B, T).tolist()
+        kept = []
+        for row in parents:
+            nodes = {0}
+            for i in range(1, T):
+                if row[i] in nodes and rng.random() < 0.7:
+                    nodes.add(i)
+            kept.append(sorted(nodes - {0}))
+        return trim_tree(proposal, kept, parents)
 
-    policy = Trimming.__new__(Trimming)
-    policy.__dict__.update(vars(base))
-    return policy
+    return with_trim(base, trim)
 
 
-def first_proposal(target, drafter, seqs):
-    """The first proposal ``drafter`` (fresh) makes for the rows ``seqs`` as generate starts it."""
+def first_proposal(target, make_drafter, policy, seqs):
+    """The first proposal a fresh ``make_drafter()`` makes under ``policy`` for the rows
+    ``seqs`` as generate starts it: on ``seqs`` themselves or, where a call's first round
+    drafts nothing (a drafter that reads the target's features, a tree: that round emits one
+    token from the prompt's forward), in the second round of a call on ``seqs`` but their last
+    tokens, which the first round emits again (greedy)."""
     seen = []
-    propose = drafter.propose
 
-    def recording(rows, roots):
-        proposal = propose(rows, roots)
-        if not seen:
-            seen.append(proposal)
-        return proposal
+    def run(prompts, max_new):
+        drafter = make_drafter()
+        propose = drafter.propose
 
-    drafter.propose = recording
-    spec_ext.generate(target, drafter, [list(s) for s in seqs], max_new_tokens=1, eos_token_id=[])
-    return seen[0]
+        def recording(rows, roots, plan, forced=None, forced_rows=None):
+            proposal = propose(rows, roots, plan, forced, forced_rows)
+            seen.append(([list(r) for r in rows], proposal))
+            return proposal
+
+        drafter.propose = recording
+        spec_ext.generate(target, drafter, prompts, max_new_tokens=max_new, eos_token_id=[], policy=policy)
+
+    run([list(s) for s in seqs], 1)
+    if not seen:
+        run([list(s[:-1]) for s in seqs], 2)
+    rows, proposal = seen[0]
+    assert rows == [list(s) for s in seqs], (rows, seqs)
+    return proposal
 
 
 def rows_of(proposal):
@@ -72,16 +104,16 @@ def rows_of(proposal):
 
 
 def check_fidelity(target, make_drafter, policy, prompts, max_new=24):
-    """Run ``make_drafter(policy)`` over ``prompts`` (greedy, EOS none) and compare every
-    proposal after the first with a fresh ``make_drafter(fresh policy)``'s first proposal on
-    the same committed rows. Returns per row and round (the depth of what was verified: a
-    chain's drafts, a tree's deepest node; what was accepted)."""
-    rounds, outcomes, depths = [], [], []
-    drafter = make_drafter(policy)
-    propose, commit, select = drafter.propose, drafter.commit, policy.select
+    """Run ``make_drafter()`` under ``policy`` over ``prompts`` (greedy, EOS none) and compare
+    every proposal after the first with a fresh ``make_drafter()``'s first proposal (under the
+    untrimmed policy) on the same committed rows. Returns per row and round (the depth of what
+    was verified: a chain's drafts, a tree's deepest node; what was accepted)."""
+    rounds, outcomes, depths = [], [], []  # depths: the round's, where it drafted (not a plain step)
+    drafter = make_drafter()
+    propose, commit = drafter.propose, drafter.commit
 
-    def selecting(proposal):
-        verified = select(proposal)
+    def selecting(plan, proposal):
+        verified = plan.select(proposal)
         if verified.is_tree:
             present = verified.tokens >= 0
             depths.append(torch.where(present, verified.depth.expand_as(present), 0).amax(1).tolist())
@@ -89,22 +121,22 @@ def check_fidelity(target, make_drafter, policy, prompts, max_new=24):
             depths.append(verified.num_draft.tolist())
         return verified
 
-    def recording(seqs, roots):
-        proposal = propose(seqs, roots)
+    def recording(seqs, roots, plan, forced=None, forced_rows=None):
+        proposal = propose(seqs, roots, plan, forced, forced_rows)
         rounds.append(([list(s) for s in seqs], rows_of(proposal)))
         return proposal
 
     def committing(outcome):
-        outcomes.extend(zip(depths[-1], outcome.accepted))
+        if depths:
+            outcomes.extend(zip(depths.pop(), outcome.accepted))
         commit(outcome)
 
-    drafter.propose, drafter.commit, policy.select = recording, committing, selecting
-    spec_ext.generate(target, drafter, prompts, max_new_tokens=max_new, eos_token_id=[])
-    fresh_policy = type(policy).__mro__[1] if type(policy).__name__ == "Trimming" else type(policy)
+    drafter.propose, drafter.commit = recording, committing
+    spec_ext.generate(target, drafter, prompts, max_new_tokens=max_new, eos_token_id=[],
+                      policy=with_trim(policy, selecting))
+    fresh = getattr(policy, "untrimmed", policy)
     for r, (seqs, proposed) in enumerate(rounds[1:], 1):
-        fresh = fresh_policy.__new__(fresh_policy)
-        fresh.__dict__.update({k: v for k, v in vars(policy).items() if k != "select"})
-        expected = rows_of(first_proposal(target, make_drafter(fresh), seqs))
+        expected = rows_of(first_proposal(target, make_drafter, fresh, seqs))
         for b, (got, want) in enumerate(zip(proposed, expected)):
             assert got == want, f"round {r}, row {b}: {got} != fresh drafter's {want}"
     return outcomes
@@ -133,7 +165,7 @@ def pair():
 def test_the_draft_model_proposes_as_a_fresh_one_after_every_commit(pair, shape, trimmed):
     target, draft = pair
     policy = trimming(SHAPES[shape]()) if trimmed else SHAPES[shape]()
-    outcomes = check_fidelity(target, lambda p: ModelDrafter(draft, p), policy,
+    outcomes = check_fidelity(target, lambda: ModelDrafter(draft), policy,
                               [[5, 17, 33, 8], [40, 2], [7, 7, 9, 1, 3, 11]])
     assert_varied(outcomes)
 
@@ -156,7 +188,7 @@ def bundled():
 def test_the_head_proposes_as_a_fresh_one_after_every_commit(bundled, shape, trimmed):
     target, head, prompts = bundled
     policy = trimming(SHAPES[shape]()) if trimmed else SHAPES[shape]()
-    outcomes = check_fidelity(target, lambda p: HeadDrafter(head, p), policy, prompts, max_new=20)
+    outcomes = check_fidelity(target, lambda: HeadDrafter(head), policy, prompts, max_new=20)
     assert_varied(outcomes)
 
 
@@ -170,11 +202,11 @@ def check_waiting(target, head, prompts, vocab):
     from spec_ext.drafters.text import chain_proposal
     greedy = [p + hf_greedy(target, p, 48, None) for p in prompts]
     rng = random.Random(0)
-    drafter = HeadDrafter(head, Fixed(3))
+    drafter = HeadDrafter(head)
     propose, commit = drafter.propose, drafter.commit
     head_rounds, waited, accepted = [], [], []  # per head round: (rows, proposal, rounds skipped just before)
 
-    def proposing(seqs, roots):
+    def proposing(seqs, roots, plan, forced=None, forced_rows=None):
         if not waited or rng.random() < 0.5:  # the text's round
             chains = []
             for seq, full in zip(seqs, greedy):
@@ -185,7 +217,7 @@ def check_waiting(target, head, prompts, vocab):
             drafter.skip()
             waited.append(True)
             return chain_proposal(chains, max(map(len, chains)), roots.device)
-        proposal = propose(seqs, roots)
+        proposal = propose(seqs, roots, plan, forced, forced_rows)
         skipped = len(waited) - max((i + 1 for i, w in enumerate(waited) if not w), default=0)
         head_rounds.append(([list(s) for s in seqs], rows_of(proposal), skipped))
         # what its cache keeps of the round: one pair per committed position before the root, no stand-in
@@ -198,14 +230,14 @@ def check_waiting(target, head, prompts, vocab):
         commit(outcome)
 
     drafter.propose, drafter.commit = proposing, committing
-    out = spec_ext.generate(target, drafter, prompts, max_new_tokens=40, eos_token_id=[])
+    out = spec_ext.generate(target, drafter, prompts, max_new_tokens=40, eos_token_id=[], policy=Fixed(3))
     width = max(map(len, prompts))
     for b, p in enumerate(prompts):
         assert out.sequences[b, width:].tolist() == greedy[b][len(p):len(p) + 40]
     skips = [skipped for *_, skipped in head_rounds]
     assert sum(s > 0 for s in skips) >= 3 and max(skips) >= 2 and 0 in accepted and max(accepted) >= 3, (skips, accepted)
     for r, (seqs, proposed, skipped) in enumerate(head_rounds):
-        expected = rows_of(first_proposal(target, HeadDrafter(head, Fixed(3)), seqs))
+        expected = rows_of(first_proposal(target, lambda: HeadDrafter(head), Fixed(3), seqs))
         assert proposed == expected, f"head round {r} (after {skipped} skipped)"
 
 
@@ -241,14 +273,14 @@ def test_a_head_that_waits_while_one_row_commits_far_more_than_another_fits_its_
     head = echo_head(target, draft_vocab=10)
     prompts = [[5, 7, 3, 8, 5, 7, 3, 9], [9, 4]]
     greedy = [p + hf_greedy(target, p, 60, None) for p in prompts]
-    drafter = HeadDrafter(head, Fixed(3))
+    drafter = HeadDrafter(head)
     propose, rounds, head_rounds = drafter.propose, [0], []
 
-    def proposing(seqs, roots):
+    def proposing(seqs, roots, plan, forced=None, forced_rows=None):
         r = rounds[0]
         rounds[0] += 1
         if r == 7 or r >= 13:
-            proposal = propose(seqs, roots)
+            proposal = propose(seqs, roots, plan, forced, forced_rows)
             head_rounds.append(([list(s) for s in seqs], rows_of(proposal)))
             return proposal
         good = 0 if r < 7 else 1
@@ -257,12 +289,12 @@ def test_a_head_that_waits_while_one_row_commits_far_more_than_another_fits_its_
         return chain_proposal(chains, max(map(len, chains)), roots.device)
 
     drafter.propose = proposing
-    out = spec_ext.generate(target, drafter, prompts, max_new_tokens=40, eos_token_id=[])
+    out = spec_ext.generate(target, drafter, prompts, max_new_tokens=40, eos_token_id=[], policy=Fixed(3))
     for b, p in enumerate(prompts):
         assert out.sequences[b, -40:].tolist() == greedy[b][len(p):len(p) + 40]
     assert len(head_rounds) >= 3
     for seqs, proposed in head_rounds[:3]:
-        assert proposed == rows_of(first_proposal(target, HeadDrafter(head, Fixed(3)), seqs))
+        assert proposed == rows_of(first_proposal(target, lambda: HeadDrafter(head), Fixed(3), seqs))
 
 
 # ---------------------------------------------------------------------------- another tokenizer
@@ -274,6 +306,6 @@ def test_a_draft_of_another_tokenizer_proposes_as_a_fresh_one_after_every_commit
     target_tok = tokenizer("bytes300")
     prompts = [target_tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
     outcomes = check_fidelity(
-        target, lambda p: OtherTokenizerDrafter(draft, tokenizer("sp"), target_tok, p, mode=mode),
+        target, lambda: OtherTokenizerDrafter(draft, tokenizer("sp"), target_tok, mode=mode),
         trimming(SHAPES[shape]()), prompts, max_new=16)
     assert_varied(outcomes)

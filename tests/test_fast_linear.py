@@ -152,7 +152,7 @@ def test_false_keeps_hf_arithmetic_on_the_hf_modules(hf_pair):
         cache = SpecCache.for_model(target, 1, 32)
         with torch.inference_mode(), attention_implementation(target, fast_linear=fast_linear), \
                 KernelCalls() as calls:
-            out = hf.forward(target, torch.tensor([prompt]), cache, torch.arange(len(prompt))[None])
+            out = hf.forward(target, torch.tensor([prompt]), cache, torch.arange(len(prompt))[None]).logits
         return out, calls.layers_of(target)
 
     before, kernel_layers = logits(False)
@@ -179,29 +179,42 @@ def test_the_bundled_pair_on_hf_modules_equals_hf_greedy_through_the_default(bun
 @pytest.mark.skipif(not spec_ext.ops.linear.kernel_applies("cpu"), reason="routing applies only where the "
                     "kernel runs (x86-64 CPU with AVX2 + FMA or AVX-512, float32)")
 def test_routing_is_undone_after_the_block_an_exception_and_nested_blocks(hf_pair):
+    """Routing is per thread: the newest block this thread opened decides whether its forwards
+    take the kernel (every layer or none), a block of another thread changes nothing here, and
+    the modules are handed back untouched when the last block closes."""
     target, _ = hf_pair
     layers = linear_layers(target)
+
+    def kernel_layers():
+        """The target's nn.Linear layers that took the kernel in one forward on this thread."""
+        cache = SpecCache.for_model(target, 1, 8)
+        with torch.inference_mode(), KernelCalls() as calls:
+            hf.forward(target, torch.tensor([[5, 6]]), cache, torch.arange(2)[None])
+        return calls.layers_of(target)
+
     with attention_implementation(target, fast_linear="auto"):
-        assert all("forward" in m.__dict__ for m in layers)
+        assert all("forward" in m.__dict__ for m in layers) and kernel_layers() == len(layers)
         with attention_implementation(target, fast_linear=False):  # the newest block's setting applies
-            assert untouched(target)
-        assert all("forward" in m.__dict__ for m in layers)
+            assert kernel_layers() == 0
+        assert all("forward" in m.__dict__ for m in layers) and kernel_layers() == len(layers)
         with attention_implementation(target, fast_linear=True):  # a nested block with the same setting
-            assert all("forward" in m.__dict__ for m in layers)
-        assert all("forward" in m.__dict__ for m in layers)
-        opened, close = threading.Event(), threading.Event()
+            assert all("forward" in m.__dict__ for m in layers) and kernel_layers() == len(layers)
+        assert all("forward" in m.__dict__ for m in layers) and kernel_layers() == len(layers)
+        opened, close, seen = threading.Event(), threading.Event(), {}
 
         def other_thread():  # a block of another thread (PEARL's draft side) opens and closes inside this one
             with attention_implementation(target, fast_linear=False):
+                seen["there"] = kernel_layers()
                 opened.set()
                 close.wait(10)
 
         thread = threading.Thread(target=other_thread)
         thread.start()
-        assert opened.wait(10) and untouched(target)
+        assert opened.wait(10) and seen["there"] == 0  # that thread's block: F.linear there
+        assert kernel_layers() == len(layers)  # this thread's block still routes here
         close.set()
         thread.join()
-        assert all("forward" in m.__dict__ for m in layers)
+        assert all("forward" in m.__dict__ for m in layers) and kernel_layers() == len(layers)
     assert untouched(target)
     with pytest.raises(RuntimeError, match="inside"):
         with attention_implementation(target, fast_linear="auto"):

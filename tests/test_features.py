@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import spec_ext
-from spec_ext.models import SpecCache, aux_layer_ids, forward_path, hf, hf_modules, num_layers
+from spec_ext.models import Forward, SpecCache, aux_layer_ids, forward_path, hf, hf_modules, num_layers
 from test_architectures import sharpened_model
 
 L = 6  # layers: (0, 2, L // 2, L) are four distinct entries, and aux_layer_ids gives (2, 3, 3)
@@ -89,7 +89,7 @@ def path_to(node: int) -> list[int]:
 def check_against_hf(model, outs, layers=LAYERS):
     """Every position of every forward against HF's full-sequence run of that row: the
     prefix's own tokens, every chain token, every tree node (the run of its root path)."""
-    (prefix_logits, prefix_features), (chain_logits, chain_features), (tree_logits, tree_features) = outs
+    (prefix_logits, _, prefix_features), (chain_logits, _, chain_features), (tree_logits, _, tree_features) = outs
     H = model.config.hidden_size
     assert prefix_features.shape == (3, 7, len(layers) * H) and prefix_features.dtype == model.dtype
     assert tree_features.shape == (3, len(PARENTS), len(layers) * H)
@@ -125,7 +125,7 @@ def test_the_lean_features_equal_the_hf_modules_bit_for_bit(kind):
         modules, path = run(model, hidden=True)
     assert path.startswith("hf: forced")
     for a, b in zip(lean, modules):
-        for x, y in zip(a, b):
+        for x, y in zip(a, b):  # logits, hidden state, features
             assert torch.equal(x, y)
 
 
@@ -139,7 +139,7 @@ def test_layers_in_any_order_and_repeated(kind, layers):
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt2", "gemma2"])
 def test_without_layers_every_output_is_as_before(kind):
     """Asking for features changes neither the logits nor the last hidden state (bit for bit),
-    and without ``layers`` the return shapes are the old ones. The last hidden state is the
+    and what was not asked for is None (``Forward``'s fields). The last hidden state is the
     features' k = L entry, the same tensor."""
     model = model_of(kind)
     H = model.config.hidden_size
@@ -149,11 +149,13 @@ def test_without_layers_every_output_is_as_before(kind):
         with_features, _ = run(model, use_lean, layers=LAYERS)
         all_three, _ = run(model, use_lean, hidden=True, layers=LAYERS)
         for p, h, f, a in zip(plain, with_hidden, with_features, all_three):
-            assert isinstance(p, torch.Tensor) and p.dtype == torch.float32
-            assert len(h) == 2 and len(f) == 2 and len(a) == 3
-            assert torch.equal(p, h[0]) and torch.equal(p, f[0]) and torch.equal(p, a[0])
-            assert torch.equal(h[1], a[1]) and torch.equal(f[1], a[2])
-            assert torch.equal(a[1], a[2][..., -H:])
+            assert all(isinstance(out, Forward) for out in (p, h, f, a))
+            assert isinstance(p.logits, torch.Tensor) and p.logits.dtype == torch.float32
+            assert p.hidden is None and p.features is None and h.features is None and f.hidden is None
+            assert all(x is not None for x in (h.hidden, f.features, a.hidden, a.features))
+            assert all(torch.equal(p.logits, x.logits) for x in (h, f, a))
+            assert torch.equal(h.hidden, a.hidden) and torch.equal(f.features, a.features)
+            assert torch.equal(a.hidden, a.features[..., -H:])
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

@@ -65,12 +65,12 @@ def draft_tokens(target, head, prompts=PROMPTS, k=3):
     seen = []
 
     class Recording(HeadDrafter):
-        def propose(self, seqs, roots):
-            proposal = super().propose(seqs, roots)
+        def propose(self, seqs, roots, plan, forced=None, forced_rows=None):
+            proposal = super().propose(seqs, roots, plan, forced, forced_rows)
             seen.append(proposal.tokens.tolist())
             return proposal
 
-    spec_ext.generate(target, Recording(head, Fixed(k)), prompts, max_new_tokens=2, eos_token_id=[])
+    spec_ext.generate(target, Recording(head), prompts, max_new_tokens=2, eos_token_id=[], policy=Fixed(k))
     return seen[0]
 
 
@@ -183,7 +183,7 @@ def test_the_original_eagle3_layout_loads(target, tmp_path):
     loaded = load_head(tmp_path)
     assert loaded.config.layer_ids is None
     assert draft_tokens(target, loaded) == draft_tokens(target, head)
-    drafter = HeadDrafter(loaded, Fixed(3))
+    drafter = HeadDrafter(loaded)
     drafter.bind(target)
     assert drafter.target_layers == aux_layer_ids(target) == (2, 2, 1)
 
@@ -213,7 +213,7 @@ def test_the_layers_named_are_the_layers_tapped(target):
     named = random_head(target, layer_ids=(0, 1, 2))
     other = random_head(target, layer_ids=(1, 2, 3))
     other.load_state_dict(named.state_dict())
-    drafter = HeadDrafter(named, Fixed(3))
+    drafter = HeadDrafter(named)
     drafter.bind(target)
     assert drafter.target_layers == (0, 1, 2)
     assert draft_tokens(target, named) != draft_tokens(target, other)
@@ -238,11 +238,24 @@ def test_a_head_made_for_another_target_is_refused_by_name(target, change, field
 @pytest.mark.parametrize("policy,why", [
     (spec_ext.policies.PEARL(), "drafts while the target verifies"),
     (spec_ext.policies.SpecBranch(), "drafts while the target verifies"),
-    (spec_ext.policies.NGram(), "text drafts run alone or beside a draft model"),
 ])
 def test_policies_a_head_cannot_run_are_refused_saying_why(target, policy, why):
     with pytest.raises(ValueError, match=f"policy: {type(policy).__name__} .*{why}"):
         spec_ext.generate(target, random_head(target), PROMPTS, max_new_tokens=4, policy=policy)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_text_drafts_run_beside_a_head(target, tree):
+    """NGram beside a head: rows whose text matches draft it, the others are drafted by the
+    head, in the same round; greedy output equals the target's and both kinds of drafts are
+    accepted. (Suffixes of 2 tokens at least: the echo head's drafts, the root repeated, are
+    accepted where the target starts repeating a token, which a 1-token lookup would match.)"""
+    head = echo_head(target, draft_vocab=10, noise=0.01)
+    policy = spec_ext.policies.NGram(tree=tree, n_min=2, draft_k=3)
+    out = ragged_greedy_equals_target(target, head, PROMPTS, policy, max_new=24)
+    by_source = out.stats.by_source
+    assert by_source["model"].accepted > 0 and by_source["text"].accepted > 0, out.stats.as_dict()
+    assert out.stats.matched > 0 and out.stats.draft_calls > 0
 
 
 def test_bad_head_files_are_refused_by_name(tmp_path):
@@ -293,7 +306,8 @@ def test_the_command_line_takes_a_head_as_its_draft(tmp_path):
 
 def test_the_bundled_head_drafts_for_the_bundled_target():
     """models/stdlib-head (made by benchmarks/train_head.py) loads as a head and decodes the
-    demo prompt exactly, most of its drafts accepted."""
+    demo prompt exactly, most of its drafts accepted (over 48 tokens: the first round, which
+    emits the first token from the prompt's forward, drafts nothing)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from spec_ext.__main__ import DEMO_PROMPT
     from spec_ext.bundled import bundled_path
@@ -303,8 +317,8 @@ def test_the_bundled_head_drafts_for_the_bundled_target():
     head = load(bundled_path("stdlib-head"), target)
     assert isinstance(head, EagleHead) and head.config.draft_vocab_size == 2048
     ids = AutoTokenizer.from_pretrained(target_dir)(DEMO_PROMPT, return_tensors="pt").input_ids
-    out = spec_ext.generate(target, head, ids, max_new_tokens=32, eos_token_id=[], policy="fixed")
-    expected = target.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None)
+    out = spec_ext.generate(target, head, ids, max_new_tokens=48, eos_token_id=[], policy="fixed")
+    expected = target.generate(ids, max_new_tokens=48, do_sample=False, eos_token_id=None)
     assert torch.equal(out.sequences, expected)
     assert out.stats.acceptance_rate > 0.5, out.stats
 
@@ -312,8 +326,9 @@ def test_the_bundled_head_drafts_for_the_bundled_target():
 @torch.no_grad()
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
 def test_the_heads_dynamic_tree_is_eagle2s_expansion_of_its_own_scores(target, kind):
-    """The first round's tree (as token paths) equals EAGLE-2's expansion computed here from
-    the head run one token at a time on a fresh cache, with the target's features from HF's
+    """The first tree (as token paths; after the first round, which emits the first token from
+    the prompt's forward) equals EAGLE-2's expansion computed here from the head run one token
+    at a time on a fresh cache over the committed text, with the target's features from HF's
     own output_hidden_states: the re-fed levels pair each node with its parent's output."""
     from spec_ext.models import SpecCache, attention_implementation
     from spec_ext.policies import DynamicTree
@@ -323,23 +338,25 @@ def test_the_heads_dynamic_tree_is_eagle2s_expansion_of_its_own_scores(target, k
     seen = []
 
     class Recording(HeadDrafter):
-        def propose(self, seqs, roots):
-            proposal = super().propose(seqs, roots)
-            seen.append((proposal.tokens[0].tolist(), proposal.parents[0].tolist()))
+        def propose(self, seqs, roots, plan, forced=None, forced_rows=None):
+            proposal = super().propose(seqs, roots, plan, forced, forced_rows)
+            seen.append((list(seqs[0]), proposal.tokens[0].tolist(), proposal.parents[0].tolist()))
             return proposal
 
-    drafter = Recording(head, policy)
-    spec_ext.generate(target, drafter, [prompt], max_new_tokens=2, eos_token_id=[])
+    drafter = Recording(head)
+    spec_ext.generate(target, drafter, [prompt], max_new_tokens=3, eos_token_id=[], policy=policy)
+    text, tokens, parents = seen[0]  # the committed text the first tree grows after, its root last
+    assert text[:len(prompt)] == prompt and len(text) > len(prompt)
     layers = drafter.target_layers
-    states = target(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    states = target(torch.tensor([text]), output_hidden_states=True).hidden_states
     features = torch.cat([states[k][:, :-1] for k in layers], -1)  # the features of x_0 .. x_{n-2}
 
     def logp(path):
         cache = SpecCache(head.num_layers, None, None, 1, 64)
         with attention_implementation(target):
             embed = drafter.embed
-            n = len(prompt) - 1
-            logits, hidden = head(embed(torch.tensor([prompt[1:]])), head.combine(features), torch.arange(n)[None],
+            n = len(text) - 1
+            logits, hidden = head(embed(torch.tensor([text[1:]])), head.combine(features), torch.arange(n)[None],
                                   cache, target_head=drafter.target_head)
             cache.advance([n])
             logits, hidden = logits[:, -1:], hidden[:, -1:]
@@ -349,7 +366,7 @@ def test_the_heads_dynamic_tree_is_eagle2s_expansion_of_its_own_scores(target, k
                 cache.advance([1])
         return torch.log_softmax(logits[0, -1].float(), -1)
 
-    assert tree_paths(*seen[0]) == eagle2_paths(logp, policy)
+    assert tree_paths(tokens, parents) == eagle2_paths(logp, policy)
 
 
 # ---------------------------------------------------------------------------- P-EAGLE
@@ -379,31 +396,34 @@ def test_greedy_equals_the_target_with_a_parallel_drafting_head(target, policy):
 
 @torch.no_grad()
 def test_a_parallel_heads_drafts_are_its_masked_slots_in_one_causal_forward(target):
-    """The first round's chain is the argmax of the head run here once over the prompt's pairs
+    """The first chain (after the first round, which emits the first token from the prompt's
+    forward) is the argmax of the head run here once over the committed text's pairs
     (x_{t+1}, feature_t) followed by k - 1 slots (mask token, fc(mask_hidden)) on a fresh cache."""
     from spec_ext.models import SpecCache, attention_implementation
     head = parallel_head(target, noise=0.2, seed=2)
     seen = []
 
     class Recording(HeadDrafter):
-        def propose(self, seqs, roots):
-            proposal = super().propose(seqs, roots)
-            seen.append(proposal.tokens.tolist())
+        def propose(self, seqs, roots, plan, forced=None, forced_rows=None):
+            proposal = super().propose(seqs, roots, plan, forced, forced_rows)
+            seen.append((list(seqs[0]), proposal.tokens.tolist()))
             return proposal
 
-    drafter = Recording(head, Fixed(4))
+    drafter = Recording(head)
     prompt = PROMPTS[0]
-    spec_ext.generate(target, drafter, [prompt], max_new_tokens=2, eos_token_id=[])
-    states = target(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    spec_ext.generate(target, drafter, [prompt], max_new_tokens=3, eos_token_id=[], policy=Fixed(4))
+    text, drafts = seen[0]  # the committed text the first chain drafts after, its root last
+    assert text[:len(prompt)] == prompt and len(text) > len(prompt)
+    states = target(torch.tensor([text]), output_hidden_states=True).hidden_states
     features = torch.cat([states[k][:, :-1] for k in drafter.target_layers], -1)
-    n = len(prompt) - 1
-    ids = torch.tensor([prompt[1:] + [V - 1] * 3])
+    n = len(text) - 1
+    ids = torch.tensor([text[1:] + [V - 1] * 3])
     hidden = torch.cat([head.combine(features), head.combine(head.mask_hidden).expand(1, 3, -1)], 1)
     with attention_implementation(target):
         logits, _ = head(drafter.embed(ids), hidden, torch.arange(n + 3)[None], SpecCache(head.num_layers, None, None,
                                                                                          1, 64),
                          vocab_size=V)
-    assert seen[0] == [logits[0, n - 1:].argmax(-1).tolist()]
+    assert drafts == [logits[0, n - 1:].argmax(-1).tolist()]
 
 
 def test_sampling_follows_the_target_with_a_parallel_drafting_head():

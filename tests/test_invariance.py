@@ -3,6 +3,7 @@ whatever the number of rows or positions that share the call, in float32, bfloat
 float16, on every ISA path of the CPU linear, on every invariant tree-attention backend and
 through the lean forward with ``invariant=True``. Each width's result is compared with the
 same row or query computed alone (width 1); correctness against float64 references."""
+import copy
 import functools
 import os
 
@@ -517,15 +518,16 @@ def test_every_policy_and_drafter_is_bit_identical_to_plain_decoding(dtype, tmp_
     draft = perturbed(target, 0.01, seed=1)
     cases = [(draft, p) for p in (Fixed(4), Auto(), Adaptive(), Heuristic(), Confidence(), SVIP(), Tree(),
                                   DynamicTree(depth=3, top_k=3, nodes=8), PEARL(gamma=2), NGram())]
-    cases += [(echo_head(target.float(), noise=0.05).to(dtype), p) for p in (Fixed(3), DynamicTree(depth=3, top_k=3))]
-    cases += [(random_dflash(target.float(), scale=0.3).to(dtype), p) for p in (Fixed(), Adaptive(tree=Tree()))]
+    full = copy.deepcopy(target).float()  # (.float() and .to() convert a module in place)
+    cases += [(echo_head(full, noise=0.05).to(dtype), p) for p in (Fixed(3), DynamicTree(depth=3, top_k=3))]
+    cases += [(random_dflash(full, scale=0.3).to(dtype), p) for p in (Fixed(), Adaptive(tree=Tree()))]
     cases += [(None, NGram()), (None, Suffix(SuffixCache()))]
     for drafter, policy in cases:
         plain, out = plain_and_speculative(target, drafter, RAGGED, policy, invariant=True)
         assert torch.equal(out.sequences, plain), (type(drafter).__name__, policy)
     test_mtp._TMP[:] = [tmp_path_factory]
     with_mtp, _ = test_mtp.target_with_mtp("glm4_moe", 2)
-    with_mtp = with_mtp.to(dtype)
+    with_mtp = copy.deepcopy(with_mtp).to(dtype)  # the target test_mtp keeps for its own tests
     for policy in (Fixed(), DynamicTree(depth=3, top_k=3, nodes=8)):
         plain, out = plain_and_speculative(with_mtp, "mtp", RAGGED, policy, invariant=True)
         assert torch.equal(out.sequences, plain), ("mtp", policy)

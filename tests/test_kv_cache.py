@@ -134,7 +134,7 @@ def test_spec_cache_commit_and_rollback_match_fresh_forward(kind):
         cache.keep_rows([2, 0])
         committed = [committed[2], committed[0]]
         last = torch.tensor([[c[-1]] for c in committed])
-        logits = hf.forward(model, last, cache, cache.lengths[:, None])
+        logits = hf.forward(model, last, cache, cache.lengths[:, None]).logits
     for row, tokens in enumerate(committed):
         fresh = model(torch.tensor([tokens])).logits[0, -1]
         torch.testing.assert_close(logits[row, 0], fresh, rtol=1e-4, atol=1e-4)

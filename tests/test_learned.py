@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import spec_ext
-from spec_ext.policies import (PEARL, AdaLength, BranchHint, BranchPredictor, Fixed, LearnedSpecBranch, ResidualMLP,
-                               SpecDecPP)
+from spec_ext.policies import (PEARL, AdaLength, BranchHint, BranchPredictor, Call, Fixed, LearnedSpecBranch, Report,
+                               ResidualMLP, RoundState, Source, SpecDecPP)
 from spec_ext.training import (accepted_runs, asymmetric_l1, branch_classes, features_and_labels,
                                simulated_batch_tokens_per_ms, simulated_tokens_per_ms, train_predictor)
-from helpers import hf_greedy, llama, perturbed
+from helpers import hf_greedy, llama, perturbed, plan_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -255,15 +255,15 @@ def test_specdecpp_stops_a_batch_by_its_mean_predicted_acceptance():
         device = torch.device("cpu")
         config = type("Config", (), {"hidden_size": 8})
 
-    policy.bind(None, Draft())
-    policy.start(2, greedy=True)
+    plan = plan_of(policy, 2, greedy=True, draft=Draft())
+    assert plan.stops
     hidden = torch.zeros(2, 8)
     hidden[:, 0] = torch.logit(torch.tensor([0.9, 0.3]))
     probs = torch.full((2, 5), 0.2)
     # step 1: mean(0.9, 0.3) = 0.6 >= 0.5, both go on (alone, the second row would stop)
-    assert policy.keep_drafting(1, probs, probs.argmax(-1), hidden).tolist() == [True, True]
+    assert plan.keep_drafting(1, probs, probs.argmax(-1), hidden).tolist() == [True, True]
     # step 2: mean(0.81, 0.09) = 0.45 < 0.5, both stop (alone, the first row would go on)
-    assert policy.keep_drafting(2, probs, probs.argmax(-1), hidden).tolist() == [False, False]
+    assert plan.keep_drafting(2, probs, probs.argmax(-1), hidden).tolist() == [False, False]
 
 
 def test_adalength_drafts_the_predicted_length(pair):
@@ -273,7 +273,9 @@ def test_adalength_drafts_the_predicted_length(pair):
     assert set(out.stats.draft_lengths) == {3}
     out = spec_ext.generate(target, draft, [[5, 6, 7]], max_new_tokens=20, eos_token_id=[], policy=policy,
                             temperature=1.0, seed=0)
-    assert set(out.stats.draft_lengths) == {1}
+    # the first round is verified in the prompt's own forward, before the target's hidden state at
+    # its root is known: it drafts the policy's first guess (first_round), then the predictions
+    assert out.stats.draft_lengths[0] == policy.first_round == 3 and set(out.stats.draft_lengths[1:]) == {1}
     with pytest.raises(ValueError, match="predictor: the AdaLength predictor takes 130 features but"):
         small = llama(97, 32, 1, seed=3)
         spec_ext.generate(small, small, [[5, 6]], policy=AdaLength(constant(130, (1, 1))))
@@ -310,8 +312,8 @@ def test_adalength_reads_the_rows_history_of_accepted_drafts(pair):
         head.out.weight.fill_(1.0)
         head.out.bias.fill_(0.5)
     prompt = [5, 6, 7]
-    out = spec_ext.generate(target, draft, [prompt], max_new_tokens=60, eos_token_id=[],
-                            policy=AdaLength(head, offset=0.0, max_draft=6))
+    policy = AdaLength(head, offset=0.0, max_draft=6)
+    out = spec_ext.generate(target, draft, [prompt], max_new_tokens=60, eos_token_id=[], policy=policy)
     drafted, accepted = out.stats.draft_lengths, out.stats.accepted_lengths
     # the history as the training data defines it: the run of positions where the draft's
     # greedy token (teacher-forced on the output) is the text's next one, ending just
@@ -326,21 +328,24 @@ def test_adalength_reads_the_rows_history_of_accepted_drafts(pair):
             run += 1
         expected.append(min(6, run + 1))
         root += a + 1
-    assert drafted[:-1] == expected[:-1]  # the last round may be cut to the tokens left
+    # the first round, verified in the prompt's own forward, drafts the policy's first guess (no target
+    # hidden state at its root yet); the last may be cut to the tokens left
+    assert drafted[0] == policy.first_round and drafted[1:-1] == expected[1:-1]
     assert max(drafted) > 2 and min(drafted) == 1
     # a round that accepted all its drafts but whose draft disagrees with the bonus resets it
     assert any(n == a and e == 1 for n, a, e in zip(drafted, accepted, expected[1:]))
     # a batch drafts to the mean of its rows' predictions: after row 0 accepted all 3 drafts
     # and agreed with the bonus (history 4) and row 1 none, 4.5 and 0.5 -> 2.5 -> 3 for both
-    policy = AdaLength(head, offset=0.0, max_draft=6)
-    policy.bind(target, draft)
-    policy.start(2, greedy=True)
-    policy.observe([3, 4], [3, 0])
-    policy.see_target(torch.randn(2, 64), torch.tensor([5, 6]))
-    policy.see_bonus_agreement(torch.tensor([True, False]))
-    assert policy.plan() == [3, 3]
-    policy.keep_rows([1])
-    assert policy.plan() == [3]
+    controller = AdaLength(head, offset=0.0, max_draft=6).start(Call(2, True, target, draft))
+    first = controller.plan(RoundState(2))
+    controller.observe(Report(first, [Source.MODEL] * 2, [3, 4], [3, 0], [[1, 2, 3, 4], [1]], 5))
+    plan = controller.plan(RoundState(2, target_hidden=torch.randn(2, 64), roots=torch.tensor([5, 6])))
+    assert plan.reads_agreement and plan.budget(torch.tensor([True, False])) == [3, 3]
+    controller.keep_rows([1])
+    assert controller.plan(RoundState(1)).budget() == [3]  # the kept row's length, before a prediction
+    # row 1 alone: its history was reset (no accepted draft): 0 + 0.5 -> 1
+    plan = controller.plan(RoundState(1, target_hidden=torch.randn(1, 64), roots=torch.tensor([6])))
+    assert plan.budget(torch.tensor([False])) == [1]
 
 
 def test_branch_classes():

@@ -3,6 +3,7 @@
 head's output layer read, the training data of a head comes from its own chains (checked
 against the head run one step at a time), the replay reads runs and grids (a draft model's
 numbers unchanged), and benchmarks/train_policies.py trains both for a head end to end."""
+import dataclasses
 import shutil
 import sys
 from pathlib import Path
@@ -67,12 +68,23 @@ def test_specdecpp_reads_what_the_heads_output_layer_read(target, kind, norm_out
     head.config.norm_output = norm_output
     seen = []
 
-    class Recording(SpecDecPP):
-        def keep_drafting(self, step, probs, tokens, hidden=None):
-            seen.append((probs, hidden))
-            return super().keep_drafting(step, probs, tokens, hidden)
+    class Recording(SpecDecPP):  # every plan's keep_drafting records what it reads
+        def start(self, call):
+            controller = super().start(call)
+            plan = controller.plan
 
-    policy = Recording(specdecpp(head)._predictor, threshold=0.6, max_draft=6)
+            def planned(state):
+                decided = plan(state)
+                stop = decided.stop
+
+                def recorded(step, probs, tokens, hidden=None):
+                    seen.append((probs, hidden))
+                    return stop(step, probs, tokens, hidden)
+                return dataclasses.replace(decided, stop=recorded)
+            controller.plan = planned
+            return controller
+
+    policy = Recording(specdecpp(head).predictor, threshold=0.6, max_draft=6)
     spec_ext.generate(target, head, PROMPTS, max_new_tokens=12, eos_token_id=[], policy=policy)
     assert len(seen) > 3
     draft_ids = torch.arange(head.d2t.shape[0]) + head.d2t if kind == "eagle3" else None
@@ -105,10 +117,21 @@ def test_bonus_agreement_of_a_head_is_its_catch_up_before_the_bonus(target):
     head = echo_head(target, draft_vocab=10, noise=0.03)
     reports = []
 
-    class Recording(AdaLength):
-        def see_bonus_agreement(self, agreed):
-            reports.append(agreed.tolist())
-            super().see_bonus_agreement(agreed)
+    class Recording(AdaLength):  # every plan's budget records the agreements the drafter hands it
+        def start(self, call):
+            controller = super().start(call)
+            plan = controller.plan
+
+            def planned(state):
+                decided = plan(state)
+                length = decided.after_catch_up
+
+                def recorded(agreed):
+                    reports.append(agreed.tolist())
+                    return length(agreed)
+                return dataclasses.replace(decided, after_catch_up=recorded)
+            controller.plan = planned
+            return controller
 
     predictor = ResidualMLP(2 * 32 + HISTORY_FEATURES)
     with torch.no_grad():  # one draft per round after the first: accepted, the round accepted all
@@ -126,15 +149,18 @@ def test_bonus_agreement_of_a_head_is_its_catch_up_before_the_bonus(target):
         logits, _ = head(target.get_input_embeddings()(torch.tensor([sequence[1:]])), head.combine(features[:, :n]),
                          torch.arange(n)[None], SpecCache(head.num_layers, None, None, 1, 64))
     proposes = logits[0].argmax(-1).tolist()  # proposes[t]: the head's draft of token t+2
-    root, expected, told_apart = len(prompt) - 1, [], 0
-    for drafted, accepted in zip(out.stats.draft_lengths, out.stats.accepted_lengths):
+    # the first round emits the first token from the prompt's forward, no drafts: the head starts
+    # after it, and its first round's agreement is False (no bonus yet)
+    assert out.stats.draft_lengths[0] == 0
+    root, expected, told_apart = len(prompt), [], 0
+    for drafted, accepted in zip(out.stats.draft_lengths[1:], out.stats.accepted_lengths[1:]):
         bonus = root + accepted + 1
         expected.append([accepted == drafted and proposes[bonus - 2] == sequence[bonus]])
         # the bonus's own pair proposes something else: reading it instead would show
         told_apart += accepted == drafted and proposes[bonus - 2] != proposes[bonus - 1]
         root = bonus
     assert reports == [[False]] + expected[:len(reports) - 1]
-    accepted_all = [a == d for a, d in zip(out.stats.accepted_lengths, out.stats.draft_lengths)]
+    accepted_all = [a == d for a, d in zip(out.stats.accepted_lengths[1:], out.stats.draft_lengths[1:])]
     outcomes = {agreed for (agreed,), whole in zip(reports[1:], accepted_all) if whole}
     assert outcomes == {True, False}, "rounds that accepted every draft, then agreed with the bonus or not"
     assert told_apart > 0

@@ -24,10 +24,10 @@ from safetensors.torch import load_file, save_file
 
 import spec_ext
 from spec_ext.drafters import MtpDrafter, Sampler
-from spec_ext.models import SpecCache, attention_implementation
+from spec_ext.models import attention_implementation
 from spec_ext.models.mtp import load_mtp
 from spec_ext.policies import DynamicTree, Fixed, Tree
-from helpers import PROMPT, VOCAB, assert_follows, exact_joint, hf_greedy, ragged_greedy_equals_target
+from helpers import PROMPT, VOCAB, assert_follows, exact_joint, hf_greedy, plan_of, ragged_greedy_equals_target
 
 CLASSES = {"glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig"),
            "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config"),
@@ -251,7 +251,7 @@ def test_a_trees_first_children_are_the_greedy_chain():
     policy = Tree((2, 2, 2, 1))
     tree, _ = fresh_proposal(target, mtp, policy, PROMPTS)
     chain, _ = fresh_proposal(target, mtp, Fixed(4), PROMPTS)
-    first = [level[0] for level in policy.levels]
+    first = [level[0] for level in policy.tree_shape().levels]
     assert torch.equal(tree.tokens[:, first], chain.tokens)
     assert len({tuple(row) for row in chain.tokens.tolist()}) == len(PROMPTS)
 
@@ -307,10 +307,10 @@ def test_architectures_spec_ext_cannot_decode_are_refused_by_name(kind, message)
         spec_ext.generate(target, "mtp", [[5, 6]], max_new_tokens=4)
     if kind == "bailing_hybrid":  # transformers 5.25 cannot build its MTP layers (no mtp_layer_types)
         return
-    drafter = MtpDrafter(MtpModel(target, 1), Fixed(1))
+    drafter = MtpDrafter(MtpModel(target, 1))
     refusal = message if kind == "inkling" else r"draft: these MTP layers cannot draft: its MTP layer 0 is a 'linear"
     with pytest.raises(ValueError, match=refusal):
-        spec_ext.generate(target, drafter, [[5, 6]], max_new_tokens=4)
+        spec_ext.generate(target, drafter, [[5, 6]], max_new_tokens=4, policy=Fixed(1))
 
 
 # ---------------------------------------------------------------- the drafts themselves
@@ -323,15 +323,15 @@ def target_features(target, seq):
 def fresh_proposal(target, mtp, policy, seqs, sampler=None, generator=None):
     """A new drafter's first proposal on ``seqs`` (features from the target's own forward)."""
     sampler = sampler or Sampler()
-    drafter = MtpDrafter(mtp, policy)
+    drafter = MtpDrafter(mtp)
     drafter.bind(target)
-    policy.start(len(seqs), sampler.greedy)
+    plan = plan_of(policy, len(seqs), sampler.greedy, target, mtp)
     features = [target_features(target, s)[0] for s in seqs]
     width = max(len(f) for f in features)
     padded = torch.stack([torch.nn.functional.pad(f, (0, 0, 0, width - len(f))) for f in features])
     drafter.start([list(s) for s in seqs], 128, sampler, generator, features=padded)
     with attention_implementation(target), torch.no_grad():
-        return drafter.propose([list(s) for s in seqs], torch.tensor([s[-1] for s in seqs])), drafter
+        return drafter.propose([list(s) for s in seqs], torch.tensor([s[-1] for s in seqs]), plan), drafter
 
 
 @pytest.mark.parametrize("kind,mtp_layers", CASES)
@@ -360,12 +360,12 @@ def test_a_rounds_drafts_equal_transformers_mtp_model(kind, mtp_layers):
 class Recording(MtpDrafter):
     """Keeps each round's committed text and proposal."""
 
-    def __init__(self, mtp, policy):
-        super().__init__(mtp, policy)
+    def __init__(self, mtp):
+        super().__init__(mtp)
         self.rounds = []
 
-    def propose(self, seqs, roots):
-        proposal = super().propose(seqs, roots)
+    def propose(self, seqs, roots, plan, forced=None, forced_rows=None):
+        proposal = super().propose(seqs, roots, plan, forced, forced_rows)
         self.rounds.append(([list(s) for s in seqs], proposal))
         return proposal
 
@@ -383,8 +383,8 @@ def test_after_every_commit_the_next_proposal_is_a_fresh_drafters(kind, mtp_laye
     trees): the drafter's proposal on its incremental state equals a new drafter's on the
     committed text (tokens; the same tree)."""
     target, _ = target_with_mtp(kind, mtp_layers)
-    drafter = Recording(load_mtp(target), policy)
-    out = spec_ext.generate(target, drafter, PROMPTS, max_new_tokens=16, eos_token_id=[])
+    drafter = Recording(load_mtp(target))
+    out = spec_ext.generate(target, drafter, PROMPTS, max_new_tokens=16, eos_token_id=[], policy=policy)
     assert 0 < out.stats.accepted < out.stats.drafted
     for seqs, proposal in drafter.rounds[1:]:
         fresh, _ = fresh_proposal(target, drafter.mtp, policy, seqs)
@@ -756,9 +756,9 @@ def test_each_rows_drafts_in_a_ragged_batch_are_its_drafts_alone(source, policy)
     forced = (lambda: hf_modules(target, mtp)) if source == "speculators-hf-modules" else contextlib.nullcontext
 
     def run(prompts):
-        drafter = Recording(mtp, policy)
+        drafter = Recording(mtp)
         with forced():
-            out = spec_ext.generate(target, drafter, prompts, max_new_tokens=14, eos_token_id=[])
+            out = spec_ext.generate(target, drafter, prompts, max_new_tokens=14, eos_token_id=[], policy=policy)
         rounds = {i: [] for i in range(len(prompts))}
         for seqs, proposal in drafter.rounds:
             for b, seq in enumerate(seqs):
@@ -818,7 +818,7 @@ def test_which_mtp_layers_take_the_lean_step():
     assert "unknown MTP block modules in Glm4MoeDecoderLayer" in why_not_lean_mtp(load_mtp(glm))
     with hf_modules(llama_mtp):
         assert "forced onto the HF modules" in why_not_lean_mtp(llama_mtp)
-        drafter = MtpDrafter(llama_mtp, Fixed(1))
+        drafter = MtpDrafter(llama_mtp)
         drafter.bind(llama)
         drafter.start([[5, 6, 7]], 16, Sampler())
         assert drafter.lean is None
@@ -849,10 +849,10 @@ def test_the_lean_mtp_step_drafts_what_the_hf_modules_draft(source, policy, temp
     for prompts in (RAGGED, [[9]]):  # alone, a one-token prompt's first round runs at index -1
         runs = []
         for forced in (False, True):
-            drafter = Recording(mtp, policy)
+            drafter = Recording(mtp)
             with hf_modules(mtp) if forced else torch.no_grad():
                 out = spec_ext.generate(target, drafter, prompts, max_new_tokens=12, eos_token_id=[],
-                                        temperature=temperature, seed=5)
+                                        temperature=temperature, seed=5, policy=policy)
             assert (drafter.lean is None) == forced
             runs.append((out, drafter.rounds))
         (lean_out, lean_rounds), (hf_out, hf_rounds) = runs
@@ -904,5 +904,5 @@ def test_mtp_model_options_are_honoured_on_both_paths():
                                            atol=1e-6)
                 torch.testing.assert_close(sampled.q[b, 0, :V], probs[0], rtol=1e-5, atol=1e-6)
                 assert sampled.q.shape[-1] == 61 and not sampled.q[b, 0, V:].any()
-            out = ragged_greedy_equals_target(target, MtpDrafter(mtp, Fixed(3)), PROMPTS, "auto", 16, range(4, 11))
+            out = ragged_greedy_equals_target(target, MtpDrafter(mtp), PROMPTS, Fixed(3), 16, range(4, 11))
             assert out.stats.accepted > 0

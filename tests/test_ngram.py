@@ -10,7 +10,8 @@ import torch
 
 import spec_ext
 from spec_ext.drafters import Sampler, TextSource
-from spec_ext.policies import Call, NGram, NGramIndex, Report, RoundState, continuation_tree, reference_occurrences
+from spec_ext.policies import Call, NGram, NGramIndex, Report, RoundState, continuation_tree
+from spec_ext.reference import reference_occurrences
 from helpers import VOCAB, assert_follows, exact_joint, hf_greedy, llama, perturbed, ragged_greedy_equals_target
 
 

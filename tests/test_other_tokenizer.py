@@ -18,7 +18,7 @@ from spec_ext.engine import Sampler
 from spec_ext.models import attention_implementation, forward_path
 from spec_ext.policies import SVIP, Auto, DynamicTree, Fixed, NGram, Tree, resolve
 from spec_ext.vocab import prefix_index, token_keys, vocab_map
-from helpers import assert_follows, exact_joint, llama, make_policy, ragged_greedy_equals_target
+from helpers import assert_follows, exact_joint, llama, make_policy, plan_of, ragged_greedy_equals_target
 
 TEXT = ("the cat sat on the mat. the dog sat on the log. a cat and a dog ran to the mat, and the cat sat. "
         "then the dog ran to the log and sat on it. café au lait, naïve cat. ") * 8
@@ -116,11 +116,12 @@ def ragged(tok, prompts):
     return rows, ids, mask
 
 
-def greedy_equal(target, drafter, prompts, target_tok, max_new=24):
-    """spec_ext with ``drafter`` on the left-padded batch equals target.generate row by row,
-    with an EOS that ends row 0 early (the other rows go on: rows drop out of the drafter)."""
+def greedy_equal(target, drafter, policy, prompts, target_tok, max_new=24, eos_steps=None):
+    """spec_ext with ``drafter`` under ``policy`` on the left-padded batch equals target.generate
+    row by row, with an EOS that ends row 0 early (the other rows go on: rows drop out of the
+    drafter; ``eos_steps``: see ``ragged_greedy_equals_target``)."""
     rows = [target_tok(p, add_special_tokens=False).input_ids for p in prompts]
-    return ragged_greedy_equals_target(target, drafter, rows, policy=drafter.policy, max_new=max_new)
+    return ragged_greedy_equals_target(target, drafter, rows, policy=policy, max_new=max_new, eos_steps=eos_steps)
 
 
 # ------------------------------------------------------------------ the map
@@ -176,20 +177,22 @@ def test_a_slow_tokenizer_or_a_bad_mode_is_refused_by_name():
     with pytest.raises(ValueError, match="target_tokenizer"):
         vocab_map(tokenizer("sp"), object())
     with pytest.raises(ValueError, match="mode"):
-        OtherTokenizerDrafter(trained("sp", 1), tokenizer("sp"), tokenizer("bytes300"), Fixed(3), mode="x")
+        OtherTokenizerDrafter(trained("sp", 1), tokenizer("sp"), tokenizer("bytes300"), mode="x")
     with pytest.raises(ValueError, match="policy: PEARL drafts beside the verification"):
-        OtherTokenizerDrafter(trained("sp", 1), tokenizer("sp"), tokenizer("bytes300"), spec_ext.policies.PEARL())
+        spec_ext.generate(trained("bytes300", 0), trained("sp", 1), [[5, 6]], max_new_tokens=4,
+                          policy=spec_ext.policies.PEARL(), tokenizer=tokenizer("bytes300"),
+                          assistant_tokenizer=tokenizer("sp"))
 
 
 def test_a_draft_that_covers_little_of_the_prompts_warns_and_auto_picks_slem():
     target_tok, draft_tok = word_level(["the", "cat", "sat", "dog"]), word_level(["dog", "mat"])
     target, draft = llama(len(target_tok), 32, 1, seed=0), llama(len(draft_tok), 32, 1, seed=1)
     ids = [target_tok("the cat sat the cat dog", add_special_tokens=False).input_ids]
-    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(2), mode="tli")
+    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, mode="tli")
     with pytest.warns(UserWarning, match="covers 17% of the prompts' target tokens"):
-        spec_ext.generate(target, drafter, ids, max_new_tokens=4)
-    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(2), mode="auto")
-    spec_ext.generate(target, drafter, ids, max_new_tokens=4)
+        spec_ext.generate(target, drafter, ids, max_new_tokens=4, policy=Fixed(2))
+    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, mode="auto")
+    spec_ext.generate(target, drafter, ids, max_new_tokens=4, policy=Fixed(2))
     assert drafter.mode_used == "slem"
 
 
@@ -204,9 +207,10 @@ def test_greedy_equals_the_target_on_a_ragged_batch(mode, draft_name, policy):
     and trees, static and EAGLE-2's (TLI: target ids grown from the shared tokens' logits;
     SLEM: each path's text re-tokenised, the paths merged)."""
     target, draft = trained("bytes300", 0), trained(draft_name, 1)
-    policy = resolve(make_policy(policy, target, draft)) if isinstance(policy, str) else copy.deepcopy(policy)
-    drafter = OtherTokenizerDrafter(draft, tokenizer(draft_name), tokenizer("bytes300"), policy, mode=mode)
-    out = greedy_equal(target, drafter, PROMPTS, tokenizer("bytes300"))
+    policy = resolve(make_policy(policy, target, draft))
+    drafter = OtherTokenizerDrafter(draft, tokenizer(draft_name), tokenizer("bytes300"), mode=mode,
+                                    hidden=policy.reads_draft_hidden)
+    out = greedy_equal(target, drafter, policy, PROMPTS, tokenizer("bytes300"))
     assert drafter.mode_used == mode
     assert out.stats.accepted > 0 and out.stats.draft_calls > 0
 
@@ -216,14 +220,14 @@ def test_boundaries_that_move_roll_the_draft_cache_back_and_stay_exact():
     each arrives ("Ġc" then "Ġca" then "Ġcat"): its cache is rolled back where they do."""
     target, draft = trained("chars", 0), trained("bytes300", 1)
     for mode in ("tli", "slem"):
-        drafter = OtherTokenizerDrafter(draft, tokenizer("bytes300"), tokenizer("chars"), Fixed(3), mode=mode)
-        out = greedy_equal(target, drafter, PROMPTS, tokenizer("chars"), max_new=30)
+        drafter = OtherTokenizerDrafter(draft, tokenizer("bytes300"), tokenizer("chars"), mode=mode)
+        out = greedy_equal(target, drafter, Fixed(3), PROMPTS, tokenizer("chars"), max_new=30)
         assert drafter.moved > 0 and out.stats.accepted > 0, (mode, drafter.moved, out.stats)
     # the other way: a draft of nearly characters for a target of words
     target, draft = trained("bytes300", 0), trained("chars", 1)
     for mode in ("tli", "slem"):
-        drafter = OtherTokenizerDrafter(draft, tokenizer("chars"), tokenizer("bytes300"), Fixed(6), mode=mode)
-        out = greedy_equal(target, drafter, PROMPTS, tokenizer("bytes300"), max_new=20)
+        drafter = OtherTokenizerDrafter(draft, tokenizer("chars"), tokenizer("bytes300"), mode=mode)
+        out = greedy_equal(target, drafter, Fixed(6), PROMPTS, tokenizer("bytes300"), max_new=20)
         assert out.stats.accepted > 0, (mode, out.stats)
 
 
@@ -236,7 +240,7 @@ def test_the_retokenised_window_starts_at_the_last_word_start_however_far_back(n
     characters without whitespace (a long run is not the whole text re-tokenised)."""
     from spec_ext.drafters.other_tokenizer import BACK
     tok = tokenizer(name)
-    drafter = OtherTokenizerDrafter(None, tok, tokenizer("chars"), Fixed(3), mode="slem")
+    drafter = OtherTokenizerDrafter(None, tok, tokenizer("chars"), mode="slem")
     lead = len(drafter.lead)
     generator, far = torch.Generator().manual_seed(0), 0
     for case in range(60):
@@ -271,7 +275,7 @@ def test_the_drafts_context_is_its_tokenizers_tokens_of_the_committed_text(targe
     text it encodes would otherwise land inside the context at each window."""
     target, draft = trained(target_name, 0), trained(draft_name, 1)
     tok = tokenizer(draft_name)
-    drafter = OtherTokenizerDrafter(draft, tok, tokenizer(target_name), Fixed(4), mode="slem")
+    drafter = OtherTokenizerDrafter(draft, tok, tokenizer(target_name), mode="slem")
     sync, checked = drafter._sync, []
 
     def synced(heal=False):
@@ -289,7 +293,7 @@ def test_the_drafts_context_is_its_tokenizers_tokens_of_the_committed_text(targe
     drafter._sync = synced
     prompts = PROMPTS + ["the cat sat on the mat.\n\n  a été ébène"]
     _, ids, mask = ragged(tokenizer(target_name), prompts)
-    out = spec_ext.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=40)
+    out = spec_ext.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=40, policy=Fixed(4))
     assert out.stats.accepted > 0 and len(checked) >= 3 * len(prompts), len(checked)  # windows, not only the first sync
 
 
@@ -319,13 +323,13 @@ def test_a_permuted_vocabulary_is_accepted_always_greedy_and_sampled():
     m = vocab_map(draft_tok, target_tok)
     assert torch.equal(m.draft_to_target, perm)
     prompts = ["a b c", "d e f g h", "l"]
-    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(4), mode="tli")
-    out = greedy_equal(target, drafter, prompts, target_tok, max_new=20)
+    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, mode="tli")
+    out = greedy_equal(target, drafter, Fixed(4), prompts, target_tok, max_new=20)
     assert out.stats.accepted == out.stats.drafted > 0
     _, ids, mask = ragged(target_tok, prompts * 20)
-    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(4), mode="tli")
+    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, mode="tli")
     out = spec_ext.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=16, temperature=1.0,
-                            eos_token_id=[], seed=0)
+                            eos_token_id=[], seed=0, policy=Fixed(4))
     # p and q agree up to the draft's rounding (its linear layers may take another kernel); the
     # special tokens the target samples are in the draft's text too (shared by content)
     assert out.stats.acceptance_rate > 0.99, out.stats.as_dict()
@@ -361,16 +365,16 @@ def test_sampling_follows_the_targets_law_by_enumeration(mode, draft_kind, tempe
     n = 4000
     policy = {"fixed": Fixed(3), "tree": Tree((2, 2)), "dynamictree": DynamicTree(3, 2, 6),
               "ngram": NGram(n_min=1, tree=False), "ngramtree": NGram(n_min=1, tree=True)}[policy]
-    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, policy, mode=mode)
-    if policy.drafts_from_text:  # "a b c" + 3: a row whose last token occurred before has a match
-        drafter = spec_ext.drafters.TextFirst(spec_ext.drafters.TextDrafter(policy), drafter)
+    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, mode=mode)
+    beside_text = isinstance(policy, NGram)  # the rows' text drafts beside the drafter
+    if beside_text:  # "a b c" + 3: a row whose last token occurred before has a match
         prompt = [3, 4, 3]
     out = spec_ext.generate(target, drafter, [prompt] * n, max_new_tokens=3, temperature=temperature, top_k=top_k,
                             eos_token_id=[], seed=7, policy=policy)
     assert_follows(out.sequences[:, len(prompt):].numpy(), exact_joint(target, Sampler(temperature, top_k, None),
                                                                        prompt=prompt))
     assert out.stats.accepted > 0
-    if policy.drafts_from_text:  # both kinds of row, both accepted
+    if beside_text:  # both kinds of row, both accepted
         assert 0 < out.stats.text_accepted < out.stats.accepted, out.stats.as_dict()
     if draft_kind == "permuted":
         assert out.stats.acceptance_rate > 0.99, out.stats.as_dict()
@@ -451,10 +455,10 @@ def test_token_healing_drafts_across_the_committed_texts_end():
     target, draft = trained("chars", 0), trained("bytes300", 1)
     accepted = {}
     for heal in (True, False):
-        drafter = OtherTokenizerDrafter(draft, tokenizer("bytes300"), tokenizer("chars"), Fixed(4), mode="slem")
+        drafter = OtherTokenizerDrafter(draft, tokenizer("bytes300"), tokenizer("chars"), mode="slem")
         if not heal:
             drafter._left_out = lambda *args: None
-        out = greedy_equal(target, drafter, PROMPTS * 2, tokenizer("chars"), max_new=30)
+        out = greedy_equal(target, drafter, Fixed(4), PROMPTS * 2, tokenizer("chars"), max_new=30)
         accepted[heal] = out.stats.mean_accepted
     assert accepted[True] > accepted[False] + 0.3, accepted
 
@@ -468,7 +472,7 @@ def test_token_healing_spends_a_forward_only_where_every_row_takes_a_longer_toke
     cache holding exactly the row's draft tokens after every sync and chain."""
     target, draft = trained("chars", 0), trained("bytes300", 1)
     k, rounds = 4, []
-    drafter = OtherTokenizerDrafter(draft, tokenizer("bytes300"), tokenizer("chars"), Fixed(k), mode="slem")
+    drafter = OtherTokenizerDrafter(draft, tokenizer("bytes300"), tokenizer("chars"), mode="slem")
     heal, sync, chain = drafter._heal, drafter._sync, drafter._chain
 
     def held():
@@ -491,7 +495,7 @@ def test_token_healing_spends_a_forward_only_where_every_row_takes_a_longer_toke
         return out
 
     drafter._heal, drafter._sync, drafter._chain = recorded, synced, chained
-    out = greedy_equal(target, drafter, PROMPTS, tokenizer("chars"), max_new=40)
+    out = greedy_equal(target, drafter, Fixed(k), PROMPTS, tokenizer("chars"), max_new=40)
     assert out.stats.accepted > 0
     every = sum(1 for r in rounds if r and all(r))
     some = sum(1 for r in rounds if any(r) and not all(r))
@@ -508,7 +512,7 @@ def test_token_healing_keeps_the_last_token_where_the_draft_chooses_it_or_its_by
     target_tok, draft_tok = tokenizer("bytes300"), tokenizer("sp")
     vocab = draft_tok.get_vocab()
     target, draft = llama(len(target_tok), 32, 1, seed=0), llama(len(draft_tok), 32, 1, seed=1)
-    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(2), mode="slem")
+    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, mode="slem")
     drafter.bind(target)
     rows = [target_tok("the cat sat on th", add_special_tokens=False).input_ids] * 3
     with torch.no_grad(), attention_implementation(draft):
@@ -549,9 +553,9 @@ def test_auto_runs_the_mode_that_accepts_more(target_name, draft_name, temperatu
     _, ids, mask = ragged(target_tok, prompts)
     measured = {}
     for mode in ("tli", "slem", "auto"):
-        drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, Fixed(4), mode=mode)
+        drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, mode=mode)
         out = spec_ext.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=60, eos_token_id=[],
-                                temperature=temperature, seed=0)
+                                temperature=temperature, seed=0, policy=Fixed(4))
         measured[mode] = out.stats.mean_accepted
     better = max(("tli", "slem"), key=measured.get)
     assert abs(measured["tli"] - measured["slem"]) > 0.5, measured  # a choice that matters
@@ -592,14 +596,13 @@ def test_beside_ngram_slem_retokenises_only_the_drafters_rows(tree):
     prompts = ["the cat sat on the mat. the dog sat on", "café au lait", "then the dog ran to the log and sat on it. "
                "then the dog ran", "a cat and"]
     policy = NGram(tree=tree)
-    model_drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, policy, mode="slem")
-    drafter = spec_ext.drafters.TextFirst(spec_ext.drafters.TextDrafter(policy), model_drafter)
-    chain, retokenise, commit = model_drafter.chain, model_drafter._retokenise, model_drafter.commit
+    model_drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, mode="slem")
+    propose, retokenise, commit = model_drafter.propose, model_drafter._retokenise, model_drafter.commit
     rounds, tallied = [], []
 
-    def chained(seqs, budget=None, forced=None, forced_rows=None):
-        rounds.append([forced_rows.tolist(), None])
-        return chain(seqs, budget, forced, forced_rows)
+    def proposing(seqs, roots, plan, forced=None, forced_rows=None):
+        rounds.append([[False] * len(seqs) if forced_rows is None else forced_rows.tolist(), None])
+        return propose(seqs, roots, plan, forced, forced_rows)
 
     def retokenised(texts, rows=None):
         rounds[-1][1] = list(texts)
@@ -611,8 +614,10 @@ def test_beside_ngram_slem_retokenises_only_the_drafters_rows(tree):
         if model_drafter.current is not None:  # a round the drafter ran
             tallied.append((model_drafter.tally["slem"][0] - before[0], rounds[-1][0].count(False)))
 
-    model_drafter.chain, model_drafter._retokenise, model_drafter.commit = chained, retokenised, committed
-    out = greedy_equal(target, drafter, prompts, target_tok, max_new=30)
+    model_drafter.propose, model_drafter._retokenise, model_drafter.commit = proposing, retokenised, committed
+    # an EOS late in row 0's text (the rows' texts are alike: an early one ends every row before
+    # rounds where the text and the drafter both draft rows)
+    out = greedy_equal(target, model_drafter, policy, prompts, target_tok, max_new=30, eos_steps=range(15, 30))
     mixed = [(by_text, texts) for by_text, texts in rounds if any(by_text)]
     assert mixed and out.stats.text_accepted > 0, out.stats.as_dict()
     for by_text, texts in mixed:
@@ -632,9 +637,8 @@ def test_beside_ngram_slem_chains_shorter_than_draft_k(seed, tree):
     draft = llama(len(draft_tok), 32, 1, seed=seed, sharpen=3.0)
     for prompts in (["a b c"], ["a b c", "c a", "e e d a b"]):
         policy = NGram(n_min=1, tree=tree)
-        drafter = spec_ext.drafters.TextFirst(spec_ext.drafters.TextDrafter(policy),
-                                              OtherTokenizerDrafter(draft, draft_tok, target_tok, policy, mode="slem"))
-        out = greedy_equal(target, drafter, prompts, target_tok, max_new=16)
+        drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, mode="slem")
+        out = greedy_equal(target, drafter, policy, prompts, target_tok, max_new=16)
         assert out.stats.drafted - out.stats.text_drafted <= 5 * out.stats.rounds, out.stats.as_dict()
 
 
@@ -643,37 +647,41 @@ def test_the_draft_cache_grows_where_rows_feed_unequal_tails():
     padded feed writes every row's width, and the cache grows to hold it."""
     target_tok, draft_tok = word_level(LAW_WORDS), word_level(["e", "x", "a", "y", "c", "z", "b", "d"])
     target, draft = llama(len(target_tok), 32, 2, seed=10), llama(len(draft_tok), 32, 1, seed=1)
-    policy = Fixed(2)
-    policy.bind(target, draft)
-    policy.start(2, True)
-    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, policy, mode="tli")
+    plan = plan_of(Fixed(1), 2)  # one draft per row and round
+    drafter = OtherTokenizerDrafter(draft, draft_tok, target_tok, mode="tli")
     drafter.bind(target)
     rows = [[3] * 40, [4] * 2]
     with torch.no_grad(), attention_implementation(draft):
         drafter.start(rows, capacity=0, sampler=Sampler())
-        drafter.chain(rows, [1, 1])
+        drafter.propose(rows, torch.tensor([3, 4]), plan)
         capacity = drafter.cache.capacity
-        drafter.chain([rows[0] + [3], rows[1] + [5] * 20], [1, 1])
+        drafter.propose([rows[0] + [3], rows[1] + [5] * 20], torch.tensor([3, 5]), plan)
     assert drafter.cache.capacity > capacity
     assert drafter.cache.host_lengths == [len(d) for d in drafter.dids]
 
 
 def test_the_length_policy_does_not_learn_from_the_rounds_auto_spends_measuring():
-    """Auto's rounds of the mode behind are marked ``explores``: the engine does not pass
-    them to the policy's observe (their acceptance says nothing of the mode that runs)."""
+    """Auto's rounds of the mode behind are marked ``explores`` in the report the policy's
+    controller observes (it learns nothing from them: their acceptance says nothing of the
+    mode that runs); every other round is not."""
     observed = []
 
     class Recording(Fixed):
-        def observe(self, num_draft, num_accepted):
-            observed.append(list(num_draft))
+        def start(self, call):
+            controller = super().start(call)
+            controller.observe = lambda report: observed.append(report.explores)
+            return controller
 
     target, draft = trained("bytes300", 0), trained("sp", 1)
     _, ids, mask = ragged(tokenizer("bytes300"), PROMPTS)
-    drafter = OtherTokenizerDrafter(draft, tokenizer("sp"), tokenizer("bytes300"), Recording(4), mode="auto")
-    out = spec_ext.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=60, eos_token_id=[])
+    drafter = OtherTokenizerDrafter(draft, tokenizer("sp"), tokenizer("bytes300"), mode="auto")
+    out = spec_ext.generate(target, drafter, ids, attention_mask=mask, max_new_tokens=60, eos_token_id=[],
+                            policy=Recording(4))
     rounds = drafter.rounds_by_mode
     assert drafter.mode_used == "slem" and rounds["tli"] >= 3, rounds
-    assert len(observed) == rounds["slem"] and out.stats.accepted > 0, (len(observed), rounds)
+    learned_from = observed.count(False)
+    assert learned_from == rounds["slem"] and observed.count(True) == rounds["tli"], (observed, rounds)
+    assert out.stats.accepted > 0
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "gemma2", "qwen3"])
@@ -682,7 +690,7 @@ def test_drafts_of_other_architectures(kind, mode):
     """The draft on the HF modules (gpt2; gemma2's soft-caps) and the lean forward (qwen3):
     greedy equal to the target on a ragged batch with EOS, drafts accepted."""
     target, draft = trained("bytes300", 0), trained("sp", 1, kind)
-    drafter = OtherTokenizerDrafter(draft, tokenizer("sp"), tokenizer("bytes300"), Fixed(4), mode=mode)
-    out = greedy_equal(target, drafter, PROMPTS, tokenizer("bytes300"))
+    drafter = OtherTokenizerDrafter(draft, tokenizer("sp"), tokenizer("bytes300"), mode=mode)
+    out = greedy_equal(target, drafter, Fixed(4), PROMPTS, tokenizer("bytes300"))
     assert out.stats.accepted > 0, out.stats.as_dict()
     assert forward_path(draft).startswith("lean" if kind == "qwen3" else "hf"), forward_path(draft)

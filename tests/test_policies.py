@@ -519,7 +519,7 @@ def test_auto_reads_the_texts_runs_off_the_committed_tokens_where_the_model_draf
     over the committed text says (so a text that lost early is still measured)."""
     from spec_ext.policies import RoundPlan
     from spec_ext.policies.auto import _Round
-    from spec_ext.policies.ngram import reference_occurrences
+    from spec_ext.reference import reference_occurrences
     seen = []
 
     class ModelOnly(AutoController):

@@ -129,7 +129,6 @@ class Drafter:
     drafts_every_round: bool = False
     chain_length: int | None = None
     target_layers: tuple[int, ...] | None = None
-    reads_hidden: bool = False  # the plan's keep_drafting reads the drafter's hidden state
     # what plans that read the bonus agreement need of the last round (see :meth:`bonus_agreement`):
     # all_accepted [B] bool, whether each row accepted every draft; bonus_p [B,V] the target's
     # distribution its last token came from (None when greedy); both None before the first round

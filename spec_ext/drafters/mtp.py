@@ -8,6 +8,7 @@ from torch import Tensor
 
 from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain, grow_tree
 from spec_ext.drafters.kinds import DraftKind, register_kind
+from spec_ext.drafters.features import committed_features, prompt_features
 from spec_ext.models import SpecCache, check_model, num_layers, vocabulary_size
 from spec_ext.models.mtp import (LeanMtp, is_mtp_directory, layer_step, load_speculators_mtp, mtp_logits,
                                  position_shift, spec_attention, why_not_lean_mtp, why_not_mtp)
@@ -74,8 +75,7 @@ class MtpDrafter(Drafter):
         self.device, dtype = weight.device, weight.dtype
         B, width = len(seqs), self.mtp.config.hidden_size
         self.cache = SpecCache(self.num_mtp, None, None, B, capacity, dtype, self.device)
-        if features is None:  # every prompt has one token
-            features = torch.zeros(B, 0, width, dtype=dtype, device=self.device)
+        features = prompt_features(features, B, width, dtype, self.device)
         self.fake = [len(s) == 1 for s in seqs]
         self.span = [max(1, len(s) - 1) for s in seqs]
         hidden = F.pad(features.to(dtype), (0, 0, 0, max(self.span) - features.shape[1]))
@@ -219,10 +219,7 @@ class MtpDrafter(Drafter):
         self.cache.rollback(kept)
         # what the layers have not seen: the target's hidden states from each row's kept
         # length on, the last round's (those kept waiting) then this round's verified positions
-        width = max(accepted) + 1
-        steps = torch.arange(width, device=self.device)
-        verified = steps.expand(len(accepted), -1) if outcome.path is None else outcome.path[:, :width].clamp_min(0)
-        fresh = outcome.features.gather(1, verified[..., None].expand(-1, -1, outcome.features.shape[-1]))
+        fresh = committed_features(outcome)[0]
         waiting = [n - k + 1 for n, k in zip(last, kept)]
         span = [w + a + 1 for w, a in zip(waiting, accepted)]
         old, wide = self.pending.shape[1], max(span)

@@ -17,19 +17,11 @@ target's at every temperature:
   r (drafts go on from it), or a longer token (r leaves the context; the first draft is it).
 * ``"auto"``: both, measured: where the draft vocabulary covers at least ``MIN_SHARE`` of the
   prompts' target tokens (by frequency), a few rounds of each, then the one with more
-  accepted drafts per row and round (the other now and then, to keep its measure current);
-  below that share, ``"slem"`` alone. :attr:`mode_used` says which ran most. (Measured on
-  the bundled pair and the test pairs, greedy: SLEM ahead by 0.5-1.4 drafts per round; TLI
-  ahead where the vocabularies are one, sampled.)
+  accepted drafts per row and round (the other now and then); below that share, ``"slem"``
+  alone. :attr:`mode_used` says which ran most.
 
-The draft's own context is the committed text (the target's tokens decoded; a special token
-written as its content where the draft has a special token of that content, else left out)
-as the draft's tokenizer tokenises it. Per row the drafter keeps the draft tokens
-its KV cache holds and the character offset where each starts; before each round only a
-tail window is re-tokenised, from a token a few back that starts a word, after the token
-before it (so the window tokenises as it does inside the text, a tokenizer's dummy prefix
-falling on that token), the cache is rolled back to the first token that
-differs from what it holds (a boundary that moved, a rejected draft) and the rest is fed.
+The draft's own context is the committed text as the draft's tokenizer tokenises it, kept in
+step by re-tokenising a tail window each round (docs/tokenizers.md).
 
 Chains with every length policy (:func:`~spec_ext.drafters.base.draft_chain`); trees (a
 static tree's top-k, EAGLE-2's dynamic tree: of target ids under TLI, of draft tokens whose

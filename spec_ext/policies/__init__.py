@@ -30,10 +30,10 @@ from spec_ext.policies.base import (POLICIES, Call, Controller, Memory, Offer, P
 from spec_ext.policies.estimates import Acceptance, Costs, Pricing, calibrate
 from spec_ext.policies.rules import SVIP, Confidence, Fixed, Heuristic, Plain
 from spec_ext.policies.tree import DynamicTree, Tree
-from spec_ext.policies.ngram import NGram, NGramIndex, TextSettings, continuation_tree, reference_occurrences
+from spec_ext.policies.ngram import NGram, NGramIndex, TextSettings, continuation_tree
 from spec_ext.policies.auto import Auto
 from spec_ext.policies.adaptive import Adaptive
-from spec_ext.policies.suffix import Suffix, SuffixCache, reference_tree
+from spec_ext.policies.suffix import Suffix, SuffixCache
 from spec_ext.policies.parallel import PEARL, BranchHint, SpecBranch
 from spec_ext.policies.learned import (AdaLength, BranchPredictor, LearnedSpecBranch, ResidualMLP, SpecDecPP,
                                        draft_features, history_features)
@@ -43,4 +43,4 @@ __all__ = ["POLICIES", "SVIP", "Acceptance", "AdaLength", "Adaptive", "Auto", "B
            "Memory", "NGram", "NGramIndex", "Offer", "PEARL", "Plain", "Policy", "Pricing", "Report",
            "ResidualMLP", "RoundPlan", "RoundState", "Source", "SpecBranch", "SpecDecPP", "Suffix", "SuffixCache",
            "TextLookup", "TextSettings", "Tree", "TreeShape", "calibrate", "continuation_tree", "draft_features",
-           "history_features", "reference_occurrences", "reference_tree", "register", "resolve"]
+           "history_features", "register", "resolve"]

@@ -3,14 +3,8 @@
 A :class:`Policy` is settings: an immutable value (a frozen dataclass: equal, hashable,
 printed with its arguments), safe to share between calls and threads. Per generate call,
 ``policy.start(call)`` makes a :class:`Controller`, which holds all of that call's state and
-dies with it. A round, as the serial engine runs it::
-
-    plan = controller.plan(RoundState(...))      # per row: who drafts it (Source) and how far
-    proposal = drafter.propose(seqs, roots, plan) # the model drafts by the plan (plan.budget,
-                                                  # plan.keep_drafting), text rows take plan.text
-    proposal = plan.select(proposal)              # what of it the target verifies
-    ... one target forward, rejection sampling ...
-    controller.observe(Report(...))               # per row and source: drafted, accepted; seconds
+dies with it: each round it plans (:class:`RoundPlan` from :class:`RoundState`) and learns
+(:meth:`Controller.observe` of a :class:`Report`); docs/architecture.md draws the round.
 
 What a policy learns across calls (measured costs, acceptance) lives in one :class:`Memory`
 that :func:`spec_ext.accelerate` owns: a controller reads it at its start and merges what
@@ -172,7 +166,6 @@ class RoundPlan:
     stop: Callable | None = None  # (step, probs [B,V], tokens [B], hidden [B,H] | None) -> [B] bool
     trim: Callable | None = None  # (proposal) -> proposal
     after_catch_up: Callable | None = None  # (agreement [B] bool) -> k
-    reads_hidden: bool = False  # stop reads the draft's hidden state
     record: object = None
 
     def __post_init__(self):
@@ -217,7 +210,7 @@ class RoundPlan:
     def keep_drafting(self, step: int, probs: Tensor, tokens: Tensor, hidden: Tensor | None = None) -> Tensor:
         """[B] bool: after draft ``step`` (1-based) was sampled, which rows go on. ``probs``
         [B,V] is the draft's temperature-1 distribution the tokens [B] came from; ``hidden``
-        [B,H] the draft's last hidden state (None unless ``reads_hidden``)."""
+        [B,H] the draft's last hidden state (None unless the policy ``reads_draft_hidden``)."""
         if self.stop is None:
             return torch.ones(probs.shape[0], dtype=torch.bool, device=probs.device)
         return self.stop(step, probs, tokens, hidden)

@@ -8,7 +8,7 @@ deterministic function of the text, so the samplers verify them with one-hot q
 (``draft_probs=None``): exact at every temperature.
 
 :class:`NGramIndex` is the incremental matcher (an index of every n-gram of a row's history,
-extended with each round's committed tokens, never rescanned); :func:`reference_occurrences`
+extended with each round's committed tokens, never rescanned); :func:`spec_ext.reference.reference_occurrences`
 is the plain scan it is tested against. :class:`NGram` holds the settings; its controller each row's
 depth; the drafters' :class:`~spec_ext.drafters.text.TextSource` keeps one index per row.
 """
@@ -21,28 +21,10 @@ from spec_ext.policies.base import Call, Controller, Offer, Policy, Report, Roun
     register
 
 
-def reference_occurrences(history: Sequence[int], n_max: int, n_min: int) -> tuple[int, list[int]]:
-    """The plain matcher (a scan of the whole history): ``(n, starts)`` where n is the
-    longest suffix length in [n_min, n_max] that occurred earlier, and ``starts`` the
-    positions just after each earlier occurrence, most recent first; ``(0, [])`` if none.
-
-    Example:
-        >>> reference_occurrences([1, 2, 3, 1, 2, 4, 1, 2], 2, 1)
-        (2, [5, 2])
-    """
-    L = len(history)
-    for n in range(min(n_max, L - 1), n_min - 1, -1):
-        suffix = list(history[L - n:])
-        starts = [p for p in range(L - 1, n - 1, -1) if list(history[p - n:p]) == suffix]
-        if starts:
-            return n, starts
-    return 0, []
-
-
 class NGramIndex:
     """The n-grams of one row's history (of n_min..n_max tokens) -> where each occurrence
     ended, in order; :meth:`extend` indexes only the new tokens (O(n_max) per token), and
-    :meth:`occurrences` answers what :func:`reference_occurrences` does without a scan.
+    :meth:`occurrences` answers what :func:`spec_ext.reference.reference_occurrences` does without a scan.
 
     Example:
         >>> index = NGramIndex([1, 2, 3, 1, 2], n_max=2, n_min=1)

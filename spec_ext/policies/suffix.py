@@ -7,7 +7,7 @@ stored texts followed by at least one token, and drafts a tree of that suffix's 
 frequent continuations, grown best first by their empirical probability (the product, down
 the path, of ``count(x + c) / count(x)``), nodes below ``min_prob`` left out, at most
 ``alpha * match length`` nodes (the paper's rule; vLLM's ``suffix_decoding_max_spec_factor``
-and ``suffix_decoding_min_token_prob``). :func:`reference_tree` is the same rule by a plain
+and ``suffix_decoding_min_token_prob``). :func:`spec_ext.reference.reference_tree` is the same rule by a plain
 scan of the stored texts, which the automata are tested against.
 
 :class:`Suffix` is the policy: :class:`~spec_ext.policies.NGram`'s settings and the row's
@@ -35,47 +35,7 @@ from spec_ext.policies.base import Call, Controller, Offer, RoundState, check, r
 from spec_ext.policies.ngram import NGram, TextSettings, _Lookup
 
 
-def reference_tree(texts: Sequence[Sequence[int]], history: Sequence[int], depth: int, nodes: int,
-                   alpha: float = 1.0, min_prob: float = 0.1, max_match: int = 64
-                   ) -> tuple[list[int], list[int], int, float]:
-    """What :meth:`SuffixCache.propose` returns, by a plain scan of the stored ``texts``: the
-    longest suffix of ``history`` (at most ``max_match`` tokens) that occurs in a text with a
-    token after it, then its continuations best first by ``count(x + c) / count(x)`` (counts
-    of occurrences over all texts).
 
-    Example:
-        >>> reference_tree([[1, 2, 3, 4, 5, 6], [9, 3, 4, 5, 7]], [8, 3, 4], depth=4, nodes=8)
-        ([-1, 5, 6], [-1, 0, 1], 2, 1.5)
-    """
-    def count(x: tuple) -> int:
-        return sum(tuple(t[e - len(x):e]) == x for t in texts for e in range(len(x), len(t) + 1))
-
-    def followed(x: tuple) -> bool:
-        return any(tuple(t[e - len(x):e]) == x for t in texts for e in range(len(x), len(t)))
-
-    L = len(history)
-    n = next((m for m in range(min(max_match, L), 0, -1) if followed(tuple(history[L - m:]))), 0)
-    if n == 0:
-        return [-1], [-1], 0, 0.0
-    vocabulary = sorted({c for t in texts for c in t})
-    tokens, parents, score, heap = [-1], [-1], 0.0, []
-
-    def push(path: tuple, prob: float, parent: int) -> None:
-        total = count(path)
-        for c in vocabulary:
-            p = prob * count(path + (c,)) / total
-            if p > 0 and p >= min_prob:
-                heapq.heappush(heap, (-p, parent, c, path + (c,)))
-
-    push(tuple(history[L - n:]), 1.0, 0)
-    while heap and len(tokens) <= min(nodes - 1, int(alpha * n)):
-        p, parent, c, path = heapq.heappop(heap)
-        tokens.append(c)
-        parents.append(parent)
-        score -= p
-        if len(path) - n < depth:
-            push(path, -p, len(tokens) - 1)
-    return tokens, parents, n, score
 
 
 class _Automaton:

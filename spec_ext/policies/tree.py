@@ -15,9 +15,20 @@ class _Growing(Controller):
         return RoundPlan([0] * state.rows, tree=self.policy.tree_shape())
 
 
+class _TreePolicy(Policy):
+    """A policy whose model grows the same tree every round."""
+
+    @property
+    def max_draft(self) -> int:
+        return self.tree_shape().room
+
+    def start(self, call: Call) -> Controller:
+        return _Growing(self, call)
+
+
 @register
 @dataclass(frozen=True)
-class Tree(Policy):
+class Tree(_TreePolicy):
     """A static draft tree expanded by top-k of the draft: ``branching[d]`` children for
     every node at depth d (None: :attr:`DEFAULT`, cut to the levels the drafter drafts).
     Verified in one target pass with tree attention and (when sampling) recursive rejection
@@ -41,17 +52,10 @@ class Tree(Policy):
             return Tree(self.DEFAULT[:max_depth])
         return super().fitted(max_depth, chain, drafter)
 
-    @property
-    def max_draft(self) -> int:
-        return self.tree_shape().room
-
-    def start(self, call: Call) -> Controller:
-        return _Growing(self, call)
-
 
 @register
 @dataclass(frozen=True)
-class DynamicTree(Policy):
+class DynamicTree(_TreePolicy):
     """EAGLE-2's dynamic draft tree, grown by draft models and feature heads: from the root,
     every node on the frontier proposes its ``top_k`` most likely tokens, each scored by its
     cumulative draft log-probability (the product of the draft's probabilities along its
@@ -85,10 +89,3 @@ class DynamicTree(Policy):
         if self.depth is None:
             return replace(self, depth=min(self.DEFAULT_DEPTH, max_depth or self.DEFAULT_DEPTH))
         return super().fitted(max_depth, chain, drafter)
-
-    @property
-    def max_draft(self) -> int:
-        return self.tree_shape().room
-
-    def start(self, call: Call) -> Controller:
-        return _Growing(self, call)
