@@ -185,3 +185,37 @@ def test_policy_defaults_fit_the_drafter_and_numbers_beyond_it_are_refused(tmp_p
     with_mtp, _ = test_mtp.target_with_mtp("glm4_moe", 2)
     out = spec_ext.generate(with_mtp, "mtp", [[5, 17, 33, 8]], max_new_tokens=12, eos_token_id=[], policy=Fixed())
     assert set(out.stats.draft_lengths[1:]) == {2}  # (the first round: the prompt's forward, no drafts)
+
+
+@pytest.mark.parametrize("kind", ["model", "head", "tree", "pearl"])
+def test_a_long_prompts_head_is_fed_in_bounded_forwards_before_the_first_round(kind, monkeypatch):
+    """Prompts longer than PROMPT_CHUNK (here 4 tokens) feed all but their last 4 tokens in
+    forwards of at most 4 tokens a row before the first round's forward (ragged rows: one
+    shorter than the chunk, fed nothing before it): greedy output equals HF's, ending rows at EOS,
+    and the rounds after it draft and accept as they do with the whole prompt in one forward
+    (a head's features of every prompt token assembled from both); the extra forwards counted."""
+    from helpers import ragged_greedy_equals_target
+    from spec_ext.drafters import base
+    from test_heads import echo_head
+    target = llama(61, 32, 4, seed=3, sharpen=3.0)
+    draft, policy = {"model": (perturbed(target, 0.01, seed=1), "fixed"), "head": (echo_head(target, noise=0.05),
+                                                                                  "fixed"),
+                     "tree": (perturbed(target, 0.01, seed=1), "tree"),
+                     "pearl": (perturbed(target, 0.01, seed=1), spec_ext.policies.PEARL(gamma=2))}[kind]
+    prompts = [[5, 7, 3, 8, 11, 4, 9, 30, 12, 40, 6], [9, 4, 10], [17, 2, 33, 8, 21, 5, 50]]
+    whole = ragged_greedy_equals_target(target, draft, prompts, policy, max_new=16, eos_steps=[5])
+    fed = []
+
+    def recording(*args, **kwargs):
+        fed.append(base.lead_in(*args, **kwargs))
+        return fed[-1]
+
+    monkeypatch.setattr(base, "PROMPT_CHUNK", 4)
+    for module in ("spec_ext.engine.serial", "spec_ext.engine.parallel.target_side"):
+        monkeypatch.setattr(f"{module}.lead_in", recording)
+    chunked = ragged_greedy_equals_target(target, draft, prompts, policy, max_new=16, eos_steps=[5])
+    assert [f[0] for f in fed] == [[7, 0, 3]] and fed[0][2] == 2  # 7 tokens in forwards of 4 and 3
+    assert torch.equal(chunked.sequences, whole.sequences)
+    if kind != "pearl":  # (PEARL's rounds depend on the threads' timing)
+        assert chunked.stats.target_calls == whole.stats.target_calls + 2
+        assert (chunked.stats.drafted, chunked.stats.accepted) == (whole.stats.drafted, whole.stats.accepted) != (0, 0)

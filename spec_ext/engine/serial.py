@@ -23,6 +23,7 @@ from torch import Tensor
 
 from spec_ext import ops
 from spec_ext.drafters import MixedDrafter, Outcome, Proposal, check_finite, pad_rows
+from spec_ext.drafters.base import lead_in, prompt_features
 from spec_ext.engine.common import Rows
 from spec_ext.models import Forward, SpecCache, forward
 from spec_ext.policies import Controller, Policy, Report, RoundPlan, RoundState, Source
@@ -65,21 +66,25 @@ class SerialEngine(Rows):
             nodes = proposal.tokens.clone()
             nodes[:, 0] = self.roots
             ids, positions = nodes.clamp_min(0), self.cache.lengths[:, None] + proposal.depth
-        elif prompt:
-            rows = [self.seqs[r] for r in self.active]
+        elif prompt:  # (a long prompt's head first, in forwards of a bounded width)
+            full = [self.seqs[r] for r in self.active]
+            fed, lead, forwards = lead_in(self.target, self.cache, full, self.layers)
+            self.stats.target_calls += forwards
+            tails = [row[f:] for row, f in zip(full, fed)]
             K = proposal.tokens.shape[1]
-            root = torch.tensor([len(row) - 1 for row in rows], device=self.device)
+            root = torch.tensor([len(tail) - 1 for tail in tails], device=self.device)
             columns = root[:, None] + torch.arange(K + 1, device=self.device)
-            ids = F.pad(pad_rows(rows, 0, self.device), (0, K)).scatter(1, columns[:, 1:],
+            ids = F.pad(pad_rows(tails, 0, self.device), (0, K)).scatter(1, columns[:, 1:],
                                                                          proposal.tokens.clamp_min(0))
-            positions = torch.arange(ids.shape[1], device=self.device).expand(B, -1)
+            positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
         else:
             ids = torch.cat([self.roots[:, None], proposal.tokens.clamp_min(0)], 1)
             positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
         logits, hidden, features = self._target(ids, positions, proposal.mask)
         if columns is not None:
             check_finite(logits, "target")  # once per call, on the prompt
-            self.prompt_features = features
+            self.prompt_features = None if features is None else \
+                prompt_features(fed, lead, features, [len(row) for row in full])
             logits, hidden, features = (None if x is None else x.gather(1, columns[..., None].expand(-1, -1, x.shape[-1]))
                                         for x in (logits, hidden, features))
         if self.sampler.processors is not None:  # each position's prefix: the row's text, then its path
@@ -100,7 +105,7 @@ class SerialEngine(Rows):
         if proposal.is_tree:
             self.cache.commit(result.path, accepted, result.num_accepted)
         elif prompt:  # the prompt's tokens before the root, the root and the accepted drafts
-            before = [len(self.seqs[r]) - 1 for r in self.active]
+            before = [len(tail) - 1 for tail in tails]
             self.cache.advance([n + a + 1 for n, a in zip(before, accepted)],
                                torch.tensor(before, device=self.device) + result.num_accepted + 1)
         else:

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from spec_ext import ops
 from spec_ext.drafters import check_finite, pad_rows
+from spec_ext.drafters.base import lead_in
 from spec_ext.engine.common import Rows
 from spec_ext.engine.parallel.draft_side import serve_one, split_threads
 from spec_ext.engine.parallel.links import DistributedLink, ThreadLink
@@ -171,10 +172,12 @@ class ParallelEngine(Rows):
                 source[i, j + 1] = fed.get(n, fed[parent])
         started = time.perf_counter()
         self.stats.target_calls += 1
-        if prompt:  # each row's prompt, causal; the root is each row's last prompt token
-            prompts = [self.seqs[r] for r in rows]
+        if prompt:  # each row's prompt, causal (a long one's head first); the root is its last token
+            fed, _, forwards = lead_in(self.target, self.cache, [self.seqs[r] for r in rows])
+            self.stats.target_calls += forwards
+            prompts = [self.seqs[r][f:] for r, f in zip(rows, fed)]
             ids = pad_rows(prompts, 0, self.device)
-            positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+            positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
             logits, hidden, _ = forward(self.target, ids, self.cache, positions, hidden=self.policy.learned)
             check_finite(logits, "target")
             root = torch.tensor([len(p) - 1 for p in prompts], device=self.device)[:, None, None]
@@ -248,7 +251,7 @@ class ParallelEngine(Rows):
             verdict.hints = {rows[i]: h for i, h in zip(keep, hints)}
         width = max(map(len, commit_paths))
         if prompt:  # (the root is the only fed node)
-            self.cache.advance([len(self.prompts[r]) for r in rows])
+            self.cache.advance([len(self.prompts[r]) - n for r, n in zip(rows, self.cache.host_lengths)])
         else:
             self.cache.commit(torch.tensor([p + [-1] * (width - len(p)) for p in commit_paths]), commit_counts)
         if len(keep) < len(rows):
