@@ -220,18 +220,7 @@ def recording_auto(chosen, offers_nothing=lambda round: False):
     drafts (0: the model drafts no row); in the rounds where ``offers_nothing(round)`` (counted
     from 0) the rows' text offers no match."""
 
-    class NoMatch:  # a TextLookup without a match anywhere
-        def chain(self, row, most):
-            return []
-
-        def tree(self, row, depth, nodes):
-            return None
-
-        def cache_match(self, row):
-            return 0
-
-        def cache_tree(self, row, depth, nodes):
-            return None
+    from test_policies import Text  # (a TextLookup of given chain lengths: here none anywhere)
 
     class Recording(Auto):
         def start(self, call):
@@ -240,7 +229,7 @@ def recording_auto(chosen, offers_nothing=lambda round: False):
 
             def recorded(state):
                 if state.text is not None and offers_nothing(len(chosen)):
-                    state = dataclasses.replace(state, text=NoMatch())
+                    state = dataclasses.replace(state, text=Text([0] * state.rows))
                 decided = plan(state)
                 chosen.append(max(decided.k) if decided.tree is None else decided.tree.max_depth)
                 return decided

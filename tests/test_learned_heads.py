@@ -25,6 +25,17 @@ from test_heads import PROMPTS, V, echo_head, random_head
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def replanned(policy_class, change):
+    """``policy_class`` whose controllers hand every plan through ``change(plan) -> plan``."""
+    class Replanned(policy_class):
+        def start(self, call):
+            controller = super().start(call)
+            plan = controller.plan
+            controller.plan = lambda state: change(plan(state))
+            return controller
+    return Replanned
+
+
 @pytest.fixture(scope="module")
 def target():
     return llama(V, 32, 4, seed=3, sharpen=3.0)
@@ -68,23 +79,13 @@ def test_specdecpp_reads_what_the_heads_output_layer_read(target, kind, norm_out
     head.config.norm_output = norm_output
     seen = []
 
-    class Recording(SpecDecPP):  # every plan's keep_drafting records what it reads
-        def start(self, call):
-            controller = super().start(call)
-            plan = controller.plan
+    def recording(decided):  # every plan's keep_drafting records what it reads
+        def recorded(step, probs, tokens, hidden=None):
+            seen.append((probs, hidden))
+            return decided.stop(step, probs, tokens, hidden)
+        return dataclasses.replace(decided, stop=recorded)
 
-            def planned(state):
-                decided = plan(state)
-                stop = decided.stop
-
-                def recorded(step, probs, tokens, hidden=None):
-                    seen.append((probs, hidden))
-                    return stop(step, probs, tokens, hidden)
-                return dataclasses.replace(decided, stop=recorded)
-            controller.plan = planned
-            return controller
-
-    policy = Recording(specdecpp(head).predictor, threshold=0.6, max_draft=6)
+    policy = replanned(SpecDecPP, recording)(specdecpp(head).predictor, threshold=0.6, max_draft=6)
     spec_ext.generate(target, head, PROMPTS, max_new_tokens=12, eos_token_id=[], policy=policy)
     assert len(seen) > 3
     draft_ids = torch.arange(head.d2t.shape[0]) + head.d2t if kind == "eagle3" else None
@@ -117,21 +118,11 @@ def test_bonus_agreement_of_a_head_is_its_catch_up_before_the_bonus(target):
     head = echo_head(target, draft_vocab=10, noise=0.03)
     reports = []
 
-    class Recording(AdaLength):  # every plan's budget records the agreements the drafter hands it
-        def start(self, call):
-            controller = super().start(call)
-            plan = controller.plan
-
-            def planned(state):
-                decided = plan(state)
-                length = decided.after_catch_up
-
-                def recorded(agreed):
-                    reports.append(agreed.tolist())
-                    return length(agreed)
-                return dataclasses.replace(decided, after_catch_up=recorded)
-            controller.plan = planned
-            return controller
+    def recording(decided):  # every plan's budget records the agreements the drafter hands it
+        def recorded(agreed):
+            reports.append(agreed.tolist())
+            return decided.after_catch_up(agreed)
+        return dataclasses.replace(decided, after_catch_up=recorded)
 
     predictor = ResidualMLP(2 * 32 + HISTORY_FEATURES)
     with torch.no_grad():  # one draft per round after the first: accepted, the round accepted all
@@ -140,7 +131,7 @@ def test_bonus_agreement_of_a_head_is_its_catch_up_before_the_bonus(target):
         predictor.out.bias.fill_(1.0)
     prompt = [11, 10, 11]
     out = spec_ext.generate(target, head, [prompt], max_new_tokens=30, eos_token_id=[],
-                            policy=Recording(predictor, offset=0.0, max_draft=4))
+                            policy=replanned(AdaLength, recording)(predictor, offset=0.0, max_draft=4))
     sequence = out.sequences[0].tolist()
     with torch.no_grad():  # the head's step-0 drafts over the output, teacher forced (the catch-up's pairs)
         states = target(torch.tensor([sequence]), output_hidden_states=True).hidden_states
