@@ -187,21 +187,25 @@ def test_policy_defaults_fit_the_drafter_and_numbers_beyond_it_are_refused(tmp_p
     assert set(out.stats.draft_lengths[1:]) == {2}  # (the first round: the prompt's forward, no drafts)
 
 
-@pytest.mark.parametrize("kind", ["model", "head", "tree", "pearl"])
+@pytest.mark.parametrize("kind", ["model", "head", "tree", "pearl", "gpt2", "gemma2"])
 def test_a_long_prompts_head_is_fed_in_bounded_forwards_before_the_first_round(kind, monkeypatch):
     """Prompts longer than PROMPT_CHUNK (here 4 tokens) feed all but their last 4 tokens in
     forwards of at most 4 tokens a row before the first round's forward (ragged rows: one
     shorter than the chunk, fed nothing before it): greedy output equals HF's, ending rows at EOS,
     and the rounds after it draft and accept as they do with the whole prompt in one forward
-    (a head's features of every prompt token assembled from both); the extra forwards counted."""
+    (a head's features of every prompt token assembled from both); the extra forwards counted.
+    Llama on the lean forward; gpt2 and gemma2 (sliding windows of 6, a soft-cap) on the HF
+    modules."""
     from helpers import ragged_greedy_equals_target
     from spec_ext.drafters import base
+    from test_architectures import sharpened_model
     from test_heads import echo_head
-    target = llama(61, 32, 4, seed=3, sharpen=3.0)
+    target = sharpened_model(kind) if kind in ("gpt2", "gemma2") else llama(61, 32, 4, seed=3, sharpen=3.0)
     draft, policy = {"model": (perturbed(target, 0.01, seed=1), "fixed"), "head": (echo_head(target, noise=0.05),
                                                                                   "fixed"),
                      "tree": (perturbed(target, 0.01, seed=1), "tree"),
-                     "pearl": (perturbed(target, 0.01, seed=1), spec_ext.policies.PEARL(gamma=2))}[kind]
+                     "pearl": (perturbed(target, 0.01, seed=1), spec_ext.policies.PEARL(gamma=2))}.get(
+                         kind, (perturbed(target, 0.01, seed=1), "fixed"))
     prompts = [[5, 7, 3, 8, 11, 4, 9, 30, 12, 40, 6], [9, 4, 10], [17, 2, 33, 8, 21, 5, 50]]
     whole = ragged_greedy_equals_target(target, draft, prompts, policy, max_new=16, eos_steps=[5])
     fed = []
