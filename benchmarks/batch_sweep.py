@@ -5,7 +5,9 @@ weight_read.py), with the bundled draft model and the bundled EAGLE-3 head, at B
 without drafts), ``Fixed(k)`` for each k given (the best reported), and ``Auto()`` through one
 ``accelerate`` object per target and drafter (its memory kept across the calls, as a server's).
 
-Every method is interleaved in each pass (a different one first each time), on the same
+Every method is called once untimed per cell (``--warmup``: a server's first call at a batch
+size; a sampled Auto times its target then), then interleaved in each pass (a different one
+first each time), on the same
 prompts (held-out code, the stdlib test split: equal-length prompts); greedy outputs are
 checked equal to HF's. A cell's speed-up is the median over passes of its tokens/s over HF's in
 the same pass; ``vs_best`` is Auto's tokens/s over the best of Plain and the fixed k's (the
@@ -14,6 +16,7 @@ bound (1 + accepted) / (the round's cost in Plain steps), from its rounds' mean 
 
     OMP_NUM_THREADS=2 python benchmarks/batch_sweep.py [--batches 1 2 4 8 16 32] [--temperatures 0 1]
         [--targets bundled weight-read] [--drafters draft head] [--ks 1 2 4] [--new-tokens 48] [--repeats 2]
+        [--warmup 1]
 
 Writes benchmarks/results/<name>.csv (one row per cell and method) and <name>.md (the table),
 after every cell (a run can be stopped and its finished cells kept; ``--resume`` skips them).
@@ -47,7 +50,7 @@ FIELDS = ["target", "drafter", "batch", "temperature", "method", "tokens_per_s",
           "commit"]
 
 
-def run_cell(target, drafters, fast, prompts, batch, temperature, ks, n, repeats):
+def run_cell(target, drafters, fast, prompts, batch, temperature, ks, n, repeats, warmup):
     """{method: dict(rates, ratios, stats, equal)} for one target, batch and temperature."""
     ids = torch.tensor(prompts[:batch])
     sample = dict(do_sample=True, temperature=temperature, top_k=None, top_p=None) if temperature else \
@@ -63,6 +66,10 @@ def run_cell(target, drafters, fast, prompts, batch, temperature, ks, n, repeats
                                                                               pad_token_id=0, seed=seed, **sample))
     results: dict[str, dict] = {}
     names = list(methods)
+    for _ in range(warmup):  # untimed: what a server did once at this batch size (a sampled Auto times its target)
+        target.generate(ids, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **sample)
+        for name in names:
+            methods[name](0)
     for repeat in range(repeats):
         torch.manual_seed(repeat)
         started = time.perf_counter()
@@ -148,6 +155,7 @@ def main():
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls of every method per cell")
     parser.add_argument("--name", default="batch_sweep_cpu")
     parser.add_argument("--resume", action="store_true", help="keep the cells the CSV already holds")
     args = parser.parse_args()
@@ -170,7 +178,7 @@ def main():
                 if (target_name, str(batch), str(temperature)) in done:
                     continue
                 results = run_cell(target, drafters, fast, prompts, batch, temperature, args.ks, args.new_tokens,
-                                   args.repeats)
+                                   args.repeats, args.warmup)
                 rows += rows_of(results, target_name, drafters, batch, temperature, args.ks, commit)
                 with open(out, "w", newline="") as f:
                     writer = csv.DictWriter(f, fieldnames=FIELDS)

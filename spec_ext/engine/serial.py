@@ -159,7 +159,8 @@ class SerialEngine(Rows):
             seqs = [self.seqs[r] for r in self.active]
             B = len(seqs)
             plan = RoundPlan([0] * B) if waiting else \
-                controller.plan(RoundState(B, drafter.text, self.hidden, self.roots))
+                controller.plan(RoundState(B, drafter.text, self.hidden, self.roots,
+                                            [self.max_new - len(self.new[r]) for r in self.active]))
             if first and plan.tree is not None:  # (trees are verified from the second round on)
                 plan = RoundPlan([0] * B)
             elif first and any(t is not None and t.parents is not None for t in plan.text):

@@ -21,10 +21,8 @@ import torch
 from torch import Tensor
 
 from spec_ext import ops
-from spec_ext.models.cache import split_size
 from spec_ext.policies.base import Call, Controller, Policy, Report, RoundPlan, RoundState, check, register
-from spec_ext.policies.estimates import SAMPLED_ROWS, SAMPLED_WIDEST, Acceptance, Costs, Pricing, size_ratio, \
-    verification_costs
+from spec_ext.policies.estimates import Acceptance, Costs, call_pricing
 from spec_ext.policies.tree import DynamicTree, Tree
 
 
@@ -149,12 +147,7 @@ class AdaptiveController(Controller):
         self.steps = read["steps"][0] or _Steps()  # rows -> recent draft steps' seconds
         self.per_forward = call.drafts_per_forward
         self.longest = min(policy.depth_limit, self.per_forward) if self.per_forward > 1 else policy.depth_limit
-        target = call.target
-        modeled = None  # (a tensor-parallel target's followers replay its forwards: nothing else may run one)
-        if not call.greedy and not costs.measured and target is not None and split_size(target) == 1:
-            modeled = verification_costs(target, call.batch_size, min(self.longest + 1, SAMPLED_WIDEST))
-        self.pricing = Pricing(costs, call.greedy, size_ratio(target, call.draft), self.per_forward, modeled,
-                               min(call.batch_size, SAMPLED_ROWS))
+        self.pricing = call_pricing(call, costs, self.longest + 1, self.per_forward)
         self.round = 0
         self.rate_sums = [0.0, 0.0]  # weighted tokens, weighted seconds of this call's rounds (the first aside)
 

@@ -6,11 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from spec_ext.models.cache import split_size
 from spec_ext.policies.base import Call, Controller, Offer, Policy, Report, RoundPlan, RoundState, Source, check, \
     register
-from spec_ext.policies.estimates import SAMPLED_ROWS, SAMPLED_WIDEST, Acceptance, Costs, Pricing, size_ratio, \
-    verification_costs
+from spec_ext.policies.estimates import Acceptance, Costs, RowSpread, call_pricing, finish_rate
 from spec_ext.policies.ngram import TextSettings
 from spec_ext.policies.suffix import match_kind
 
@@ -65,6 +63,8 @@ class Auto(Policy):
         text: also draft each row's own text (n-gram matches), where the drafter supports it.
     """
     PLAIN_AFTER: ClassVar[int] = 16  # first drafts measured before a plain step is weighed: else mostly the prior
+    EXPLORE_SHARE: ClassVar[float] = 0.03  # of the plain steps' seconds, what drafting rounds between them may cost
+    PLAIN_RUN: ClassVar[int] = 4  # once a plain step wins, rounds before it is weighed again (weighing costs time)
     max_draft: int = 12
     initial: int = 4
     prior_acceptance: float = 0.5
@@ -104,9 +104,21 @@ class CacheRule:
 class _Round:
     """What :meth:`AutoController.observe` needs of a round it planned: per row the own text's
     chain it did not draft (compared with what was committed), and a cache row's kind and its
-    verified nodes' probability sum."""
+    verified nodes' probability sum; where it drafted in place of a cheaper plain step (to keep
+    acceptance measured), that step's price."""
     unused: list[list[int]] = field(default_factory=list)
     cache: list[tuple | None] = field(default_factory=list)
+    instead_of_plain: float | None = None
+
+
+@dataclass
+class ExploreCredit:
+    """Seconds a greedy caller may spend drafting where plain steps are priced cheaper (kept
+    across calls: a short call alone seldom earns a drafting round)."""
+    seconds: float = 0.0
+
+    def merged(self, other: "ExploreCredit") -> "ExploreCredit":
+        return ExploreCredit(max(self.seconds, other.seconds))
 
 
 class AutoController(Controller):
@@ -119,20 +131,21 @@ class AutoController(Controller):
         self.memory = call.memory if call.greedy else None
         costs, self.costs_version = self.memory.read("costs") if self.memory else (None, 0)
         model, self.model_version = self.memory.read("model") if self.memory else (None, 0)
-        self.costs = costs or Costs()
+        spread, self.spread_version = self.memory.read("rows") if self.memory else (None, 0)
+        credit, self.credit_version = self.memory.read("explore") if self.memory else (None, 0)
+        self.costs, self.spread, self.credit = costs or Costs(), spread or RowSpread(), credit or ExploreCredit()
+        self.explore_cost: float | None = None  # what drafting in place of a plain step costs more
+        # per row going: its model rows' first drafts and those accepted; rows done: their counts
+        self.seen, self.passed = [0.0] * call.batch_size, [0.0] * call.batch_size
+        self.done: list[tuple[float, float]] = []
         fresh = lambda: Acceptance(policy.max_draft, policy.prior_acceptance, policy.prior_weight,  # noqa: E731
                                    policy.forget_runs)
         self.accept = {Source.MODEL: model or fresh(), Source.TEXT: fresh()}
         per_forward = call.drafts_per_forward
         self.largest = min(policy.max_draft, per_forward) if per_forward > 1 else policy.max_draft
-        modeled = None
-        if not call.greedy and hasattr(call.target, "config") and split_size(call.target) == 1:
-            # sampled: the verification priced by width as timed once per process, so a seed reproduces the
-            # output in a process (a tensor-parallel target's followers replay its forwards: it is not timed)
-            modeled = verification_costs(call.target, call.batch_size, min(policy.max_draft + 1, SAMPLED_WIDEST))
-        self.pricing = Pricing(self.costs, call.greedy, size_ratio(call.target, call.draft), per_forward, modeled,
-                               min(call.batch_size, SAMPLED_ROWS))
+        self.pricing = call_pricing(call, self.costs, policy.max_draft + 1, per_forward)
         self.rounds, self.k, self.narrowed = 0, policy.initial, 0
+        self.plain_run = (0, 0, 0.0)  # plain rounds left before weighing again, at this many rows, at this price
 
     # ------------------------------------------------------------------ estimates
     def survival(self, source: Source = Source.MODEL) -> list[float]:
@@ -193,7 +206,14 @@ class AutoController(Controller):
     def plan(self, state: RoundState) -> RoundPlan:
         self.rounds += 1
         B, policy = state.rows, self.policy
+        left, rows, price = self.plain_run
+        if left and rows == B:
+            self.plain_run = left - 1, rows, price
+            self.credit.seconds += policy.EXPLORE_SHARE * price
+            self.k = 0
+            return RoundPlan([0] * B, record=_Round())
         chains, trees = self._offers(state)
+        instead_of_plain = None
         model, own = self.accept[Source.MODEL].cumulative(), self.accept[Source.TEXT].cumulative()
         # per row its text's curve: expected accepted of m drafts, the better offer at each m
         curves = []
@@ -219,6 +239,12 @@ class AutoController(Controller):
             best, plain = None, None
             V = [None] + [price.verify(B, w) for w in range(1, 2 + max(policy.max_draft, *map(len, curves)))]
             D = [price.draft(j) or 0.0 for j in range(self.largest + 1)]
+            scales, remaining, shrink = [1.0] * B, state.remaining, None
+            if B > 1 and remaining is not None:  # priced until the slowest row is done
+                scales = self.spread.scales(self.accept[Source.MODEL].chance(1), self.seen, self.passed)
+                one = price.verify(1, 1)
+                shrink = [1.0] * (B + 1) if not one or not V[1] else \
+                    [(one + (V[1] - one) * (b - 1) / (B - 1)) / V[1] for b in range(B + 1)]
             caps = {len(c) - 1 for c in curves if len(c) > 1}
             for tree in trees:  # a tree is cut to its best m nodes, any m
                 if tree is not None:
@@ -227,32 +253,44 @@ class AutoController(Controller):
                 values = [c[min(len(c) - 1, cap)] for c in curves]
                 used = [min(len(c) - 1, cap) for c in curves]
                 for k in range(0, self._longest_priced() + 1):
-                    tokens, widest, runs = 0.0, 0, False
-                    for value, m in zip(values, used):
+                    progress, widest, runs = [], 0, False
+                    for value, m, scale in zip(values, used, scales):
                         if m > 0 and value >= model[k]:
-                            tokens, widest = tokens + 1 + value, max(widest, m)
+                            progress.append(1 + value)
+                            widest = max(widest, m)
                         else:
-                            tokens, runs = tokens + 1 + model[k], runs or k > 0
+                            progress.append(1 + min(k, model[k] * scale))
+                            runs = runs or k > 0
                     seconds = V[1 + max(widest, k if runs else 0)] + (D[k] if runs else wait * D[1])
-                    rate = tokens / max(seconds, 1e-12)
+                    rate = finish_rate(progress, remaining, seconds, shrink) if shrink else \
+                        sum(progress) / max(seconds, 1e-12)
                     if not runs and widest == 0:
-                        plain = rate, 0, 0, False
+                        plain = rate, 0, 0, False, seconds
                     elif best is None or rate > best[0]:
-                        best = rate, k if runs else 0, cap, runs
-            # a plain step where it beats every draft, but not in the exploring rounds, nor before the
-            # model's acceptance rests on PLAIN_AFTER drafts (this call's rows' and the memory's):
-            # acceptance is measured only where something drafts
-            model_acceptance = self.accept[Source.MODEL]
-            evidence = model_acceptance.reached[1] / model_acceptance.unit
-            if best is None or (plain is not None and plain[0] > best[0] and evidence >= policy.PLAIN_AFTER
-                                and self.rounds % policy.explore_every):
+                        best = rate, k if runs else 0, cap, runs, seconds
+            # a plain step where it beats every draft, once the model's acceptance rests on PLAIN_AFTER
+            # drafts (this call's rows' and the memory's), but for a drafting round where the plain
+            # steps since the last one earned it (EXPLORE_SHARE of their seconds): acceptance is
+            # measured only where something drafts
+            if best is None:
                 best = plain
-            _, k, cap, runs = best
-            if runs:
+            elif plain is not None and plain[0] > best[0] and \
+                    self.accept[Source.MODEL].first_drafts >= policy.PLAIN_AFTER:
+                priced = best[4] - plain[4]  # (measured, it holds the drafter's catch-up over the plain steps)
+                cost = 2 * priced if self.explore_cost is None or not price.timed else max(self.explore_cost, priced)
+                if self.credit.seconds < cost:
+                    self.credit.seconds += policy.EXPLORE_SHARE * plain[4]
+                    self.plain_run = policy.PLAIN_RUN - 1, B, plain[4]
+                    best = plain
+                else:
+                    self.credit.seconds -= cost
+                    instead_of_plain = plain[4]
+            _, k, cap, runs, _ = best
+            if runs and instead_of_plain is None:
                 k = self._explored(k, B)
         self.k = k if runs else 0
         text: list[Offer | None] = []
-        record = _Round()
+        record = _Round(instead_of_plain=instead_of_plain)
         for chain, tree, curve in zip(chains, trees, curves):
             m = min(len(curve) - 1, cap)
             offer = None
@@ -282,9 +320,14 @@ class AutoController(Controller):
         for acceptance in self.accept.values():
             acceptance.new_round()
         record: _Round = report.plan.record
+        if record is not None and record.instead_of_plain is not None and self.pricing.timed and report.timed:
+            self.explore_cost = max(report.seconds - record.instead_of_plain, 0.0)
         for r, (source, n, a) in enumerate(zip(report.source, report.drafted, report.accepted)):
             if source == Source.MODEL:
                 self.accept[Source.MODEL].run(n, a)
+                if n:
+                    self.seen[r] += 1
+                    self.passed[r] += a > 0
             elif source == Source.TEXT:
                 self.accept[Source.TEXT].run(n, a)
             elif source == Source.CACHE and record is not None and record.cache[r] is not None:
@@ -296,10 +339,20 @@ class AutoController(Controller):
                 if n:
                     self.accept[Source.TEXT].run(n, next((j for j in range(n) if chain[j] != committed[j]), n))
 
+    def keep_rows(self, rows) -> None:
+        kept = set(rows)
+        self.done += [(n, a) for i, (n, a) in enumerate(zip(self.seen, self.passed)) if i not in kept]
+        self.seen, self.passed = [self.seen[i] for i in rows], [self.passed[i] for i in rows]
+        super().keep_rows(rows)
+
     def finish(self) -> None:
         if self.memory is not None:
+            counts = self.done + list(zip(self.seen, self.passed))
+            self.spread.add([n for n, _ in counts], [a for _, a in counts])
             self.memory.write("costs", self.costs, self.costs_version)
             self.memory.write("model", self.accept[Source.MODEL], self.model_version)
+            self.memory.write("rows", self.spread, self.spread_version)
+            self.memory.write("explore", self.credit, self.credit_version)
 
 
 def best_nodes(offer: Offer, m: int) -> Offer:

@@ -139,11 +139,14 @@ class Call:
 class RoundState:
     """What a controller plans a round from: ``rows`` going; the rows' ``text`` (None when no
     text source runs); ``target_hidden`` [B,H] the target's last hidden state at each row's
-    root and ``roots`` [B] (only where the policy reads them: ``Policy.reads_target``)."""
+    root and ``roots`` [B] (only where the policy reads them: ``Policy.reads_target``);
+    ``remaining`` the tokens each row may still emit (``max_new_tokens`` less its output; None:
+    not known)."""
     rows: int
     text: TextLookup | None = None
     target_hidden: Tensor | None = None
     roots: Tensor | None = None
+    remaining: list[int] | None = None
 
 
 @dataclass

@@ -7,6 +7,9 @@ Where each constant comes from: ``docs/auto.md`` and ``docs/adaptive.md``.
 from __future__ import annotations
 
 import bisect
+import functools
+import math
+import statistics
 import threading
 import time
 import weakref
@@ -168,13 +171,14 @@ class Pricing:
     (not updated), else the verification as ``modeled`` (the target timed once per process,
     :func:`verification_costs`; None: one target step whatever the width), and a draft
     forward at ``size_ratio`` of a one-token verification (the draft's share of the target's
-    parameters: decoding reads every weight once per step). ``per_forward``: drafts one
-    forward proposes (a block drafter's block: any length costs one forward)."""
+    parameters: decoding reads every weight once per step), or ``modeled_draft`` seconds where
+    the draft's forward was timed so. ``per_forward``: drafts one forward proposes (a block
+    drafter's block: any length costs one forward)."""
 
     def __init__(self, costs: Costs, timed: bool, size_ratio: float = 0.1, per_forward: int = 1,
-                 modeled: Costs | None = None, modeled_rows: int = 1):
+                 modeled: Costs | None = None, modeled_rows: int = 1, modeled_draft: float | None = None):
         self.costs, self.timed, self.size_ratio, self.per_forward = costs, timed, size_ratio, per_forward
-        self.modeled, self.modeled_rows = modeled, modeled_rows
+        self.modeled, self.modeled_rows, self.modeled_draft = modeled, modeled_rows, modeled_draft
 
     def forwards(self, steps: int) -> int:
         """Draft forwards ``steps`` drafts cost."""
@@ -194,7 +198,27 @@ class Pricing:
         seconds = self.costs.draft(steps, sequential=self.per_forward == 1)
         if seconds is not None or self.timed:
             return seconds
+        if self.modeled_draft is not None:
+            return self.forwards(steps) * self.modeled_draft
         return self.forwards(steps) * self.size_ratio * (self.verify(rows, 1) or 1.0)
+
+
+def call_pricing(call, costs: Costs, widest: int, per_forward: int) -> Pricing:
+    """A call's :class:`Pricing` (``call``: a :class:`~spec_ext.policies.base.Call`). Greedy:
+    ``costs`` as measured. Sampled, unless ``costs`` holds measurements given before the call:
+    the target's verification by width 1..``widest`` and, for a draft model, its one-token
+    forward, each timed once per process (:func:`verification_costs`), so that a seed
+    reproduces the output in a process (a tensor-parallel target's followers replay its
+    forwards: nothing is timed there)."""
+    from spec_ext.models.cache import split_size
+
+    target, draft, rows = call.target, call.draft, min(call.batch_size, SAMPLED_ROWS)
+    modeled = modeled_draft = None
+    if not call.greedy and not costs.measured and hasattr(target, "config") and split_size(target) == 1:
+        modeled = verification_costs(target, call.batch_size, min(widest, SAMPLED_WIDEST))
+        if getattr(draft, "can_generate", lambda: False)():  # a causal LM: timed as the target is
+            modeled_draft = verification_costs(draft, call.batch_size, 1).verify(rows, 1)
+    return Pricing(costs, call.greedy, size_ratio(target, draft), per_forward, modeled, rows, modeled_draft)
 
 
 def size_ratio(target, draft) -> float:
@@ -234,6 +258,7 @@ class Acceptance:
         self.bin_reached = [[0.0] * nb for _ in range(2)]  # [depth class][bin]
         self.bin_passed = [[0.0] * nb for _ in range(2)]
         self.depth_bins = [[0.0] * nb for _ in range(depths + 1)]  # [d][bin]: drafts reached
+        self.first_drafts = 0  # first drafts ever observed (none forgotten): what the estimate has seen
         self.unit = 1.0
         self._cache = None
 
@@ -255,6 +280,7 @@ class Acceptance:
     def add(self, depth: int, passed: bool, confidence: float | None = None) -> None:
         """One draft at ``depth`` reached with every draft before it accepted: ``passed`` or not."""
         d = min(depth, self.depths)
+        self.first_drafts += d == 1
         self.reached[d] += self.unit
         self.passed[d] += self.unit * passed
         if self.bins and confidence is not None:
@@ -319,9 +345,85 @@ class Acceptance:
         def mean(x, y):
             return [(u / a + v / b) / 2 for u, v in zip(x, y)]
         out.reached, out.passed = mean(self.reached, other.reached), mean(self.passed, other.passed)
+        out.first_drafts = max(self.first_drafts, other.first_drafts)
         for name in ("bin_reached", "bin_passed", "depth_bins"):
             setattr(out, name, [mean(x, y) for x, y in zip(getattr(self, name), getattr(other, name))])
         return out
+
+
+class RowSpread:
+    """How much the rows of a batch differ in how often their first draft is accepted (their
+    prompts differ: a hard one's drafts are refused more): the variance of the rows' own rates
+    across rows, net of the counting noise, and how many rows it rests on (``rows``). Learned
+    at the end of a call from its rows' counts (:meth:`add`), kept across calls.
+
+    It prices a batch's rounds by its slow rows (:meth:`scales`): a batch's call lasts until its
+    slowest row is done, so drafting that pays on the average row can lose where one row
+    accepts little."""
+
+    PRIOR_SD = 0.1  # before any batch is measured
+    PRIOR_ROWS = 4.0
+    MOST_ROWS = 64.0  # the most rows the estimate rests on (older batches' weight is capped)
+    MIN_DRAFTS = 4  # a row's first drafts before its rate counts
+
+    def __init__(self, variance: float = PRIOR_SD ** 2, rows: float = PRIOR_ROWS):
+        self.variance, self.rows = variance, rows
+
+    def add(self, seen: list[float], passed: list[float]) -> None:
+        """One batch's rows: first drafts ``seen`` and ``passed`` per row."""
+        counted = [(n, a) for n, a in zip(seen, passed) if n >= self.MIN_DRAFTS]
+        if len(counted) < 2:
+            return
+        rates = [a / n for n, a in counted]
+        mean = sum(rates) / len(rates)
+        noise = sum(mean * (1 - mean) / n for n, _ in counted) / len(counted)
+        variance = max(0.0, statistics.variance(rates) - noise)
+        total = self.rows + len(counted)
+        self.variance = (self.variance * self.rows + variance * len(counted)) / total
+        self.rows = min(total, self.MOST_ROWS)
+
+    def scales(self, chance: float, seen: list[float], passed: list[float]) -> list[float]:
+        """Per row, the factor on the pool's acceptance its drafts are priced at, for a pool
+        whose first draft passes with ``chance``: the row's own rate (its counts ``seen``,
+        ``passed`` on a prior of the pool's rate and this spread), moved by its remaining
+        uncertainty to the expected order statistic of its rank among the batch's rows (rows
+        with no counts spread as the batch's rows do, the slowest priced below the pool)."""
+        p = min(max(chance, 1e-3), 1 - 1e-3)
+        strength = max(1.0, p * (1 - p) / max(self.variance, 1e-6) - 1)
+        means = [(a + strength * p) / (n + strength) for n, a in zip(seen, passed)]
+        order = sorted(range(len(means)), key=means.__getitem__)
+        out = [1.0] * len(means)
+        for z, r in zip(normal_order(len(means)), order):
+            sd = math.sqrt(means[r] * (1 - means[r]) / (seen[r] + strength + 1))
+            out[r] = min(max(means[r] + z * sd, 0.0), 1.0) / p
+        return out
+
+    def merged(self, other: "RowSpread") -> "RowSpread":
+        total = self.rows + other.rows
+        return RowSpread((self.variance * self.rows + other.variance * other.rows) / total,
+                         min(total, self.MOST_ROWS))
+
+
+@functools.lru_cache(maxsize=512)
+def normal_order(n: int) -> tuple[float, ...]:
+    """The expected order statistics of ``n`` standard normal draws, ascending (Blom's)."""
+    if n == 1:
+        return (0.0,)
+    normal = statistics.NormalDist()
+    return tuple(normal.inv_cdf((i + 0.625) / (n + 0.25)) for i in range(n))
+
+
+def finish_rate(progress: list[float], remaining: list[int], seconds: float, shrink: list[float]) -> float:
+    """Tokens per second over the rest of a call whose every round costs ``seconds`` with
+    all its rows going: row r has ``remaining[r]`` tokens left and gains ``progress[r]`` a
+    round, so it leaves after ``remaining[r] / progress[r]`` rounds (at least one), and a round
+    with b rows going costs ``shrink[b]`` times a full one. One row: ``progress / seconds``."""
+    rounds = sorted(max(1.0, n / g) for n, g in zip(remaining, progress))
+    total, before, B = 0.0, 0.0, len(rounds)
+    for i, r in enumerate(rounds):
+        total += (r - before) * shrink[B - i]
+        before = r
+    return sum(remaining) / max(total * seconds, 1e-12)
 
 
 @torch.no_grad()
@@ -372,22 +474,24 @@ def time_rows(target, costs: Costs, B: int, widths: list[int], context: int, rep
 
 SAMPLED_WIDEST = 33  # the widest verification timed to price sampled rounds (wider ones read the line)
 SAMPLED_ROWS = 256  # the most rows timed to price sampled rounds (a larger batch reads theirs)
+TIMED_WIDTHS = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25)  # the rest by the line: a width's cost grows steadily past 5
 _VERIFICATION_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(rows, widest): costs}
 _TIMING = threading.Lock()
 
 
 def verification_costs(target, rows: int, widest: int) -> Costs:
     """The verification's cost on ``target`` of ``rows`` rows (at most ``SAMPLED_ROWS``) by
-    width 1..``widest``, timed once per process (fastest of 2 after a warm-up, on the forward
-    path in effect) and kept for the target's life, under a lock (calls on other threads wait
-    for the one timing): what prices a sampled call's rounds, so that a seed reproduces the
-    output (a call's own timings would split its random stream into rounds by the machine's
-    load)."""
+    width up to ``widest`` (``TIMED_WIDTHS`` and ``widest`` timed, the others read the line
+    through them), timed once per process (fastest of 5 after a warm-up, on the forward path
+    in effect) and kept for the target's life, under a lock (calls on other threads wait for
+    the one timing): what prices a sampled call's rounds, so that a seed reproduces the output
+    (a call's own timings would split its random stream into rounds by the machine's load)."""
     rows = min(rows, SAMPLED_ROWS)
     with _TIMING:
         table = _VERIFICATION_COSTS.setdefault(target, {})
         if (rows, widest) not in table:
             costs = Costs()
-            time_rows(target, costs, rows, list(range(1, widest + 1)), context=64, repeats=2)
+            widths = sorted({w for w in TIMED_WIDTHS if w < widest} | {widest})
+            time_rows(target, costs, rows, widths, context=64, repeats=4)
             table[rows, widest] = costs
         return table[rows, widest]
