@@ -65,6 +65,7 @@ class Auto(Policy):
     PLAIN_AFTER: ClassVar[int] = 16  # first drafts measured before a plain step is weighed: else mostly the prior
     EXPLORE_SHARE: ClassVar[float] = 0.03  # of the plain steps' seconds, what drafting rounds between them may cost
     PLAIN_RUN: ClassVar[int] = 4  # once a plain step wins, rounds before it is weighed again (weighing costs time)
+    SWITCH: ClassVar[float] = 1.05  # after plain steps, how much more a draft must give to be taken
     max_draft: int = 12
     initial: int = 4
     prior_acceptance: float = 0.5
@@ -113,12 +114,18 @@ class _Round:
 
 @dataclass
 class ExploreCredit:
-    """Seconds a greedy caller may spend drafting where plain steps are priced cheaper (kept
-    across calls: a short call alone seldom earns a drafting round)."""
+    """Seconds a greedy caller may spend drafting where plain steps are priced cheaper
+    (``seconds``), and what such a round cost over a plain step (``cost``: the largest of the
+    recent ones, each older one worth 0.8 of itself: the drafter's catch-up over the prompt or
+    over the steps it skipped varies); kept across calls: a short call alone seldom earns one."""
     seconds: float = 0.0
+    cost: float = 0.0
+
+    def measured(self, extra: float) -> None:
+        self.cost = max(extra, 0.8 * self.cost)
 
     def merged(self, other: "ExploreCredit") -> "ExploreCredit":
-        return ExploreCredit(max(self.seconds, other.seconds))
+        return ExploreCredit(max(self.seconds, other.seconds), max(self.cost, other.cost))
 
 
 class AutoController(Controller):
@@ -134,7 +141,6 @@ class AutoController(Controller):
         spread, self.spread_version = self.memory.read("rows") if self.memory else (None, 0)
         credit, self.credit_version = self.memory.read("explore") if self.memory else (None, 0)
         self.costs, self.spread, self.credit = costs or Costs(), spread or RowSpread(), credit or ExploreCredit()
-        self.explore_cost: float | None = None  # what drafting in place of a plain step costs more
         # per row going: its model rows' first drafts and those accepted; rows done: their counts
         self.seen, self.passed = [0.0] * call.batch_size, [0.0] * call.batch_size
         self.done: list[tuple[float, float]] = []
@@ -268,16 +274,19 @@ class AutoController(Controller):
                         plain = rate, 0, 0, False, seconds
                     elif best is None or rate > best[0]:
                         best = rate, k if runs else 0, cap, runs, seconds
-            # a plain step where it beats every draft, once the model's acceptance rests on PLAIN_AFTER
-            # drafts (this call's rows' and the memory's), but for a drafting round where the plain
-            # steps since the last one earned it (EXPLORE_SHARE of their seconds): acceptance is
-            # measured only where something drafts
+            # a plain step where it beats every draft (after plain steps, unless a draft beats it by
+            # SWITCH: its estimates are noisy, and drafting at a batch of rows is dear where it is
+            # wrong), once the model's acceptance rests on PLAIN_AFTER drafts (this call's rows'
+            # and the memory's), but for a drafting round where the plain steps since the last one
+            # earned it (EXPLORE_SHARE of their seconds): acceptance is measured only where
+            # something drafts
+            margin = policy.SWITCH if self.k == 0 and self.rounds > 1 else 1.0
             if best is None:
                 best = plain
-            elif plain is not None and plain[0] > best[0] and \
+            elif plain is not None and plain[0] * margin > best[0] and \
                     self.accept[Source.MODEL].first_drafts >= policy.PLAIN_AFTER:
                 priced = best[4] - plain[4]  # (measured, it holds the drafter's catch-up over the plain steps)
-                cost = 2 * priced if self.explore_cost is None or not price.timed else max(self.explore_cost, priced)
+                cost = max(self.credit.cost, priced) if price.timed and self.credit.cost else 2 * priced
                 if self.credit.seconds < cost:
                     self.credit.seconds += policy.EXPLORE_SHARE * plain[4]
                     self.plain_run = policy.PLAIN_RUN - 1, B, plain[4]
@@ -321,7 +330,7 @@ class AutoController(Controller):
             acceptance.new_round()
         record: _Round = report.plan.record
         if record is not None and record.instead_of_plain is not None and self.pricing.timed and report.timed:
-            self.explore_cost = max(report.seconds - record.instead_of_plain, 0.0)
+            self.credit.measured(report.seconds - record.instead_of_plain)
         for r, (source, n, a) in enumerate(zip(report.source, report.drafted, report.accepted)):
             if source == Source.MODEL:
                 self.accept[Source.MODEL].run(n, a)
