@@ -357,6 +357,7 @@ def test_auto_drafts_no_text_where_its_width_costs_the_batch_more_than_it_gives(
     @dataclasses.dataclass(frozen=True)
     class NoPlain(Auto):
         PLAIN_AFTER = 10 ** 9
+        OPTIMISTIC = None
 
     controller = start(NoPlain(forget_runs=1.0), rows=8)
     verify = lambda w: 10.0 * (2 * w - 1)  # noqa: E731
@@ -425,6 +426,22 @@ def test_auto_prices_a_batch_by_its_slowest_rows():
     assert sum(p.plain for p in late_plans(slow_row, True)) >= 55
     assert sum(p.plain for p in late_plans(slow_row, False)) <= 5
     assert sum(p.plain for p in late_plans([0.9] * 8, True)) <= 5
+
+
+def test_auto_steps_plainly_before_measuring_where_no_acceptance_would_pay():
+    """Batch 4, a verification of w tokens costing 10 (2w - 1), a draft forward 3: after the
+    two rounds that time the widths (8 first drafts, under PLAIN_AFTER), a plain step beats
+    drafts even if 9 in 10 were accepted (OPTIMISTIC), so the third round is plain; where the
+    verification is flat the model goes on drafting."""
+    steep = start(Auto(), rows=4)
+    plans = play(steep, lambda w: 10.0 * (2 * w - 1), geometric(0.5), offers=[0] * 4, rounds=4,
+                 per_forward_seconds=3.0)
+    assert plans[0].model_runs and plans[1].model_runs and plans[2].plain
+    assert steep.accept[Source.MODEL].first_drafts < Auto.PLAIN_AFTER
+    flat = start(Auto(), rows=4)
+    plans = play(flat, lambda w: 10.0 + 0.1 * (w - 1), geometric(0.5), offers=[0] * 4, rounds=4,
+                 per_forward_seconds=3.0)
+    assert all(p.model_runs for p in plans)
 
 
 def test_auto_decodes_plainly_where_no_draft_pays_and_drafts_again_where_it_does():

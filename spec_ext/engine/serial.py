@@ -42,12 +42,13 @@ class SerialEngine(Rows):
         self.device = target.device
         self.capacity = max(len(p) for p in prompts) + max_new_tokens + policy.lookahead + 2
         self.cache = SpecCache.for_model(target, len(prompts), self.capacity)
-        self.reads_target = policy.reads_target
+        self.reads_target, self.drafts = policy.reads_target, policy.drafts
         self.layers = drafter.target_layers
         self.roots = torch.tensor([p[-1] for p in prompts], device=self.device)
         self.hidden: Tensor | None = None  # the target's last hidden state at each root (reads_target)
         self._plains: dict[int, Proposal] = {}
         self.prompt_features: Tensor | None = None  # (the first round) the target's features of every prompt token
+        self.model_read = [0] * len(prompts)  # per row: its length when the model's drafter last read it
 
     def _target(self, ids: Tensor, positions: Tensor, mask=None) -> Forward:
         self.stats.target_calls += 1
@@ -59,6 +60,8 @@ class SerialEngine(Rows):
         sync, and the target cache's commit (a chain keeps a prefix, a tree its path).
         ``prompt``: the call's first round, whose forward also reads every prompt token before
         the root (a chain: each row's prompt, then its drafts; the cache is empty before it)."""
+        if not prompt and not proposal.is_tree and proposal.tokens.shape[1] == 0:
+            return self._plain_step(proposal)
         B = len(self.active)
         nodes = proposal.tokens
         columns = None  # (prompt) each row's root and drafts among the forward's positions
@@ -114,6 +117,50 @@ class SerialEngine(Rows):
         return Outcome(result.tokens, result.num_accepted, accepted, [o[:a + 1] for o, a in zip(outcome, accepted)],
                        proposal.num_draft, drafted, last, result.path if proposal.is_tree else None, p, features)
 
+    def _run_plain(self):
+        """The rounds after the first of a policy that never drafts (``Plain``): one target
+        forward per token, the sampler and each row's emit, none of a round's planning or
+        verification (a greedy step's token is the argmax, as the verification's would be)."""
+        processors = self.sampler.processors
+        none = self._plain(len(self.active))
+        while self.active:
+            B = len(self.active)
+            outcome = self._plain_step(none)
+            if processors is not None:
+                processors.commit(outcome.tokens, none.num_draft + 1, outcome.committed)
+            keep = [i for i, r in enumerate(self.active) if self.emit(r, outcome.committed[i], 0, 0, "none")]
+            if len(keep) < B:
+                index = torch.tensor(keep, dtype=torch.long, device=self.device)
+                self.cache.keep_rows(keep)
+                self.controller.keep_rows(keep)
+                if processors is not None:
+                    processors.keep_rows(keep, index)
+                self.roots = self.roots[index]
+                self.active = [self.active[i] for i in keep]
+                none = self._plain(len(keep))
+        self.controller.finish()
+        return self.finish()
+
+    def _plain_step(self, none: Proposal) -> Outcome:
+        """A plain decode step (``none``: the proposal of no drafts): one target forward at the
+        roots and the sampler, none of the verification's machinery (a greedy token is the
+        argmax, as the verification's would be)."""
+        B, sampler = len(self.active), self.sampler
+        logits, hidden, features = self._target(self.roots[:, None], self.cache.lengths[:, None])
+        if sampler.processors is not None:
+            logits = sampler.process(logits, Positions.chain(none.tokens, none.num_draft), check=True)
+        p = None if sampler.greedy else sampler.probs(logits)
+        token = logits[:, 0].argmax(-1) if p is None else \
+            ops.chain_rejection_sample(p, none.tokens, None, none.num_draft, generator=self.generator,
+                                       validate=False).tokens[:, 0]
+        tokens = token.tolist()
+        self.cache.advance([1] * B, none.num_draft + 1)
+        self.roots = token
+        if self.reads_target:
+            self.hidden = hidden[:, 0]
+        zeros = none.num_draft
+        return Outcome(token[:, None], zeros, [0] * B, [[t] for t in tokens], zeros, [0] * B, zeros, None, p, features)
+
     def _plain(self, rows: int) -> Proposal:
         """A proposal of no drafts for ``rows`` rows (made once per batch size)."""
         if self._plains.get(rows) is None:
@@ -155,24 +202,31 @@ class SerialEngine(Rows):
             drafter.start([list(s) for s in self.seqs], self.capacity, self.sampler, self.generator)
         first = True
         while self.active:
+            if not first and not self.drafts:
+                return self._run_plain()
             started = time.perf_counter()
             seqs = [self.seqs[r] for r in self.active]
             B = len(seqs)
+            model = drafter.model_drafter
+            behind = None if model is None or model.drafts_every_round else \
+                [len(s) - self.model_read[r] for r, s in zip(self.active, seqs)]
             plan = RoundPlan([0] * B) if waiting else \
                 controller.plan(RoundState(B, drafter.text, self.hidden, self.roots,
-                                            [self.max_new - len(self.new[r]) for r in self.active]))
+                                           [self.max_new - len(self.new[r]) for r in self.active], behind))
             if first and plan.tree is not None:  # (trees are verified from the second round on)
                 plan = RoundPlan([0] * B)
             elif first and any(t is not None and t.parents is not None for t in plan.text):
                 plan = dataclasses.replace(plan, text=[None if t is not None and t.parents is not None else t
                                                        for t in plan.text])
-            model = drafter.model_drafter
             if plan.plain and (waiting or model is None or not model.drafts_every_round):
                 proposal = self._plain(B)  # a plain step: no drafting, no selection
                 if not waiting:
                     drafter.skip()
             else:
                 proposal = plan.select(drafter.propose(seqs, self.roots, plan))
+            if proposal.draft_forwards:
+                for r, s in zip(self.active, seqs):
+                    self.model_read[r] = len(s)
             selected = time.perf_counter()
             outcome = self.verify(proposal, prompt=first)
             if self.sampler.processors is not None:
@@ -193,6 +247,8 @@ class SerialEngine(Rows):
             if waiting and keep:  # each prompt's features, the context of the first new token
                 drafter.start([list(self.seqs[self.active[i]]) for i in keep], self.capacity, self.sampler,
                               self.generator, features=self.prompt_features[index])
+                for i in keep:
+                    self.model_read[self.active[i]] = len(self.seqs[self.active[i]])
             if len(keep) < len(self.active):
                 self.cache.keep_rows(keep)
                 if not waiting:

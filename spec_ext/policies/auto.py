@@ -29,8 +29,14 @@ class Auto(Policy):
     cache's tree, valued at its nodes' empirical probabilities times the share of them its
     kind of match has been accepted (:meth:`SuffixCache.expected`). Nothing drafts at all (a
     plain decode step, what :class:`Plain` runs) where that beats every draft, once the model's
-    acceptance rests on ``PLAIN_AFTER`` measured first drafts (the memory's count too) and
-    outside the exploring rounds.
+    acceptance rests on ``PLAIN_AFTER`` measured first drafts (the memory's count too) or where
+    it beats drafts accepted as often as ``OPTIMISTIC``; after plain steps a draft must beat
+    them by ``SWITCH``, and drafts in place of plain steps (to keep acceptance measured) cost
+    at most ``EXPLORE_SHARE`` of their seconds.
+
+    The batch's rows: a round's value is the tokens per second until the slowest row is done
+    (:func:`~spec_ext.policies.estimates.finish_rate`), each row's model drafts priced at its
+    own first-draft rate (:class:`~spec_ext.policies.estimates.RowSpread`).
 
     Acceptance (:class:`~spec_ext.policies.estimates.Acceptance`): runs counted per depth,
     apart for the model and for the text, with ``prior_weight`` observations of
@@ -66,6 +72,7 @@ class Auto(Policy):
     EXPLORE_SHARE: ClassVar[float] = 0.03  # of the plain steps' seconds, what drafting rounds between them may cost
     PLAIN_RUN: ClassVar[int] = 4  # once a plain step wins, rounds before it is weighed again (weighing costs time)
     SWITCH: ClassVar[float] = 1.05  # after plain steps, how much more a draft must give to be taken
+    OPTIMISTIC: ClassVar[float | None] = 0.9  # a draft's chance where plain steps win before it is measured
     max_draft: int = 12
     initial: int = 4
     prior_acceptance: float = 0.5
@@ -110,6 +117,7 @@ class _Round:
     unused: list[list[int]] = field(default_factory=list)
     cache: list[tuple | None] = field(default_factory=list)
     instead_of_plain: float | None = None
+    behind: int = 0  # the committed tokens (all rows') the model's drafter had not read
 
 
 @dataclass
@@ -161,6 +169,12 @@ class AutoController(Controller):
         widths = self.costs.widths(rows) if self.pricing.timed else []
         return [w for w in widths if w <= self.policy.max_draft + 1]
 
+    def _one_width(self, rows: int) -> bool:
+        """Whether one chain's width alone was timed at ``rows``, a drafting one (plain steps
+        alone leave the slope to the line through the other batch sizes)."""
+        widths = self._chain_widths(rows)
+        return len(widths) == 1 and widths[0] > 1
+
     def _longest_priced(self) -> int:
         """The model's largest k this round: one past the deepest draft its rounds have reached
         (a chain grows a draft a round where the estimates say it pays, never onto depths
@@ -172,7 +186,7 @@ class AutoController(Controller):
     def _explored(self, k: int, rows: int) -> int:
         """``k``, or one more / one less in the exploring rounds; in the second round, with one
         width alone timed, the narrowest chain: two widths give the cost's slope."""
-        if self.rounds == 2 and len(self._chain_widths(rows)) == 1:
+        if self.rounds == 2 and self._one_width(rows):
             return self._narrowest(rows)
         every = self.policy.explore_every
         phase = self.rounds % (2 * every)
@@ -232,60 +246,80 @@ class AutoController(Controller):
                                                    tc + [0.0] * (len(curve) - len(tc)))]
             curves.append(curve)
         price = self.pricing
-        # timed: once a chain's width at this batch size and a draft forward (where text competes) are measured
-        known = not price.timed or (bool(self._chain_widths(B)) and
+        # timed: once a chain's width at this batch size (rows finished: two at others, their line) and a
+        # draft forward (where text competes) are measured
+        tail = B < self.call.batch_size and self.costs.measured >= 2
+        known = not price.timed or ((bool(self._chain_widths(B)) or tail) and
                                     (price.draft(1) is not None or not any(len(c) > 1 for c in curves)))
         wait = self.call.forwards_without_model
-        if len(self._chain_widths(B)) == 1 and self.narrowed < 2:  # the model alone at another width: the slope
+        if self._one_width(B) and self.narrowed < 2:  # the model alone at another width: the slope
             self.narrowed += 1
             k, cap, runs = self._narrowest(B), 0, True
         elif not known:  # the first rounds: the text where it matches and the model, both to the initial k, timed
             k, cap, runs = min(policy.initial, self.largest), policy.initial, True
         else:
-            best, plain = None, None
             V = [None] + [price.verify(B, w) for w in range(1, 2 + max(policy.max_draft, *map(len, curves)))]
             D = [price.draft(j) or 0.0 for j in range(self.largest + 1)]
             scales, remaining, shrink = [1.0] * B, state.remaining, None
-            if B > 1 and remaining is not None:  # priced until the slowest row is done
-                scales = self.spread.scales(self.accept[Source.MODEL].chance(1), self.seen, self.passed)
+            if remaining is not None:  # priced until the slowest row is done
+                shrink = [1.0] * (B + 1)
                 one = price.verify(1, 1)
-                shrink = [1.0] * (B + 1) if not one or not V[1] else \
-                    [(one + (V[1] - one) * (b - 1) / (B - 1)) / V[1] for b in range(B + 1)]
+                if B > 1:
+                    scales = self.spread.scales(self.accept[Source.MODEL].chance(1), self.seen, self.passed)
+                    if one and V[1]:
+                        shrink = [(one + (V[1] - one) * (b - 1) / (B - 1)) / V[1] for b in range(B + 1)]
+            # a drafter behind the committed text (after plain steps; the prompt) reads it first, once
+            catch_up = self.costs.catch_up(sum(state.behind)) if state.behind and price.timed and shrink else 0.0
             caps = {len(c) - 1 for c in curves if len(c) > 1}
             for tree in trees:  # a tree is cut to its best m nodes, any m
                 if tree is not None:
                     caps.update(range(1, len(tree[2])))
-            for cap in [0] + sorted(caps):
-                values = [c[min(len(c) - 1, cap)] for c in curves]
-                used = [min(len(c) - 1, cap) for c in curves]
-                for k in range(0, self._longest_priced() + 1):
-                    progress, widest, runs = [], 0, False
-                    for value, m, scale in zip(values, used, scales):
-                        if m > 0 and value >= model[k]:
-                            progress.append(1 + value)
-                            widest = max(widest, m)
-                        else:
-                            progress.append(1 + min(k, model[k] * scale))
-                            runs = runs or k > 0
-                    seconds = V[1 + max(widest, k if runs else 0)] + (D[k] if runs else wait * D[1])
-                    rate = finish_rate(progress, remaining, seconds, shrink) if shrink else \
-                        sum(progress) / max(seconds, 1e-12)
-                    if not runs and widest == 0:
-                        plain = rate, 0, 0, False, seconds
-                    elif best is None or rate > best[0]:
-                        best = rate, k if runs else 0, cap, runs, seconds
+
+            def weigh(model_curve):
+                """(the best round that drafts, the plain step), each (rate, k, cap, runs, seconds),
+                the model's drafts valued by ``model_curve``."""
+                best = plain = None
+                for cap in [0] + sorted(caps):
+                    values = [c[min(len(c) - 1, cap)] for c in curves]
+                    used = [min(len(c) - 1, cap) for c in curves]
+                    for k in range(0, self._longest_priced() + 1):
+                        progress, widest, runs = [], 0, False
+                        for value, m, scale in zip(values, used, scales):
+                            if m > 0 and value >= model_curve[k]:
+                                progress.append(1 + value)
+                                widest = max(widest, m)
+                            else:
+                                progress.append(1 + min(k, model_curve[k] * scale))
+                                runs = runs or k > 0
+                        seconds = V[1 + max(widest, k if runs else 0)] + (D[k] if runs else wait * D[1])
+                        rate = finish_rate(progress, remaining, seconds, shrink, catch_up if runs else 0.0) \
+                            if shrink else sum(progress) / max(seconds, 1e-12)
+                        if not runs and widest == 0:
+                            plain = rate, 0, 0, False, seconds
+                        elif best is None or rate > best[0]:
+                            best = rate, k if runs else 0, cap, runs, seconds
+                return best, plain
+
+            best, plain = weigh(model)
             # a plain step where it beats every draft (after plain steps, unless a draft beats it by
             # SWITCH: its estimates are noisy, and drafting at a batch of rows is dear where it is
             # wrong), once the model's acceptance rests on PLAIN_AFTER drafts (this call's rows'
-            # and the memory's), but for a drafting round where the plain steps since the last one
-            # earned it (EXPLORE_SHARE of their seconds): acceptance is measured only where
-            # something drafts
+            # and the memory's) or where it beats every draft accepted as often as OPTIMISTIC
+            # says, but for a drafting round where the plain steps since the last one earned it
+            # (EXPLORE_SHARE of their seconds): acceptance is measured only where something drafts
             margin = policy.SWITCH if self.k == 0 and self.rounds > 1 else 1.0
+            sure = self.accept[Source.MODEL].first_drafts >= policy.PLAIN_AFTER
+            if not sure and policy.OPTIMISTIC and best is not None and plain is not None and \
+                    plain[0] * margin > best[0]:
+                optimistic = [0.0]
+                for j in range(1, len(model)):
+                    optimistic.append(optimistic[-1] + policy.OPTIMISTIC ** j)
+                drafting = weigh(optimistic)[0]
+                sure = drafting is None or plain[0] * margin > drafting[0]
             if best is None:
                 best = plain
-            elif plain is not None and plain[0] * margin > best[0] and \
-                    self.accept[Source.MODEL].first_drafts >= policy.PLAIN_AFTER:
-                priced = best[4] - plain[4]  # (measured, it holds the drafter's catch-up over the plain steps)
+            elif plain is not None and plain[0] * margin > best[0] and sure:
+                priced = best[4] - plain[4] + catch_up  # (measured, it holds the catch-up too)
                 cost = max(self.credit.cost, priced) if price.timed and self.credit.cost else 2 * priced
                 if self.credit.seconds < cost:
                     self.credit.seconds += policy.EXPLORE_SHARE * plain[4]
@@ -299,7 +333,7 @@ class AutoController(Controller):
                 k = self._explored(k, B)
         self.k = k if runs else 0
         text: list[Offer | None] = []
-        record = _Round(instead_of_plain=instead_of_plain)
+        record = _Round(instead_of_plain=instead_of_plain, behind=sum(state.behind or ()))
         for chain, tree, curve in zip(chains, trees, curves):
             m = min(len(curve) - 1, cap)
             offer = None
@@ -329,8 +363,12 @@ class AutoController(Controller):
         for acceptance in self.accept.values():
             acceptance.new_round()
         record: _Round = report.plan.record
-        if record is not None and record.instead_of_plain is not None and self.pricing.timed and report.timed:
-            self.credit.measured(report.seconds - record.instead_of_plain)
+        if record is not None and self.pricing.timed and report.timed:
+            if record.instead_of_plain is not None:
+                self.credit.measured(report.seconds - record.instead_of_plain)
+            steps = self.costs.draft(report.draft_steps) if report.draft_forwards and not report.warm else None
+            if steps is not None and record.behind:
+                self.costs.record_catch_up(record.behind, max(report.draft_seconds - steps, 0.0))
         for r, (source, n, a) in enumerate(zip(report.source, report.drafted, report.accepted)):
             if source == Source.MODEL:
                 self.accept[Source.MODEL].run(n, a)

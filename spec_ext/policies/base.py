@@ -141,12 +141,14 @@ class RoundState:
     text source runs); ``target_hidden`` [B,H] the target's last hidden state at each row's
     root and ``roots`` [B] (only where the policy reads them: ``Policy.reads_target``);
     ``remaining`` the tokens each row may still emit (``max_new_tokens`` less its output; None:
-    not known)."""
+    not known); ``behind`` the committed tokens of each row the model's drafter has not read
+    (its next forward catches up over them; None: not known, or it reads them every round)."""
     rows: int
     text: TextLookup | None = None
     target_hidden: Tensor | None = None
     roots: Tensor | None = None
     remaining: list[int] | None = None
+    behind: list[int] | None = None
 
 
 @dataclass

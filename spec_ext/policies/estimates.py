@@ -46,7 +46,8 @@ class Costs:
         self.window = window
         self._verify: dict[tuple[int, int], list] = {}  # (rows, width) -> [estimate, recent seconds, tick]
         self._draft: dict[int, list] = {}  # steps -> [estimate, recent seconds, tick]
-        self._ticks = {"verify": 0, "draft": 0}
+        self._catch_up: dict[str, list] = {}  # "token" -> [estimate, recent seconds per token, tick]
+        self._ticks = {"verify": 0, "draft": 0, "catch_up": 0}
         self._memo: dict = {}  # answers since the last measurement
 
     def record_verify(self, rows: int, width: int, seconds: float) -> None:
@@ -56,6 +57,17 @@ class Costs:
     def record_draft(self, steps: int, seconds: float) -> None:
         """One round's drafting of ``steps`` steps took ``seconds``."""
         self._record(self._draft, steps, seconds, "draft")
+
+    def record_catch_up(self, tokens: int, seconds: float) -> None:
+        """A drafter's catch-up over ``tokens`` committed tokens it had not seen (all rows'
+        together), past its round's draft steps, took ``seconds``."""
+        self._record(self._catch_up, "token", seconds / tokens, "catch_up")
+
+    def catch_up(self, tokens: int) -> float:
+        """Estimated seconds of a drafter's catch-up over ``tokens`` committed tokens (all rows'
+        together); 0 before any measurement."""
+        entry = self._catch_up.get("token")
+        return 0.0 if entry is None else entry[0] * tokens
 
     def _record(self, table: dict, key, seconds: float, name: str) -> None:
         self._ticks[name] += 1
@@ -132,7 +144,8 @@ class Costs:
         """Both calls' measurements: per shape the newer ones of each, interleaved."""
         out = Costs(self.window)
         for name, mine, theirs, into in (("verify", self._verify, other._verify, out._verify),
-                                         ("draft", self._draft, other._draft, out._draft)):
+                                         ("draft", self._draft, other._draft, out._draft),
+                                         ("catch_up", self._catch_up, other._catch_up, out._catch_up)):
             for key in mine.keys() | theirs.keys():
                 a, b = mine.get(key, [0, [], 0])[1], theirs.get(key, [0, [], 0])[1]
                 recent = _interleave(a, b)
@@ -413,17 +426,19 @@ def normal_order(n: int) -> tuple[float, ...]:
     return tuple(normal.inv_cdf((i + 0.625) / (n + 0.25)) for i in range(n))
 
 
-def finish_rate(progress: list[float], remaining: list[int], seconds: float, shrink: list[float]) -> float:
+def finish_rate(progress: list[float], remaining: list[int], seconds: float, shrink: list[float],
+                once: float = 0.0) -> float:
     """Tokens per second over the rest of a call whose every round costs ``seconds`` with
-    all its rows going: row r has ``remaining[r]`` tokens left and gains ``progress[r]`` a
-    round, so it leaves after ``remaining[r] / progress[r]`` rounds (at least one), and a round
-    with b rows going costs ``shrink[b]`` times a full one. One row: ``progress / seconds``."""
+    all its rows going, plus ``once`` seconds now: row r has ``remaining[r]`` tokens left and
+    gains ``progress[r]`` a round, so it leaves after ``remaining[r] / progress[r]`` rounds (at
+    least one), and a round with b rows going costs ``shrink[b]`` times a full one. One row,
+    nothing once: ``progress / seconds``."""
     rounds = sorted(max(1.0, n / g) for n, g in zip(remaining, progress))
     total, before, B = 0.0, 0.0, len(rounds)
     for i, r in enumerate(rounds):
         total += (r - before) * shrink[B - i]
         before = r
-    return sum(remaining) / max(total * seconds, 1e-12)
+    return sum(remaining) / max(total * seconds + once, 1e-12)
 
 
 @torch.no_grad()
