@@ -943,11 +943,14 @@ def test_a_tensor_parallel_target_is_not_timed_for_sampled_rounds():
         assert controller.pricing.modeled is None
     assert start(Adaptive(), greedy=False, target=target, draft=draft).verify_cost(1, 3) == 1.0
     del target._tp_size
-    with spec_ext.models.attention_implementation(target):
+    with spec_ext.models.attention_implementation(target, draft):  # (generate's block: both models)
         controller = start(Adaptive(), greedy=False, target=target, draft=draft)
         auto = start(Auto(), greedy=False, per_forward=4, target=target, draft=draft)
     assert controller.pricing.modeled is not None and auto.pricing.modeled is not None
     assert controller.verify_cost(1, 3) == controller.pricing.modeled.verify(1, 3)
+    # a draft model's forward is timed so too, once per process
+    assert auto.pricing.modeled_draft == controller.pricing.modeled_draft > 0
+    assert auto.pricing.draft(3) == pytest.approx(3 * auto.pricing.modeled_draft)
 
 
 @pytest.mark.parametrize("slope, expected", [(1.0, 1), (0.0, 3)])

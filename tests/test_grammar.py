@@ -87,9 +87,11 @@ def test_grammar_masks_match_the_oracle(tokenizer, models_):
 
 @pytest.mark.parametrize("policy,temperature", [("fixed", 1.0), ("tree", 1.0), ("dynamictree", 0.7),
                                                 ("auto", 1.0)])
-def test_grammar_law_is_the_renormalised_target(tokenizer, models_, policy, temperature):
+def test_grammar_law_is_the_renormalised_target(tokenizer, models_, policy, temperature, monkeypatch):
     target, draft = models_
     n = 6000
+    # (at 6,000 rows a plain step beats drafts accepted 9 in 10: Auto drafts here until measured)
+    monkeypatch.setattr(spec_ext.policies.Auto, "OPTIMISTIC", None)
     out = spec_ext.generate(target, draft, [[1]] * n, max_new_tokens=4, temperature=temperature, eos_token_id=EOS,
                             pad_token_id=EOS, tokenizer=tokenizer, grammar=Grammar.regex("|".join(WORDS)),
                             policy=policy, seed=7)

@@ -93,6 +93,10 @@ class HeadDrafter(Drafter):
         index = (~one_token).long()
         ids = tokens.gather(1, (index[:, None] + torch.arange(max(pairs), device=self.device)).clamp_max(width - 1))
         self._pending = ids, features, pairs, torch.tensor(pairs, device=self.device)
+        # the pairs of rounds the head skips wait in a store, appended in place (a stretch of skipped rounds
+        # costs each round its own pairs, not a copy of all that wait); it doubles when full
+        self._store: tuple[Tensor, Tensor] | None = None  # [B, width] ids, [B, width, F] features
+        self._stored = False  # whether the waiting pairs are the store's
 
     def _feature_width(self) -> int:
         config = self.head.config
@@ -207,6 +211,7 @@ class HeadDrafter(Drafter):
             ids, features, counts, counts_t = self._after_waiting(ids, features, counts)
         else:
             self.cache.rollback(self._kept, self._kept_t)
+            self._stored = False
         self._pending = ids, features, counts, counts_t
         self.real = list(counts)
         self.remember_bonus(outcome)
@@ -214,22 +219,32 @@ class HeadDrafter(Drafter):
     def _after_waiting(self, ids: Tensor, features: Tensor, counts: list[int]
                        ) -> tuple[Tensor, Tensor, list[int], Tensor]:
         """Per row, the waiting real pairs (a one-token prompt's stand-in pair dropped) then
-        the round's ``counts`` committed pairs ``ids`` [B,W], ``features`` [B,W,F]."""
-        waiting_ids, waiting_features = self._pending[:2]
-        waiting = torch.tensor(self.real, device=self.device)
+        the round's ``counts`` committed pairs ``ids`` [B,W], ``features`` [B,W,F]: the store's
+        first ``max(total)`` columns (row b's pairs past its own total are stale: never read)."""
+        needed = max(self.real) + ids.shape[1]
+        waiting_ids, waiting_features = self._store if self._stored else self._pending[:2]
+        if not self._stored or waiting_ids.shape[1] < needed:  # into a store (twice as wide as needed) first
+            B, kept = len(counts), min(waiting_ids.shape[1], max(self.real))
+            store_ids = torch.zeros(B, 2 * needed, dtype=torch.int64, device=self.device)
+            store_features = torch.zeros(B, 2 * needed, features.shape[-1], dtype=waiting_features.dtype,
+                                         device=self.device)
+            store_ids[:, :kept] = waiting_ids[:, :kept]
+            store_features[:, :kept] = waiting_features[:, :kept]
+            self._store, self._stored = (store_ids, store_features), True
+        store_ids, store_features = self._store
         total = [w + c for w, c in zip(self.real, counts)]
-        slot = torch.arange(max(total), device=self.device)[None, :]
-        index = torch.where(slot < waiting[:, None], slot, waiting_ids.shape[1] + slot - waiting[:, None])
-        index = index.clamp_max(waiting_ids.shape[1] + ids.shape[1] - 1)
-        ids = torch.cat([waiting_ids, ids], 1).gather(1, index)
-        features = torch.cat([waiting_features.to(features.dtype), features], 1)
-        features = features.gather(1, index[..., None].expand(-1, -1, features.shape[-1]))
-        return ids, features, total, torch.tensor(total, device=self.device)
+        slot = torch.tensor(self.real, device=self.device)[:, None] + torch.arange(ids.shape[1], device=self.device)
+        store_ids.scatter_(1, slot, ids)
+        store_features.scatter_(1, slot[..., None].expand(-1, -1, features.shape[-1]),
+                                features.to(store_features.dtype))
+        width = max(total)
+        return store_ids[:, :width], store_features[:, :width], total, torch.tensor(total, device=self.device)
 
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
         self.cache.keep_rows(rows)
         ids, features, pairs, pairs_t = self._pending
         self._pending = ids[index], features[index], [pairs[i] for i in rows], pairs_t[index]
+        self._store, self._stored = None, False
         self.real = [self.real[i] for i in rows]
         self.keep_bonus_rows(index)
 
