@@ -263,9 +263,9 @@ class AutoController(Controller):
             scales, remaining, shrink = [1.0] * B, state.remaining, None
             if remaining is not None:  # priced until the slowest row is done
                 shrink = [1.0] * (B + 1)
-                one = price.verify(1, 1)
                 if B > 1:
                     scales = self.spread.scales(self.accept[Source.MODEL].chance(1), self.seen, self.passed)
+                    one = price.verify(1, 1)
                     if one and V[1]:
                         shrink = [(one + (V[1] - one) * (b - 1) / (B - 1)) / V[1] for b in range(B + 1)]
             # a drafter behind the committed text (after plain steps; the prompt) reads it first, once
