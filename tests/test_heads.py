@@ -2,6 +2,7 @@
 layout and the original EAGLE layouts by this test's own code, loaded back, and decoding
 exactly: greedy equal to ``target.generate`` (lean forward and HF modules), sampling
 following the target's exact law with a reduced draft vocabulary."""
+import dataclasses
 import json
 
 import pytest
@@ -367,6 +368,60 @@ def test_the_heads_dynamic_tree_is_eagle2s_expansion_of_its_own_scores(target, k
         return torch.log_softmax(logits[0, -1].float(), -1)
 
     assert tree_paths(tokens, parents) == eagle2_paths(logp, policy)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_a_head_skipped_for_plain_steps_drafts_what_a_fresh_head_on_the_committed_text_drafts(target, kind):
+    """Five plain steps skip the head (their pairs wait in its store, appended in place, the
+    store regrown, a one-token prompt's stand-in pair dropped); its next chain, per row of a
+    ragged batch, equals the greedy chain of the head run here one token at a time on a fresh
+    cache over that row's committed text, with the target's features from HF's own
+    output_hidden_states."""
+    from spec_ext.models import SpecCache, attention_implementation
+    from spec_ext.policies import Controller, RoundPlan
+    head = random_head(target, kind, seed=7)
+    prompts = [[5, 7, 3, 8, 11, 4], [9]]
+    seen = []
+
+    class Recording(HeadDrafter):
+        def propose(self, seqs, roots, plan, forced=None, forced_rows=None):
+            proposal = super().propose(seqs, roots, plan, forced, forced_rows)
+            seen.append(([list(s) for s in seqs], proposal.tokens.tolist()))
+            return proposal
+
+    class SkipFive(Controller):
+        rounds = 0
+
+        def plan(self, state):
+            self.rounds += 1
+            return RoundPlan([0 if self.rounds <= 5 else 3] * state.rows)  # (after the first round: its own)
+
+    @dataclasses.dataclass(frozen=True)
+    class Skipping(Fixed):
+        def start(self, call):
+            return SkipFive(self, call)
+
+    drafter = Recording(head)
+    spec_ext.generate(target, drafter, prompts, max_new_tokens=9, eos_token_id=[], policy=Skipping(3))
+    texts, chains = seen[0]
+    assert all(len(t) == len(p) + 6 for t, p in zip(texts, prompts)), "the first chain follows six plain tokens"
+    layers = drafter.target_layers
+    for text, chain in zip(texts, chains):
+        states = target(torch.tensor([text]), output_hidden_states=True).hidden_states
+        features = torch.cat([states[k][:, :-1] for k in layers], -1)  # the features of x_0 .. x_{n-2}
+        cache, n, expected = SpecCache(head.num_layers, None, None, 1, 64), len(text) - 1, []
+        with attention_implementation(target):
+            logits, hidden = head(drafter.embed(torch.tensor([text[1:]])), head.combine(features),
+                                  torch.arange(n)[None], cache, target_head=drafter.target_head)
+            cache.advance([n])
+            for i in range(3):
+                token = int(logits[0, -1].argmax())  # (the full vocabulary: draft ids are target ids)
+                expected.append(token)
+                logits, hidden = head(drafter.embed(torch.tensor([[token]])), hidden[:, -1:], torch.tensor([[n + i]]),
+                                      cache, target_head=drafter.target_head)
+                cache.advance([1])
+        assert chain[:3] == expected, (text, chain, expected)
 
 
 # ---------------------------------------------------------------------------- P-EAGLE
