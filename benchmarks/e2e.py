@@ -167,7 +167,7 @@ def matcher_cost(tokenizer, target, history_tokens: int = 32768, rounds: int = 4
             break
     costs = {}
     for name, policy in (("chain", NGram(tree=False)), ("tree", NGram(tree=True))):
-        controller, text = policy.start(Call(1, text=True)), TextSource(policy.text_settings(False))
+        controller, text = policy.start(Call(1)), TextSource(policy.text_settings(False))
         started = time.perf_counter()
         text.start([history[:history_tokens]])
         costs[f"index_{history_tokens}_tokens_s"] = time.perf_counter() - started

@@ -98,7 +98,7 @@ def perturbed(model, scale, seed):
 def plan_of(policy, rows: int, greedy: bool = True, target=None, draft=None, text=None):
     """The first round's plan of ``policy`` (a Policy or a name) for ``rows`` rows: what its
     controller for such a call plans (``text``: the rows' TextLookup, for text policies)."""
-    controller = resolve(policy).start(Call(rows, greedy, target, draft, text=text is not None))
+    controller = resolve(policy).start(Call(rows, greedy, target, draft))
     return controller.plan(RoundState(rows, text))
 
 

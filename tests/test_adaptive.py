@@ -330,6 +330,23 @@ def test_step_costs_read_measured_shapes_and_fit_the_others():
             Costs(window=bad)
 
 
+def test_a_draft_steps_cost_is_its_rows_low_median_and_merges_both_calls():
+    """``Costs.step``: per batch size the low median of its last ``window`` draft steps (None
+    before one), other batch sizes apart; ``merged`` keeps both calls' steps (the newer ones of
+    each, interleaved), as two calls writing one memory do."""
+    costs = Costs(window=3)
+    assert costs.step(2) is None
+    for seconds in (0.5, 0.1, 0.3, 0.2):
+        costs.record_step(2, seconds)
+    costs.record_step(8, 0.9)
+    assert (costs.step(2), costs.step(8), costs.step(4)) == (0.2, 0.9, None)  # of 0.1 0.3 0.2
+    other = Costs(window=3)
+    for seconds in (0.7, 0.8):
+        other.record_step(2, seconds)
+    merged = costs.merged(other)
+    assert merged.step(2) == sorted([0.3, 0.2, 0.8])[1] and merged.step(8) == 0.9  # of 0.1 0.7 0.3 0.8 0.2
+
+
 def test_step_costs_are_the_low_median_of_recent_measurements():
     """A loaded machine's occasional stall does not move a shape's estimate at all (a mean,
     even capped at 3x, moved 1.0 to 1.4 for one 100x stall); a machine that stays slower
@@ -829,7 +846,7 @@ def test_calls_sharing_a_memory_explore_their_widths_only_until_they_are_measure
     widths, controller = first_rounds()
     assert widths == [4, 3, 2] and controller.costs.measured == 3
     assert memory.read("costs")[0].measured == 3 and costs.measured == 0  # the policy's own costs: untouched
-    version = {key: memory.read(key)[1] for key in ("costs", "acceptance", "steps")}
+    version = {key: memory.read(key)[1] for key in ("costs", "acceptance")}
     sampled = start(policy, greedy=False, memory=memory)
     assert sampled.costs.measured == 0 and sampled.accept.bin_reached[0][9] == 0  # not what the memory holds
     first_rounds(greedy=False)

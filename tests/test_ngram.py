@@ -83,7 +83,7 @@ def lookup(policy: NGram, histories: list[list[int]]):
     """The policy's controller and the rows' text for a call on ``histories``."""
     text = TextSource(policy.text_settings(False))
     text.start(histories)
-    return policy.start(Call(len(histories), text=True)), text
+    return policy.start(Call(len(histories))), text
 
 
 def offers(controller, text) -> list[int]:

@@ -35,7 +35,7 @@ class Text:
 
 
 def start(policy=None, rows=1, greedy=True, memory=None, per_forward=1, wait=0, target=None, draft=None):
-    return (policy or Auto()).start(Call(rows, greedy, target, draft, per_forward, wait, True, memory))
+    return (policy or Auto()).start(Call(rows, greedy, target, draft, per_forward, wait, memory))
 
 
 def play(controller, verify, accepted, offers=None, rounds=1, per_forward_seconds=0.0, per_forward=1, rng=None,

@@ -283,7 +283,7 @@ def beside(cache, rows, cost=lambda width: 1.0 + 0.1 * width, forward=FORWARD, *
     text = TextSource(policy.text_settings(True))
     text.start([list(r) for r in rows])
     model = torch.nn.Linear(4, 4)
-    return policy.start(Call(len(rows), True, model, model, text=True)), text
+    return policy.start(Call(len(rows), True, model, model)), text
 
 
 def settle(controller, text, rows=8, accepted=lambda source, drafts: 0):
@@ -310,6 +310,30 @@ def test_a_weak_match_drafts_the_models_chain_and_a_strong_one_the_cache():
     plan = settle(controller, text, accepted=lambda source, drafts: drafts)
     assert plan.sources == [Source.MODEL, Source.CACHE], plan
     assert plan.text[1].tokens[:4] == (-1, 21, 22, 23) and plan.text[1].parents[:4] == (-1, 0, 1, 2)
+
+
+def test_a_rows_cache_tree_follows_one_rule_alone_and_beside_a_model():
+    """``Suffix.cache_offer``, which a row's cache tree comes from alone and beside a model: at
+    most ``cache_nodes`` nodes at one row, the own text's budget with more rows, none deeper
+    than ``max_depth``; none where the match is not longer than ``longer_than`` or the tree
+    scores under ``min_score``."""
+    cache = SuffixCache(prompts=False)
+    cache.add([], STORED)
+    text = TextSource(Suffix(cache).text_settings(True))
+    text.start([list(STRONG)])  # its 20 last tokens stored: the cache continues 21, 22, ...
+    offer = Suffix(cache, cache_nodes=6).cache_offer(text, 0, 1)
+    assert (offer.tokens, offer.parents, offer.match) == ((-1, 21, 22, 23, 24, 25), (-1, 0, 1, 2, 3, 4), 20)
+    assert Suffix(cache, cache_nodes=6, max_depth=3).cache_offer(text, 0, 1).tokens == (-1, 21, 22, 23)
+    assert Suffix(cache, round_tokens=16).cache_offer(text, 0, 4).tokens == (-1, 21, 22, 23)  # 16 // 4 nodes
+    assert Suffix(cache).cache_offer(text, 0, 1, longer_than=20) is None
+    assert Suffix(cache).cache_offer(text, 0, 1, longer_than=19) is not None
+    assert Suffix(cache, cache_nodes=6, min_score=5.5).cache_offer(text, 0, 1) is None
+    assert Suffix(cache, cache_nodes=6, min_score=5.0).cache_offer(text, 0, 1) is not None
+    alone = Suffix(cache, cache_nodes=6, own_text=False).start(Call(1))
+    assert alone.offers(RoundState(1, text)) == [offer]
+    controller, text = beside(cache, [STRONG], cache_nodes=6)
+    _, trees = controller._offers(RoundState(1, text))
+    assert trees[0][0] == offer
 
 
 def test_the_cache_is_drafted_where_the_model_would_cost_more_than_it_brings():

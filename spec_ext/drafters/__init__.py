@@ -15,7 +15,7 @@ where the policy drafts the rows' text, a :class:`TextSource` beside it; each ro
 says per row which of them drafts it, and :func:`merge` makes one :class:`Proposal` of the
 rows. The engine verifies the one shape or the other and never asks which drafter it has.
 """
-from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, check_finite, grow_tree, pad_rows, prefill
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, check_finite, grow_tree, pad_rows
 from spec_ext.drafters.kinds import KINDS, DraftKind, build, kind_of, load, register_kind
 from spec_ext.drafters.mixed import MixedDrafter, merge
 from spec_ext.drafters.text import TextSource
@@ -27,4 +27,4 @@ from spec_ext.drafters.other_tokenizer import OtherTokenizerDrafter
 
 __all__ = ["KINDS", "BlockDrafter", "DraftKind", "Drafter", "HeadDrafter", "MixedDrafter", "ModelDrafter",
            "MtpDrafter", "OtherTokenizerDrafter", "Outcome", "Proposal", "Sampler", "TextSource", "build",
-           "check_finite", "grow_tree", "kind_of", "load", "merge", "pad_rows", "prefill", "register_kind"]
+           "check_finite", "grow_tree", "kind_of", "load", "merge", "pad_rows", "register_kind"]

@@ -9,7 +9,7 @@ drafter made it.
 
 Also here, because drafters and engines both need them: :class:`Sampler` (temperature,
 top-k, top-p), the chain loop (:func:`draft_chain`), the one tree grower (:func:`grow_tree`),
-:func:`pad_rows` and :func:`prefill`.
+:func:`pad_rows`, :func:`feed_rows` and :func:`refeed_tree`.
 """
 from __future__ import annotations
 
@@ -480,11 +480,36 @@ def _grow_dynamic(policy: TreeShape, logits: Tensor, roots: Tensor, refeed, samp
                     mask, policy.depth, confidence=confidence)
 
 
-def pad_rows(rows: Sequence[Sequence[int]], value: int, device, left: bool = False) -> Tensor:
-    """[B, longest] int64: ragged rows padded with ``value`` on the right (or the left)."""
-    width = max(len(r) for r in rows)
+def pad_rows(rows: Sequence[Sequence[int]], value: int, device, left: bool = False, width: int = 0) -> Tensor:
+    """[B, max(longest, width)] int64: ragged rows padded with ``value`` on the right (or the left)."""
+    width = max(width, max(len(r) for r in rows))
     padded = [[value] * (width - len(r)) + list(r) if left else list(r) + [value] * (width - len(r)) for r in rows]
     return torch.tensor(padded, dtype=torch.int64, device=device)
+
+
+def feed_rows(cache, ids: Tensor, lengths: Sequence[int], run, lengths_t: Tensor | None = None):
+    """``run(ids, positions)`` over ``ids`` [B,T] int64 written after each row's cached
+    tokens, of which ``cache`` keeps row b's first ``lengths[b]`` (``lengths_t`` [B]: the same
+    on the device, when the caller has them). Every row writes the padded width from its own
+    length (rows' pending tokens may differ by more than one round's drafts, which the
+    capacity was sized for): the cache grows to fit. Returns run's output and each row's last
+    kept column [B] int64."""
+    cache.reserve(max(cache.host_lengths) + ids.shape[1])
+    out = run(ids, cache.lengths[:, None] + torch.arange(ids.shape[1], device=ids.device))
+    lengths_t = torch.tensor(list(lengths), device=ids.device) if lengths_t is None else lengths_t
+    cache.advance(lengths, lengths_t)
+    return out, lengths_t - 1
+
+
+def refeed_tree(cache, run, ids: Tensor, depth: Tensor, mask: Tensor):
+    """``run(ids, positions, mask)`` over a tree's nodes ``ids`` [B,n] (``depth`` [B,n])
+    after each row's committed tokens, node 0 (the last committed token, the root) at its own
+    position again; the cache keeps the committed tokens. Returns run's output."""
+    cache.rollback([x - 1 for x in cache.host_lengths])
+    cache.reserve(max(cache.host_lengths) + ids.shape[1])
+    out = run(ids, cache.lengths[:, None] + depth, mask)
+    cache.advance([1] * len(ids))
+    return out
 
 
 def check_finite(logits: Tensor, model: str) -> None:
@@ -531,20 +556,4 @@ def prompt_features(fed: list[int], lead: Tensor | None, first: Tensor, lengths:
     out = first.new_zeros(len(rows), max(lengths) - 1, first.shape[-1])
     for b, row in enumerate(rows):
         out[b, :len(row)] = row
-    return out
-
-
-def prefill(model, cache, rows: Sequence[Sequence[int]], role: str, hidden: bool = False,
-            layers: tuple[int, ...] | None = None):
-    """Feed each row's tokens (ragged) to ``model`` over ``cache`` from position 0, check the
-    logits once (:func:`check_finite`, naming ``role``) and keep them in the cache. Returns
-    the forward's output (as :func:`spec_ext.models.forward` gives it for ``hidden`` and
-    ``layers``), or None when every row is empty."""
-    if max(map(len, rows)) == 0:
-        return None
-    ids = pad_rows(rows, 0, cache.buffer.device)
-    out = forward(model, ids, cache, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), hidden=hidden,
-                  **({} if layers is None else dict(layers=layers)))
-    check_finite(out.logits, role)
-    cache.advance([len(r) for r in rows])
     return out

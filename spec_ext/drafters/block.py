@@ -104,9 +104,8 @@ class BlockDrafter(Drafter):
 
     def propose(self, seqs: list[list[int]], roots: Tensor, plan: RoundPlan, forced: Tensor | None = None,
                 forced_rows: Tensor | None = None) -> Proposal:
-        tree_depth = None if plan.tree is None else plan.tree.max_depth
-        budget = None if tree_depth is not None else [min(k, self.num_drafts) for k in plan.budget()]
-        slots = tree_depth or max(1, max(budget))
+        slots, budget = plan.slots(self.num_drafts)
+        slots = max(1, slots)
         logits, hidden = self.block(roots, slots)
         proposal = from_slots(plan, logits, self.draft.norm(hidden) if self.hidden else None, roots, self.sampler,
                               self.generator, budget)

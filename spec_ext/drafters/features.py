@@ -10,8 +10,8 @@ its last in ``Drafter.start`` and the features of every verified position in
 * :func:`bind_layers`: check that the layer ids and the feature width fit the target
   (``ValueError`` naming the checkpoint's field);
 * :func:`check_draft_vocabulary`: check that a reduced draft vocabulary (draft id i is the
-  target's ``i + d2t[i]``) names target tokens; :func:`to_target_vocabulary` places a
-  reduced vocabulary's logits in the target's;
+  target's ``i + d2t[i]``) names target tokens (``spec_ext.models.eagle.to_target_vocabulary``
+  places a reduced vocabulary's logits in the target's);
 * :func:`prompt_features`: the prompt's features as ``start`` got them, or an empty tensor;
 * :func:`committed_features`: after a round, the features and tokens of the positions the
   target committed (a chain's first ones, a tree's accepted path), in order.
@@ -22,10 +22,8 @@ import torch
 from torch import Tensor
 
 from spec_ext.models import num_layers
-from spec_ext.models.eagle import to_target_vocabulary
 
-__all__ = ["bind_layers", "check_draft_vocabulary", "committed_features", "prompt_features",
-           "to_target_vocabulary"]
+__all__ = ["bind_layers", "check_draft_vocabulary", "committed_features", "prompt_features"]
 
 
 def bind_layers(target, layer_ids, width: int | None, layers_field: str, width_field: str) -> tuple[int, ...]:

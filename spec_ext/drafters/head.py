@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain, from_slots, grow_tree
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain, feed_rows, from_slots, grow_tree, \
+    pad_rows, refeed_tree
 from spec_ext.drafters.features import bind_layers, check_draft_vocabulary, committed_features, prompt_features
 from spec_ext.models import SpecCache, aux_layer_ids, check_model, num_layers, vocabulary_size
 from spec_ext.drafters.kinds import DraftKind, register_kind
@@ -80,8 +81,7 @@ class HeadDrafter(Drafter):
         self.device = self.head.fc.weight.device
         B = len(seqs)
         self.cache = SpecCache(self.head.num_layers, None, None, B, capacity, self.head.fc.weight.dtype, self.device)
-        width = max(len(s) for s in seqs)
-        tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=self.device)
+        tokens = pad_rows(seqs, 0, self.device)
         features = prompt_features(features, B, self._feature_width(), self.head.fc.weight.dtype, self.device)
         # the pairs (x_{t+1}, feature_t) of each prompt; a one-token prompt has none and is
         # fed (x_0, a zero feature) once, never kept (its cache keeps only real pairs)
@@ -91,7 +91,8 @@ class HeadDrafter(Drafter):
         one_token = torch.tensor([n == 0 for n in self.real], device=self.device)
         features = features.masked_fill(one_token[:, None, None], 0)
         index = (~one_token).long()
-        ids = tokens.gather(1, (index[:, None] + torch.arange(max(pairs), device=self.device)).clamp_max(width - 1))
+        at = (index[:, None] + torch.arange(max(pairs), device=self.device)).clamp_max(tokens.shape[1] - 1)
+        ids = tokens.gather(1, at)
         self._pending = ids, features, pairs, torch.tensor(pairs, device=self.device)
         # the pairs of rounds the head skips wait in a store, appended in place (a stretch of skipped rounds
         # costs each round its own pairs, not a copy of all that wait); it doubles when full
@@ -124,17 +125,11 @@ class HeadDrafter(Drafter):
         B = len(seqs)
         ids, features, pairs, pairs_t = self._pending
         combined = self.head.combine(features)
-        slots, budget = self._parallel_slots(plan) if self.head.config.mask_token_id is not None else (0, None)
+        slots, budget = plan.slots() if self.head.config.mask_token_id is not None else (0, None)
         if slots > 1:  # P-EAGLE: the catch-up, then slots - 1 masked slots after each row's last pair
             ids, combined = self._with_masked_slots(ids, combined, pairs_t, slots - 1)
-        # every row writes the padded width from its own length: after skipped rounds the rows' pairs differ
-        # by more than one round's drafts, which the capacity was sized for (the drafts past each row's own
-        # pairs still fit it)
-        self.cache.reserve(max(self.cache.host_lengths) + ids.shape[1])
-        positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
-        logits, hidden = self._step(ids, combined, positions)
-        self.cache.advance(pairs, pairs_t)
-        last = pairs_t - 1
+        (logits, hidden), last = feed_rows(self.cache, ids, pairs, lambda ids, at: self._step(ids, combined, at),
+                                           pairs_t)
         # after a round: its accepted drafts, then the bonus at last
         agreement = self.bonus_agreement(logits, ids, last) if plan.reads_agreement else None
         rows = torch.arange(B, device=self.device)
@@ -164,15 +159,6 @@ class HeadDrafter(Drafter):
                                                        step, plan.budget(agreement))
         return Proposal(drafts, num_draft, q, confidence=confidence)
 
-    @staticmethod
-    def _parallel_slots(plan: RoundPlan) -> tuple[int, list[int] | None]:
-        """P-EAGLE: the drafts one forward makes this round (a tree's depth; a chain's longest
-        budget) and a chain's budget (None for a tree)."""
-        if plan.tree is not None:
-            return plan.tree.max_depth, None
-        budget = plan.budget()
-        return max(budget), budget
-
     def _with_masked_slots(self, ids: Tensor, combined: Tensor, pairs_t: Tensor, masked: int
                            ) -> tuple[Tensor, Tensor]:
         """ids [B,P] and their combined features [B,P,H] with ``masked`` slots (the mask token,
@@ -190,16 +176,14 @@ class HeadDrafter(Drafter):
         """A static tree (``Tree``) or EAGLE-2's (``DynamicTree``): each level re-feeds the root
         (its token with the target's feature, at its own position) and the tree so far, each
         node paired with its parent's output."""
-        B = len(roots)
         last = {"out": hidden[:, None]}  # each node's output of the last pass (the root's: the catch-up's)
 
         def refeed(tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
             width = root_input.shape[-1]
             from_parents = last["out"].gather(1, parents[:, 1:, None].expand(-1, -1, width))
             hidden_in = torch.cat([root_input[:, None], from_parents], 1)
-            self.cache.rollback([x - 1 for x in self.cache.host_lengths])  # the root is re-fed with the tree
-            out, last["out"] = self._step(tokens.clamp_min(0), hidden_in, self.cache.lengths[:, None] + depth, mask)
-            self.cache.advance([1] * B)
+            out, last["out"] = refeed_tree(self.cache, lambda ids, at, mask: self._step(ids, hidden_in, at, mask),
+                                           tokens.clamp_min(0), depth, mask)
             return out
 
         return grow_tree(plan.tree, logits, roots, refeed, self.sampler)

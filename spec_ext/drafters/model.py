@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, check_finite, draft_chain, grow_tree, pad_rows, \
-    prefill
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, check_finite, draft_chain, feed_rows, \
+    grow_tree, pad_rows, refeed_tree
 from spec_ext.drafters.kinds import DraftKind, register_kind
 from spec_ext.models import Forward, SpecCache, forward
 from spec_ext.policies import RoundPlan
@@ -44,8 +44,9 @@ class ModelDrafter(Drafter):
     def prefill(self, rows: list[list[int]]) -> None:
         """Feed ``rows`` (ragged, from position 0) to the draft's cache in one forward: the
         parallel engine's lanes start so; the serial rounds feed the prompt as a catch-up."""
-        if prefill(self.model, self.cache, rows, "draft") is not None:
-            self.calls += 1
+        if max(map(len, rows)):
+            out, _ = feed_rows(self.cache, pad_rows(rows, 0, self.device), [len(r) for r in rows], self.forward)
+            check_finite(out.logits, "draft")
 
     def forward(self, ids: Tensor, positions: Tensor, mask: Tensor | None = None) -> Forward:
         """The draft's logits [B,T,V] (and hidden states [B,T,H] with ``hidden``)."""
@@ -56,7 +57,8 @@ class ModelDrafter(Drafter):
                 forced_rows: Tensor | None = None) -> Proposal:
         logits, hidden, agreement = self._catch_up(seqs, plan.reads_agreement)
         if plan.tree is not None:
-            proposal = grow_tree(plan.tree, logits, roots, self._refeed, self.sampler)
+            proposal = grow_tree(plan.tree, logits, roots, lambda tokens, parents, depth, mask: refeed_tree(
+                self.cache, self.forward, tokens, depth, mask).logits, self.sampler)
             self._feeds(0)  # the cache holds the committed tokens up to the root: none of the tree
             return proposal
         B = len(seqs)
@@ -73,14 +75,6 @@ class ModelDrafter(Drafter):
         else:
             self._feeds(drafts.shape[1] - 1)
         return Proposal(drafts, num_draft, q, confidence=confidence)
-
-    def _refeed(self, tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
-        """Logits [B,n,V] at every node of a tree re-fed after the committed tokens (the root,
-        the last committed token, at its own position again)."""
-        self.cache.rollback([x - 1 for x in self.cache.host_lengths])
-        out = self.forward(tokens, self.cache.lengths[:, None] + depth, mask)
-        self.cache.advance([1] * len(tokens))
-        return out.logits
 
     # ------------------------------------------------------------------ state
     def _feeds(self, drafts: int, rows: Tensor | None = None, rows_host: list[bool] | None = None) -> None:
@@ -125,19 +119,12 @@ class ModelDrafter(Drafter):
         carry, self._carry = self._carry, None
         if carry is None:
             pending = [s[n:] for s, n in zip(seqs, self.cache.host_lengths)]
-            ids, lengths = pad_rows(pending, 0, self.device), [len(p) for p in pending]
-            last = torch.tensor([n - 1 for n in lengths], device=self.device)
+            ids, lengths, lengths_t = pad_rows(pending, 0, self.device), [len(p) for p in pending], None
         else:
-            ids, lengths, last = carry["ids"], carry["lengths"], carry["last"]
-        # every row writes the padded width from its own length: after skipped rounds the rows' pending
-        # tokens differ by more than one round's drafts, which the capacity was sized for (the drafts past
-        # each row's own tokens still fit it)
-        self.cache.reserve(max(self.cache.host_lengths) + ids.shape[1])
-        positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
-        out = self.forward(ids, positions)
+            ids, lengths, lengths_t = carry["ids"], carry["lengths"], carry["last"] + 1
+        out, last = feed_rows(self.cache, ids, lengths, self.forward, lengths_t)
         if self.calls == 1:  # the prompt
             check_finite(out.logits, "draft")
-        self.cache.advance(lengths, last + 1)
         agreed = self.bonus_agreement(out.logits, ids, last) if agreement else None
         rows = torch.arange(len(lengths), device=self.device)
         return out.logits[rows, last], None if out.hidden is None else out.hidden[rows, last], agreed

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain, grow_tree
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain, grow_tree, pad_rows
 from spec_ext.drafters.kinds import DraftKind, register_kind
 from spec_ext.drafters.features import committed_features, prompt_features
 from spec_ext.models import SpecCache, check_model, num_layers, vocabulary_size
@@ -103,9 +103,10 @@ class MtpDrafter(Drafter):
         first = [v - f for v, f in zip(valid, self.fake)]  # the sequence index of each row's first input
         budget = None if plan.tree is not None else plan.budget()
         M, kmax = max(span), max(1, plan.tree.room if plan.tree is not None else max(budget))
-        # the tokens x_{first+1} ... x_{n+1} (the root) of every row, then room for its drafts
+        # the tokens x_{first+1} ... x_{n+1} (the root) of every row, then room for its drafts (and for every
+        # layer's window over the committed indices)
         text = [s[p + 1:p + 1 + m] for s, p, m in zip(seqs, first, span)]
-        tokens = torch.tensor([t + [0] * (M + kmax - len(t)) for t in text], device=device)
+        tokens = pad_rows(text, 0, device, width=M + max(kmax, K))
         span_t = torch.tensor(span, device=device)
         first_t = torch.tensor(first, device=device)
         positions = first_t[:, None] + self.shift + torch.arange(M, device=device)  # layer 0's: index + shift
@@ -145,8 +146,6 @@ class MtpDrafter(Drafter):
             # indices, so the cache keeps what every layer saw (not recomputed next round); the drafts in
             # place (the last one was never stepped), read by the indices an accepted draft keeps
             tokens.scatter_(1, span_t[:, None] + torch.arange(drafts.shape[1], device=device), drafts.clamp_min(0))
-            if tokens.shape[1] < M + K:
-                tokens = F.pad(tokens, (0, M + K - tokens.shape[1]))
             for i in range(self._layers_run, K):
                 state["out"] = self._step(i, tokens[:, i:i + M], state["out"], positions + i)
             self._layers_run = K
@@ -167,8 +166,6 @@ class MtpDrafter(Drafter):
         rows, M, valid, span = torch.arange(B, device=device), positions.shape[1], self._valid, self.span
         if K == 1:
             self.cache.rollback(valid, self.cache.lengths - span_t)
-        if tokens.shape[1] < M + K:
-            tokens = F.pad(tokens, (0, M + K - tokens.shape[1]))
         catch = [out]  # every layer over the committed indices (columns past span - 1 - l read no committed token)
         for layer in range(1, K):
             catch.append(self._step(layer, tokens[:, layer:layer + M], catch[-1], positions + layer))

@@ -42,10 +42,10 @@ import bisect
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, check_finite, draft_chain, grow_tree, pad_rows
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, check_finite, draft_chain, feed_rows, \
+    grow_tree, pad_rows, refeed_tree
 from spec_ext.drafters.text import tree_proposal
 from spec_ext.models import SpecCache, check_pair, forward, vocabulary_size
 from spec_ext.policies import RoundPlan, continuation_tree
@@ -219,15 +219,11 @@ class OtherTokenizerDrafter(Drafter):
             feed.append(dids[c:])
             healed.append(left_out)
         self.cache.rollback(keep)
-        self.cache.reserve(max(keep) + max(map(len, feed)))  # the feed is padded: every row writes its width
-        ids = pad_rows(feed, 0, self.device)
-        positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
-        out = self._forward(ids, positions)
+        out, last = feed_rows(self.cache, pad_rows(feed, 0, self.device), [len(f) for f in feed], self._forward)
         logits, hidden = out.logits, out.hidden
         if self.calls == 1:
             check_finite(logits, "draft")
-        self.cache.advance([len(f) for f in feed])
-        rows, last = torch.arange(B, device=self.device), torch.tensor([len(f) - 1 for f in feed], device=self.device)
+        rows = torch.arange(B, device=self.device)
         after = logits[rows, last], None if hidden is None else hidden[rows, last]
         if all(left_out is None for left_out in healed):
             return *after, healed
@@ -286,8 +282,8 @@ class OtherTokenizerDrafter(Drafter):
         """A chain per row of up to ``plan.budget()[b]`` target tokens, where the plan's
         ``keep_drafting`` says, or the plan's tree. ``forced_rows`` [B] bool: the rows whose
         drafts come from elsewhere (the text's: its drafts there are not re-tokenised, and those
-        tokens are not fed: the next round re-tokenises whatever the target commits); ``forced``
-        [B,k] their tokens in place of the drafts there (None: they are discarded)."""
+        tokens are not fed: the next round re-tokenises whatever the target commits); its drafts
+        there are left for :func:`~spec_ext.drafters.merge` to replace (``forced`` is not read)."""
         self._plan = plan
         self._begin(seqs)
         if plan.tree is not None:
@@ -307,13 +303,6 @@ class OtherTokenizerDrafter(Drafter):
             drafts, q, num_draft = self._tli(*self._sync()[:2], budget)
         else:
             (drafts, num_draft), q = self._slem(*self._sync(heal=True), budget), None
-        if forced is not None:
-            width = max(drafts.shape[1], forced.shape[1])
-            drafts = torch.where(forced_rows[:, None], F.pad(forced, (0, width - forced.shape[1]), value=-1),
-                                 F.pad(drafts, (0, width - drafts.shape[1]), value=-1))
-            num_draft = torch.where(forced_rows, (forced >= 0).sum(1), num_draft)
-            if q is not None:
-                q = F.pad(q, (0, 0, 0, width - q.shape[1]))
         return Proposal(drafts, num_draft, q, explores=self.explores)
 
     def skip(self) -> None:
@@ -374,7 +363,7 @@ class OtherTokenizerDrafter(Drafter):
         def refeed(tokens: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
             ids = t2d[tokens.clamp_min(0)].clamp_min(0)
             ids[:, 0] = context_last
-            return self._to_target(self._refeed(ids, depth, mask))
+            return self._to_target(self._refeed(ids, parents, depth, mask))
 
         return grow_tree(plan.tree, self._to_target(logits), roots, refeed, self.sampler)
 
@@ -401,8 +390,7 @@ class OtherTokenizerDrafter(Drafter):
         root-to-leaf path's text re-tokenised by the target's tokenizer, the paths merged
         into one tree of target tokens with as many nodes as the draft's
         (:func:`~spec_ext.policies.continuation_tree`, the most shared nodes kept)."""
-        tree = grow_tree(plan.tree, logits, self._context_last(),
-                         lambda tokens, parents, depth, mask: self._refeed(tokens, depth, mask))
+        tree = grow_tree(plan.tree, logits, self._context_last(), self._refeed)
         B, T = tree.tokens.shape
         tokens, parents = tree.tokens.tolist(), tree.parents.expand(B, T).tolist()
         rows, texts = [], []
@@ -436,14 +424,9 @@ class OtherTokenizerDrafter(Drafter):
         """[B] the last draft token of each row's context (a tree's root, re-fed in place)."""
         return torch.tensor([ids[-1] for ids in self.dids], device=self.device)
 
-    def _refeed(self, ids: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
-        """The draft's logits [B,n,Vd] at every node of a tree of draft ids (node 0 the
-        context's last token, at its own position again; the cache keeps the context)."""
-        self.cache.rollback([x - 1 for x in self.cache.host_lengths])
-        self.cache.reserve(max(self.cache.host_lengths) + ids.shape[1])
-        out = self._forward(ids, self.cache.lengths[:, None] + depth, mask)
-        self.cache.advance([1] * len(ids))
-        return out.logits
+    def _refeed(self, ids: Tensor, parents: Tensor, depth: Tensor, mask: Tensor) -> Tensor:
+        """The draft's logits [B,n,Vd] at a tree's nodes of draft ids (:func:`refeed_tree`)."""
+        return refeed_tree(self.cache, self._forward, ids, depth, mask).logits
 
     def _chain(self, logits: Tensor, hidden: Tensor | None, sampler: Sampler, budget: list[int], to_draft=None,
                to_logits=None):

@@ -382,8 +382,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         else:  # (a controller may time the target's forward when it starts: inside the block)
             controller = policy.start(Call(len(prompts), sampler.greedy, target, drafter.proposer,
                                            1 if model is None else model.drafts_per_forward,
-                                           int(model is not None and model.drafts_every_round),
-                                           drafter.text is not None, memory))
+                                           int(model is not None and model.drafts_every_round), memory))
             loop = SerialEngine(target, drafter, policy, controller, prompts, max_new_tokens, sampler, eos, generator,
                                 streamer)
         loop.stop = stop_strings(call, tokenizer, head.tolist())

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from spec_ext import ops
-from spec_ext.policies.base import Call, Controller, Policy, Report, RoundPlan, RoundState, check, register
+from spec_ext.policies.base import Call, Controller, Policy, Report, RoundPlan, RoundState, check, node_depths, \
+    register, renumbered
 from spec_ext.policies.estimates import Acceptance, Costs, call_pricing
 from spec_ext.policies.tree import DynamicTree, Tree
 
@@ -136,18 +137,13 @@ class _Round:
 class AdaptiveController(Controller):
     def __init__(self, policy: Adaptive, call: Call):
         super().__init__(policy, call)
-        self.memory = call.memory if call.greedy else None
-        read = {name: self.memory.read(name) if self.memory else (None, 0) for name in ("costs", "acceptance", "steps")}
-        self.versions = {name: version for name, (_, version) in read.items()}
-        costs = read["costs"][0] or (copy.deepcopy(policy.costs) if policy.costs is not None else Costs())
-        self.costs = costs
-        self.accept = read["acceptance"][0] or Acceptance(max(policy.max_draft, policy.depth_limit),
-                                                          policy.prior_acceptance,
-                                                          policy.prior_weight, policy.forget, bins=True)
-        self.steps = read["steps"][0] or _Steps()  # rows -> recent draft steps' seconds
+        self.costs, self.accept = self.recall(
+            costs=lambda: copy.deepcopy(policy.costs) if policy.costs is not None else Costs(),
+            acceptance=lambda: Acceptance(max(policy.max_draft, policy.depth_limit), policy.prior_acceptance,
+                                          policy.prior_weight, policy.forget, bins=True))
         self.per_forward = call.drafts_per_forward
         self.longest = min(policy.depth_limit, self.per_forward) if self.per_forward > 1 else policy.depth_limit
-        self.pricing = call_pricing(call, costs, self.longest + 1, self.per_forward)
+        self.pricing = call_pricing(call, self.costs, self.longest + 1, self.per_forward)
         self.round = 0
         self.rate_sums = [0.0, 0.0]  # weighted tokens, weighted seconds of this call's rounds (the first aside)
 
@@ -213,13 +209,11 @@ class AdaptiveController(Controller):
         if self.pricing.timed:
             now_s = self.policy.clock()
             drafted = now_s - record.started
-            recent = self.steps.of(B)
             if step > 1:
-                self.steps.add(B, now_s - record.last_step)
+                self.costs.record_step(B, now_s - record.last_step)
             record.last_step = now_s
-            if recent:
-                per_step = sorted(recent)[(len(recent) - 1) // 2]
-            else:
+            per_step = self.costs.step(B)
+            if per_step is None:
                 fitted = [self.draft_cost(step), self.draft_cost(step + 1)]
                 per_step = None if None in fitted else max(0.0, fitted[1] - fitted[0])
             if step == 1 and self.policy.explore and (self.round - 1) % 8 == 7:  # now and then a second step, measured
@@ -290,11 +284,6 @@ class AdaptiveController(Controller):
             for row in events:
                 for confidence, depth, passed in row:
                     self.accept.add(depth, passed, confidence)
-
-    def finish(self) -> None:
-        if self.memory is not None:
-            for name, value in (("costs", self.costs), ("acceptance", self.accept), ("steps", self.steps)):
-                self.memory.write(name, value, self.versions[name])
 
     # ------------------------------------------------------------------ choosing
     def best_width(self, survival: list[list[float]], drafted: float) -> int | None:
@@ -374,27 +363,6 @@ class AdaptiveController(Controller):
         return trim_tree(proposal, kept, verified.parents)
 
 
-class _Steps:
-    """Recent draft steps' seconds by batch size (their low median: a step's cost)."""
-
-    def __init__(self):
-        self.recent: dict[int, list[float]] = {}
-
-    def of(self, rows: int) -> list[float]:
-        return self.recent.setdefault(rows, [])
-
-    def add(self, rows: int, seconds: float) -> None:
-        recent = self.of(rows)
-        recent.append(seconds)
-        del recent[:-9]
-
-    def merged(self, other: "_Steps") -> "_Steps":
-        out = _Steps()
-        for rows in self.recent.keys() | other.recent.keys():
-            out.recent[rows] = (self.recent.get(rows, []) + other.recent.get(rows, []))[-9:]
-        return out
-
-
 @dataclass
 class _VerifiedTree:
     """What :meth:`AdaptiveController.observe` needs of a verified tree, on the host, per row:
@@ -448,17 +416,11 @@ def trim_tree(proposal, kept: list[list[int]], parents: list[list[int]]):
     T = 1 + max(map(len, kept), default=0)
     index, new_parents, depths = [], [], []
     for nodes, row_parents in zip(kept, parents):
-        renumber = {0: 0}
-        row_index, row_new, row_depth = [0], [-1], [0]
-        for i in nodes:
-            renumber[i] = len(row_index)
-            row_index.append(i)
-            row_new.append(renumber[row_parents[i]])
-            row_depth.append(row_depth[row_new[-1]] + 1)
+        row_index, row_new = [0] + list(nodes), renumbered(row_parents, nodes)
         pad = T - len(row_index)
         index.append(row_index + [0] * pad)
         new_parents.append(row_new + [0] * pad)
-        depths.append(max(row_depth))
+        depths.append(max(node_depths(row_new)))
     index_t = torch.tensor(index, device=device)
     present = torch.tensor([[True] * (1 + len(n)) + [False] * (T - 1 - len(n)) for n in kept], device=device)
     parents_t = torch.tensor(new_parents, device=device)

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from spec_ext.policies.base import Call, Controller, Offer, Policy, Report, RoundPlan, RoundState, Source, check, \
-    register
+    register, renumbered
 from spec_ext.policies.estimates import Acceptance, Costs, RowSpread, call_pricing, finish_rate
 from spec_ext.policies.ngram import TextSettings
-from spec_ext.policies.suffix import match_kind
+from spec_ext.policies.suffix import Suffix, match_kind
 
 
 @register
@@ -97,17 +97,6 @@ class Auto(Policy):
         return AutoController(self, call)
 
 
-@dataclass(frozen=True)
-class CacheRule:
-    """How :class:`AutoController` offers a suffix cache's trees (``Suffix`` beside a model)."""
-    cache: object
-    nodes: int = 64  # the most nodes (root included) while one row is going
-    round_tokens: int = 32  # with B rows: round_tokens // B nodes (at least 2, at most max_nodes)
-    max_nodes: int = 32
-    max_depth: int | None = None
-    min_score: float = 0.0
-
-
 @dataclass
 class _Round:
     """What :meth:`AutoController.observe` needs of a round it planned: per row the own text's
@@ -137,24 +126,22 @@ class ExploreCredit:
 
 
 class AutoController(Controller):
-    """One call of :class:`Auto` (and of :class:`~spec_ext.policies.Suffix` beside a model,
-    with its ``cache`` rule)."""
+    """One call of :class:`Auto` (and of :class:`~spec_ext.policies.Suffix` beside a model:
+    ``suffix`` offers its cache's trees)."""
 
-    def __init__(self, policy: Auto, call: Call, cache: CacheRule | None = None):
+    per_row = ("seen", "passed")
+
+    def __init__(self, policy: Auto, call: Call, suffix: Suffix | None = None):
         super().__init__(policy, call)
-        self.cache = cache
-        self.memory = call.memory if call.greedy else None
-        costs, self.costs_version = self.memory.read("costs") if self.memory else (None, 0)
-        model, self.model_version = self.memory.read("model") if self.memory else (None, 0)
-        spread, self.spread_version = self.memory.read("rows") if self.memory else (None, 0)
-        credit, self.credit_version = self.memory.read("explore") if self.memory else (None, 0)
-        self.costs, self.spread, self.credit = costs or Costs(), spread or RowSpread(), credit or ExploreCredit()
+        self.suffix = suffix
+        fresh = lambda: Acceptance(policy.max_draft, policy.prior_acceptance, policy.prior_weight,  # noqa: E731
+                                   policy.forget_runs)
+        self.costs, model, self.spread, self.credit = self.recall(costs=Costs, model=fresh, rows=RowSpread,
+                                                                  explore=ExploreCredit)
+        self.accept = {Source.MODEL: model, Source.TEXT: fresh()}
         # per row going: its model rows' first drafts and those accepted; rows done: their counts
         self.seen, self.passed = [0.0] * call.batch_size, [0.0] * call.batch_size
         self.done: list[tuple[float, float]] = []
-        fresh = lambda: Acceptance(policy.max_draft, policy.prior_acceptance, policy.prior_weight,  # noqa: E731
-                                   policy.forget_runs)
-        self.accept = {Source.MODEL: model or fresh(), Source.TEXT: fresh()}
         per_forward = call.drafts_per_forward
         self.largest = min(policy.max_draft, per_forward) if per_forward > 1 else policy.max_draft
         self.pricing = call_pricing(call, self.costs, policy.max_draft + 1, per_forward)
@@ -205,19 +192,13 @@ class AutoController(Controller):
         chains = [text.chain(r, self.policy.max_draft) for r in range(B)] if text is not None and self.policy.text \
             else [[] for _ in range(B)]
         trees: list[tuple | None] = [None] * B
-        rule = self.cache
-        if rule is not None and text is not None:
-            nodes = rule.nodes if B == 1 else max(2, min(rule.max_nodes, rule.round_tokens // B))
-            depth = nodes - 1 if rule.max_depth is None else min(rule.max_depth, nodes - 1)
+        if self.suffix is not None and text is not None:
             for r in range(B):
-                n = text.cache_match(r)
-                if n == 0:
+                offer = self.suffix.cache_offer(text, r, B)
+                if offer is None:
                     continue
-                kind = match_kind(n)
-                offer = text.cache_tree(r, depth, nodes)
-                if offer is None or sum(offer.probs) < rule.min_score:
-                    continue
-                share, curve = rule.cache.expected(kind, 1.0), [0.0]
+                kind = match_kind(offer.match)
+                share, curve = self.suffix.cache.expected(kind, 1.0), [0.0]
                 for p in sorted(offer.probs, reverse=True):
                     curve.append(curve[-1] + share * p)
                 trees[r] = offer, kind, curve
@@ -379,7 +360,7 @@ class AutoController(Controller):
                 self.accept[Source.TEXT].run(n, a)
             elif source == Source.CACHE and record is not None and record.cache[r] is not None:
                 kind, score = record.cache[r]
-                self.cache.cache.calibrate(kind, a, score)
+                self.suffix.cache.calibrate(kind, a, score)
         if record is not None:  # what the text would have given where it did not draft
             for chain, committed in zip(record.unused, report.committed):
                 n = min(len(chain), len(committed))
@@ -389,17 +370,12 @@ class AutoController(Controller):
     def keep_rows(self, rows) -> None:
         kept = set(rows)
         self.done += [(n, a) for i, (n, a) in enumerate(zip(self.seen, self.passed)) if i not in kept]
-        self.seen, self.passed = [self.seen[i] for i in rows], [self.passed[i] for i in rows]
         super().keep_rows(rows)
 
     def finish(self) -> None:
-        if self.memory is not None:
-            counts = self.done + list(zip(self.seen, self.passed))
-            self.spread.add([n for n, _ in counts], [a for _, a in counts])
-            self.memory.write("costs", self.costs, self.costs_version)
-            self.memory.write("model", self.accept[Source.MODEL], self.model_version)
-            self.memory.write("rows", self.spread, self.spread_version)
-            self.memory.write("explore", self.credit, self.credit_version)
+        counts = self.done + list(zip(self.seen, self.passed))
+        self.spread.add([n for n, _ in counts], [a for _, a in counts])
+        super().finish()
 
 
 def best_nodes(offer: Offer, m: int) -> Offer:
@@ -420,8 +396,5 @@ def best_nodes(offer: Offer, m: int) -> Offer:
             i = parents[i]
             kept.add(i)
     order = sorted(kept)
-    renumber = {0: 0}
-    for new, old in enumerate(order, start=1):
-        renumber[old] = new
-    return Offer(offer.source, (-1,) + tuple(tokens[i] for i in order), (-1,) + tuple(renumber[parents[i]] for i in order),
+    return Offer(offer.source, (-1,) + tuple(tokens[i] for i in order), tuple(renumbered(parents, order)),
                  offer.match, tuple(probs[i - 1] for i in order))

@@ -131,7 +131,6 @@ class Call:
     draft: object = None  # the module whose parameters drafting reads (None: no model drafts)
     drafts_per_forward: int = 1  # a block drafter's block: its drafts cost one forward
     forwards_without_model: int = 0  # draft forwards a round runs where the model drafts no row (MTP: 1)
-    text: bool = False  # a TextLookup comes with every round
     memory: "Memory | None" = None  # what earlier calls learned (accelerate's)
 
 
@@ -206,6 +205,15 @@ class RoundPlan:
         [B] bool: where ``reads_agreement``, whether the drafter agreed with the last round's
         bonus token after accepting every draft)."""
         return self.k if self.after_catch_up is None else self.after_catch_up(agreement)
+
+    def slots(self, most: int | None = None) -> tuple[int, list[int] | None]:
+        """For a drafter whose one forward makes every draft (a block drafter, P-EAGLE): how
+        many (a tree's depth; a chain's longest budget) and a chain's budget, each row's at
+        most ``most`` (None for a tree)."""
+        if self.tree is not None:
+            return self.tree.max_depth, None
+        budget = [k if most is None else min(k, most) for k in self.budget()]
+        return max(budget), budget
 
     @property
     def stops(self) -> bool:
@@ -294,9 +302,12 @@ class Memory:
 class Controller:
     """One call's decisions (the default: ``policy.max_draft`` drafts for every row)."""
 
+    per_row: ClassVar[tuple[str, ...]] = ()  # the names of lists with an entry per row going
+
     def __init__(self, policy: "Policy", call: Call):
         self.policy, self.call = policy, call
         self.rows = call.batch_size
+        self._recalled: dict = {}  # name -> (the value read from call.memory, its version)
 
     def plan(self, state: RoundState) -> RoundPlan:
         return RoundPlan([self.policy.max_draft] * state.rows)
@@ -305,11 +316,28 @@ class Controller:
         """What the round gave (after the verification)."""
 
     def keep_rows(self, rows: Sequence[int]) -> None:
-        """Only ``rows`` (indices into the current batch) go on."""
+        """Only ``rows`` (indices into the current batch) go on: the lists named in ``per_row`` keep theirs."""
         self.rows = len(rows)
+        for name in self.per_row:
+            setattr(self, name, [getattr(self, name)[r] for r in rows])
+
+    def recall(self, **fresh: Callable[[], object]) -> list:
+        """Per keyword its entry of ``call.memory`` (a copy; greedy calls only: a sampled call
+        reads none, so that its seed alone decides its output), else ``fresh[name]()``; in
+        that order. :meth:`finish` writes these objects back as the call changed them."""
+        memory = self.call.memory if self.call.greedy else None
+        for name, make in fresh.items():
+            value, version = memory.read(name) if memory is not None else (None, 0)
+            self._recalled[name] = (make() if value is None else value), version
+        return [self._recalled[name][0] for name in fresh]
 
     def finish(self) -> None:
-        """The call is over: what it learned goes back to ``call.memory``."""
+        """The call is over: what it recalled goes back to ``call.memory`` (merged with what
+        other calls wrote since it read)."""
+        memory = self.call.memory if self.call.greedy else None
+        if memory is not None:
+            for name, (value, version) in self._recalled.items():
+                memory.write(name, value, version)
 
 
 @dataclass(frozen=True)
@@ -373,6 +401,23 @@ class Policy:
 
 
 POLICIES: dict[str, type[Policy]] = {}
+
+
+def renumbered(parents: Sequence[int], order: Sequence[int]) -> list[int]:
+    """The parents of a tree cut to its root and the nodes ``order`` (each one's parent among
+    them or the root), numbered 1.. in that order; the root's -1."""
+    new = {0: 0}
+    for i, old in enumerate(order, start=1):
+        new[old] = i
+    return [-1] + [new[parents[i]] for i in order]
+
+
+def node_depths(parents: Sequence[int]) -> list[int]:
+    """Each node's depth in a tree of ``parents`` (parents before children; the root's 0)."""
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return depth
 
 
 def register(cls: type[Policy]) -> type[Policy]:

@@ -22,15 +22,17 @@ EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97)
 
 class Costs:
     """Seconds of a round's parts by shape on one device: the target's verification of
-    ``rows`` x ``width`` tokens, and drafting by steps (a chain's sequential forwards, or the
-    slots of a block drafter's one forward).
+    ``rows`` x ``width`` tokens, drafting by steps (a chain's sequential forwards, or the
+    slots of a block drafter's one forward), one draft step by rows, a drafter's catch-up by
+    tokens.
 
     A shape's estimate is the low median of its last ``window`` measurements (of 2: the
     faster; a stall adds time, it never takes any away), shrunk toward the weighted
     least-squares line through the shapes of its rows, worth ``PULL`` measurements (a width
     seldom measured reads mostly the line, one measured every round mostly its own). A shape
-    not measured reads that line (never below half the cheapest shape of its rows measured) (with one shape of its rows measured: the line over rows x
-    width through every shape; one shape in all: its seconds); one not measured in the last
+    not measured reads that line (never below half the cheapest shape of its rows measured;
+    with one shape of its rows measured: the line over rows x width through every shape; one
+    shape in all: its seconds); one not measured in the last
     ``STALE`` measurements reads the line through the fresh ones (a width measured only while
     the machine was slow would otherwise stay dear for good). Drafting likewise by steps,
     without the pull: with one length measured, a sequential drafter's other lengths cost its
@@ -46,8 +48,9 @@ class Costs:
         self.window = window
         self._verify: dict[tuple[int, int], list] = {}  # (rows, width) -> [estimate, recent seconds, tick]
         self._draft: dict[int, list] = {}  # steps -> [estimate, recent seconds, tick]
+        self._draft_step: dict[int, list] = {}  # rows -> [estimate, recent seconds, tick]
         self._catch_up: dict[str, list] = {}  # "token" -> [estimate, recent seconds per token, tick]
-        self._ticks = {"verify": 0, "draft": 0, "catch_up": 0}
+        self._ticks = {"verify": 0, "draft": 0, "draft_step": 0, "catch_up": 0}
         self._memo: dict = {}  # answers since the last measurement
 
     def record_verify(self, rows: int, width: int, seconds: float) -> None:
@@ -57,6 +60,15 @@ class Costs:
     def record_draft(self, steps: int, seconds: float) -> None:
         """One round's drafting of ``steps`` steps took ``seconds``."""
         self._record(self._draft, steps, seconds, "draft")
+
+    def record_step(self, rows: int, seconds: float) -> None:
+        """One draft step (a forward past a chain's first) of ``rows`` rows took ``seconds``."""
+        self._record(self._draft_step, rows, seconds, "draft_step")
+
+    def step(self, rows: int) -> float | None:
+        """Estimated seconds of one draft step of ``rows`` rows; None before any measurement."""
+        entry = self._draft_step.get(rows)
+        return None if entry is None else entry[0]
 
     def record_catch_up(self, tokens: int, seconds: float) -> None:
         """A drafter's catch-up over ``tokens`` committed tokens it had not seen (all rows'
@@ -76,7 +88,8 @@ class Costs:
         entry[1].append(float(seconds))
         del entry[1][:-self.window]
         entry[0] = sorted(entry[1])[(len(entry[1]) - 1) // 2]
-        self._memo.clear()
+        if name in ("verify", "draft"):  # what the memo answers from
+            self._memo.clear()
 
     @property
     def measured(self) -> int:
@@ -145,6 +158,7 @@ class Costs:
         out = Costs(self.window)
         for name, mine, theirs, into in (("verify", self._verify, other._verify, out._verify),
                                          ("draft", self._draft, other._draft, out._draft),
+                                         ("draft_step", self._draft_step, other._draft_step, out._draft_step),
                                          ("catch_up", self._catch_up, other._catch_up, out._catch_up)):
             for key in mine.keys() | theirs.keys():
                 a, b = mine.get(key, [0, [], 0])[1], theirs.get(key, [0, [], 0])[1]

@@ -167,11 +167,16 @@ def _per_mode(value, settings: dict, key: str, default: float) -> dict[tuple[boo
             (False, True): settings.get(f"{key}_batch_sampling", sampling)}
 
 
-def _loaded(policy, predictor, name: str) -> dict:
-    """Load ``predictor`` (see :func:`_predictor`) onto ``policy`` (a frozen value: the loaded
-    model and its settings are kept beside its fields) and return its settings."""
-    model, settings = _predictor(predictor, name)
+def _loaded(policy, name: str, key: str, default: float) -> dict:
+    """Load ``policy.predictor`` (see :func:`_predictor`) onto ``policy`` (a frozen value: the
+    loaded model and its settings are kept beside its fields): ``{key}s``, the field ``key``
+    per mode (:func:`_per_mode`), and ``max_draft`` as tuned where None. Returns the settings."""
+    model, settings = _predictor(policy.predictor, name)
     object.__setattr__(policy, "_model", model)
+    object.__setattr__(policy, f"{key}s", _per_mode(getattr(policy, key), settings, key, default))
+    if policy.max_draft is None:
+        object.__setattr__(policy, "max_draft", settings.get("max_draft", 12))
+    check(policy.max_draft >= 1, "max_draft", f"must be >= 1, got {policy.max_draft}")
     return settings
 
 
@@ -199,13 +204,9 @@ class SpecDecPP(Policy):
     max_draft: int | None = None
 
     def __post_init__(self):
-        settings = _loaded(self, self.predictor, "specdecpp")
-        object.__setattr__(self, "thresholds", _per_mode(self.threshold, settings, "threshold", 0.5))
-        if self.max_draft is None:
-            object.__setattr__(self, "max_draft", settings.get("max_draft", 12))
+        _loaded(self, "specdecpp", "threshold", 0.5)
         for value in self.thresholds.values():
             check(0 < value < 1, "threshold", f"must be in (0, 1), got {value}")
-        check(self.max_draft >= 1, "max_draft", f"must be >= 1, got {self.max_draft}")
 
     def start(self, call: Call) -> Controller:
         return _SpecDecPP(self, call)
@@ -279,18 +280,16 @@ class AdaLength(Policy):
     max_draft: int | None = None
 
     def __post_init__(self):
-        settings = _loaded(self, self.predictor, "adalength")
-        object.__setattr__(self, "offsets", _per_mode(self.offset, settings, "offset", 0.0))
-        if self.max_draft is None:
-            object.__setattr__(self, "max_draft", settings.get("max_draft", 12))
+        settings = _loaded(self, "adalength", "offset", 0.0)
         object.__setattr__(self, "first_round", settings.get("first_round", 3))
-        check(self.max_draft >= 1, "max_draft", f"must be >= 1, got {self.max_draft}")
 
     def start(self, call: Call) -> Controller:
         return _AdaLength(self, call)
 
 
 class _AdaLength(Controller):
+    per_row = ("k", "before")
+
     def __init__(self, policy: AdaLength, call: Call):
         super().__init__(policy, call)
         target = call.target
@@ -325,17 +324,12 @@ class _AdaLength(Controller):
         self.before = [min(self.policy.max_draft, before + a + 1) if a >= n else 0
                        for before, n, a in zip(self.before, report.drafted, report.accepted)]
 
-    def keep_rows(self, rows) -> None:
-        super().keep_rows(rows)
-        self.k = [self.k[r] for r in rows]
-        self.before = [self.before[r] for r in rows]
-
 
 class BranchPredictor:
     """SpecBranch's branch-point predictor: a 3-class residual MLP on [target input
     embedding of a row's new root; target hidden state that produced it] -> a
     :class:`BranchHint`: REJECT_ALL (the next draft is likely rejected: branch at once),
-    DEFER (branch by the draft's confidence) or ACCEPT_ALL (the next ``accept_all_length`` drafts likely all pass:
+    DEFER (branch by the draft's confidence) or ACCEPT_ALL (the next drafts likely all pass:
     draft a plain chain). Six outputs: three for greedy decoding, three for sampling.
 
     Example:
@@ -343,8 +337,7 @@ class BranchPredictor:
     """
 
     def __init__(self, predictor=None):
-        self._model, settings = _predictor(predictor, "branch")
-        self.accept_all_length = settings.get("accept_all_length", 4)
+        self._model, _ = _predictor(predictor, "branch")
         if self._model.config["out_features"] != 6:
             raise ValueError(f"predictor: a branch predictor has 6 outputs, got {self._model.config['out_features']}")
 

@@ -18,7 +18,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import ClassVar, Sequence
 
 from spec_ext.policies.base import Call, Controller, Offer, Policy, Report, RoundPlan, RoundState, Source, check, \
-    register
+    node_depths, register, renumbered
 
 
 class NGramIndex:
@@ -101,10 +101,7 @@ def continuation_tree(continuations: Sequence[Sequence[int]], max_nodes: int, sh
             node = child
     order = sorted(range(1, len(token_of)), key=lambda i: (-count[i], depth[i], i))[:max_nodes - 1]
     order.sort(key=lambda i: (depth[i], -count[i], i))  # breadth first: each level's nodes together
-    renumber = {0: 0}
-    for new, old in enumerate(order, start=1):
-        renumber[old] = new
-    tokens, parents = [-1] + [token_of[i] for i in order], [-1] + [renumber[parent_of[i]] for i in order]
+    tokens, parents = [-1] + [token_of[i] for i in order], renumbered(parent_of, order)
     if not shares:
         return tokens, parents
     return tokens, parents, [count[i] / max(1, len(continuations)) for i in order]
@@ -127,6 +124,8 @@ class TextSettings:
 class _Lookup(Controller):
     """Each row drafts its own text (a chain or a tree within NGram's budget); beside a model,
     the rows without a match take the model's ``draft_k`` drafts."""
+
+    per_row = ("depth",)
 
     def __init__(self, policy: "NGram", call: Call):
         super().__init__(policy, call)
@@ -161,10 +160,6 @@ class _Lookup(Controller):
                     self.depth[r] = (max(self.depth[r], min(self.policy.k, 2 * depth)) if accepted >= depth
                                      else max(1, accepted + 1))
 
-    def keep_rows(self, rows) -> None:
-        super().keep_rows(rows)
-        self.depth = [self.depth[r] for r in rows]
-
 
 def _depth(offer: Offer | None) -> int:
     """How deep a text offer goes (0: none)."""
@@ -172,10 +167,7 @@ def _depth(offer: Offer | None) -> int:
         return 0
     if offer.parents is None:
         return len(offer.tokens)
-    depth = [0] * len(offer.parents)
-    for i in range(1, len(offer.parents)):
-        depth[i] = depth[offer.parents[i]] + 1
-    return max(depth)
+    return max(node_depths(offer.parents))
 
 
 @register

@@ -75,6 +75,8 @@ class Heuristic(Policy):
 
 
 class _Heuristic(Controller):
+    per_row = ("k",)
+
     def __init__(self, policy: Heuristic, call: Call):
         super().__init__(policy, call)
         self.k = [policy.initial] * call.batch_size
@@ -86,10 +88,6 @@ class _Heuristic(Controller):
         top = self.policy.max_draft
         self.k = [min(top, k + 2) if a >= n else max(1, k - 1)
                   for k, n, a in zip(self.k, report.drafted, report.accepted)]
-
-    def keep_rows(self, rows) -> None:
-        super().keep_rows(rows)
-        self.k = [self.k[r] for r in rows]
 
 
 class _Stopping(Controller):

@@ -31,11 +31,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from spec_ext.policies.base import Call, Controller, Offer, RoundState, check, register
+from spec_ext.policies.base import Call, Controller, Offer, RoundState, TextLookup, check, register
 from spec_ext.policies.ngram import NGram, TextSettings, _Lookup
-
-
-
 
 
 class _Automaton:
@@ -46,7 +43,7 @@ class _Automaton:
         self.next: list[dict[int, int]] = [{}]
         self.link, self.length, self.count = [-1], [0], [0]
         self.tokens = 0  # stored tokens (the version rows check their match against)
-        self.requests: list[tuple[int, int]] = []  # (request id, its tokens)
+        self.requests: list[int] = []  # their ids
         self._ranked: dict[int, list[tuple[int, int]]] = {}  # state -> its children by count (until an add)
 
     def _state(self, length: int, link: int, count: int, transitions: dict[int, int]) -> int:
@@ -90,7 +87,7 @@ class _Automaton:
                 count[s] += 1
                 s = link[s]
         self.tokens += len(text)
-        self.requests.append((request, len(text)))
+        self.requests.append(request)
         self._ranked.clear()
 
     def ranked(self, state: int) -> list[tuple[int, int]]:
@@ -227,7 +224,7 @@ class SuffixCache:
             self._segments[-1].add(request, text)
             self._texts[request] = text
             while self.tokens > self.budget:
-                for r, _ in self._segments.popleft().requests:
+                for r in self._segments.popleft().requests:
                     del self._texts[r]
                 self._ids.popleft()
 
@@ -399,10 +396,18 @@ class Suffix(NGram):
     def start(self, call: Call) -> Controller:
         if call.draft is None:
             return _SuffixLookup(self, call)
-        from spec_ext.policies.auto import Auto, AutoController, CacheRule
-        rule = CacheRule(self.cache, self.cache_nodes, self.round_tokens, self.max_nodes, self.max_depth,
-                         self.min_score or 0.0)
-        return AutoController(Auto(max_draft=max(self.draft_k, 12), text=self.own_text is not False), call, rule)
+        from spec_ext.policies.auto import Auto, AutoController
+        return AutoController(Auto(max_draft=max(self.draft_k, 12), text=self.own_text is not False), call, self)
+
+    def cache_offer(self, text: TextLookup, row: int, rows: int, longer_than: int = 0) -> Offer | None:
+        """Row ``row``'s cache tree with ``rows`` rows going (at most ``cache_nodes`` nodes at one
+        row, the own text's budget with more, none deeper than ``max_depth``), where the cache's
+        match is longer than ``longer_than`` and the tree scores at least ``min_score``; else None."""
+        if text.cache_match(row) <= longer_than:
+            return None
+        nodes = self.cache_nodes if rows == 1 else max(2, min(self.max_nodes, self.round_tokens // rows))
+        offer = text.cache_tree(row, nodes - 1 if self.max_depth is None else min(self.max_depth, nodes - 1), nodes)
+        return offer if offer is not None and sum(offer.probs) >= (self.min_score or 0.0) else None
 
 
 class _SuffixLookup(_Lookup):
@@ -412,14 +417,9 @@ class _SuffixLookup(_Lookup):
     def offers(self, state: RoundState) -> list[Offer | None]:
         policy, text = self.policy, state.text
         depth, nodes = self.budget(state.rows)
-        cache_nodes = max(nodes, policy.cache_nodes) if state.rows == 1 else nodes
-        cache_depth = cache_nodes - 1 if policy.max_depth is None else min(policy.max_depth, cache_nodes - 1)
         offers = []
         for r, own_depth in enumerate(self.depth):
             own = text.tree(r, min(depth, own_depth), nodes) if policy.own_text is not False else None
-            if text.cache_match(r) > (0 if own is None else own.match):
-                cached = text.cache_tree(r, max(min(depth, own_depth), cache_depth), cache_nodes)
-                if cached is not None and sum(cached.probs) >= (policy.min_score or 0.0):
-                    own = cached
+            own = policy.cache_offer(text, r, state.rows, 0 if own is None else own.match) or own
             offers.append(own)
         return offers
