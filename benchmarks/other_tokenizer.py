@@ -61,14 +61,16 @@ def main():
     other, other_tokenizer = load("stdlib-draft-sp")
     share = vocab_map(other_tokenizer, tokenizer)
     methods = {}
+    # no suffix cache ("ngram" keeps one by default): the repeats would draft the earlier repeats' outputs
     for policy, name, modes in ((lambda: Fixed(args.k), f"fixed k={args.k}", ("tli", "slem", "auto")),
                                 (lambda: "auto", "auto", ("tli", "slem", "auto")),
                                 (lambda: "ngram", "beside n-gram drafts", ("slem", "auto"))):
-        methods[f"same tokenizer (bundled draft), {name}"] = spec_ext.accelerate(target, draft, policy=policy())
+        methods[f"same tokenizer (bundled draft), {name}"] = spec_ext.accelerate(target, draft, policy=policy(),
+                                                                                 suffix_cache=False)
         for mode in modes:
             methods[f"other tokenizer ({mode}), {name}"] = spec_ext.accelerate(
                 target, other, policy=policy(), tokenizer=tokenizer, draft_tokenizer=other_tokenizer,
-                tokenizer_mode=mode)
+                tokenizer_mode=mode, suffix_cache=False)
     prompts = code_prompts(tokenizer, "test", args.prompts)
     rows = []
     for batch in args.batches:
