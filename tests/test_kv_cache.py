@@ -4,6 +4,7 @@ import torch
 
 import spec_ext
 from spec_ext import reference
+from spec_ext.drafters.base import feed_rows, refeed_tree
 from spec_ext.models import SpecCache, hf
 from helpers import backend_params, device_for, llama_family
 
@@ -173,6 +174,45 @@ def test_spec_cache_reserve_grows_and_keeps_every_row():
     for layer in range(2):
         unsized.update(keys[:2, :, :10], keys[:2, :, :10], layer)
     assert unsized.buffer.shape == (4, 2, 2, 10, 4)
+
+
+def test_feed_rows_writes_every_row_after_its_own_tokens_and_keeps_its_real_ones():
+    """The drafters' catch-up (``feed_rows``): a ragged feed is padded to one width, each row's
+    positions start at its own cached length, the cache grows to hold the padded width past
+    the longest row and keeps row b's first ``lengths[b]``; the last kept column per row."""
+    cache = SpecCache(1, 1, 2, batch_size=3, capacity=6)
+    cache.advance([5, 1, 0])
+    seen = {}
+
+    def run(ids, positions):
+        seen.update(ids=ids, positions=positions)
+        return "out"
+
+    ids = torch.tensor([[7, 8, 0], [9, 0, 0], [4, 5, 6]])
+    out, last = feed_rows(cache, ids, [2, 1, 3], run)
+    assert out == "out" and seen["ids"] is ids and last.tolist() == [1, 0, 2]
+    assert seen["positions"].tolist() == [[5, 6, 7], [1, 2, 3], [0, 1, 2]]
+    assert cache.capacity >= 8 and cache.host_lengths == [7, 2, 3] and cache.lengths.tolist() == [7, 2, 3]
+    _, last = feed_rows(cache, ids[:, :1], [1, 1, 1], run, torch.tensor([1, 1, 1]))  # device lengths as given
+    assert last.tolist() == [0, 0, 0] and cache.host_lengths == [8, 3, 4]
+
+
+def test_refeed_tree_feeds_the_root_at_its_own_position_and_keeps_the_committed_tokens():
+    """A tree re-fed (``refeed_tree``): node 0 (the last committed token) at its own position
+    again and each node at the root's plus its depth, under the tree's mask; the cache then
+    holds the committed tokens as before."""
+    cache = SpecCache(1, 1, 2, batch_size=2, capacity=4)
+    cache.advance([4, 2])
+    seen = {}
+
+    def run(ids, positions, mask):
+        seen.update(positions=positions, mask=mask)
+        return "logits"
+
+    depth, mask = torch.tensor([[0, 1, 1, 2]] * 2), torch.ones(2, 4, 4, dtype=torch.bool)
+    assert refeed_tree(cache, run, torch.zeros(2, 4, dtype=torch.int64), depth, mask) == "logits"
+    assert seen["positions"].tolist() == [[3, 4, 4, 5], [1, 2, 2, 3]] and seen["mask"] is mask
+    assert cache.host_lengths == [4, 2] and cache.capacity >= 7
 
 
 def test_spec_cache_copy_rows_shares_a_prefix():

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import spec_ext
-from spec_ext.policies import (SVIP, Auto, Call, Confidence, Heuristic, Memory, Report, RoundState, Source, TreeShape,
-                               resolve)
+from spec_ext.policies import (SVIP, Auto, Call, Confidence, Heuristic, Memory, Report, RoundPlan, RoundState, Source,
+                               TreeShape, resolve)
 from spec_ext.policies.auto import AutoController
+from spec_ext.policies.estimates import Costs
 from helpers import llama, perturbed, plan_of
 
 
@@ -578,11 +579,14 @@ def test_sampling_takes_the_cost_from_the_model_sizes_not_the_clock():
     assert any(max(k) > 0 for k, _ in steady) and any(s[0] == Source.TEXT for _, s in steady)
 
 
-def test_auto_in_the_loop_drafts_the_text_where_it_repeats_and_stays_exact():
+def test_auto_in_the_loop_drafts_the_text_where_it_repeats_and_stays_exact(monkeypatch):
     """The default beside a draft model: on a prompt that repeats itself the text drafts
     rounds (``stats.matched``); Auto(text=False) never does; both equal the target's greedy
-    output, alone and in a ragged batch."""
+    output, alone and in a ragged batch. Verifications are priced flat and drafts nearly free:
+    whether this machine's timings make plain steps win (then nothing drafts) is not tested here."""
     from helpers import hf_greedy
+    monkeypatch.setattr(Costs, "verify", lambda self, rows, width: 1.0)
+    monkeypatch.setattr(Costs, "draft", lambda self, steps, sequential=True: 0.01 * steps)
     target = llama(97, 64, 2, seed=0, sharpen=4.0)
     draft = perturbed(target, 0.05, seed=1)
     prompts = [[5, 17, 33, 8, 40, 2] * 4, [7, 8, 9], [40, 2, 11, 40, 2]]
@@ -743,6 +747,14 @@ def test_fixed_and_trees_plan_as_their_settings_say():
         spec_ext.policies.Fixed(0)
     with pytest.raises(ValueError, match="branching"):
         spec_ext.policies.Tree(())
+
+
+def test_a_one_forward_drafters_slots_are_a_trees_depth_or_the_longest_chain():
+    """``RoundPlan.slots``: a block drafter's (or P-EAGLE's) drafts per forward: a tree's
+    depth, or a chain's longest budget with each row's capped at ``most``."""
+    assert plan_of(spec_ext.policies.Tree((2, 1)), 2).slots(1) == (2, None)
+    assert RoundPlan([3, 6, 0]).slots() == (6, [3, 6, 0]) and RoundPlan([3, 6, 0]).slots(4) == (4, [3, 4, 0])
+    assert RoundPlan([2, 2], after_catch_up=lambda agreed: [1, 5]).slots(4) == (4, [1, 4])
 
 
 def test_auto_drafts_the_text_beside_a_feature_head_greedy_and_sampling():

@@ -1,5 +1,5 @@
 """What both engines share: the stats and output of a call, the prompts as rows and per-row
-bookkeeping (the sampler, padding and the prefill are in
+bookkeeping (the sampler, padding and the prompt's lead-in are in
 :mod:`spec_ext.drafters.base`, shared with the drafters)."""
 from __future__ import annotations
 
