@@ -330,6 +330,20 @@ def test_step_costs_read_measured_shapes_and_fit_the_others():
             Costs(window=bad)
 
 
+def test_a_plain_step_stays_off_the_line_of_the_widths_that_verify_drafts():
+    """Width 1 is a plain step (none of a verification's machinery): once two wider widths are
+    measured at a batch size, the line that prices the others runs through those alone and
+    the plain step reads its own seconds, not pulled toward that line (through all three, an
+    unmeasured width 3 read 3.1, and the plain step's cheapness priced every draft low)."""
+    costs = Costs()
+    costs.record_verify(4, 1, 1.0)
+    costs.record_verify(4, 2, 3.0)
+    assert costs.verify(4, 3) == pytest.approx(5.0)  # one wide width: the line through the plain step
+    costs.record_verify(4, 5, 4.5)
+    assert costs.verify(4, 3) == pytest.approx(3.5) and costs.verify(4, 1) == 1.0
+    assert costs.verify(4, 2) == pytest.approx(3.0) and costs.verify(4, 9) == pytest.approx(6.5)
+
+
 def test_a_draft_steps_cost_is_its_rows_low_median_and_merges_both_calls():
     """``Costs.step``: per batch size the low median of its last ``window`` draft steps (None
     before one), other batch sizes apart; ``merged`` keeps both calls' steps (the newer ones of

@@ -29,12 +29,14 @@ class Costs:
     A shape's estimate is the low median of its last ``window`` measurements (of 2: the
     faster; a stall adds time, it never takes any away), shrunk toward the weighted
     least-squares line through the shapes of its rows, worth ``PULL`` measurements (a width
-    seldom measured reads mostly the line, one measured every round mostly its own). A shape
+    seldom measured reads mostly the line, one measured every round mostly its own); width 1,
+    a plain step (none of a verification's machinery), stays off the line and reads its own
+    once two wider widths of its rows are measured (the line then runs through those). A shape
     not measured reads that line (never below half the cheapest shape of its rows measured;
     with one shape of its rows measured: the line over rows x width through every shape; one
-    shape in all: its seconds); one not measured in the last
-    ``STALE`` measurements reads the line through the fresh ones (a width measured only while
-    the machine was slow would otherwise stay dear for good). Drafting likewise by steps,
+    shape in all: its seconds); one not measured in the last ``STALE`` measurements reads the
+    line through the fresh ones (a width measured only while the machine was slow would
+    otherwise stay dear for good). Drafting likewise by steps,
     without the pull: with one length measured, a sequential drafter's other lengths cost its
     seconds per step, a block's the same forward.
     """
@@ -111,8 +113,14 @@ class Costs:
         fresh = self._ticks["verify"] - self.STALE
         if ("line", rows) not in self._memo:
             same = [(w, e[0], len(e[1])) for (r, w), e in self._verify.items() if r == rows and e[2] > fresh]
-            self._memo["line", rows] = _fit(same) if len(same) >= 2 else None
+            wide = [point for point in same if point[0] > 1]
+            # width 1 is a plain step, which runs none of a verification's machinery: below the line
+            # of the widths that verify drafts, where two of them are measured
+            self._memo["line", rows] = _fit(wide) if len(wide) >= 2 else _fit(same) if len(same) >= 2 else None
+            self._memo["apart", rows] = len(wide) >= 2
         fit = self._memo["line", rows]
+        if width == 1 and self._memo["apart", rows]:
+            fit = None
         if ("floor", rows) not in self._memo:  # a line never prices a width below half the cheapest measured
             self._memo["floor", rows] = 0.5 * min((e[0] for (r, _), e in self._verify.items() if r == rows),
                                                   default=0.0)
