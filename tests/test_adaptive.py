@@ -342,6 +342,13 @@ def test_a_plain_step_stays_off_the_line_of_the_widths_that_verify_drafts():
     costs.record_verify(4, 5, 4.5)
     assert costs.verify(4, 3) == pytest.approx(3.5) and costs.verify(4, 1) == 1.0
     assert costs.verify(4, 2) == pytest.approx(3.0) and costs.verify(4, 9) == pytest.approx(6.5)
+    for i in range(Costs.STALE):  # plain steps not taken for long: still their own seconds, not a line's
+        costs.record_verify(4, 3 + 2 * (i % 2), 3.5 + (i % 2))
+    assert costs.verify(4, 1) == 1.0
+    unmeasured = Costs()
+    for width, seconds in ((2, 3.0), (5, 4.5)):
+        unmeasured.record_verify(4, width, seconds)
+    assert unmeasured.verify(4, 1) == pytest.approx(2.5)  # not measured: the line, as any width
 
 
 def test_a_draft_steps_cost_is_its_rows_low_median_and_merges_both_calls():

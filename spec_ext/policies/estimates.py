@@ -118,9 +118,9 @@ class Costs:
             # of the widths that verify drafts, where two of them are measured
             self._memo["line", rows] = _fit(wide) if len(wide) >= 2 else _fit(same) if len(same) >= 2 else None
             self._memo["apart", rows] = len(wide) >= 2
+        if width == 1 and self._memo["apart", rows] and (rows, 1) in self._verify:
+            return self._verify[rows, 1][0]
         fit = self._memo["line", rows]
-        if width == 1 and self._memo["apart", rows]:
-            fit = None
         if ("floor", rows) not in self._memo:  # a line never prices a width below half the cheapest measured
             self._memo["floor", rows] = 0.5 * min((e[0] for (r, _), e in self._verify.items() if r == rows),
                                                   default=0.0)
