@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,18 +42,18 @@ class FixedCosts(Costs):
     def verify(self, rows, width):
         return self._given(rows, width)
 
-    def draft(self, steps, sequential=True):
+    def draft(self, steps, sequential=True, rows=1):
         if self._step is None:
-            return super().draft(steps, sequential)
+            return super().draft(steps, sequential, rows)
         return self._step * (steps if sequential else 1)
 
     def record_verify(self, rows, width, seconds):
         if self._records:
             super().record_verify(rows, width, seconds)
 
-    def record_draft(self, steps, seconds):
+    def record_draft(self, steps, seconds, rows=1):
         if self._step is None:
-            super().record_draft(steps, seconds)
+            super().record_draft(steps, seconds, rows)
 
 
 class Clock:
@@ -320,6 +321,14 @@ def test_step_costs_read_measured_shapes_and_fit_the_others():
     assert costs.draft(5, sequential=False) == pytest.approx(0.4)  # a block: its seconds, one forward
     costs.record_draft(4, 0.5)
     assert costs.draft(6, sequential=False) == costs.draft(6) == pytest.approx(0.6)  # two lengths: their line
+    # by rows: a batch size's own lengths; one not measured reads a forward's seconds on the
+    # line through the measured batch sizes (per step where sequential), never the other rows'
+    costs.record_draft(2, 1.6, rows=8)
+    assert costs.draft(3, rows=8) == pytest.approx(2.4) and costs.draft(3) == pytest.approx(0.45)
+    slope, intercept = np.polyfit([1, 1, 8], [0.4 / 2, 0.5 / 4, 1.6 / 2], 1)  # per step
+    assert costs.draft(3, rows=4) == pytest.approx(3 * (intercept + slope * 4))
+    block = np.polyfit([1, 1, 8], [0.4, 0.5, 1.6], 1)  # a block: one forward
+    assert costs.draft(3, sequential=False, rows=4) == pytest.approx(np.polyval(block, 4))
     # a line falling with the width never prices an unmeasured width below half the cheapest measured
     costs.record_verify(2, 1, 2.0)
     costs.record_verify(2, 3, 1.0)
@@ -402,6 +411,29 @@ def test_calibrate_times_every_shape_of_the_target():
     assert costs.measured == 4 and all(costs.verify(r, w) > 0 for r in (1, 2) for w in (1, 4))
     with pytest.raises(ValueError, match="widths"):
         calibrate(target, widths=[])
+
+
+def test_the_timings_take_every_width_once_a_pass_and_never_price_a_narrower_width_above_a_wider(monkeypatch):
+    """A slow spell during the first pass slows every width, not the first alone (the fastest of
+    the passes is kept), and a width timed slower than a wider one is priced as the wider one."""
+    from spec_ext.policies import estimates
+    target = llama(61, 32, 1, seed=0)
+    order, clock = [], [0.0]
+    seconds = {1: 1.0, 2: 3.0, 3: 2.0}  # width 2 slower than width 3: noise
+
+    def fake_forward(model, ids, cache, positions):
+        width = ids.shape[1]
+        if width != 8:  # the context's forward is not timed
+            order.append(width)
+            clock[0] += seconds[width] + (100.0 if len(order) <= 3 else 0.0)
+        return spec_ext.models.Forward(torch.zeros(ids.shape[0], width, 61))
+
+    monkeypatch.setattr(spec_ext.models, "forward", fake_forward)
+    monkeypatch.setattr(estimates.time, "perf_counter", lambda: clock[0])
+    costs = Costs()
+    estimates.time_rows(target, costs, 1, [3, 1, 2], context=8, repeats=2)
+    assert order == [1, 2, 3] * 3
+    assert [costs.verify(1, w) for w in (1, 2, 3)] == [1.0, 2.0, 2.0]
 
 
 def test_the_policy_by_name_and_bad_arguments():

@@ -338,6 +338,19 @@ def test_auto_drafts_the_text_where_it_is_accepted_more_and_the_model_does_not_r
     assert all(not p.model_runs and p.sources == [Source.TEXT] * 2 for p in plans[-20:])
 
 
+def test_auto_explores_a_plain_step_where_none_was_timed_at_its_rows():
+    """A plain step costs less than the line through the drafting widths says (none of a
+    verification's machinery). Where that line's price has Auto drafting, an exploring round
+    takes a plain step (while none is timed at these rows), and once one is, plain steps win."""
+    controller = start(Auto(forget_runs=1.0), rows=4)
+    verify = lambda w: 4.0 if w == 1 else 10.0 + 1.0 * (w - 1)  # noqa: E731
+    plans = play(controller, verify, geometric(0.5), rounds=120, per_forward_seconds=0.5)
+    plain = [n for n, p in enumerate(plans, start=1) if not p.model_runs]
+    assert plain and plain[0] <= 2 * controller.policy.explore_every and plain[0] % controller.policy.explore_every == 0
+    assert all(p.model_runs for p in plans[:plain[0] - 1])
+    assert sum(not p.model_runs for p in plans[-40:]) >= 36
+
+
 def test_auto_leaves_text_that_is_rarely_accepted_to_the_model():
     """Batch 1: the text matches every round but its drafts are never accepted, the model's
     often: the model drafts, and the text's cost (a wider verification) is not paid."""
@@ -586,7 +599,7 @@ def test_auto_in_the_loop_drafts_the_text_where_it_repeats_and_stays_exact(monke
     whether this machine's timings make plain steps win (then nothing drafts) is not tested here."""
     from helpers import hf_greedy
     monkeypatch.setattr(Costs, "verify", lambda self, rows, width: 1.0)
-    monkeypatch.setattr(Costs, "draft", lambda self, steps, sequential=True: 0.01 * steps)
+    monkeypatch.setattr(Costs, "draft", lambda self, steps, sequential=True, rows=1: 0.01 * steps)
     target = llama(97, 64, 2, seed=0, sharpen=4.0)
     draft = perturbed(target, 0.05, seed=1)
     prompts = [[5, 17, 33, 8, 40, 2] * 4, [7, 8, 9], [40, 2, 11, 40, 2]]

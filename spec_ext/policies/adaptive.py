@@ -263,7 +263,8 @@ class AdaptiveController(Controller):
         if self.pricing.timed and report.timed:
             self.costs.record_verify(record.rows, record.width, report.verify_seconds)
             if report.warm and report.draft_forwards:
-                self.costs.record_draft(report.draft_steps, report.seconds - report.verify_seconds)
+                self.costs.record_draft(report.draft_steps, report.seconds - report.verify_seconds,
+                                        record.rows)
             seconds = report.seconds
         else:
             seconds = (record.drafted or 0.0) + (self.verify_cost(record.rows, record.width) or 0.0)

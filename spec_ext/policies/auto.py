@@ -170,14 +170,18 @@ class AutoController(Controller):
         deepest = max((j for j in range(1, self.policy.max_draft + 1) if acc.reached[j] >= 0.5 * acc.unit), default=0)
         return max(1, min(self.largest, deepest + 1))
 
-    def _explored(self, k: int, rows: int) -> int:
-        """``k``, or one more / one less in the exploring rounds; in the second round, with one
-        width alone timed, the narrowest chain: two widths give the cost's slope."""
+    def _explored(self, k: int, rows: int, plain: bool = False) -> int:
+        """``k``, or one more / one less in the exploring rounds (none where that is a plain
+        step, ``plain``, and none was timed at ``rows``: the line through the drafting widths
+        prices it above its own cost); in the second round, with one width alone timed, the
+        narrowest chain: two widths give the cost's slope."""
         if self.rounds == 2 and self._one_width(rows):
             return self._narrowest(rows)
         every = self.policy.explore_every
         phase = self.rounds % (2 * every)
         step = 1 if phase == every else -1 if phase == 0 else 0
+        if step < 0 and plain and self.pricing.timed and 1 not in self._chain_widths(rows):
+            return 0
         return min(self.largest, max(1, k + step))
 
     def _narrowest(self, rows: int) -> int:
@@ -231,7 +235,7 @@ class AutoController(Controller):
         # draft forward (where text competes) are measured
         tail = B < self.call.batch_size and self.costs.measured >= 2
         known = not price.timed or ((bool(self._chain_widths(B)) or tail) and
-                                    (price.draft(1) is not None or not any(len(c) > 1 for c in curves)))
+                                    (price.draft(1, B) is not None or not any(len(c) > 1 for c in curves)))
         wait = self.call.forwards_without_model
         if self._one_width(B) and self.narrowed < 2:  # the model alone at another width: the slope
             self.narrowed += 1
@@ -240,7 +244,7 @@ class AutoController(Controller):
             k, cap, runs = min(policy.initial, self.largest), policy.initial, True
         else:
             V = [None] + [price.verify(B, w) for w in range(1, 2 + max(policy.max_draft, *map(len, curves)))]
-            D = [price.draft(j) or 0.0 for j in range(self.largest + 1)]
+            D = [price.draft(j, B) or 0.0 for j in range(self.largest + 1)]
             scales, remaining, shrink = [1.0] * B, state.remaining, None
             if remaining is not None:  # priced until the slowest row is done
                 shrink = [1.0] * (B + 1)
@@ -311,7 +315,7 @@ class AutoController(Controller):
                     instead_of_plain = plain[4]
             _, k, cap, runs, _ = best
             if runs and instead_of_plain is None:
-                k = self._explored(k, B)
+                k = self._explored(k, B, plain=all(len(c) == 1 for c in curves))
         self.k = k if runs else 0
         text: list[Offer | None] = []
         record = _Round(instead_of_plain=instead_of_plain, behind=sum(state.behind or ()))
@@ -340,14 +344,14 @@ class AutoController(Controller):
         if self.pricing.timed and report.timed:
             self.costs.record_verify(rows, report.width, max(report.seconds - report.draft_seconds, 0.0))
             if report.draft_forwards and report.warm:
-                self.costs.record_draft(report.draft_steps, report.draft_seconds)
+                self.costs.record_draft(report.draft_steps, report.draft_seconds, rows)
         for acceptance in self.accept.values():
             acceptance.new_round()
         record: _Round = report.plan.record
         if record is not None and self.pricing.timed and report.timed:
             if record.instead_of_plain is not None:
                 self.credit.measured(report.seconds - record.instead_of_plain)
-            steps = self.costs.draft(report.draft_steps) if report.draft_forwards and not report.warm else None
+            steps = self.pricing.draft(report.draft_steps, rows) if report.draft_forwards and not report.warm else None
             if steps is not None and record.behind:
                 self.costs.record_catch_up(record.behind, max(report.draft_seconds - steps, 0.0))
         for r, (source, n, a) in enumerate(zip(report.source, report.drafted, report.accepted)):

@@ -22,9 +22,9 @@ EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97)
 
 class Costs:
     """Seconds of a round's parts by shape on one device: the target's verification of
-    ``rows`` x ``width`` tokens, drafting by steps (a chain's sequential forwards, or the
-    slots of a block drafter's one forward), one draft step by rows, a drafter's catch-up by
-    tokens.
+    ``rows`` x ``width`` tokens, drafting ``rows`` rows by steps (a chain's sequential
+    forwards, or the slots of a block drafter's one forward), one draft step by rows, a
+    drafter's catch-up by tokens.
 
     A shape's estimate is the low median of its last ``window`` measurements (of 2: the
     faster; a stall adds time, it never takes any away), shrunk toward the weighted
@@ -36,9 +36,10 @@ class Costs:
     with one shape of its rows measured: the line over rows x width through every shape; one
     shape in all: its seconds); one not measured in the last ``STALE`` measurements reads the
     line through the fresh ones (a width measured only while the machine was slow would
-    otherwise stay dear for good). Drafting likewise by steps,
-    without the pull: with one length measured, a sequential drafter's other lengths cost its
-    seconds per step, a block's the same forward.
+    otherwise stay dear for good). Drafting likewise by steps at its rows, without the pull:
+    with one length measured, a sequential drafter's other lengths cost its seconds per step, a
+    block's the same forward; at rows not measured, a forward (a sequential drafter's step) costs
+    what the line through the measured batch sizes gives.
     """
 
     PULL = 3.0
@@ -49,7 +50,7 @@ class Costs:
             raise ValueError(f"window: must be an int >= 1, got {window!r}")
         self.window = window
         self._verify: dict[tuple[int, int], list] = {}  # (rows, width) -> [estimate, recent seconds, tick]
-        self._draft: dict[int, list] = {}  # steps -> [estimate, recent seconds, tick]
+        self._draft: dict[tuple[int, int], list] = {}  # (rows, steps) -> [estimate, recent seconds, tick]
         self._draft_step: dict[int, list] = {}  # rows -> [estimate, recent seconds, tick]
         self._catch_up: dict[str, list] = {}  # "token" -> [estimate, recent seconds per token, tick]
         self._ticks = {"verify": 0, "draft": 0, "draft_step": 0, "catch_up": 0}
@@ -59,9 +60,9 @@ class Costs:
         """One verification of ``rows`` rows of ``width`` tokens each (the root included) took ``seconds``."""
         self._record(self._verify, (rows, width), seconds, "verify")
 
-    def record_draft(self, steps: int, seconds: float) -> None:
-        """One round's drafting of ``steps`` steps took ``seconds``."""
-        self._record(self._draft, steps, seconds, "draft")
+    def record_draft(self, steps: int, seconds: float, rows: int = 1) -> None:
+        """One round's drafting of ``steps`` steps for ``rows`` rows took ``seconds``."""
+        self._record(self._draft, (rows, steps), seconds, "draft")
 
     def record_step(self, rows: int, seconds: float) -> None:
         """One draft step (a forward past a chain's first) of ``rows`` rows took ``seconds``."""
@@ -139,27 +140,34 @@ class Costs:
         intercept, slope = _fit(points)
         return max(0.0, intercept + slope * rows * width)
 
-    def draft(self, steps: int, sequential: bool = True) -> float | None:
-        """Estimated seconds of drafting ``steps`` steps; None before any measurement."""
-        key = ("draft", steps, sequential)
+    def draft(self, steps: int, sequential: bool = True, rows: int = 1) -> float | None:
+        """Estimated seconds of drafting ``steps`` steps for ``rows`` rows; None before any measurement."""
+        key = ("draft", steps, sequential, rows)
         if key not in self._memo:
-            self._memo[key] = self._draft_estimate(steps, sequential)
+            self._memo[key] = self._draft_estimate(steps, sequential, rows)
         return self._memo[key]
 
-    def _draft_estimate(self, steps: int, sequential: bool) -> float | None:
+    def _draft_estimate(self, steps: int, sequential: bool, rows: int) -> float | None:
         fresh = self._ticks["draft"] - self.STALE
-        entry = self._draft.get(steps)
+        entry = self._draft.get((rows, steps))
         if entry is not None and (entry[2] > fresh or len(self._draft) == 1):
             return entry[0]
-        points = [(s, e[0], 1) for s, e in self._draft.items() if e[2] > fresh] or \
-            [(s, e[0], 1) for s, e in self._draft.items()]
-        if not points:
+        measured = {key: e[0] for key, e in self._draft.items() if e[2] > fresh} or \
+            {key: e[0] for key, e in self._draft.items()}
+        if not measured:
             return None
-        if len(points) == 1:
-            s, m, _ = points[0]
+        mine = [(s, m, 1) for (r, s), m in measured.items() if r == rows]
+        if len(mine) >= 2:
+            intercept, slope = _fit(mine)
+            return max(0.0, intercept + slope * steps)
+        if mine:
+            s, m, _ = mine[0]
             return m * steps / max(s, 1) if sequential else m
+        # a forward (a sequential drafter's step) at the batch sizes measured, on their line
+        points = [(r, m / max(s, 1) if sequential else m, 1) for (r, s), m in measured.items()]
         intercept, slope = _fit(points)
-        return max(0.0, intercept + slope * steps)
+        forward = max(0.5 * min(y for _, y, _ in points), intercept + slope * rows)
+        return forward * steps if sequential else forward
 
     def merged(self, other: "Costs") -> "Costs":
         """Both calls' measurements: per shape the newer ones of each, interleaved."""
@@ -230,7 +238,7 @@ class Pricing:
 
     def draft(self, steps: int, rows: int = 1) -> float | None:
         """Seconds (untimed: as modeled) of drafting ``steps`` drafts for ``rows`` rows."""
-        seconds = self.costs.draft(steps, sequential=self.per_forward == 1)
+        seconds = self.costs.draft(steps, sequential=self.per_forward == 1, rows=rows)
         if seconds is not None or self.timed:
             return seconds
         if self.modeled_draft is not None:
@@ -486,8 +494,9 @@ def calibrate(target, rows=(1,), widths=range(1, 17), context: int = 128, repeat
 
 @torch.no_grad()
 def time_rows(target, costs: Costs, B: int, widths: list[int], context: int, repeats: int) -> None:
-    """:func:`calibrate`'s timings of ``B`` rows, on the forward path in effect. Its random ids
-    come from a generator of its own: the global random state is not touched."""
+    """:func:`calibrate`'s timings of ``B`` rows, on the forward path in effect: every width once
+    per pass, the fastest of the passes, no width priced above a wider one. Its random ids come
+    from a generator of its own: the global random state is not touched."""
     from spec_ext.models import SpecCache, forward
 
     device = target.device
@@ -497,16 +506,20 @@ def time_rows(target, costs: Costs, B: int, widths: list[int], context: int, rep
     ids = torch.randint(0, vocab, (B, context), device=device, generator=generator)
     forward(target, ids, cache, torch.arange(context, device=device).expand(B, -1))
     cache.advance([context] * B)
-    for width in widths:
-        new = torch.randint(0, vocab, (B, width), device=device, generator=generator)
-        positions = context + torch.arange(width, device=device).expand(B, -1)
-        best = float("inf")
-        for _ in range(repeats + 1):
+    widths = sorted(set(widths))
+    inputs = [(torch.randint(0, vocab, (B, w), device=device, generator=generator),
+               context + torch.arange(w, device=device).expand(B, -1)) for w in widths]
+    best = [float("inf")] * len(widths)
+    for _ in range(repeats + 1):  # each pass times every width: a slow spell slows them all, not one
+        for i, (new, positions) in enumerate(inputs):
             started = time.perf_counter()
             logits = forward(target, new, cache, positions).logits
             float(logits[0, -1, 0])  # the host waits for the forward, as a round's sync does
-            best = min(best, time.perf_counter() - started)
-        costs.record_verify(B, width, best)
+            best[i] = min(best[i], time.perf_counter() - started)
+    for i in reversed(range(len(widths) - 1)):  # a narrower forward costs no more than a wider one
+        best[i] = min(best[i], best[i + 1])
+    for width, seconds in zip(widths, best):
+        costs.record_verify(B, width, seconds)
 
 
 SAMPLED_WIDEST = 33  # the widest verification timed to price sampled rounds (wider ones read the line)
