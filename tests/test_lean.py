@@ -142,3 +142,26 @@ def test_lean_forward_sees_in_place_weight_updates():
     reference, lean = run_both(model, [(ids, torch.arange(5)[None], None, [5])])
     assert not torch.equal(before, lean[0][0])
     assert torch.equal(reference[0][0], lean[0][0])
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "hf_modules"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_logits_at_some_columns_are_the_full_forwards_at_those_columns(kind, lean):
+    """``logits_at`` (a prompt's forward needs its last token's logits alone): per row its own
+    columns, [B,n,V]; the same numbers as the whole forward's there (the LM head over fewer rows
+    may sum in another order: float32 rounding apart), the hidden states untouched."""
+    model = lean_model(kind)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 61, (3, 9), generator=g)
+    at = torch.tensor([[8, 2], [0, 5], [3, 3]])
+    outs = []
+    for columns in (None, at):
+        cache = SpecCache.for_model(model, 3, 32)
+        with torch.inference_mode(), hf.attention_implementation(model):
+            outs.append(hf.forward(model, ids, cache, torch.arange(9).expand(3, 9), hidden=True, use_lean=lean,
+                                   logits_at=columns))
+    full, some = outs
+    assert some.logits.shape == (3, 2, 61) and some.logits.dtype == torch.float32
+    torch.testing.assert_close(some.logits, full.logits.gather(1, at[..., None].expand(-1, -1, 61)), rtol=1e-5,
+                               atol=1e-6)
+    assert torch.equal(some.hidden, full.hidden)

@@ -324,12 +324,13 @@ def by_source(text_run, model_run):
 
 def test_auto_drafts_the_text_where_it_is_accepted_more_and_the_model_does_not_run_for_nothing():
     """Batch 2: row 0's text offers 8 drafts that are accepted in long runs, row 1 has no
-    match. Row 0 drafts its text, row 1 the model; once row 1 matches too, the model stops."""
+    match. Row 0 drafts its text, row 1 the model (the exploring rounds aside); once row 1
+    matches too, the model stops."""
     controller = start(Auto(forget_runs=1.0), rows=2)
     verify = lambda w: 10.0 + 0.1 * (w - 1)  # noqa: E731
     runs = by_source(lambda rng: 8 if rng.random() < 0.9 else 0, geometric(0.6))
     plans = play(controller, verify, runs, offers=[8, 0], rounds=150, per_forward_seconds=0.5)
-    late = plans[-40:]
+    late = [p for n, p in enumerate(plans, start=1) if n > 110 and n % controller.policy.explore_every]
     assert all(p.sources == [Source.TEXT, Source.MODEL] for p in late)
     assert controller.survival(Source.TEXT)[7] > 0.8
     assert controller.survival(Source.MODEL)[0] == pytest.approx(0.6, abs=0.1)
@@ -338,16 +339,15 @@ def test_auto_drafts_the_text_where_it_is_accepted_more_and_the_model_does_not_r
     assert all(not p.model_runs and p.sources == [Source.TEXT] * 2 for p in plans[-20:])
 
 
-def test_auto_explores_a_plain_step_where_none_was_timed_at_its_rows():
+def test_auto_times_a_plain_step_at_its_rows_before_drafting_wins_over_one():
     """A plain step costs less than the line through the drafting widths says (none of a
-    verification's machinery). Where that line's price has Auto drafting, an exploring round
-    takes a plain step (while none is timed at these rows), and once one is, plain steps win."""
+    verification's machinery). Where that line's price has Auto drafting, the round after the
+    two that time the drafting widths takes a plain step (none is timed at these rows yet),
+    and then plain steps win."""
     controller = start(Auto(forget_runs=1.0), rows=4)
     verify = lambda w: 4.0 if w == 1 else 10.0 + 1.0 * (w - 1)  # noqa: E731
     plans = play(controller, verify, geometric(0.5), rounds=120, per_forward_seconds=0.5)
-    plain = [n for n, p in enumerate(plans, start=1) if not p.model_runs]
-    assert plain and plain[0] <= 2 * controller.policy.explore_every and plain[0] % controller.policy.explore_every == 0
-    assert all(p.model_runs for p in plans[:plain[0] - 1])
+    assert plans[0].model_runs and plans[1].model_runs and not plans[2].model_runs
     assert sum(not p.model_runs for p in plans[-40:]) >= 36
 
 
@@ -446,16 +446,18 @@ def test_auto_steps_plainly_before_measuring_where_no_acceptance_would_pay():
     """Batch 4, a verification of w tokens costing 10 (2w - 1), a draft forward 3: after the
     two rounds that time the widths (8 first drafts, under PLAIN_AFTER), a plain step beats
     drafts even if 9 in 10 were accepted (OPTIMISTIC), so the third round is plain; where the
-    verification is flat the model goes on drafting."""
+    verification is flat the model goes on drafting k = 1, but for the plain step that times
+    one at these rows and the exploring rounds' one less (a plain step, kept measured)."""
     steep = start(Auto(), rows=4)
     plans = play(steep, lambda w: 10.0 * (2 * w - 1), geometric(0.5), offers=[0] * 4, rounds=4,
                  per_forward_seconds=3.0)
     assert plans[0].model_runs and plans[1].model_runs and plans[2].plain
     assert steep.accept[Source.MODEL].first_drafts < Auto.PLAIN_AFTER
     flat = start(Auto(), rows=4)
-    plans = play(flat, lambda w: 10.0 + 0.1 * (w - 1), geometric(0.5), offers=[0] * 4, rounds=4,
+    plans = play(flat, lambda w: 10.0 + 0.1 * (w - 1), geometric(0.5), offers=[0] * 4, rounds=40,
                  per_forward_seconds=3.0)
-    assert all(p.model_runs for p in plans)
+    assert [n for n, p in enumerate(plans, start=1) if not p.model_runs] == [3, 16, 32]
+    assert all(max(p.k) == 1 for n, p in enumerate(plans, start=1) if n > 3 and n % 8)
 
 
 def test_auto_decodes_plainly_where_no_draft_pays_and_drafts_again_where_it_does():

@@ -514,7 +514,8 @@ def refeed_tree(cache, run, ids: Tensor, depth: Tensor, mask: Tensor):
 
 def check_finite(logits: Tensor, model: str) -> None:
     """Raise unless ``logits`` (of ``model``, on the prompt) are all finite. The loops check
-    each model once per call, on the prompt, and verify the rounds unchecked: NaN or inf
+    each model once per call, at the prompt's last token (a NaN or inf reaches it from any
+    position before), and verify the rounds unchecked: NaN or inf
     logits (broken weights, float16 overflow) would otherwise decode into garbage."""
     if not bool(torch.isfinite(logits).all()):
         raise ValueError(f"{model}: its logits on the prompt contain NaN or inf (check its weights and dtype)")
@@ -527,8 +528,8 @@ def lead_in(model, cache, rows: Sequence[Sequence[int]], layers: tuple[int, ...]
             chunk: int | None = None) -> tuple[list[int], Tensor | None, int]:
     """Before a call's first forward over its prompts: feed each row's tokens but its last
     ``chunk`` (:data:`PROMPT_CHUNK` when None) in forwards of at most ``chunk`` tokens a row,
-    so the first forward reads at most ``chunk`` prompt tokens a row and its logits stay
-    bounded; the logits are checked and dropped. Returns each row's count fed (all 0 where no
+    so the first forward reads at most ``chunk`` prompt tokens a row; each forward's logits
+    at its rows' last tokens are checked and dropped. Returns each row's count fed (all 0 where no
     prompt is longer than ``chunk``: nothing runs), with ``layers`` their features
     [B, max(fed), F] (row b's first ``fed[b]``), and the forwards run."""
     chunk = PROMPT_CHUNK if chunk is None else chunk
@@ -537,8 +538,9 @@ def lead_in(model, cache, rows: Sequence[Sequence[int]], layers: tuple[int, ...]
     for start in range(0, max(fed), chunk):
         part = [r[start:min(start + chunk, n)] for r, n in zip(rows, fed)]
         ids = pad_rows(part, 0, cache.buffer.device)
+        last = torch.tensor([[max(len(p) - 1, 0)] for p in part], device=ids.device)
         out = forward(model, ids, cache, cache.lengths[:, None] + torch.arange(ids.shape[1], device=ids.device),
-                      **({} if layers is None else dict(layers=layers)))
+                      logits_at=last, **({} if layers is None else dict(layers=layers)))
         check_finite(out.logits, "target")
         cache.advance([len(p) for p in part])
         kept.append(out.features)

@@ -48,10 +48,12 @@ class ModelDrafter(Drafter):
             out, _ = feed_rows(self.cache, pad_rows(rows, 0, self.device), [len(r) for r in rows], self.forward)
             check_finite(out.logits, "draft")
 
-    def forward(self, ids: Tensor, positions: Tensor, mask: Tensor | None = None) -> Forward:
-        """The draft's logits [B,T,V] (and hidden states [B,T,H] with ``hidden``)."""
+    def forward(self, ids: Tensor, positions: Tensor, mask: Tensor | None = None,
+                logits_at: Tensor | None = None) -> Forward:
+        """The draft's logits [B,T,V] (at ``logits_at`` [B,n] alone: [B,n,V]) and, with
+        ``hidden``, hidden states [B,T,H]."""
         self.calls += 1
-        return forward(self.model, ids, self.cache, positions, mask, self.hidden)
+        return forward(self.model, ids, self.cache, positions, mask, self.hidden, logits_at=logits_at)
 
     def propose(self, seqs: list[list[int]], roots: Tensor, plan: RoundPlan, forced: Tensor | None = None,
                 forced_rows: Tensor | None = None) -> Proposal:
@@ -122,12 +124,17 @@ class ModelDrafter(Drafter):
             ids, lengths, lengths_t = pad_rows(pending, 0, self.device), [len(p) for p in pending], None
         else:
             ids, lengths, lengths_t = carry["ids"], carry["lengths"], carry["last"] + 1
-        out, last = feed_rows(self.cache, ids, lengths, self.forward, lengths_t)
+        if lengths_t is None:
+            lengths_t = torch.tensor(lengths, device=self.device)
+        # the logits at each row's last token alone (the agreement reads the one before it too)
+        at = None if agreement else (lengths_t - 1)[:, None]
+        out, last = feed_rows(self.cache, ids, lengths, lambda i, p: self.forward(i, p, logits_at=at), lengths_t)
         if self.calls == 1:  # the prompt
             check_finite(out.logits, "draft")
         agreed = self.bonus_agreement(out.logits, ids, last) if agreement else None
         rows = torch.arange(len(lengths), device=self.device)
-        return out.logits[rows, last], None if out.hidden is None else out.hidden[rows, last], agreed
+        logits = out.logits[:, 0] if at is not None else out.logits[rows, last]
+        return logits, None if out.hidden is None else out.hidden[rows, last], agreed
 
 
 def _is_causal_lm(draft) -> bool:

@@ -50,10 +50,10 @@ class SerialEngine(Rows):
         self.prompt_features: Tensor | None = None  # (the first round) the target's features of every prompt token
         self.model_read = [0] * len(prompts)  # per row: its length when the model's drafter last read it
 
-    def _target(self, ids: Tensor, positions: Tensor, mask=None) -> Forward:
+    def _target(self, ids: Tensor, positions: Tensor, mask=None, logits_at: Tensor | None = None) -> Forward:
         self.stats.target_calls += 1
         extra = {} if self.layers is None else dict(layers=self.layers)
-        return forward(self.target, ids, self.cache, positions, mask, self.reads_target, **extra)
+        return forward(self.target, ids, self.cache, positions, mask, self.reads_target, logits_at=logits_at, **extra)
 
     def verify(self, proposal: Proposal, prompt: bool = False) -> Outcome:
         """One target forward over the roots and the proposal, the sampler, the round's host
@@ -83,13 +83,13 @@ class SerialEngine(Rows):
         else:
             ids = torch.cat([self.roots[:, None], proposal.tokens.clamp_min(0)], 1)
             positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
-        logits, hidden, features = self._target(ids, positions, proposal.mask)
-        if columns is not None:
-            check_finite(logits, "target")  # once per call, on the prompt
+        logits, hidden, features = self._target(ids, positions, proposal.mask, logits_at=columns)
+        if columns is not None:  # (the logits come at the roots and drafts alone)
+            check_finite(logits, "target")  # once per call, at the prompt's last token
             self.prompt_features = None if features is None else \
                 prompt_features(fed, lead, features, [len(row) for row in full])
-            logits, hidden, features = (None if x is None else x.gather(1, columns[..., None].expand(-1, -1, x.shape[-1]))
-                                        for x in (logits, hidden, features))
+            hidden, features = (None if x is None else x.gather(1, columns[..., None].expand(-1, -1, x.shape[-1]))
+                                for x in (hidden, features))
         if self.sampler.processors is not None:  # each position's prefix: the row's text, then its path
             logits = self.sampler.process(logits, Positions.tree(nodes, proposal.parents, proposal.depth,
                                                                  proposal.max_depth) if proposal.is_tree else

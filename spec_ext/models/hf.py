@@ -106,6 +106,12 @@ def _cache_argument(model_class) -> str | None:
     return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
+@functools.lru_cache(None)
+def _keeps_logits(model_class) -> bool:
+    """Whether the model's forward computes the logits at the columns ``logits_to_keep`` alone."""
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
 def unsupported_reason(model) -> str | None:
     """Why spec_ext cannot decode ``model`` exactly, or None when it can (on the HF modules
     at least). Checked before any forward; an attention argument this cannot see from
@@ -530,7 +536,8 @@ class Forward(NamedTuple):
 
 
 def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tensor | None = None,
-            hidden: bool = False, use_lean: bool = True, layers: Sequence[int] | None = None) -> Forward:
+            hidden: bool = False, use_lean: bool = True, layers: Sequence[int] | None = None,
+            logits_at: Tensor | None = None) -> Forward:
     """One forward of T new tokens per row over ``cache`` (prefix lengths ``cache.lengths``).
 
     input_ids [B,T], positions [B,T], tree_mask [B|1,T,W] int32 or None (causal).
@@ -540,7 +547,10 @@ def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tenso
     indices k in 0..L, L decoder layers; see :func:`aux_layer_ids`), the features
     [B,T,len(layers)*H] in the model's dtype: HF's ``hidden_states[k]`` of each k in the
     order given, concatenated (k=0: the embeddings as the first layer gets them; 0 < k < L:
-    the output of layer k-1, the input of layer k; L: the final norm's output). Models
+    the output of layer k-1, the input of layer k; L: the final norm's output). With
+    ``logits_at`` [B,n] int64 (columns of the T), the logits are computed at those alone:
+    [B,n,V] (a prompt's forward needs its last position's; hidden and features stay [B,T,.]).
+    Models
     :mod:`spec_ext.models.lean` reproduces take the lean forward (same numbers, less overhead)
     unless ``use_lean`` is False; others go through the HF modules.
 
@@ -561,7 +571,7 @@ def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tenso
     decoder = None if not use_lean or model.training else \
         lean.lean_decoder(model) if block is None else block.decided[0]
     if decoder is not None:
-        out = decoder(input_ids, cache, positions, tree_mask, hidden, layers)
+        out = decoder(input_ids, cache, positions, tree_mask, hidden, layers, logits_at)
         out = out if isinstance(out, tuple) else (out,)
         out = Forward(out[0], out[1] if hidden else None, out[-1] if layers is not None else None)
     else:
@@ -579,15 +589,21 @@ def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tenso
         if invariant and torch.is_grad_enabled():
             raise RuntimeError(f"{type(model).__name__}: an invariant forward records no gradients (its kernels "
                                f"have no backward); run it under torch.no_grad()")
+        keep = {}  # the columns any row asks for, where the model's forward can keep them alone
+        if logits_at is not None and _keeps_logits(type(model)):
+            keep["logits_to_keep"] = columns = torch.unique(logits_at)
+            logits_at = torch.searchsorted(columns, logits_at)
         outer, _HERE.invariant = _invariant_here(), invariant
         try:
             with _Invariant() if invariant else contextlib.nullcontext():
                 result = model(input_ids=input_ids, position_ids=positions, attention_mask=mask4d, use_cache=True,
                                output_hidden_states=captured, spec_prefix_lens=cache.lengths,
-                               **{_cache_argument(type(model)): cache})
+                               **{_cache_argument(type(model)): cache}, **keep)
         finally:
             _HERE.invariant = outer
-        out = Forward(result.logits.float(), result.hidden_states[-1] if hidden else None,
+        logits = result.logits if logits_at is None else \
+            result.logits.gather(1, logits_at[..., None].expand(-1, -1, result.logits.shape[-1]))
+        out = Forward(logits.float(), result.hidden_states[-1] if hidden else None,
                       None if layers is None else _features(model, result.hidden_states, layers, count))
     return out if vocab is None else out._replace(logits=_fit_vocab(out.logits, vocab[2]))
 

@@ -224,9 +224,9 @@ class LeanDecoder:
         return table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1)
 
     def __call__(self, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tensor | None = None,
-                 hidden: bool = False, layers: tuple[int, ...] | None = None):
-        """logits [B,T,V] float32; with ``hidden`` also the last hidden state (after the
-        final norm); with ``layers`` (checked by the caller: ints in 0..L) also the features
+                 hidden: bool = False, layers: tuple[int, ...] | None = None, logits_at: Tensor | None = None):
+        """logits [B,T,V] float32 (with ``logits_at`` [B,n] int64: at those columns alone,
+        [B,n,V]); with ``hidden`` also the last hidden state (after the final norm); with ``layers`` (checked by the caller: ints in 0..L) also the features
         [B,T,len(layers)*H]: hidden state k is the input of layer k (k=0: the embeddings),
         L the output of the final norm, as HF's ``hidden_states[k]``. Returns logits,
         (logits, hidden), (logits, features) or (logits, hidden, features)."""
@@ -255,7 +255,8 @@ class LeanDecoder:
             gate = per_position(layer["act"], gate) if self.invariant else layer["act"](gate)
             x = x + linear(gate * linear(h, *layer["up"]), *layer["down"])
         x = _rms_norm(x, *self.norm)
-        logits = linear(x, *self.lm_head).float()
+        head = x if logits_at is None else x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
+        logits = linear(head, *self.lm_head).float()
         if kept is None:
             return (logits, x) if hidden else logits
         kept[len(self.layers)] = x

@@ -52,7 +52,9 @@ class Auto(Policy):
     output in a process.
 
     The first round drafts the text and the model to ``initial``, the second the model alone at
-    the narrowest width, so that two widths give the cost's slope; then every
+    the narrowest width, so that two widths give the cost's slope; greedy, the next round at a
+    batch size with no plain step timed is one (a plain step runs none of a verification's
+    machinery: the line through the drafting widths prices it above its cost); then every
     ``explore_every``-th round tries the model's k one more, the next such round one less. A
     chain grows at most one draft past the deepest its rounds reached (its width is then
     timed). Across calls (``accelerate`` keeps a memory): greedy calls start from the costs and
@@ -170,19 +172,16 @@ class AutoController(Controller):
         deepest = max((j for j in range(1, self.policy.max_draft + 1) if acc.reached[j] >= 0.5 * acc.unit), default=0)
         return max(1, min(self.largest, deepest + 1))
 
-    def _explored(self, k: int, rows: int, plain: bool = False) -> int:
-        """``k``, or one more / one less in the exploring rounds (none where that is a plain
-        step, ``plain``, and none was timed at ``rows``: the line through the drafting widths
-        prices it above its own cost); in the second round, with one width alone timed, the
-        narrowest chain: two widths give the cost's slope."""
+    def _explored(self, k: int, rows: int) -> int:
+        """``k``, or one more / one less in the exploring rounds (greedy, one less than one is a
+        plain step: its cost stays measured beside the drafting rounds'); in the second round,
+        with one width alone timed, the narrowest chain: two widths give the cost's slope."""
         if self.rounds == 2 and self._one_width(rows):
             return self._narrowest(rows)
         every = self.policy.explore_every
         phase = self.rounds % (2 * every)
         step = 1 if phase == every else -1 if phase == 0 else 0
-        if step < 0 and plain and self.pricing.timed and 1 not in self._chain_widths(rows):
-            return 0
-        return min(self.largest, max(1, k + step))
+        return min(self.largest, max(0 if self.pricing.timed else 1, k + step))
 
     def _narrowest(self, rows: int) -> int:
         seen, = self._chain_widths(rows)
@@ -242,6 +241,9 @@ class AutoController(Controller):
             k, cap, runs = self._narrowest(B), 0, True
         elif not known:  # the first rounds: the text where it matches and the model, both to the initial k, timed
             k, cap, runs = min(policy.initial, self.largest), policy.initial, True
+        elif price.timed and 1 not in self._chain_widths(B):  # then a plain step (no text either), timed once
+            self.k = 0  # at these rows: the line through the drafting widths prices one above its cost
+            return RoundPlan([0] * B, record=_Round())
         else:
             V = [None] + [price.verify(B, w) for w in range(1, 2 + max(policy.max_draft, *map(len, curves)))]
             D = [price.draft(j, B) or 0.0 for j in range(self.largest + 1)]
@@ -315,7 +317,10 @@ class AutoController(Controller):
                     instead_of_plain = plain[4]
             _, k, cap, runs, _ = best
             if runs and instead_of_plain is None:
-                k = self._explored(k, B, plain=all(len(c) == 1 for c in curves))
+                k = self._explored(k, B)
+                if k == 0:  # (no text either)
+                    self.k = 0
+                    return RoundPlan([0] * B, record=_Round())
         self.k = k if runs else 0
         text: list[Offer | None] = []
         record = _Round(instead_of_plain=instead_of_plain, behind=sum(state.behind or ()))
