@@ -182,7 +182,7 @@ def cost_rows(results, warm, batch, round_seconds, target, context):
         for k in KS:
             stats = results[f"{drafter}: fixed k={k}"]["stats"]
             measured = statistics.median(round_seconds[(drafter, batch, k)])
-            verify, draft_s = costs.verify(batch, k + 1), costs.draft(k)
+            verify, draft_s = costs.verify(batch, k + 1), costs.draft(k, rows=batch)
             accepted = sum(s.accepted for s in stats) / sum(s.rounds for s in stats)
             rows.append(dict(drafter=drafter, batch=batch, k=k, measured_round_s=f"{measured:.4g}",
                              estimated_verify_s="" if verify is None else f"{verify:.4g}",

@@ -165,3 +165,23 @@ def test_logits_at_some_columns_are_the_full_forwards_at_those_columns(kind, lea
     torch.testing.assert_close(some.logits, full.logits.gather(1, at[..., None].expand(-1, -1, 61)), rtol=1e-5,
                                atol=1e-6)
     assert torch.equal(some.hidden, full.hidden)
+
+
+def test_logits_at_on_a_model_whose_forward_takes_logits_to_keep_but_computes_every_column():
+    """(remote code that takes the argument and ignores it) The whole forward's logits, gathered."""
+    model = lean_model("llama")
+
+    class Ignores(type(model)):
+        def forward(self, input_ids=None, past_key_values=None, logits_to_keep=0, **kwargs):
+            return super().forward(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
+
+    ignoring = Ignores(model.config).eval()
+    ignoring.load_state_dict(model.state_dict())
+    ids, at = torch.randint(0, 61, (2, 6), generator=torch.Generator().manual_seed(2)), torch.tensor([[5], [1]])
+    outs = []
+    for m in (model, ignoring):
+        cache = SpecCache.for_model(m, 2, 16)
+        with torch.inference_mode(), hf.attention_implementation(m):
+            outs.append(hf.forward(m, ids, cache, torch.arange(6).expand(2, 6), use_lean=False, logits_at=at).logits)
+    assert outs[1].shape == (2, 1, 61)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)

@@ -126,8 +126,9 @@ class ModelDrafter(Drafter):
             ids, lengths, lengths_t = carry["ids"], carry["lengths"], carry["last"] + 1
         if lengths_t is None:
             lengths_t = torch.tensor(lengths, device=self.device)
-        # the logits at each row's last token alone (the agreement reads the one before it too)
-        at = None if agreement else (lengths_t - 1)[:, None]
+        # over the prompt, the logits at each row's last token alone (the agreement reads the one
+        # before it too; later catch-ups are a round's few tokens)
+        at = (lengths_t - 1)[:, None] if self.calls == 0 and not agreement else None
         out, last = feed_rows(self.cache, ids, lengths, lambda i, p: self.forward(i, p, logits_at=at), lengths_t)
         if self.calls == 1:  # the prompt
             check_finite(out.logits, "draft")

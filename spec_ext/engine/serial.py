@@ -85,7 +85,7 @@ class SerialEngine(Rows):
             positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
         logits, hidden, features = self._target(ids, positions, proposal.mask, logits_at=columns)
         if columns is not None:  # (the logits come at the roots and drafts alone)
-            check_finite(logits, "target")  # once per call, at the prompt's last token
+            check_finite(logits, "target")  # once per call, at the prompt's last token and the drafts
             self.prompt_features = None if features is None else \
                 prompt_features(fed, lead, features, [len(row) for row in full])
             hidden, features = (None if x is None else x.gather(1, columns[..., None].expand(-1, -1, x.shape[-1]))

@@ -527,7 +527,7 @@ _NO_TREE = {}
 
 
 class Forward(NamedTuple):
-    """What :func:`forward` returns: ``logits`` [B,T,V] float32; ``hidden`` [B,T,H] the last
+    """What :func:`forward` returns: ``logits`` [B,T,V] float32 ([B,n,V] at ``logits_at``); ``hidden`` [B,T,H] the last
     hidden state (after the final norm), where asked; ``features`` [B,T,len(layers)*H] the
     hidden states of the layers asked for, in the model's dtype."""
     logits: Tensor
@@ -589,8 +589,10 @@ def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tenso
         if invariant and torch.is_grad_enabled():
             raise RuntimeError(f"{type(model).__name__}: an invariant forward records no gradients (its kernels "
                                f"have no backward); run it under torch.no_grad()")
-        keep = {}  # the columns any row asks for, where the model's forward can keep them alone
-        if logits_at is not None and _keeps_logits(type(model)):
+        # the columns any row asks for, where the model's forward can keep them alone (a split
+        # model's followers replay the forward without them: its LM head gathers over the ranks)
+        keep, asked = {}, logits_at
+        if logits_at is not None and split_size(model) == 1 and _keeps_logits(type(model)):
             keep["logits_to_keep"] = columns = torch.unique(logits_at)
             logits_at = torch.searchsorted(columns, logits_at)
         outer, _HERE.invariant = _invariant_here(), invariant
@@ -601,8 +603,11 @@ def forward(model, input_ids: Tensor, cache, positions: Tensor, tree_mask: Tenso
                                **{_cache_argument(type(model)): cache}, **keep)
         finally:
             _HERE.invariant = outer
-        logits = result.logits if logits_at is None else \
-            result.logits.gather(1, logits_at[..., None].expand(-1, -1, result.logits.shape[-1]))
+        logits = result.logits
+        if keep and logits.shape[1] != len(keep["logits_to_keep"]):  # a forward that computed them all
+            logits_at = asked
+        if logits_at is not None:
+            logits = logits.gather(1, logits_at[..., None].expand(-1, -1, logits.shape[-1]))
         out = Forward(logits.float(), result.hidden_states[-1] if hidden else None,
                       None if layers is None else _features(model, result.hidden_states, layers, count))
     return out if vocab is None else out._replace(logits=_fit_vocab(out.logits, vocab[2]))

@@ -52,8 +52,8 @@ class Auto(Policy):
     output in a process.
 
     The first round drafts the text and the model to ``initial``, the second the model alone at
-    the narrowest width, so that two widths give the cost's slope; greedy, the next round at a
-    batch size with no plain step timed is one (a plain step runs none of a verification's
+    the narrowest width, so that two widths give the cost's slope; greedy, the next round, at a
+    batch size a call starts at with no plain step timed, is one (a plain step runs none of a verification's
     machinery: the line through the drafting widths prices it above its cost); then every
     ``explore_every``-th round tries the model's k one more, the next such round one less. A
     chain grows at most one draft past the deepest its rounds reached (its width is then
@@ -241,8 +241,9 @@ class AutoController(Controller):
             k, cap, runs = self._narrowest(B), 0, True
         elif not known:  # the first rounds: the text where it matches and the model, both to the initial k, timed
             k, cap, runs = min(policy.initial, self.largest), policy.initial, True
-        elif price.timed and 1 not in self._chain_widths(B):  # then a plain step (no text either), timed once
-            self.k = 0  # at these rows: the line through the drafting widths prices one above its cost
+        elif price.timed and not tail and 1 not in self._chain_widths(B):
+            # then a plain step (no text either), timed once at a batch size a call starts at: the
+            # line through the drafting widths prices one above its cost
             return RoundPlan([0] * B, record=_Round())
         else:
             V = [None] + [price.verify(B, w) for w in range(1, 2 + max(policy.max_draft, *map(len, curves)))]
@@ -318,8 +319,7 @@ class AutoController(Controller):
             _, k, cap, runs, _ = best
             if runs and instead_of_plain is None:
                 k = self._explored(k, B)
-                if k == 0:  # (no text either)
-                    self.k = 0
+                if k == 0:  # (no text either; the next round is weighed as after this one's k)
                     return RoundPlan([0] * B, record=_Round())
         self.k = k if runs else 0
         text: list[Offer | None] = []

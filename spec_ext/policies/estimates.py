@@ -152,11 +152,12 @@ class Costs:
         entry = self._draft.get((rows, steps))
         if entry is not None and (entry[2] > fresh or len(self._draft) == 1):
             return entry[0]
+        if not self._draft:
+            return None
         measured = {key: e[0] for key, e in self._draft.items() if e[2] > fresh} or \
             {key: e[0] for key, e in self._draft.items()}
-        if not measured:
-            return None
-        mine = [(s, m, 1) for (r, s), m in measured.items() if r == rows]
+        mine = [(s, m, 1) for (r, s), m in measured.items() if r == rows] or \
+            [(s, e[0], 1) for (r, s), e in self._draft.items() if r == rows]
         if len(mine) >= 2:
             intercept, slope = _fit(mine)
             return max(0.0, intercept + slope * steps)
