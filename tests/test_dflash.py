@@ -215,14 +215,16 @@ def recording(draft):
     return Recording(draft), rounds
 
 
-def recording_auto(chosen, offers_nothing=lambda round: False):
+def recording_auto(chosen, offers_nothing=lambda round: False, explore_share=Auto.EXPLORE_SHARE):
     """Auto whose controller appends to ``chosen`` the longest model chain each round's plan
     drafts (0: the model drafts no row); in the rounds where ``offers_nothing(round)`` (counted
-    from 0) the rows' text offers no match."""
+    from 0) the rows' text offers no match; ``explore_share``: Auto's ``EXPLORE_SHARE``."""
 
     from test_policies import Text  # (a TextLookup of given chain lengths: here none anywhere)
 
     class Recording(Auto):
+        EXPLORE_SHARE = explore_share
+
         def start(self, call):
             controller = super().start(call)
             plan = controller.plan
@@ -291,8 +293,9 @@ def test_after_rounds_where_only_the_text_drafted_the_block_equals_a_fresh_draft
     text drafts no block runs, and the next block still equals a fresh drafter's on the
     committed text (its context grew in commit whatever was drafted)."""
     chosen = []
-    # every other round the text offers nothing, so the model drafts again
-    alternating = recording_auto(chosen, offers_nothing=lambda round: round % 2)
+    # every other round the text offers nothing, so the model drafts again (where plain steps
+    # win on this machine's clock, in rounds that explore: one every few plain steps)
+    alternating = recording_auto(chosen, offers_nothing=lambda round: round % 2, explore_share=0.5)
     block, rounds = recording(trained)
     out = spec_ext.generate(target, block, PROMPTS, max_new_tokens=40, eos_token_id=[], policy=alternating)
     for row, prompt in enumerate(PROMPTS):

@@ -43,11 +43,12 @@ def play(controller, verify, accepted, offers=None, rounds=1, per_forward_second
          warm=None):
     """Rounds of ``controller``: row b's text offers ``offers[b]`` drafts (None: no text); a
     round costs verify(width) + per_forward_seconds per draft forward; ``accepted(rng, source)``
-    draws a row's accepted run. Returns every round's plan."""
+    draws a row's accepted run. Returns every round's plan (a plain run's once per step, as
+    the engine runs it: one report of its steps)."""
     rng = rng or random.Random(0)
     plans = []
-    for n in range(rounds):
-        rows = controller.rows
+    while len(plans) < rounds:
+        n, rows = len(plans), controller.rows
         text = None if offers is None else Text(offers)
         plan = controller.plan(RoundState(rows, text))
         drafted = [len(t.tokens) if t is not None else k for t, k in zip(plan.text, plan.k)]
@@ -56,12 +57,13 @@ def play(controller, verify, accepted, offers=None, rounds=1, per_forward_second
         forwards = -(-steps // per_forward) if plan.model_runs else 0
         draft_seconds = per_forward_seconds * forwards
         runs = [min(d, accepted(rng, s)) for d, s in zip(drafted, plan.sources)]
-        controller.observe(Report(plan, plan.sources, drafted, runs, [[0] * (a + 1) for a in runs], width,
+        plain = plan.steps if plan.plain else 1
+        controller.observe(Report(plan, plan.sources, drafted, runs, [[0] * (a + plain) for a in runs], width,
                                   seconds=verify(width) + draft_seconds, draft_seconds=draft_seconds,
                                   draft_forwards=forwards, draft_steps=steps,
-                                  warm=(n > 0) if warm is None else warm(n)))
-        plans.append(plan)
-    return plans
+                                  warm=(n > 0) if warm is None else warm(n), steps=plain))
+        plans += [plan] * plain
+    return plans[:rounds]
 
 
 def geometric(alpha):
@@ -473,7 +475,7 @@ def test_auto_decodes_plainly_where_no_draft_pays_and_drafts_again_where_it_does
     memory = Memory()
     controller = start(Auto(), rows=8, memory=memory)
     steep = lambda w: 10.0 * (2 * w - 1)  # noqa: E731
-    plans = play(controller, steep, geometric(0.2), offers=[0] * 8, rounds=400, per_forward_seconds=3.0)
+    plans = play(controller, steep, geometric(0.2), offers=[0] * 8, rounds=1500, per_forward_seconds=3.0)
     assert all(p.model_runs for p in plans[:2]) and any(p.plain for p in plans[2:8]), "plain once measured"
     late = plans[40:]
     drafting = [p for p in late if not p.plain]
@@ -487,7 +489,7 @@ def test_auto_decodes_plainly_where_no_draft_pays_and_drafts_again_where_it_does
     plans_again = play(again, steep, geometric(0.2), offers=[0] * 8, rounds=4, per_forward_seconds=3.0)
     assert all(p.plain for p in plans_again), "the costs and the evidence carried: plain from the first round"
     flat = lambda w: 10.0 + 0.1 * (w - 1)  # noqa: E731
-    plans = play(controller, flat, geometric(0.9), offers=[0] * 8, rounds=600, per_forward_seconds=0.5)
+    plans = play(controller, flat, geometric(0.9), offers=[0] * 8, rounds=1200, per_forward_seconds=0.5)
     assert all(max(p.k) >= 2 for p in plans[-30:])
 
 
@@ -536,13 +538,7 @@ def test_auto_with_plain_steps_in_the_loop_equals_the_target_and_its_drafts_catc
         target = llama(97, 64, 2, seed=0, sharpen=4.0)
         draft, prompts = perturbed(target, 0.005, seed=1), [[5, 17, 33, 8], [7, 8, 9, 40, 2, 11]]
     else:  # the bundled pair's head, accepted 2-3 drafts a round on the demo prompt
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        from spec_ext.__main__ import DEMO_PROMPT
-        from spec_ext.bundled import bundled_path
-        from spec_ext.drafters import load
-        target = AutoModelForCausalLM.from_pretrained(bundled_path("stdlib-target"), dtype=torch.float32).eval()
-        ids = AutoTokenizer.from_pretrained(bundled_path("stdlib-target"))(DEMO_PROMPT).input_ids
-        draft, prompts = load(bundled_path("stdlib-head"), target), [ids[:40], ids[:23]]
+        target, draft, prompts = bundled_head_pair()
     out = spec_ext.generate(target, draft, prompts, max_new_tokens=120, eos_token_id=[], policy=Steep())
     for b, p in enumerate(prompts):
         assert out.sequences[b, -120:].tolist() == hf_greedy(target, p, 120, eos=[]), b
@@ -552,6 +548,94 @@ def test_auto_with_plain_steps_in_the_loop_equals_the_target_and_its_drafts_catc
     assert model_runs and sum(model_runs) >= len(model_runs) // 4, model_runs  # (lost context: ~1 in 97)
     after_plain = [r.warm for n, r in enumerate(reports) if n - 1 in plain and r.draft_forwards]
     assert after_plain and not any(after_plain)
+
+
+def bundled_head_pair():
+    """The bundled target, its head and two ragged prompts of the demo text (its head accepts
+    2-3 drafts a round there)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from spec_ext.__main__ import DEMO_PROMPT
+    from spec_ext.bundled import bundled_path
+    from spec_ext.drafters import load
+    target = AutoModelForCausalLM.from_pretrained(bundled_path("stdlib-target"), dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(bundled_path("stdlib-target"))(DEMO_PROMPT).input_ids
+    return target, load(bundled_path("stdlib-head"), target), [ids[:40], ids[:23]]
+
+
+@pytest.mark.parametrize("drafter", ["draft model", "head"])
+def test_a_plain_run_is_its_steps_under_one_plan_and_the_drafter_catches_up_as_after_each(drafter, monkeypatch):
+    """A plain plan of ``steps`` n: the engine takes n plain steps (fewer where a row finishes:
+    the run ends there), then the controller sees one report of them (``steps``; every step's
+    token in ``committed``). The drafter, skipped for the run, catches
+    up as it does after n plain plans of one step: the same drafts in every drafting round
+    (the head's waiting features joined before one store write); the output is the target's."""
+    from helpers import hf_greedy
+    from spec_ext.drafters.mixed import MixedDrafter
+    from spec_ext.policies import Controller, Policy
+
+    RUN = 5  # plain steps, then a round of 3 drafts, over and over
+
+    class Schedule(Controller):
+        def __init__(self, policy, call):
+            super().__init__(policy, call)
+            self.step, self.reports = 0, []
+
+        def plan(self, state):
+            phase = self.step % (RUN + 1)
+            if phase == RUN:
+                return RoundPlan([3] * state.rows)
+            return RoundPlan([0] * state.rows, steps=RUN - phase if self.policy.runs else 1)
+
+        def observe(self, report):
+            self.reports.append(report)
+            self.step += report.steps
+
+    @dataclasses.dataclass(frozen=True)
+    class Scheduled(Policy):
+        runs: bool = True
+
+        def start(self, call):
+            self.controllers.append(Schedule(self, call))
+            return self.controllers[-1]
+
+        @property
+        def controllers(self):
+            return CONTROLLERS[self.runs]
+
+    CONTROLLERS = {True: [], False: []}
+    if drafter == "draft model":
+        target = llama(97, 64, 2, seed=0, sharpen=4.0)
+        draft, prompts = perturbed(target, 0.001, seed=1), [[5, 17, 33, 8], [7, 8, 9, 40, 2, 11]]
+    else:
+        target, draft, prompts = bundled_head_pair()
+    proposals = {True: [], False: []}
+    propose = MixedDrafter.propose
+    runs = {"now": True}
+
+    def recording(self, seqs, roots, plan):
+        proposal = propose(self, seqs, roots, plan)
+        proposals[runs["now"]].append((proposal.tokens.tolist(), proposal.num_draft.tolist()))
+        return proposal
+
+    monkeypatch.setattr(MixedDrafter, "propose", recording)
+    new = 80
+    outs = {}
+    for runs["now"] in (True, False):
+        outs[runs["now"]] = spec_ext.generate(target, draft, prompts, max_new_tokens=new, eos_token_id=[],
+                                              policy=Scheduled(runs["now"]))
+    for b, p in enumerate(prompts):
+        assert outs[True].sequences[b, -new:].tolist() == hf_greedy(target, p, new, eos=[]), b
+    assert proposals[True] == proposals[False] and len(proposals[True]) >= 8
+    assert outs[True].stats.accepted > len(proposals[True]), outs[True].stats  # (drafts accepted after the runs)
+    reports = CONTROLLERS[True][0].reports
+    plain = [r for r in reports if r.plan.plain and r.timed]
+    assert RUN in {r.steps for r in plain}
+    for r in plain:
+        assert [len(c) for c in r.committed] == [r.steps] * r.plan.rows and r.width == 1
+        assert r.drafted == r.accepted == [0] * r.plan.rows and r.source == [Source.NONE] * r.plan.rows
+    cut = [r for r in plain if r.steps < r.plan.steps]  # (rows accept unlike counts: one finishes first)
+    assert cut, [(r.steps, r.plan.steps) for r in plain]
+    assert outs[True].stats.target_calls == outs[False].stats.target_calls
 
 
 def test_auto_times_the_narrowest_width_second_beside_a_head_whose_first_forward_is_no_cost():

@@ -98,6 +98,7 @@ class HeadDrafter(Drafter):
         # costs each round its own pairs, not a copy of all that wait); it doubles when full
         self._store: tuple[Tensor, Tensor] | None = None  # [B, width] ids, [B, width, F] features
         self._stored = False  # whether the waiting pairs are the store's
+        self._waits: list[tuple[Tensor, Tensor, list[int]]] = []  # skipped rounds' pairs, not yet in the store
 
     def _feature_width(self) -> int:
         config = self.head.config
@@ -123,6 +124,7 @@ class HeadDrafter(Drafter):
     def propose(self, seqs: list[list[int]], roots: Tensor, plan: RoundPlan, forced: Tensor | None = None,
                 forced_rows: Tensor | None = None) -> Proposal:
         B = len(seqs)
+        self._settle()
         ids, features, pairs, pairs_t = self._pending
         combined = self.head.combine(features)
         slots, budget = plan.slots() if self.head.config.mask_token_id is not None else (0, None)
@@ -190,15 +192,29 @@ class HeadDrafter(Drafter):
 
     def commit(self, outcome: Outcome) -> None:
         features, ids, counts, counts_t = committed_features(outcome)
-        if self._waiting:  # the head did not run: its cache is as it was, and the new pairs go after the waiting
+        self.remember_bonus(outcome)
+        if self._waiting:  # the head did not run: its cache is as it was, and the new pairs wait (_settle)
             self._waiting = False
-            ids, features, counts, counts_t = self._after_waiting(ids, features, counts)
-        else:
-            self.cache.rollback(self._kept, self._kept_t)
-            self._stored = False
+            self._waits.append((ids, features, counts))
+            return
+        self.cache.rollback(self._kept, self._kept_t)
+        self._stored = False
         self._pending = ids, features, counts, counts_t
         self.real = list(counts)
-        self.remember_bonus(outcome)
+
+    def _settle(self) -> None:
+        """The pairs of the rounds the head skipped go after those already waiting
+        (:meth:`_after_waiting`), consecutive rounds that kept the same count in every row
+        (plain steps) joined first."""
+        waits, self._waits = self._waits, []
+        while waits:
+            ids, features, counts = waits.pop(0)
+            while waits and len(set(counts)) == 1 and len(set(waits[0][2])) == 1:
+                more_ids, more_features, more = waits.pop(0)
+                ids, features = torch.cat([ids, more_ids], 1), torch.cat([features, more_features], 1)
+                counts = [c + m for c, m in zip(counts, more)]
+            self._pending = self._after_waiting(ids, features, counts)
+            self.real = list(self._pending[2])
 
     def _after_waiting(self, ids: Tensor, features: Tensor, counts: list[int]
                        ) -> tuple[Tensor, Tensor, list[int], Tensor]:
@@ -225,6 +241,7 @@ class HeadDrafter(Drafter):
         return store_ids[:, :width], store_features[:, :width], total, torch.tensor(total, device=self.device)
 
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
+        self._settle()
         self.cache.keep_rows(rows)
         ids, features, pairs, pairs_t = self._pending
         self._pending = ids[index], features[index], [pairs[i] for i in rows], pairs_t[index]

@@ -118,28 +118,39 @@ class SerialEngine(Rows):
                        proposal.num_draft, drafted, last, result.path if proposal.is_tree else None, p, features)
 
     def _run_plain(self):
-        """The rounds after the first of a policy that never drafts (``Plain``): one target
-        forward per token, the sampler and each row's emit, none of a round's planning or
-        verification (a greedy step's token is the argmax, as the verification's would be)."""
-        processors = self.sampler.processors
-        none = self._plain(len(self.active))
+        """The rounds after the first of a policy that never drafts (``Plain``): plain steps
+        (:meth:`_plain_steps`) until every row is done, none of a round's planning."""
         while self.active:
-            B = len(self.active)
+            _, keep = self._plain_steps(None)
+            self._keep_rows(keep, drafter=False)
+        self.controller.finish()
+        return self.finish()
+
+    def _plain_steps(self, most: int | None) -> tuple[Outcome, list[int]]:
+        """Plain steps (at most ``most``; None: no bound) until one where a row finishes, each
+        step's tokens fed to the processors and emitted as it comes: the steps' merged
+        :class:`Outcome` (as a round that accepted all its steps' tokens but the last as drafts
+        would give: what the drafter catches up on after them) and the rows that go on."""
+        processors, steps = self.sampler.processors, []
+        none = self._plain(len(self.active))
+        keep = list(range(len(self.active)))
+        while len(keep) == len(self.active) and (most is None or len(steps) < most):
             outcome = self._plain_step(none)
+            steps.append(outcome)
             if processors is not None:
                 processors.commit(outcome.tokens, none.num_draft + 1, outcome.committed)
             keep = [i for i, r in enumerate(self.active) if self.emit(r, outcome.committed[i], 0, 0, "none")]
-            if len(keep) < B:
-                index = torch.tensor(keep, dtype=torch.long, device=self.device)
-                self.cache.keep_rows(keep)
-                self.controller.keep_rows(keep)
-                if processors is not None:
-                    processors.keep_rows(keep, index)
-                self.roots = self.roots[index]
-                self.active = [self.active[i] for i in keep]
-                none = self._plain(len(keep))
-        self.controller.finish()
-        return self.finish()
+        if len(steps) == 1:
+            return steps[0], keep
+        B, n = len(self.active), len(steps)
+        accepted = torch.full_like(none.num_draft, n - 1)
+
+        def joined(name: str) -> Tensor | None:
+            return None if getattr(steps[0], name) is None else torch.cat([getattr(o, name) for o in steps], 1)
+
+        committed = [sum(row, []) for row in zip(*(o.committed for o in steps))]
+        return Outcome(joined("tokens"), accepted, [n - 1] * B, committed, accepted, [n - 1] * B, accepted, None,
+                       joined("p"), joined("features")), keep
 
     def _plain_step(self, none: Proposal) -> Outcome:
         """A plain decode step (``none``: the proposal of no drafts): one target forward at the
@@ -192,6 +203,24 @@ class SerialEngine(Rows):
         return ops.TreeResult(*(torch.where(rows[:, None] if a.dim() == 2 else rows, a, b)
                                 for a, b in zip(drawn, fixed)))
 
+    def _keep_rows(self, keep: list[int], drafter: bool = True) -> None:
+        """Only the rows ``keep`` (indices into the active rows) go on: every per-row state
+        (``drafter``: the drafter's too) keeps them alone."""
+        if len(keep) == len(self.active) or not keep:  # (no row left: the call ends)
+            self.active = [self.active[i] for i in keep]
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.cache.keep_rows(keep)
+        if drafter:
+            self.drafter.keep_rows(keep, index)
+        self.controller.keep_rows(keep)
+        if self.sampler.processors is not None:
+            self.sampler.processors.keep_rows(keep, index)
+        self.roots = self.roots[index]
+        if self.hidden is not None:
+            self.hidden = self.hidden[index]
+        self.active = [self.active[i] for i in keep]
+
     def run(self):
         controller, drafter = self.controller, self.drafter
         # a drafter that reads the target's features starts once the prompt's forward gave them
@@ -218,48 +247,50 @@ class SerialEngine(Rows):
             elif first and any(t is not None and t.parents is not None for t in plan.text):
                 plan = dataclasses.replace(plan, text=[None if t is not None and t.parents is not None else t
                                                        for t in plan.text])
-            if plan.plain and (waiting or model is None or not model.drafts_every_round):
-                proposal = self._plain(B)  # a plain step: no drafting, no selection
-                if not waiting:
-                    drafter.skip()
+            run = plan.plain and not first and (model is None or not model.drafts_every_round)
+            if run:  # plain steps: no drafting, no selection; the drafter catches up after them
+                drafter.skip()
+                selected = time.perf_counter()
+                outcome, keep = self._plain_steps(plan.steps)
+                drafted = accepted = [0] * B
             else:
-                proposal = plan.select(drafter.propose(seqs, self.roots, plan))
-            if proposal.draft_forwards:
-                for r, s in zip(self.active, seqs):
-                    self.model_read[r] = len(s)
-            selected = time.perf_counter()
-            outcome = self.verify(proposal, prompt=first)
-            if self.sampler.processors is not None:
-                self.sampler.processors.commit(outcome.tokens, outcome.num_accepted + 1, outcome.committed)
+                if plan.plain and (waiting or model is None or not model.drafts_every_round):
+                    proposal = self._plain(B)  # (the first round's: the prompt's forward)
+                    if not waiting:
+                        drafter.skip()
+                else:
+                    proposal = plan.select(drafter.propose(seqs, self.roots, plan))
+                if proposal.draft_forwards:
+                    for r, s in zip(self.active, seqs):
+                        self.model_read[r] = len(s)
+                selected = time.perf_counter()
+                outcome = self.verify(proposal, prompt=first)
+                if self.sampler.processors is not None:
+                    self.sampler.processors.commit(outcome.tokens, outcome.num_accepted + 1, outcome.committed)
+                drafted, accepted = outcome.drafted, outcome.accepted
             if not waiting:
                 drafter.commit(outcome)
             now = time.perf_counter()
-            sources = proposal.source
+            sources = [Source.NONE] * B if run else proposal.source
             if not waiting:  # (the first round's seconds hold the prompt's forward: no round's cost)
-                controller.observe(Report(plan, sources, outcome.drafted, outcome.accepted, outcome.committed,
-                                          proposal.width, now - started, now - selected, proposal.draft_seconds,
-                                          proposal.draft_forwards, proposal.draft_steps, proposal.warm, outcome.path,
-                                          proposal.explores, self.hidden, self.roots, timed=not first))
-            keep = [i for i, r in enumerate(self.active)
-                    if self.emit(r, outcome.committed[i], outcome.drafted[i], outcome.accepted[i],
-                                 sources[i].name.lower())]
-            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+                steps = outcome.tokens.shape[1] if run else 1
+                controller.observe(
+                    Report(plan, sources, drafted, accepted, outcome.committed, 1, (now - started) / steps,
+                           (now - selected) / steps, steps=steps, target_hidden=self.hidden, roots=self.roots)
+                    if run else
+                    Report(plan, sources, drafted, accepted, outcome.committed, proposal.width, now - started,
+                           now - selected, proposal.draft_seconds, proposal.draft_forwards, proposal.draft_steps,
+                           proposal.warm, outcome.path, proposal.explores, self.hidden, self.roots, timed=not first))
+            if not run:
+                keep = [i for i, r in enumerate(self.active)
+                        if self.emit(r, outcome.committed[i], drafted[i], accepted[i], sources[i].name.lower())]
             if waiting and keep:  # each prompt's features, the context of the first new token
+                index = torch.tensor(keep, dtype=torch.long, device=self.device)
                 drafter.start([list(self.seqs[self.active[i]]) for i in keep], self.capacity, self.sampler,
                               self.generator, features=self.prompt_features[index])
                 for i in keep:
                     self.model_read[self.active[i]] = len(self.seqs[self.active[i]])
-            if len(keep) < len(self.active):
-                self.cache.keep_rows(keep)
-                if not waiting:
-                    drafter.keep_rows(keep, index)
-                controller.keep_rows(keep)
-                if self.sampler.processors is not None:
-                    self.sampler.processors.keep_rows(keep, index)
-                self.roots = self.roots[index]
-                if self.hidden is not None:
-                    self.hidden = self.hidden[index]
-                self.active = [self.active[i] for i in keep]
+            self._keep_rows(keep, drafter=not waiting)
             first = waiting = False
             self.prompt_features = None
         controller.finish()

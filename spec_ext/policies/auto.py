@@ -31,8 +31,9 @@ class Auto(Policy):
     plain decode step, what :class:`Plain` runs) where that beats every draft, once the model's
     acceptance rests on ``PLAIN_AFTER`` measured first drafts (the memory's count too) or where
     it beats drafts accepted as often as ``OPTIMISTIC``; after plain steps a draft must beat
-    them by ``SWITCH``, and drafts in place of plain steps (to keep acceptance measured) cost
-    at most ``EXPLORE_SHARE`` of their seconds.
+    them by ``SWITCH``; a plain step that wins is a run of ``PLAIN_RUN`` steps under one plan;
+    the model's drafts in place of plain steps (to keep its acceptance measured; the text's is
+    measured on the rows it did not draft) cost at most ``EXPLORE_SHARE`` of their seconds.
 
     The batch's rows: a round's value is the tokens per second until the slowest row is done
     (:func:`~spec_ext.policies.estimates.finish_rate`), each row's model drafts priced at its
@@ -71,8 +72,8 @@ class Auto(Policy):
         text: also draft each row's own text (n-gram matches), where the drafter supports it.
     """
     PLAIN_AFTER: ClassVar[int] = 16  # first drafts measured before a plain step is weighed: else mostly the prior
-    EXPLORE_SHARE: ClassVar[float] = 0.03  # of the plain steps' seconds, what drafting rounds between them may cost
-    PLAIN_RUN: ClassVar[int] = 4  # once a plain step wins, rounds before it is weighed again (weighing costs time)
+    EXPLORE_SHARE: ClassVar[float] = 0.01  # of the plain steps' seconds, what drafting rounds between them may cost
+    PLAIN_RUN: ClassVar[int] = 4  # once a plain step wins, steps before it is weighed again (weighing costs time)
     SWITCH: ClassVar[float] = 1.05  # after plain steps, how much more a draft must give to be taken
     OPTIMISTIC: ClassVar[float | None] = 0.9  # a draft's chance where plain steps win before it is measured
     max_draft: int = 12
@@ -109,6 +110,7 @@ class _Round:
     cache: list[tuple | None] = field(default_factory=list)
     instead_of_plain: float | None = None
     behind: int = 0  # the committed tokens (all rows') the model's drafter had not read
+    earns: float = 0.0  # (plain steps chosen over drafts) the drafting seconds each step earns
 
 
 @dataclass
@@ -148,7 +150,6 @@ class AutoController(Controller):
         self.largest = min(policy.max_draft, per_forward) if per_forward > 1 else policy.max_draft
         self.pricing = call_pricing(call, self.costs, policy.max_draft + 1, per_forward)
         self.rounds, self.k, self.narrowed = 0, policy.initial, 0
-        self.plain_run = (0, 0, 0.0)  # plain rounds left before weighing again, at this many rows, at this price
 
     # ------------------------------------------------------------------ estimates
     def survival(self, source: Source = Source.MODEL) -> list[float]:
@@ -210,14 +211,8 @@ class AutoController(Controller):
     def plan(self, state: RoundState) -> RoundPlan:
         self.rounds += 1
         B, policy = state.rows, self.policy
-        left, rows, price = self.plain_run
-        if left and rows == B:
-            self.plain_run = left - 1, rows, price
-            self.credit.seconds += policy.EXPLORE_SHARE * price
-            self.k = 0
-            return RoundPlan([0] * B, record=_Round())
         chains, trees = self._offers(state)
-        instead_of_plain = None
+        instead_of_plain, steps, earns = None, 1, 0.0
         model, own = self.accept[Source.MODEL].cumulative(), self.accept[Source.TEXT].cumulative()
         # per row its text's curve: expected accepted of m drafts, the better offer at each m
         curves = []
@@ -264,9 +259,9 @@ class AutoController(Controller):
                     caps.update(range(1, len(tree[2])))
 
             def weigh(model_curve):
-                """(the best round that drafts, the plain step), each (rate, k, cap, runs, seconds),
-                the model's drafts valued by ``model_curve``."""
-                best = plain = None
+                """(the best round that drafts, the best where the model drafts, the plain step),
+                each (rate, k, cap, runs, seconds), the model's drafts valued by ``model_curve``."""
+                best = by_model = plain = None
                 for cap in [0] + sorted(caps):
                     values = [c[min(len(c) - 1, cap)] for c in curves]
                     used = [min(len(c) - 1, cap) for c in curves]
@@ -282,13 +277,16 @@ class AutoController(Controller):
                         seconds = V[1 + max(widest, k if runs else 0)] + (D[k] if runs else wait * D[1])
                         rate = finish_rate(progress, remaining, seconds, shrink, catch_up if runs else 0.0) \
                             if shrink else sum(progress) / max(seconds, 1e-12)
+                        option = rate, k if runs else 0, cap, runs, seconds
                         if not runs and widest == 0:
-                            plain = rate, 0, 0, False, seconds
+                            plain = option
                         elif best is None or rate > best[0]:
-                            best = rate, k if runs else 0, cap, runs, seconds
-                return best, plain
+                            best = option
+                        if runs and (by_model is None or rate > by_model[0]):
+                            by_model = option
+                return best, by_model, plain
 
-            best, plain = weigh(model)
+            best, by_model, plain = weigh(model)
             # a plain step where it beats every draft (after plain steps, unless a draft beats it by
             # SWITCH: its estimates are noisy, and drafting at a batch of rows is dear where it is
             # wrong), once the model's acceptance rests on PLAIN_AFTER drafts (this call's rows'
@@ -307,15 +305,15 @@ class AutoController(Controller):
             if best is None:
                 best = plain
             elif plain is not None and plain[0] * margin > best[0] and sure:
-                priced = best[4] - plain[4] + catch_up  # (measured, it holds the catch-up too)
-                cost = max(self.credit.cost, priced) if price.timed and self.credit.cost else 2 * priced
-                if self.credit.seconds < cost:
-                    self.credit.seconds += policy.EXPLORE_SHARE * plain[4]
-                    self.plain_run = policy.PLAIN_RUN - 1, B, plain[4]
-                    best = plain
+                # an exploring round is the model's: the text's acceptance is measured without drafting it
+                priced = None if by_model is None else by_model[4] - plain[4] + catch_up  # (measured: with it)
+                cost = None if priced is None else \
+                    max(self.credit.cost, priced) if price.timed and self.credit.cost else 2 * priced
+                if cost is None or self.credit.seconds < cost:
+                    best, steps, earns = plain, policy.PLAIN_RUN, policy.EXPLORE_SHARE * plain[4]
                 else:
                     self.credit.seconds -= cost
-                    instead_of_plain = plain[4]
+                    best, instead_of_plain = by_model, plain[4]
             _, k, cap, runs, _ = best
             if runs and instead_of_plain is None:
                 k = self._explored(k, B)
@@ -323,7 +321,7 @@ class AutoController(Controller):
                     return RoundPlan([0] * B, record=_Round())
         self.k = k if runs else 0
         text: list[Offer | None] = []
-        record = _Round(instead_of_plain=instead_of_plain, behind=sum(state.behind or ()))
+        record = _Round(instead_of_plain=instead_of_plain, behind=sum(state.behind or ()), earns=earns)
         for chain, tree, curve in zip(chains, trees, curves):
             m = min(len(curve) - 1, cap)
             offer = None
@@ -340,7 +338,7 @@ class AutoController(Controller):
             text.append(offer)
         # (while the costs are measured the model drafts beside the text rows too: its forwards are timed)
         k_rows = [self.k if t is None or not known else 0 for t in text]
-        return RoundPlan(k_rows, text, record=record)
+        return RoundPlan(k_rows, text, steps=steps, record=record)
 
     def observe(self, report: Report) -> None:
         if report.explores:
@@ -350,9 +348,13 @@ class AutoController(Controller):
             self.costs.record_verify(rows, report.width, max(report.seconds - report.draft_seconds, 0.0))
             if report.draft_forwards and report.warm:
                 self.costs.record_draft(report.draft_steps, report.draft_seconds, rows)
-        for acceptance in self.accept.values():
-            acceptance.new_round()
+        self.rounds += report.steps - 1  # (rounds count steps: a plain run's are rounds of the schedule)
+        for _ in range(report.steps):
+            for acceptance in self.accept.values():
+                acceptance.new_round()
         record: _Round = report.plan.record
+        if record is not None:
+            self.credit.seconds += record.earns * report.steps
         if record is not None and self.pricing.timed and report.timed:
             if record.instead_of_plain is not None:
                 self.credit.measured(report.seconds - record.instead_of_plain)

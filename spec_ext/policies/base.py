@@ -170,6 +170,7 @@ class RoundPlan:
     stop: Callable | None = None  # (step, probs [B,V], tokens [B], hidden [B,H] | None) -> [B] bool
     trim: Callable | None = None  # (proposal) -> proposal
     after_catch_up: Callable | None = None  # (agreement [B] bool) -> k
+    steps: int = 1  # (a plain plan) plain steps before the next plan; fewer where a row finishes first
     record: object = None
 
     def __post_init__(self):
@@ -249,7 +250,9 @@ class Report:
     the drafter tried another way only to measure it (nothing is learned from the round);
     ``target_hidden`` [B,H] and ``roots`` [B]: the target's last hidden state at each row's
     new root, and the root (where the policy reads them); ``timed`` False: the round's seconds
-    are not a round's cost (the call's first, whose forward also read the prompt)."""
+    are not a round's cost (the call's first, whose forward also read the prompt); ``steps``:
+    the plain steps a plain plan's report covers (``committed`` holds all their tokens; the
+    seconds are their mean)."""
     plan: RoundPlan
     source: list[Source]
     drafted: list[int]
@@ -267,6 +270,7 @@ class Report:
     target_hidden: Tensor | None = None
     roots: Tensor | None = None
     timed: bool = True
+    steps: int = 1
 
 
 class Memory:
