@@ -636,6 +636,8 @@ def test_a_plain_run_is_its_steps_under_one_plan_and_the_drafter_catches_up_as_a
     cut = [r for r in plain if r.steps < r.plan.steps]  # (rows accept unlike counts: one finishes first)
     assert cut, [(r.steps, r.plan.steps) for r in plain]
     assert outs[True].stats.target_calls == outs[False].stats.target_calls
+    with pytest.raises(ValueError, match="steps: must be >= 1, got 0"):
+        RoundPlan([0, 0], steps=0)
 
 
 def test_auto_times_the_narrowest_width_second_beside_a_head_whose_first_forward_is_no_cost():

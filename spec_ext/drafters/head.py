@@ -206,15 +206,19 @@ class HeadDrafter(Drafter):
         """The pairs of the rounds the head skipped go after those already waiting
         (:meth:`_after_waiting`), consecutive rounds that kept the same count in every row
         (plain steps) joined first."""
-        waits, self._waits = self._waits, []
-        while waits:
-            ids, features, counts = waits.pop(0)
-            while waits and len(set(counts)) == 1 and len(set(waits[0][2])) == 1:
-                more_ids, more_features, more = waits.pop(0)
-                ids, features = torch.cat([ids, more_ids], 1), torch.cat([features, more_features], 1)
-                counts = [c + m for c, m in zip(counts, more)]
+        waits, self._waits, n = self._waits, [], 0
+        while n < len(waits):
+            end = n + 1
+            if len(set(waits[n][2])) == 1:
+                while end < len(waits) and len(set(waits[end][2])) == 1:
+                    end += 1
+            stretch = waits[n:end]
+            ids, features = (torch.cat([w[i] for w in stretch], 1) if len(stretch) > 1 else stretch[0][i]
+                             for i in (0, 1))
+            counts = [sum(c) for c in zip(*(w[2] for w in stretch))]
             self._pending = self._after_waiting(ids, features, counts)
             self.real = list(self._pending[2])
+            n = end
 
     def _after_waiting(self, ids: Tensor, features: Tensor, counts: list[int]
                        ) -> tuple[Tensor, Tensor, list[int], Tensor]:

@@ -128,15 +128,16 @@ class SerialEngine(Rows):
 
     def _plain_steps(self, most: int | None) -> tuple[Outcome, list[int]]:
         """Plain steps (at most ``most``; None: no bound) until one where a row finishes, each
-        step's tokens fed to the processors and emitted as it comes: the steps' merged
-        :class:`Outcome` (as a round that accepted all its steps' tokens but the last as drafts
-        would give: what the drafter catches up on after them) and the rows that go on."""
+        step's tokens fed to the processors and emitted as it comes, and the rows that go on.
+        The outcome: with ``most``, the steps' merged :class:`Outcome` (as a round that accepted
+        all its steps' tokens but the last as drafts would give: what the drafter catches up on
+        after them); without, the last step's (nothing of the others is kept)."""
         processors, steps = self.sampler.processors, []
         none = self._plain(len(self.active))
         keep = list(range(len(self.active)))
         while len(keep) == len(self.active) and (most is None or len(steps) < most):
             outcome = self._plain_step(none)
-            steps.append(outcome)
+            steps = [*steps, outcome] if most is not None else [outcome]  # (runs are a few steps)
             if processors is not None:
                 processors.commit(outcome.tokens, none.num_draft + 1, outcome.committed)
             keep = [i for i, r in enumerate(self.active) if self.emit(r, outcome.committed[i], 0, 0, "none")]
@@ -148,7 +149,7 @@ class SerialEngine(Rows):
         def joined(name: str) -> Tensor | None:
             return None if getattr(steps[0], name) is None else torch.cat([getattr(o, name) for o in steps], 1)
 
-        committed = [sum(row, []) for row in zip(*(o.committed for o in steps))]
+        committed = [[token for step in row for token in step] for row in zip(*(o.committed for o in steps))]
         return Outcome(joined("tokens"), accepted, [n - 1] * B, committed, accepted, [n - 1] * B, accepted, None,
                        joined("p"), joined("features")), keep
 

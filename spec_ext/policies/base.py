@@ -170,12 +170,15 @@ class RoundPlan:
     stop: Callable | None = None  # (step, probs [B,V], tokens [B], hidden [B,H] | None) -> [B] bool
     trim: Callable | None = None  # (proposal) -> proposal
     after_catch_up: Callable | None = None  # (agreement [B] bool) -> k
-    steps: int = 1  # (a plain plan) plain steps before the next plan; fewer where a row finishes first
+    steps: int = 1  # (a plain plan) plain steps before the next plan; fewer where a row finishes first, one
+    # in the call's first round and beside a drafter that runs every round (MTP)
     record: object = None
 
     def __post_init__(self):
         if self.text is None:
             self.text = [None] * len(self.k)
+        if self.steps < 1:
+            raise ValueError(f"steps: must be >= 1, got {self.steps}")
 
     @property
     def rows(self) -> int:
