@@ -493,6 +493,38 @@ def test_auto_decodes_plainly_where_no_draft_pays_and_drafts_again_where_it_does
     assert all(max(p.k) >= 2 for p in plans[-30:])
 
 
+def test_auto_plans_a_plain_runs_steps_the_engine_did_not_take_without_weighing():
+    """Where the engine takes fewer steps of a plain run than planned with the rows unchanged
+    (the call's first round; beside a drafter that runs every round, one step a plan), Auto
+    plans the rest as plain steps without weighing; where a row finished, it weighs again."""
+    controller = start(Auto(), rows=8)
+    steep = lambda w: 10.0 * (2 * w - 1)  # noqa: E731
+    play(controller, steep, geometric(0.2), offers=[0] * 8, rounds=60, per_forward_seconds=3.0)
+    weighed = []
+    offers = controller._offers
+    controller._offers = lambda state: weighed.append(state.rows) or offers(state)
+
+    def one_step(plan, rows=8):
+        controller.observe(Report(plan, [Source.NONE] * rows, [0] * rows, [0] * rows, [[0]] * rows, 1,
+                                  seconds=steep(1)))
+
+    plan = next(p for p in iter(lambda: controller.plan(RoundState(8, Text([0] * 8))), None) if p.plain)
+    assert plan.steps == Auto.PLAIN_RUN and weighed
+    weighed.clear()
+    for left in range(Auto.PLAIN_RUN - 1, 0, -1):
+        one_step(plan)
+        plan = controller.plan(RoundState(8, Text([0] * 8)))
+        assert plan.plain and plan.steps == left and not weighed, (left, plan, weighed)
+    one_step(plan)
+    plan = controller.plan(RoundState(8, Text([0] * 8)))
+    assert weighed and plan.plain and plan.steps == Auto.PLAIN_RUN
+    weighed.clear()
+    one_step(plan)  # (one step of four, then a row finishes)
+    controller.keep_rows(list(range(7)))
+    controller.plan(RoundState(7, Text([0] * 7)))
+    assert weighed == [7]
+
+
 @pytest.mark.parametrize("drafter", ["draft model", "head"])
 def test_auto_with_plain_steps_in_the_loop_equals_the_target_and_its_drafts_catch_up(drafter):
     """In the loop, priced so that a plain step wins after PLAIN_AFTER rounds (a verification

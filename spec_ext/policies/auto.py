@@ -150,6 +150,7 @@ class AutoController(Controller):
         self.largest = min(policy.max_draft, per_forward) if per_forward > 1 else policy.max_draft
         self.pricing = call_pricing(call, self.costs, policy.max_draft + 1, per_forward)
         self.rounds, self.k, self.narrowed = 0, policy.initial, 0
+        self.plain_left = (0, 0, 0.0)  # a plain run's steps not taken, at this many rows, each earning this
 
     # ------------------------------------------------------------------ estimates
     def survival(self, source: Source = Source.MODEL) -> list[float]:
@@ -211,6 +212,10 @@ class AutoController(Controller):
     def plan(self, state: RoundState) -> RoundPlan:
         self.rounds += 1
         B, policy = state.rows, self.policy
+        left, rows, earns = self.plain_left
+        if left and rows == B:  # (the engine took fewer steps of a plain run than planned, rows unchanged)
+            self.k = 0
+            return RoundPlan([0] * B, steps=left, record=_Round(earns=earns))
         chains, trees = self._offers(state)
         instead_of_plain, steps, earns = None, 1, 0.0
         model, own = self.accept[Source.MODEL].cumulative(), self.accept[Source.TEXT].cumulative()
@@ -355,6 +360,10 @@ class AutoController(Controller):
         record: _Round = report.plan.record
         if record is not None:
             self.credit.seconds += record.earns * report.steps
+        # a plain run's steps the engine did not take (the call's first round; a drafter that runs
+        # every round takes one step a plan) are planned without weighing, where no row finished
+        left = report.plan.steps - report.steps if report.plan.plain else 0
+        self.plain_left = left, rows, 0.0 if record is None else record.earns
         if record is not None and self.pricing.timed and report.timed:
             if record.instead_of_plain is not None:
                 self.credit.measured(report.seconds - record.instead_of_plain)
