@@ -215,9 +215,10 @@ def recording(draft):
     return Recording(draft), rounds
 
 
-def recording_auto(chosen, offers_nothing=lambda round: False, explore_share=Auto.EXPLORE_SHARE):
+def recording_auto(chosen, offers_nothing=lambda round: False, explore_share=Auto.EXPLORE_SHARE, taken=None):
     """Auto whose controller appends to ``chosen`` the longest model chain each round's plan
-    drafts (0: the model drafts no row); in the rounds where ``offers_nothing(round)`` (counted
+    drafts (0: the model drafts no row) and to ``taken`` (where given) the target forwards each
+    plan took (a plain run's steps); in the rounds where ``offers_nothing(round)`` (counted
     from 0) the rows' text offers no match; ``explore_share``: Auto's ``EXPLORE_SHARE``."""
 
     from test_policies import Text  # (a TextLookup of given chain lengths: here none anywhere)
@@ -236,6 +237,9 @@ def recording_auto(chosen, offers_nothing=lambda round: False, explore_share=Aut
                 chosen.append(max(decided.k) if decided.tree is None else decided.tree.max_depth)
                 return decided
             controller.plan = recorded
+            if taken is not None:
+                observe = controller.observe
+                controller.observe = lambda report: taken.append(report.steps) or observe(report)
             return controller
     return Recording()
 
@@ -343,9 +347,9 @@ def test_greedy_equals_the_target_with_a_block_drafter(target, trained, policy, 
     One block forward per round where the model drafts; none in Auto's rounds where only the
     rows' own text does (the block's context grows in commit whatever was drafted)."""
     prompts = PROMPTS + [[6]]
-    chosen = []
+    chosen, taken = [], []
     if policy == "auto":
-        policy = recording_auto(chosen)
+        policy = recording_auto(chosen, taken=taken)
     if path == "hf":
         with hf_modules(target):
             out = ragged_greedy_equals_target(target, trained, prompts, policy, max_new=24)
@@ -354,7 +358,7 @@ def test_greedy_equals_the_target_with_a_block_drafter(target, trained, policy, 
     assert 0 < out.stats.accepted < out.stats.drafted, out.stats
     rounds = out.stats.target_calls - 1  # (the prefill)
     assert out.stats.draft_calls == (sum(k > 0 for k in chosen) if chosen else rounds)
-    assert not chosen or len(chosen) == rounds
+    assert not chosen or (len(chosen) == len(taken) and sum(taken) == rounds)
 
 
 def test_the_bundled_drafter_drafts_for_the_bundled_target():
