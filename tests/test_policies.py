@@ -600,9 +600,12 @@ def test_a_plain_run_is_its_steps_under_one_plan_and_the_drafter_catches_up_as_a
     the run ends there), then the controller sees one report of them (``steps``; every step's
     token in ``committed``). The drafter, skipped for the run, catches
     up as it does after n plain plans of one step: the same drafts in every drafting round
-    (the head's waiting features joined before one store write); the output is the target's."""
+    (the head's waiting features joined before one store write), each a fresh drafter's on the
+    committed text; the output is the target's."""
     from helpers import hf_greedy
+    from spec_ext.drafters import HeadDrafter, ModelDrafter
     from spec_ext.drafters.mixed import MixedDrafter
+    from test_draft_fidelity import first_proposal, rows_of
     from spec_ext.policies import Controller, Policy
 
     RUN = 5  # plain steps, then a round of 3 drafts, over and over
@@ -646,7 +649,7 @@ def test_a_plain_run_is_its_steps_under_one_plan_and_the_drafter_catches_up_as_a
 
     def recording(self, seqs, roots, plan):
         proposal = propose(self, seqs, roots, plan)
-        proposals[runs["now"]].append((proposal.tokens.tolist(), proposal.num_draft.tolist()))
+        proposals[runs["now"]].append(([list(s) for s in seqs], rows_of(proposal)))
         return proposal
 
     monkeypatch.setattr(MixedDrafter, "propose", recording)
@@ -670,6 +673,10 @@ def test_a_plain_run_is_its_steps_under_one_plan_and_the_drafter_catches_up_as_a
     assert outs[True].stats.target_calls == outs[False].stats.target_calls
     with pytest.raises(ValueError, match="steps: must be >= 1, got 0"):
         RoundPlan([0, 0], steps=0)
+    monkeypatch.setattr(MixedDrafter, "propose", propose)
+    fresh = (lambda: ModelDrafter(draft)) if drafter == "draft model" else (lambda: HeadDrafter(draft))
+    for n, (seqs, proposed) in enumerate(proposals[True]):
+        assert proposed == rows_of(first_proposal(target, fresh, spec_ext.policies.Fixed(3), seqs)), n
 
 
 def test_auto_times_the_narrowest_width_second_beside_a_head_whose_first_forward_is_no_cost():
