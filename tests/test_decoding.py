@@ -324,18 +324,21 @@ def test_bonus_agreement_is_the_drafts_agreement_with_the_bonus_token():
     ids = torch.stack([torch.zeros(B, dtype=torch.long), torch.arange(B) % V], 1)  # [B,2]: last draft, bonus
     last = torch.where(torch.arange(B) % 4 == 2, 0, 1)  # rows that fed their last draft while drafting
     known = loop.all_accepted & (last == 1)
+    rows = torch.arange(B)
+    bonus = ids[rows, last]
+    before = lambda: logits[rows, (last - 1).clamp_min(0)]  # noqa: E731 (the catch-up's column before the bonus)
 
     loop.sampler, loop.bonus_p = Sampler(1.0), torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0]).expand(B, V)
-    agreed = loop.bonus_agreement(logits, ids, last)
+    agreed = loop.bonus_agreement(before(), bonus, last)
     assert not agreed[~known].any()
     assert binomtest(int(agreed[known].sum()), int(known.sum()), 0.6).pvalue > 1e-3  # 0.2 + 0.2 + 0.2
 
     loop.sampler, loop.bonus_p = Sampler(0.0), None
     logits[:, 0, 3] = 1.0  # the draft's greedy token is 3
-    agreed = loop.bonus_agreement(logits, ids, last)
+    agreed = loop.bonus_agreement(before(), bonus, last)
     assert agreed.tolist() == (known & (ids[:, 1] == 3)).tolist()
     loop.all_accepted[:] = False  # the first round: no bonus yet
-    assert not loop.bonus_agreement(logits, ids, last).any()
+    assert not loop.bonus_agreement(before(), bonus, last).any()
 
 
 def test_sliding_window_models_decode_exactly_past_the_window():

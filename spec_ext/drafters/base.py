@@ -194,21 +194,20 @@ class Drafter:
         if self.bonus_p is not None:
             self.bonus_p = self.bonus_p[index]
 
-    def bonus_agreement(self, logits: Tensor, ids: Tensor, last: Tensor) -> Tensor:
+    def bonus_agreement(self, before: Tensor, bonus: Tensor, last: Tensor) -> Tensor:
         """[B] bool: rows whose last round accepted every draft and whose drafter, at the last
         draft's position, agrees with the bonus token (whether acceptance ran on unbroken through
-        the root; :class:`spec_ext.policies.AdaLength` reads it). ``logits`` [B,T,V] are the
-        drafter's catch-up over ``ids`` [B,T] (the tokens it had not seen), ``ids[b, last[b]]``
-        the bonus: ``logits[b, last[b] - 1]`` is what the drafter proposed for it. Greedy: its
-        argmax is the bonus; sampling: a draw that agrees with chance sum_x min(p, q) (p: the
-        bonus's distribution, q: the drafter's, processed by the sampler). A row whose catch-up
-        holds the bonus alone (``last`` 0) has no such logits: its agreement counts as broken."""
+        the root; :class:`spec_ext.policies.AdaLength` reads it). Of the drafter's catch-up over
+        the tokens it had not seen, ``bonus`` [B] is each row's last (column ``last`` [B]) and
+        ``before`` [B,V] the logits at the column before it (:func:`catch_up_columns`): what the
+        drafter proposed for it. Greedy: its argmax is the bonus; sampling: a draw that agrees
+        with chance sum_x min(p, q) (p: the bonus's distribution, q: the drafter's, processed by
+        the sampler). A row whose catch-up holds the bonus alone (``last`` 0) has no such
+        logits: its agreement counts as broken."""
         if self.all_accepted is None or not self.all_accepted.any():  # also the first round: no bonus yet
-            return torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
-        rows = torch.arange(len(ids), device=ids.device)
-        before = logits[rows, (last - 1).clamp_min(0)]
+            return torch.zeros(len(bonus), dtype=torch.bool, device=bonus.device)
         if self.sampler.greedy:
-            agreed = before.argmax(-1) == ids[rows, last]
+            agreed = before.argmax(-1) == bonus
         else:
             chance = torch.minimum(self.bonus_p, self.sampler.probs(before)).sum(-1)
             agreed = torch.rand(chance.shape, device=chance.device, generator=self.generator) < chance
@@ -485,6 +484,14 @@ def pad_rows(rows: Sequence[Sequence[int]], value: int, device, left: bool = Fal
     width = max(width, max(len(r) for r in rows))
     padded = [[value] * (width - len(r)) + list(r) if left else list(r) + [value] * (width - len(r)) for r in rows]
     return torch.tensor(padded, dtype=torch.int64, device=device)
+
+
+def catch_up_columns(last: Tensor, agreement: bool, slots: int = 1) -> Tensor:
+    """[B,n] int64: the columns of a catch-up whose logits a drafter reads, from each row's
+    last (``last`` [B]): the column before it where it reads the bonus agreement
+    (:meth:`Drafter.bonus_agreement`), then the last and the ``slots - 1`` after it."""
+    columns = last[:, None] + torch.arange(slots, device=last.device)
+    return torch.cat([(last - 1).clamp_min(0)[:, None], columns], 1) if agreement else columns
 
 
 def feed_rows(cache, ids: Tensor, lengths: Sequence[int], run, lengths_t: Tensor | None = None):

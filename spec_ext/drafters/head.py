@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain, feed_rows, from_slots, grow_tree, \
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, catch_up_columns, draft_chain, feed_rows, \
+    from_slots, grow_tree, \
     pad_rows, refeed_tree
 from spec_ext.drafters.features import bind_layers, check_draft_vocabulary, committed_features, prompt_features
 from spec_ext.models import SpecCache, aux_layer_ids, check_model, num_layers, vocabulary_size
@@ -105,13 +106,13 @@ class HeadDrafter(Drafter):
         width = config.target_hidden_size or self.head.hidden_size
         return width * (len(self.target_layers) if config.kind == "eagle3" else 1)
 
-    def _step(self, ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor | None = None
-              ) -> tuple[Tensor, Tensor]:
+    def _step(self, ids: Tensor, hidden: Tensor, positions: Tensor, mask: Tensor | None = None,
+              logits_at: Tensor | None = None) -> tuple[Tensor, Tensor]:
         self.calls += 1
         if self.own_vocab is not None:
             ids = ids.masked_fill(ids >= self.own_vocab, 0)
         return self.head(self.embed(ids), hidden, positions, self.cache, mask, target_head=self.target_head,
-                         vocab_size=self.vocab_size)
+                         vocab_size=self.vocab_size, logits_at=logits_at)
 
     def _output_layer_input(self, hidden: Tensor) -> Tensor:
         """What the head's output layer reads [..., H] (SpecDecPP's draft hidden state), from the
@@ -130,21 +131,22 @@ class HeadDrafter(Drafter):
         slots, budget = plan.slots() if self.head.config.mask_token_id is not None else (0, None)
         if slots > 1:  # P-EAGLE: the catch-up, then slots - 1 masked slots after each row's last pair
             ids, combined = self._with_masked_slots(ids, combined, pairs_t, slots - 1)
-        (logits, hidden), last = feed_rows(self.cache, ids, pairs, lambda ids, at: self._step(ids, combined, at),
-                                           pairs_t)
+        last, rows = pairs_t - 1, torch.arange(B, device=self.device)
+        columns = catch_up_columns(last, plan.reads_agreement, max(slots, 1))  # (the LM head at these alone)
+        (logits, hidden), _ = feed_rows(self.cache, ids, pairs,
+                                        lambda ids, at: self._step(ids, combined, at, logits_at=columns), pairs_t)
         # after a round: its accepted drafts, then the bonus at last
-        agreement = self.bonus_agreement(logits, ids, last) if plan.reads_agreement else None
-        rows = torch.arange(B, device=self.device)
+        agreement = self.bonus_agreement(logits[:, 0], ids[rows, last], last) if plan.reads_agreement else None
+        logits = logits[:, int(plan.reads_agreement):]  # [B, max(slots, 1), V] from the last on
         self._kept = [n - p + r for n, p, r in zip(self.cache.host_lengths, pairs, self.real)]
         self._kept_t = self.cache.lengths - pairs_t + torch.tensor(self.real, device=self.device) \
             if pairs != self.real else self.cache.lengths
         if slots > 1:
             at = last[:, None] + torch.arange(slots, device=self.device)
             hidden = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
-            return from_slots(plan, logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])),
-                              self._output_layer_input(hidden) if self.hidden else None, roots, self.sampler,
-                              self.generator, budget)
-        logits, hidden = logits[rows, last], hidden[rows, last]
+            return from_slots(plan, logits, self._output_layer_input(hidden) if self.hidden else None, roots,
+                              self.sampler, self.generator, budget)
+        logits, hidden = logits[:, 0], hidden[rows, last]
         if plan.tree is not None:
             return self._tree(plan, logits, hidden, roots, combined[rows, last])
         state = {"hidden": hidden}

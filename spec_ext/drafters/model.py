@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, check_finite, draft_chain, feed_rows, \
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, catch_up_columns, check_finite, draft_chain, feed_rows, \
     grow_tree, pad_rows, refeed_tree
 from spec_ext.drafters.kinds import DraftKind, register_kind
 from spec_ext.models import Forward, SpecCache, forward
@@ -126,16 +126,14 @@ class ModelDrafter(Drafter):
             ids, lengths, lengths_t = carry["ids"], carry["lengths"], carry["last"] + 1
         if lengths_t is None:
             lengths_t = torch.tensor(lengths, device=self.device)
-        # over the prompt, the logits at each row's last token alone (the agreement reads the one
-        # before it too; later catch-ups are a round's few tokens)
-        at = (lengths_t - 1)[:, None] if self.calls == 0 and not agreement else None
-        out, last = feed_rows(self.cache, ids, lengths, lambda i, p: self.forward(i, p, logits_at=at), lengths_t)
+        last = lengths_t - 1
+        at = catch_up_columns(last, agreement)  # (the LM head over a prompt's every token would cost more than the rest)
+        out, _ = feed_rows(self.cache, ids, lengths, lambda i, p: self.forward(i, p, logits_at=at), lengths_t)
         if self.calls == 1:  # the prompt
             check_finite(out.logits, "draft")
-        agreed = self.bonus_agreement(out.logits, ids, last) if agreement else None
         rows = torch.arange(len(lengths), device=self.device)
-        logits = out.logits[:, 0] if at is not None else out.logits[rows, last]
-        return logits, None if out.hidden is None else out.hidden[rows, last], agreed
+        agreed = self.bonus_agreement(out.logits[:, 0], ids[rows, last], last) if agreement else None
+        return out.logits[:, -1], None if out.hidden is None else out.hidden[rows, last], agreed
 
 
 def _is_causal_lm(draft) -> bool:

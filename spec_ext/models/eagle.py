@@ -276,21 +276,25 @@ class EagleHead(nn.Module):
         return _linear(self.fc, features)
 
     def forward(self, embeds: Tensor, hidden: Tensor, positions: Tensor, cache, tree_mask: Tensor | None = None,
-                target_head=None, vocab_size: int | None = None) -> tuple[Tensor, Tensor]:
+                target_head=None, vocab_size: int | None = None, logits_at: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
         """One draft forward of T tokens per row over the head's ``cache``: ``embeds`` [B,T,H]
         the tokens' embeddings, ``hidden`` [B,T,H] what each is paired with (:meth:`combine`d
         target features, or the head's own output of the step before), ``positions`` [B,T].
-        Returns logits [B,T,V] float32 over the target's vocabulary of ``vocab_size`` tokens
-        (default: the layer config's; EAGLE-3: -inf off the draft vocabulary; EAGLE-1:
-        ``target_head``, the target's lm_head) and the hidden state to feed back [B,T,H]."""
+        Returns logits [B,T,V] float32 (at the columns ``logits_at`` [B,n] int64 alone:
+        [B,n,V]) over the target's vocabulary of ``vocab_size`` tokens (default: the layer
+        config's; EAGLE-3: -inf off the draft vocabulary; EAGLE-1: ``target_head``, the
+        target's lm_head) and the hidden state to feed back [B,T,H]."""
         rope = self.rope(positions, embeds.dtype, cache.capacity)
         x = _linear(self.fc, torch.cat([embeds, hidden], -1)) if self.config.kind == "eagle" else hidden
         for index, layer in enumerate(self.layers):
             x = layer(x, rope, cache, index, tree_mask, embeds, self.config.norm_before_residual)
+        at = (lambda t: t) if logits_at is None else \
+            (lambda t: t.gather(1, logits_at[..., None].expand(-1, -1, t.shape[-1])))
         if self.config.kind == "eagle":
-            return target_head(x).float(), x
+            return target_head(at(x)).float(), x
         normed = self.norm(x)
-        draft = _linear(self.lm_head, normed).float()
+        draft = _linear(self.lm_head, at(normed)).float()
         logits = to_target_vocabulary(draft, self.d2t, vocab_size or self.layer_config.vocab_size)
         return logits, normed if self.config.norm_output else x
 
