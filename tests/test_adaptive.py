@@ -973,55 +973,58 @@ def test_a_block_drafter_drafts_the_length_worth_its_verification(block_pair):
                                                           do_sample=False, eos_token_id=None, pad_token_id=0))
 
 
-def test_a_sampled_call_prices_its_rounds_by_a_verification_timed_once_per_process():
-    """verification_costs times the target's verification by width once (the same costs come
-    back for the same rows and widest width), without drawing from the global random state;
-    so two sampled calls from the same torch.manual_seed, the first of them the one that timed
-    it, give the same output, each priced by that one timing."""
-    from spec_ext.policies.estimates import verification_costs
-    target = llama(61, 32, 2, seed=11, sharpen=3.0)
-    state = torch.get_rng_state()
-    with spec_ext.models.attention_implementation(target):  # the forward path generate's rounds take
-        costs = verification_costs(target, 2, 5)
-    assert torch.equal(torch.get_rng_state(), state)
-    assert all(costs.verify(2, w) > 0 for w in range(1, 6)) and costs.measured == 5
-    assert verification_costs(target, 2, 5) is costs and verification_costs(target, 1, 5) is not costs
-    fresh = llama(61, 32, 2, seed=12, sharpen=3.0)
-    outputs = []
+def test_a_sampled_call_prices_its_rounds_by_rounds_the_engine_timed_once_per_process():
+    """A sampled call's rounds are priced by the engine's own rounds, run once per process
+    (target, draft, rows, sampling) on random ids: every chain length of the schedule and a
+    plain run timed at the call's batch size, the draft's steps, its catch-up over skipped
+    steps. The timing draws nothing from the global random state, so two sampled calls from
+    the same torch.manual_seed, the first of them the one that timed, give the same output,
+    each priced by that one timing; another batch size is timed anew."""
+    from spec_ext.policies.estimates import timing_schedule
+    target = llama(61, 32, 2, seed=12, sharpen=3.0)
+    draft = perturbed(target, 0.003, seed=2)
+    outputs, timed = [], []
     for _ in range(2):
         torch.manual_seed(0)
         policy = Checked()
-        outputs.append(spec_ext.generate(fresh, perturbed(fresh, 0.003, seed=2), [PROMPT], max_new_tokens=16,
-                                         temperature=1.0, eos_token_id=[], policy=policy).sequences)
+        outputs.append(spec_ext.generate(target, draft, [PROMPT, PROMPT[:5]], max_new_tokens=16, temperature=1.0,
+                                         eos_token_id=[], policy=policy).sequences)
         controller, = policy.log.controllers
-        timed = verification_costs(fresh, 1, policy.max_draft + 1)  # the calls' pricing: the one timing
-        assert controller.pricing.modeled is timed
-        assert controller.verify_cost(1, 4) == timed.verify(1, 4) != timed.verify(1, 1)
-    assert torch.equal(outputs[0], outputs[1])
+        timed.append(controller.pricing.modeled)
+        assert controller.pricing.modeled_rows == 2
+    assert torch.equal(outputs[0], outputs[1]) and timed[0] is timed[1]
+    costs, lengths = timed[0], sorted(set(timing_schedule(Checked().depth_limit)) - {0})
+    assert costs.widths(2) == [1] + [k + 1 for k in lengths]
+    assert sorted(rows_steps[1] for rows_steps in costs._draft) == lengths
+    assert all(costs.verify(2, w) > 0 for w in range(1, 10)) and costs.catch_up(8) > 0
+    assert controller.verify_cost(2, 4) == costs.verify(2, 4) != costs.verify(2, 1)  # (the calls' pricing)
+    torch.manual_seed(0)
+    policy = Checked()
+    spec_ext.generate(target, draft, [PROMPT], max_new_tokens=4, temperature=1.0, eos_token_id=[], policy=policy)
+    assert policy.log.controllers[0].pricing.modeled not in timed
 
 
 def test_a_tensor_parallel_target_is_not_timed_for_sampled_rounds():
     """A tensor-parallel target's followers replay every forward its leading rank runs: a
-    calibration forward there would desynchronise them. Its sampled rounds are priced flat
-    (Adaptive and, beside a block drafter, Auto); a target on one device is timed."""
+    timing run there would desynchronise them. Its sampled rounds are priced flat (Adaptive
+    and, beside a block drafter, Auto); a target on one device is timed by the engine."""
     from spec_ext.policies import Auto
+
+    class Timing:
+        key = ()
+
+        def __call__(self, controller, rows):
+            raise AssertionError("timed")
     target = llama(61, 32, 2, seed=13)
     draft = perturbed(target, 0.003, seed=2)
     target._tp_size = 2
     for policy in (Adaptive(), Auto()):
-        controller = start(policy, greedy=False, per_forward=4, target=target, draft=draft)
+        controller = policy.start(Call(1, False, target, draft, 4, time_rounds=Timing()))
         assert controller.pricing.modeled is None
-    assert start(Adaptive(), greedy=False, target=target, draft=draft).verify_cost(1, 3) == 1.0
+    assert Adaptive().start(Call(1, False, target, draft, time_rounds=Timing())).verify_cost(1, 3) == 1.0
     del target._tp_size
-    with spec_ext.models.attention_implementation(target, draft):  # (generate's block: both models)
-        controller = start(Adaptive(), greedy=False, target=target, draft=draft)
-        auto = start(Auto(), greedy=False, per_forward=4, target=target, draft=draft)
-    assert controller.pricing.modeled is not None and auto.pricing.modeled is not None
-    assert controller.verify_cost(1, 3) == controller.pricing.modeled.verify(1, 3)
-    # a draft model's forward is timed so too, once per process
-    assert auto.pricing.modeled_draft == controller.pricing.modeled_draft > 0
-    assert controller.pricing.draft(3) == pytest.approx(3 * controller.pricing.modeled_draft)
-    assert auto.pricing.draft(3) == pytest.approx(auto.pricing.modeled_draft)  # (a block of 4: one forward)
+    with pytest.raises(AssertionError, match="timed"):
+        Auto().start(Call(1, False, target, draft, 4, time_rounds=Timing()))
 
 
 @pytest.mark.parametrize("slope, expected", [(1.0, 1), (0.0, 3)])

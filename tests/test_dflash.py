@@ -330,7 +330,7 @@ def test_auto_sampling_drafts_the_block_its_priced_verification_pays(target, tra
     costs = Costs()
     for w in range(1, 40):
         costs.record_verify(len(PROMPTS), w, 1.0 + slope * (w - 1))
-    monkeypatch.setattr("spec_ext.policies.estimates.verification_costs", lambda t, rows, widest: costs)
+    monkeypatch.setattr("spec_ext.policies.estimates.round_costs", lambda call, schedule, sequential: costs)
     drafter, rounds = recording(trained)
     spec_ext.generate(target, drafter, PROMPTS, max_new_tokens=12, eos_token_id=[], temperature=1.0, seed=0,
                       policy=Auto(text=False))
@@ -419,7 +419,7 @@ def test_sampling_follows_the_target_with_a_reduced_draft_vocabulary(temperature
     costs = Costs()
     for w in range(1, 5):
         costs.record_verify(256, w, 1.0 + 0.5 * (w - 1))
-    monkeypatch.setattr("spec_ext.policies.estimates.verification_costs", lambda t, rows, widest: costs)
+    monkeypatch.setattr("spec_ext.policies.estimates.round_costs", lambda call, schedule, sequential: costs)
     policy = {"chain": Fixed(2), "dynamic": DynamicTree(depth=2, top_k=3, nodes=6), "static": Tree((2, 1)),
               "adaptive": Adaptive(max_draft=2)}[shape]
     n = 12_000

@@ -415,7 +415,7 @@ def test_beside_a_head_sampling_follows_the_target_distribution(min_score, prime
     flat = Costs()
     for w in range(1, 40):
         flat.record_verify(256, w, 1.0)
-    monkeypatch.setattr("spec_ext.policies.estimates.verification_costs", lambda target, rows, widest: flat)
+    monkeypatch.setattr("spec_ext.policies.estimates.round_costs", lambda call, schedule, sequential: flat)
     monkeypatch.setattr(RowSpread, "scales", lambda self, chance, seen, passed: [1.0] * len(seen))
     target = llama(VOCAB, 32, 4, seed=3, sharpen=3.0)
     head = echo_head(target, "eagle3", noise=0.01)

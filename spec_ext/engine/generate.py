@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
+from typing import ClassVar
 import warnings
 from pathlib import Path
 
@@ -165,6 +167,41 @@ def _drafter(target, draft, policy: Policy) -> tuple[MixedDrafter, Policy]:
     return drafter, policy
 
 
+@dataclass(frozen=True)
+class RoundTiming:
+    """A sampled call's timing of rounds (:class:`spec_ext.policies.base.TimesRounds`): the
+    serial engine on random prompts of ``PROMPT`` ids below ``vocab``, with ``target``, a
+    drafter built from ``draft`` for ``policy``, and the sampling of ``key`` (temperature,
+    top_k, top_p, the warpers)."""
+    target: object
+    draft: object
+    policy: Policy
+    vocab: int
+    key: tuple
+
+    PROMPT: ClassVar[int] = 32
+
+    def __call__(self, controller, rows: int) -> None:
+        temperature, top_k, top_p, *warpers = self.key
+        drafter, policy = _drafter(self.target, self.draft, self.policy)
+        device = self.target.device
+        generator = torch.Generator(device=device).manual_seed(0)
+        prompts = torch.randint(0, self.vocab, (rows, self.PROMPT), device=device, generator=generator).tolist()
+        loop = SerialEngine(self.target, drafter, policy, controller, prompts, controller.tokens,
+                            Sampler(temperature, top_k, top_p, **dict(warpers)), set(), generator, None)
+        loop.stop = _AfterLastRound(controller)
+        loop.run()
+
+
+@dataclass
+class _AfterLastRound:
+    """Stops every row once the controller's last round was observed (an engine's ``stop``)."""
+    controller: object
+
+    def cut(self, row: int, new: list[int], emitted: list[int]) -> int | None:
+        return len(emitted) if self.controller.done else None
+
+
 def inferred_mask(input_ids, pad_token_id, config_pad_token_id, eos_ids: list[int]) -> Tensor | None:
     """The attention mask HF's generate infers where none is given (``input_ids`` a [B, L]
     integer tensor): every position holding the pad id (the argument, else the generation
@@ -304,8 +341,8 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
     if isinstance(draft, (str, Path)):
         draft = load(draft, target)
     policy = resolve(_with_cache(policy, suffix_cache))
-    drafter, policy = _drafter(target, _across_tokenizers(draft, tokenizer, assistant_tokenizer, tokenizer_mode,
-                                                           policy), policy)
+    drafting = _across_tokenizers(draft, tokenizer, assistant_tokenizer, tokenizer_mode, policy)
+    drafter, policy = _drafter(target, drafting, policy)
     model = drafter.model_drafter
     draft = None if model is None else model.model
     across = model if isinstance(model, OtherTokenizerDrafter) else None
@@ -380,9 +417,12 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
             loop = ParallelEngine(policy, target, draft, prompts, max_new_tokens, sampler, eos, generator, streamer,
                                   fast_linear)
         else:  # (a controller may time the target's forward when it starts: inside the block)
+            timing = None if sampler.greedy else \
+                RoundTiming(target, drafting, policy, min(map(vocabulary_size, fitted)),
+                            (temperature, top_k, top_p, *sorted(call.warpers.items())))
             controller = policy.start(Call(len(prompts), sampler.greedy, target, drafter.proposer,
                                            1 if model is None else model.drafts_per_forward,
-                                           int(model is not None and model.drafts_every_round), memory))
+                                           int(model is not None and model.drafts_every_round), memory, timing))
             loop = SerialEngine(target, drafter, policy, controller, prompts, max_new_tokens, sampler, eos, generator,
                                 streamer)
         loop.stop = stop_strings(call, tokenizer, head.tolist())

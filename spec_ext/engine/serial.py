@@ -285,12 +285,10 @@ class SerialEngine(Rows):
             if not run:
                 keep = [i for i, r in enumerate(self.active)
                         if self.emit(r, outcome.committed[i], drafted[i], accepted[i], sources[i].name.lower())]
-            if waiting and keep:  # each prompt's features, the context of the first new token
+            if waiting and keep:  # each prompt's features, the context of the first new token (read at its first draft)
                 index = torch.tensor(keep, dtype=torch.long, device=self.device)
                 drafter.start([list(self.seqs[self.active[i]]) for i in keep], self.capacity, self.sampler,
                               self.generator, features=self.prompt_features[index])
-                for i in keep:
-                    self.model_read[self.active[i]] = len(self.seqs[self.active[i]])
             self._keep_rows(keep, drafter=not waiting)
             first = waiting = False
             self.prompt_features = None

@@ -57,9 +57,9 @@ class Adaptive(Policy):
     drafter's one-hot drafts) are trimmed at every temperature. When sampling, the rounds are
     not timed (the output then depends on the seed alone): the verification is priced by
     ``costs`` if it holds measurements (e.g. :func:`spec_ext.policies.estimates.calibrate`),
-    else by the target's verification timed once per process by width
-    (:func:`~spec_ext.policies.estimates.verification_costs`), and a draft forward at the
-    drafter's share of the target's parameters of one target step (a block: one forward).
+    else by the engine's rounds timed once per process on random ids
+    (:func:`~spec_ext.policies.estimates.round_costs`: the verification by width, the draft's
+    steps).
 
     Across calls (``accelerate`` keeps a memory): greedy calls start from the costs, the
     acceptance and the draft steps' seconds the earlier greedy calls measured.

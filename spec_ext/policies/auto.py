@@ -31,7 +31,8 @@ class Auto(Policy):
     plain decode step, what :class:`Plain` runs) where that beats every draft, once the model's
     acceptance rests on ``PLAIN_AFTER`` measured first drafts (the memory's count too) or where
     it beats drafts accepted as often as ``OPTIMISTIC``; after plain steps a draft must beat
-    them by ``SWITCH``; a plain step that wins is a run of ``PLAIN_RUN`` steps under one plan;
+    them by ``SWITCH``; a plain step that wins is a run of steps under one plan, ``PLAIN_RUN``
+    long after drafts, twice the last run's after a run (at most ``LONGEST_RUN``);
     the model's drafts in place of plain steps (to keep its acceptance measured; the text's is
     measured on the rows it did not draft) cost at most ``EXPLORE_SHARE`` of their seconds.
 
@@ -48,9 +49,10 @@ class Auto(Policy):
     verify(B, w) + draft(k) (:class:`~spec_ext.policies.estimates.Pricing`): greedy, both as
     measured on this device (the verification is the round's time but its draft forwards;
     irregular by width where the step reads weights), so outputs never depend on timing but
-    lengths do; sampled, modeled (the target's verification by width, timed once per process;
-    a draft forward at the draft's share of the target's parameters), so a seed reproduces the
-    output in a process.
+    lengths do; sampled, as the engine's rounds timed once per process on random ids
+    (:func:`~spec_ext.policies.estimates.round_costs`), so a seed reproduces the output in a
+    process. A drafter behind the committed text (the prompt; plain steps) pays its catch-up in
+    the round it next drafts: that round is priced with it.
 
     The first round drafts the text and the model to ``initial``, the second the model alone at
     the narrowest width, so that two widths give the cost's slope; greedy, the next round, at a
@@ -74,6 +76,7 @@ class Auto(Policy):
     PLAIN_AFTER: ClassVar[int] = 16  # first drafts measured before a plain step is weighed: else mostly the prior
     EXPLORE_SHARE: ClassVar[float] = 0.01  # of the plain steps' seconds, what drafting rounds between them may cost
     PLAIN_RUN: ClassVar[int] = 4  # once a plain step wins, steps before it is weighed again (weighing costs time)
+    LONGEST_RUN: ClassVar[int] = 16  # runs double while plain steps keep winning, up to this
     SWITCH: ClassVar[float] = 1.05  # after plain steps, how much more a draft must give to be taken
     OPTIMISTIC: ClassVar[float | None] = 0.9  # a draft's chance where plain steps win before it is measured
     max_draft: int = 12
@@ -150,6 +153,7 @@ class AutoController(Controller):
         self.largest = min(policy.max_draft, per_forward) if per_forward > 1 else policy.max_draft
         self.pricing = call_pricing(call, self.costs, policy.max_draft + 1, per_forward)
         self.rounds, self.k, self.narrowed = 0, policy.initial, 0
+        self.run = 0  # the last plain run's planned steps (0: the last plan drafted)
         self.plain_left = (0, 0, 0.0)  # a plain run's steps not taken, at this many rows, each earning this
 
     # ------------------------------------------------------------------ estimates
@@ -257,7 +261,7 @@ class AutoController(Controller):
                     if one and V[1]:
                         shrink = [(one + (V[1] - one) * (b - 1) / (B - 1)) / V[1] for b in range(B + 1)]
             # a drafter behind the committed text (after plain steps; the prompt) reads it first, once
-            catch_up = self.costs.catch_up(sum(state.behind)) if state.behind and price.timed and shrink else 0.0
+            catch_up = price.catch_up(sum(state.behind)) if state.behind and shrink else 0.0
             caps = {len(c) - 1 for c in curves if len(c) > 1}
             for tree in trees:  # a tree is cut to its best m nodes, any m
                 if tree is not None:
@@ -315,7 +319,8 @@ class AutoController(Controller):
                 cost = None if priced is None else \
                     max(self.credit.cost, priced) if price.timed and self.credit.cost else 2 * priced
                 if cost is None or self.credit.seconds < cost:
-                    best, steps, earns = plain, policy.PLAIN_RUN, policy.EXPLORE_SHARE * plain[4]
+                    steps = min(2 * self.run, policy.LONGEST_RUN) if self.k == 0 and self.run else policy.PLAIN_RUN
+                    best, earns = plain, policy.EXPLORE_SHARE * plain[4]
                 else:
                     self.credit.seconds -= cost
                     best, instead_of_plain = by_model, plain[4]
@@ -325,6 +330,7 @@ class AutoController(Controller):
                 if k == 0:  # (no text either; the next round is weighed as after this one's k)
                     return RoundPlan([0] * B, record=_Round())
         self.k = k if runs else 0
+        self.run = steps if steps > 1 else 0
         text: list[Offer | None] = []
         record = _Round(instead_of_plain=instead_of_plain, behind=sum(state.behind or ()), earns=earns)
         for chain, tree, curve in zip(chains, trees, curves):
@@ -348,28 +354,22 @@ class AutoController(Controller):
     def observe(self, report: Report) -> None:
         if report.explores:
             return
-        rows = len(report.drafted)
-        if self.pricing.timed and report.timed:
-            self.costs.record_verify(rows, report.width, max(report.seconds - report.draft_seconds, 0.0))
-            if report.draft_forwards and report.warm:
-                self.costs.record_draft(report.draft_steps, report.draft_seconds, rows)
+        rows, record = len(report.drafted), report.plan.record
+        timed = self.pricing.timed and report.timed
+        if timed:
+            self.costs.record_round(report, 0 if record is None else record.behind, self.pricing.per_forward == 1)
         self.rounds += report.steps - 1  # (rounds count steps: a plain run's are rounds of the schedule)
         for _ in range(report.steps):
             for acceptance in self.accept.values():
                 acceptance.new_round()
-        record: _Round = report.plan.record
         if record is not None:
             self.credit.seconds += record.earns * report.steps
         # a plain run's steps the engine did not take (the call's first round; a drafter that runs
         # every round takes one step a plan) are planned without weighing, where no row finished
         left = report.plan.steps - report.steps if report.plan.plain else 0
         self.plain_left = left, rows, 0.0 if record is None else record.earns
-        if record is not None and self.pricing.timed and report.timed:
-            if record.instead_of_plain is not None:
-                self.credit.measured(report.seconds - record.instead_of_plain)
-            steps = self.pricing.draft(report.draft_steps, rows) if report.draft_forwards and not report.warm else None
-            if steps is not None and record.behind:
-                self.costs.record_catch_up(record.behind, max(report.draft_seconds - steps, 0.0))
+        if record is not None and timed and record.instead_of_plain is not None:
+            self.credit.measured(report.seconds - record.instead_of_plain)
         for r, (source, n, a) in enumerate(zip(report.source, report.drafted, report.accepted)):
             if source == Source.MODEL:
                 self.accept[Source.MODEL].run(n, a)

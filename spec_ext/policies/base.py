@@ -132,6 +132,20 @@ class Call:
     drafts_per_forward: int = 1  # a block drafter's block: its drafts cost one forward
     forwards_without_model: int = 0  # draft forwards a round runs where the model drafts no row (MTP: 1)
     memory: "Memory | None" = None  # what earlier calls learned (accelerate's)
+    time_rounds: "TimesRounds | None" = None  # (the engine's) runs a controller's rounds on random ids
+
+
+class TimesRounds(Protocol):
+    """The engine's timing of rounds as it runs them (:attr:`Call.time_rounds`): called with a
+    controller (with ``tokens``, the most tokens its rounds emit per row, and ``done``, set once
+    its last round was observed) and a batch size, it runs the controller's rounds on that many
+    random prompts with the call's target, a drafter built as the call's and the call's sampling
+    (its processors aside), and a random generator of its own; ``key``: the settings, past the
+    models and the rows, that the rounds' cost depends on."""
+
+    key: tuple
+
+    def __call__(self, controller: "Controller", rows: int) -> None: ...
 
 
 @dataclass

@@ -16,6 +16,8 @@ import weakref
 
 import torch
 
+from spec_ext.policies.base import Call, Controller, Report, RoundPlan, RoundState
+
 # upper edges of Acceptance's confidence bins
 EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97)
 
@@ -52,8 +54,8 @@ class Costs:
         self._verify: dict[tuple[int, int], list] = {}  # (rows, width) -> [estimate, recent seconds, tick]
         self._draft: dict[tuple[int, int], list] = {}  # (rows, steps) -> [estimate, recent seconds, tick]
         self._draft_step: dict[int, list] = {}  # rows -> [estimate, recent seconds, tick]
-        self._catch_up: dict[str, list] = {}  # "token" -> [estimate, recent seconds per token, tick]
-        self._ticks = {"verify": 0, "draft": 0, "draft_step": 0, "catch_up": 0}
+        self._catch_up: list[tuple[int, float]] = []  # recent (tokens, seconds), newest last
+        self._ticks = {"verify": 0, "draft": 0, "draft_step": 0}
         self._memo: dict = {}  # answers since the last measurement
 
     def record_verify(self, rows: int, width: int, seconds: float) -> None:
@@ -76,13 +78,44 @@ class Costs:
     def record_catch_up(self, tokens: int, seconds: float) -> None:
         """A drafter's catch-up over ``tokens`` committed tokens it had not seen (all rows'
         together), past its round's draft steps, took ``seconds``."""
-        self._record(self._catch_up, "token", seconds / tokens, "catch_up")
+        self._catch_up = [*self._catch_up, (tokens, float(seconds))][-self.window:]
+        self._memo.pop("catch_up", None)
 
     def catch_up(self, tokens: int) -> float:
         """Estimated seconds of a drafter's catch-up over ``tokens`` committed tokens (all rows'
-        together); 0 before any measurement."""
-        entry = self._catch_up.get("token")
-        return 0.0 if entry is None else entry[0] * tokens
+        together): the line through the recent catch-ups by tokens (a part per forward and one
+        per token, neither below 0: one forward reads a long prompt at less per token than a
+        few skipped steps); with one count of tokens measured, its median seconds per token;
+        0 before any measurement."""
+        if "catch_up" not in self._memo:
+            points = self._catch_up
+            if len({n for n, _ in points}) < 2:
+                per_token = sorted(s / n for n, s in points)[(len(points) - 1) // 2] if points else 0.0
+                self._memo["catch_up"] = 0.0, per_token
+            else:
+                intercept, slope = _fit([(n, s, 1) for n, s in points])
+                if slope < 0:  # (noise) the mean
+                    intercept, slope = sum(s for _, s in points) / len(points), 0.0
+                elif intercept < 0:  # the line through the origin
+                    intercept, slope = 0.0, sum(s for _, s in points) / sum(n for n, _ in points)
+                self._memo["catch_up"] = intercept, slope
+        intercept, slope = self._memo["catch_up"]
+        return intercept + slope * tokens if tokens else 0.0
+
+    def record_round(self, report, behind: int, sequential: bool = True) -> None:
+        """A timed round's parts (``report``: a :class:`~spec_ext.policies.base.Report`): its
+        verification (the round's seconds past its draft forwards) by rows and width; its
+        drafting by steps where the forwards were warm, else, of ``behind`` committed tokens
+        the drafter had not read (all rows'), the catch-up: the forwards' seconds past what
+        their steps cost (once measured; ``sequential``: a chain's forwards, else a block's)."""
+        rows = len(report.drafted)
+        self.record_verify(rows, report.width, max(report.seconds - report.draft_seconds, 0.0))
+        if report.draft_forwards and report.warm:
+            self.record_draft(report.draft_steps, report.draft_seconds, rows)
+        elif report.draft_forwards and behind:
+            steps = self.draft(report.draft_steps, sequential, rows)
+            if steps is not None:
+                self.record_catch_up(behind, max(report.draft_seconds - steps, 0.0))
 
     def _record(self, table: dict, key, seconds: float, name: str) -> None:
         self._ticks[name] += 1
@@ -175,13 +208,13 @@ class Costs:
         out = Costs(self.window)
         for name, mine, theirs, into in (("verify", self._verify, other._verify, out._verify),
                                          ("draft", self._draft, other._draft, out._draft),
-                                         ("draft_step", self._draft_step, other._draft_step, out._draft_step),
-                                         ("catch_up", self._catch_up, other._catch_up, out._catch_up)):
+                                         ("draft_step", self._draft_step, other._draft_step, out._draft_step)):
             for key in mine.keys() | theirs.keys():
                 a, b = mine.get(key, [0, [], 0])[1], theirs.get(key, [0, [], 0])[1]
                 recent = _interleave(a, b)
                 for seconds in recent[-self.window:]:
                     out._record(into, key, seconds, name)
+        out._catch_up = _interleave(self._catch_up, other._catch_up)[-self.window:]
         return out
 
 
@@ -212,57 +245,65 @@ class Pricing:
     """What a call's rounds cost, as its policy prices them. Greedy (``timed``): ``costs`` as
     measured (None until measured). Sampled (untimed, so that a seed reproduces the output
     whatever the machine's load): ``costs`` if it holds measurements given before the call
-    (not updated), else the verification as ``modeled`` (the target timed once per process,
-    :func:`verification_costs`; None: one target step whatever the width), and a draft
-    forward at ``size_ratio`` of a one-token verification (the draft's share of the target's
-    parameters: decoding reads every weight once per step), or ``modeled_draft`` seconds where
-    the draft's forward was timed so. ``per_forward``: drafts one forward proposes (a block
-    drafter's block: any length costs one forward)."""
+    (not updated), else ``modeled``: the rounds at ``modeled_rows`` rows as the engine runs
+    them, timed once per process (:func:`round_costs`; None: one target step whatever the
+    width, and a draft forward at ``size_ratio`` of it, the draft's share of the target's
+    parameters: decoding reads every weight once per step). ``per_forward``: drafts one forward
+    proposes (a block drafter's block: any length costs one forward)."""
 
     def __init__(self, costs: Costs, timed: bool, size_ratio: float = 0.1, per_forward: int = 1,
-                 modeled: Costs | None = None, modeled_rows: int = 1, modeled_draft: float | None = None):
+                 modeled: Costs | None = None, modeled_rows: int = 1):
         self.costs, self.timed, self.size_ratio, self.per_forward = costs, timed, size_ratio, per_forward
-        self.modeled, self.modeled_rows, self.modeled_draft = modeled, modeled_rows, modeled_draft
+        self.modeled, self.modeled_rows = modeled, modeled_rows
 
     def forwards(self, steps: int) -> int:
         """Draft forwards ``steps`` drafts cost."""
         return -(-steps // self.per_forward)
 
+    def _measured(self, rows: int) -> tuple[Costs | None, int]:
+        """The costs that price the call's rounds, and at how many rows."""
+        if self.timed or self.costs.measured:
+            return self.costs, rows
+        return self.modeled, self.modeled_rows
+
     def verify(self, rows: int, width: int) -> float | None:
         """Seconds (untimed: as modeled) of verifying ``rows`` x ``width`` tokens; None
         before a timed call measured any."""
-        if self.timed or self.costs.measured:
-            return self.costs.verify(rows, width)
-        if self.modeled is not None:
-            return self.modeled.verify(self.modeled_rows, width)
-        return 1.0
+        costs, rows = self._measured(rows)
+        return 1.0 if costs is None else costs.verify(rows, width)
 
     def draft(self, steps: int, rows: int = 1) -> float | None:
         """Seconds (untimed: as modeled) of drafting ``steps`` drafts for ``rows`` rows."""
-        seconds = self.costs.draft(steps, sequential=self.per_forward == 1, rows=rows)
+        costs, at = self._measured(rows)
+        seconds = None if costs is None else costs.draft(steps, sequential=self.per_forward == 1, rows=at)
         if seconds is not None or self.timed:
             return seconds
-        if self.modeled_draft is not None:
-            return self.forwards(steps) * self.modeled_draft
         return self.forwards(steps) * self.size_ratio * (self.verify(rows, 1) or 1.0)
+
+    def catch_up(self, tokens: int) -> float:
+        """Seconds (untimed: as modeled) of the drafter's catch-up over ``tokens`` committed
+        tokens (all rows') it has not read; 0 where none was measured."""
+        costs, _ = self._measured(1)
+        return 0.0 if costs is None else costs.catch_up(tokens)
+
+
+SAMPLED_ROWS = 256  # the most rows timed to price sampled rounds (a larger batch reads theirs)
 
 
 def call_pricing(call, costs: Costs, widest: int, per_forward: int) -> Pricing:
     """A call's :class:`Pricing` (``call``: a :class:`~spec_ext.policies.base.Call`). Greedy:
     ``costs`` as measured. Sampled, unless ``costs`` holds measurements given before the call:
-    the target's verification by width 1..``widest`` and, for a draft model, its one-token
-    forward, each timed once per process (:func:`verification_costs`), so that a seed
-    reproduces the output in a process (a tensor-parallel target's followers replay its
-    forwards: nothing is timed there)."""
+    its rounds up to ``widest`` tokens a row as the engine runs them, timed once per process
+    (:func:`round_costs`), so that a seed reproduces the output in a process (a tensor-parallel
+    target's followers replay its forwards: nothing is timed there)."""
     from spec_ext.models.cache import split_size
 
-    target, draft, rows = call.target, call.draft, min(call.batch_size, SAMPLED_ROWS)
-    modeled = modeled_draft = None
-    if not call.greedy and not costs.measured and hasattr(target, "config") and split_size(target) == 1:
-        modeled = verification_costs(target, call.batch_size, min(widest, SAMPLED_WIDEST))
-        if getattr(draft, "can_generate", lambda: False)():  # a causal LM: timed as the target is
-            modeled_draft = verification_costs(draft, call.batch_size, 1).verify(rows, 1)
-    return Pricing(costs, call.greedy, size_ratio(target, draft), per_forward, modeled, rows, modeled_draft)
+    target, rows = call.target, min(call.batch_size, SAMPLED_ROWS)
+    modeled = None
+    if not call.greedy and not costs.measured and call.time_rounds is not None and split_size(target) == 1:
+        largest = min(widest - 1, per_forward) if per_forward > 1 else widest - 1
+        modeled = round_costs(call, timing_schedule(largest), per_forward == 1)
+    return Pricing(costs, call.greedy, size_ratio(target, call.draft), per_forward, modeled, rows)
 
 
 def size_ratio(target, draft) -> float:
@@ -523,26 +564,61 @@ def time_rows(target, costs: Costs, B: int, widths: list[int], context: int, rep
         costs.record_verify(B, width, seconds)
 
 
-SAMPLED_WIDEST = 33  # the widest verification timed to price sampled rounds (wider ones read the line)
-SAMPLED_ROWS = 256  # the most rows timed to price sampled rounds (a larger batch reads theirs)
-TIMED_WIDTHS = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25)  # the rest by the line: a width's cost grows steadily past 5
-_VERIFICATION_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(rows, widest): costs}
+def timing_schedule(largest: int) -> tuple[int, ...]:
+    """The rounds :func:`round_costs` times, as the model's k per round (0: a plain run):
+    a round to warm up, then twice each chain length up to ``largest`` that prices the others
+    (their line), each time followed by plain runs (one, then three) and a round that catches
+    up over them."""
+    lengths = (*[k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if k < largest], largest)
+    return (1, *lengths, 0, 1, *lengths, 0, 0, 0, 1)
+
+
+class TimedSchedule(Controller):
+    """The controller of ``schedule``'s rounds for every row of ``rows`` (a plain step runs as
+    a run of ``PLAIN_RUN``), each timed round recorded into ``costs``
+    (:meth:`Costs.record_round`); ``tokens``: the most a row emits; ``done``: the last round
+    was observed."""
+
+    PLAIN_RUN = 4
+
+    def __init__(self, rows: int, schedule: tuple[int, ...], costs: Costs, sequential: bool):
+        super().__init__(None, Call(rows, greedy=False))
+        self.schedule, self.costs, self.sequential = schedule, costs, sequential
+        self.planned, self.done = 0, False
+        self.tokens = sum(k + 1 if k else self.PLAIN_RUN for k in schedule)
+
+    def plan(self, state: RoundState) -> RoundPlan:
+        k = self.schedule[min(self.planned, len(self.schedule) - 1)]
+        self.planned += 1
+        return RoundPlan([k] * state.rows, steps=1 if k else self.PLAIN_RUN, record=sum(state.behind or ()))
+
+    def observe(self, report: Report) -> None:
+        if report.timed and not report.explores:
+            self.costs.record_round(report, report.plan.record or 0, self.sequential)
+        self.done = self.planned >= len(self.schedule)
+
+
+_ROUND_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {draft or None: {key: costs}}
 _TIMING = threading.Lock()
 
 
-def verification_costs(target, rows: int, widest: int) -> Costs:
-    """The verification's cost on ``target`` of ``rows`` rows (at most ``SAMPLED_ROWS``) by
-    width up to ``widest`` (``TIMED_WIDTHS`` and ``widest`` timed, the others read the line
-    through them), timed once per process (fastest of 5 after a warm-up, on the forward path
-    in effect) and kept for the target's life, under a lock (calls on other threads wait for
-    the one timing): what prices a sampled call's rounds, so that a seed reproduces the output
-    (a call's own timings would split its random stream into rounds by the machine's load)."""
-    rows = min(rows, SAMPLED_ROWS)
+def round_costs(call, schedule: tuple[int, ...], sequential: bool) -> Costs:
+    """The cost of ``call``'s rounds (a :class:`~spec_ext.policies.base.Call` whose engine
+    times rounds) at its batch size (at most ``SAMPLED_ROWS``): ``schedule``'s rounds
+    (:class:`TimedSchedule`) run by the engine on random ids, timed once per process for the
+    target, the draft and the sampling's settings, and kept for the models' lives, under a lock
+    (calls on other threads wait for the one timing): what prices a sampled call's rounds, so
+    that a seed reproduces the output (a call's own timings would split its random stream
+    into rounds by the machine's load)."""
+    rows = min(call.batch_size, SAMPLED_ROWS)
+    key = rows, schedule, sequential, call.time_rounds.key
     with _TIMING:
-        table = _VERIFICATION_COSTS.setdefault(target, {})
-        if (rows, widest) not in table:
+        by_draft = _ROUND_COSTS.setdefault(call.target, {})
+        draft = call.draft
+        table = by_draft.setdefault(None, {}) if draft is None else \
+            by_draft.setdefault("drafts", weakref.WeakKeyDictionary()).setdefault(draft, {})
+        if key not in table:
             costs = Costs()
-            widths = sorted({w for w in TIMED_WIDTHS if w < widest} | {widest})
-            time_rows(target, costs, rows, widths, context=64, repeats=4)
-            table[rows, widest] = costs
-        return table[rows, widest]
+            call.time_rounds(TimedSchedule(rows, schedule, costs, sequential), rows)
+            table[key] = costs
+        return table[key]
