@@ -1004,6 +1004,34 @@ def test_a_sampled_call_prices_its_rounds_by_rounds_the_engine_timed_once_per_pr
     assert policy.log.controllers[0].pricing.modeled not in timed
 
 
+@pytest.mark.parametrize("kind", ["draft model", "eagle3 head", "block drafter"])
+def test_a_sampled_auto_call_times_its_own_drafters_rounds(kind, monkeypatch):
+    """Sampled Auto's rounds are priced by the engine's rounds with a drafter of the call's
+    kind, timed once per process: a verification of every chain length of the schedule (a
+    block drafter's: up to its slots) and of a plain run, the draft by steps, and the
+    catch-ups where the drafter catches up (a draft model and an EAGLE head over the prompt and
+    the plain runs, the head's prompt read at its first drafting round; none for a block
+    drafter, which reads what was committed at every commit). Two seeded calls agree."""
+    from spec_ext.policies import Auto, estimates
+    from test_dflash import random_dflash
+    from test_heads import echo_head
+    target = llama(61, 32, 2, seed=14, sharpen=3.0)
+    draft = {"draft model": lambda: perturbed(target, 0.003, seed=2),
+             "eagle3 head": lambda: echo_head(target, "eagle3", noise=0.01),
+             "block drafter": lambda: random_dflash(target, block=4, seed=4, scale=0.5)}[kind]()
+    timed, time_rounds = [], estimates.round_costs
+    monkeypatch.setattr(estimates, "round_costs", lambda *args: timed.append(time_rounds(*args)) or timed[-1])
+    outputs = [spec_ext.generate(target, draft, [PROMPT, PROMPT[:5]], max_new_tokens=12, temperature=1.0,
+                                 eos_token_id=[], policy=Auto(), seed=3).sequences for _ in range(2)]
+    assert torch.equal(outputs[0], outputs[1]) and len(timed) == 2 and timed[0] is timed[1]
+    costs = timed[0]
+    lengths = sorted(set(estimates.timing_schedule(3 if kind == "block drafter" else Auto().max_draft)) - {0})
+    assert costs.widths(2) == [1] + [k + 1 for k in lengths]
+    assert sorted(steps for rows, steps in costs._draft) == lengths
+    caught_up = {tokens for tokens, _ in costs._catch_up}
+    assert len(caught_up) >= 3 if kind != "block drafter" else not caught_up, costs._catch_up
+
+
 def test_a_tensor_parallel_target_is_not_timed_for_sampled_rounds():
     """A tensor-parallel target's followers replay every forward its leading rank runs: a
     timing run there would desynchronise them. Its sampled rounds are priced flat (Adaptive

@@ -484,6 +484,12 @@ def test_auto_decodes_plainly_where_no_draft_pays_and_drafts_again_where_it_does
     budget = controller.policy.EXPLORE_SHARE * steep(1) * (len(late) - len(drafting))
     assert budget / 2 <= extra <= budget + steep(2) + 3.0, (extra, budget)
     assert controller.costs.verify(8, 1) == pytest.approx(10.0, rel=0.1)
+    # plain runs: PLAIN_RUN after a drafting round, twice the last after a run, at most LONGEST_RUN
+    planned = [p for i, p in enumerate(plans) if i == 0 or p is not plans[i - 1]]
+    runs = [(p.steps, planned[i - 1]) for i, p in enumerate(planned) if i and p.plain and p.steps > 1]
+    assert {n for n, _ in runs} == {4, 8, 16}, runs
+    for (n, before), (last, _) in zip(runs[1:], runs):
+        assert n == (Auto.PLAIN_RUN if before.model_runs else min(2 * last, Auto.LONGEST_RUN)), (n, last, before)
     controller.finish()
     again = start(Auto(), rows=8, memory=memory)
     plans_again = play(again, steep, geometric(0.2), offers=[0] * 8, rounds=4, per_forward_seconds=3.0)

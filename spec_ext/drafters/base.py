@@ -118,7 +118,9 @@ class Drafter:
     (HF's ``hidden_states[k]``) the drafter reads from every target forward (None: none),
     handed over in :meth:`start` and :class:`Outcome`; ``drafts_per_forward``: drafts one
     forward proposes (a block drafter's whole block); ``drafts_every_round``: a round where it
-    drafts no row still runs its catch-up forward (MTP layers); ``chain_length``: the chain
+    drafts no row still runs its catch-up forward (MTP layers); ``reads_on_commit``: its
+    :meth:`start` and :meth:`commit` read what was committed (a block drafter's context), so it
+    is never behind the text; ``chain_length``: the chain
     it drafts where the policy names no length (a block's slots, the MTP layers; None: the
     policy's default).
     """
@@ -127,6 +129,7 @@ class Drafter:
     model = None
     drafts_per_forward: int = 1
     drafts_every_round: bool = False
+    reads_on_commit: bool = False
     chain_length: int | None = None
     target_layers: tuple[int, ...] | None = None
     # what plans that read the bonus agreement need of the last round (see :meth:`bonus_agreement`):

@@ -35,6 +35,8 @@ class BlockDrafter(Drafter):
         >>> spec_ext.generate(target, BlockDrafter(load_dflash("path/to/dflash")), ids)  # doctest: +SKIP
     """
 
+    reads_on_commit = True
+
     def __init__(self, draft: DFlashDraft, hidden: bool = False):
         self.draft = draft.eval()
         self.hidden = hidden

@@ -171,24 +171,29 @@ def _drafter(target, draft, policy: Policy) -> tuple[MixedDrafter, Policy]:
 class RoundTiming:
     """A sampled call's timing of rounds (:class:`spec_ext.policies.base.TimesRounds`): the
     serial engine on random prompts of ``PROMPT`` ids below ``vocab``, with ``target``, a
-    drafter built from ``draft`` for ``policy``, and the sampling of ``key`` (temperature,
-    top_k, top_p, the warpers)."""
+    drafter built from ``draft`` for ``policy``, and the call's ``sampling`` (the Sampler's
+    arguments, its processors aside). Its ``key``: the sampling's settings that are set (the
+    warpers past temperature cost time; their values hardly do)."""
     target: object
     draft: object
     policy: Policy
     vocab: int
-    key: tuple
+    sampling: dict
 
     PROMPT: ClassVar[int] = 32
 
+    @property
+    def key(self) -> tuple:
+        return tuple(sorted(name for name, value in self.sampling.items()
+                            if value is not None and name != "temperature"))
+
     def __call__(self, controller, rows: int) -> None:
-        temperature, top_k, top_p, *warpers = self.key
         drafter, policy = _drafter(self.target, self.draft, self.policy)
         device = self.target.device
         generator = torch.Generator(device=device).manual_seed(0)
         prompts = torch.randint(0, self.vocab, (rows, self.PROMPT), device=device, generator=generator).tolist()
         loop = SerialEngine(self.target, drafter, policy, controller, prompts, controller.tokens,
-                            Sampler(temperature, top_k, top_p, **dict(warpers)), set(), generator, None)
+                            Sampler(**self.sampling), set(), generator, None)
         loop.stop = _AfterLastRound(controller)
         loop.run()
 
@@ -419,7 +424,7 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
         else:  # (a controller may time the target's forward when it starts: inside the block)
             timing = None if sampler.greedy else \
                 RoundTiming(target, drafting, policy, min(map(vocabulary_size, fitted)),
-                            (temperature, top_k, top_p, *sorted(call.warpers.items())))
+                            dict(temperature=temperature, top_k=top_k, top_p=top_p, **call.warpers))
             controller = policy.start(Call(len(prompts), sampler.greedy, target, drafter.proposer,
                                            1 if model is None else model.drafts_per_forward,
                                            int(model is not None and model.drafts_every_round), memory, timing))

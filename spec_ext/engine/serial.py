@@ -238,7 +238,7 @@ class SerialEngine(Rows):
             seqs = [self.seqs[r] for r in self.active]
             B = len(seqs)
             model = drafter.model_drafter
-            behind = None if model is None or model.drafts_every_round else \
+            behind = None if model is None or model.drafts_every_round or model.reads_on_commit else \
                 [len(s) - self.model_read[r] for r, s in zip(self.active, seqs)]
             plan = RoundPlan([0] * B) if waiting else \
                 controller.plan(RoundState(B, drafter.text, self.hidden, self.roots,

@@ -105,15 +105,20 @@ class Costs:
     def record_round(self, report, behind: int, sequential: bool = True) -> None:
         """A timed round's parts (``report``: a :class:`~spec_ext.policies.base.Report`): its
         verification (the round's seconds past its draft forwards) by rows and width; its
-        drafting by steps where the forwards were warm, else, of ``behind`` committed tokens
-        the drafter had not read (all rows'), the catch-up: the forwards' seconds past what
-        their steps cost (once measured; ``sequential``: a chain's forwards, else a block's)."""
-        rows = len(report.drafted)
-        self.record_verify(rows, report.width, max(report.seconds - report.draft_seconds, 0.0))
+        drafting by steps where the forwards were warm, else the catch-up over ``behind``
+        (:meth:`record_cold`)."""
+        self.record_verify(len(report.drafted), report.width, max(report.seconds - report.draft_seconds, 0.0))
         if report.draft_forwards and report.warm:
-            self.record_draft(report.draft_steps, report.draft_seconds, rows)
-        elif report.draft_forwards and behind:
-            steps = self.draft(report.draft_steps, sequential, rows)
+            self.record_draft(report.draft_steps, report.draft_seconds, len(report.drafted))
+        else:
+            self.record_cold(report, behind, sequential)
+
+    def record_cold(self, report, behind: int, sequential: bool = True) -> None:
+        """Of a round whose draft forwards first read ``behind`` committed tokens the drafter
+        had not (all rows'), the catch-up: the forwards' seconds past what their steps cost
+        (once those are measured; ``sequential``: a chain's forwards, else a block's)."""
+        if report.draft_forwards and not report.warm and behind:
+            steps = self.draft(report.draft_steps, sequential, len(report.drafted))
             if steps is not None:
                 self.record_catch_up(behind, max(report.draft_seconds - steps, 0.0))
 
@@ -576,8 +581,9 @@ def timing_schedule(largest: int) -> tuple[int, ...]:
 class TimedSchedule(Controller):
     """The controller of ``schedule``'s rounds for every row of ``rows`` (a plain step runs as
     a run of ``PLAIN_RUN``), each timed round recorded into ``costs``
-    (:meth:`Costs.record_round`); ``tokens``: the most a row emits; ``done``: the last round
-    was observed."""
+    (:meth:`Costs.record_round`; the catch-ups, the prompt's too, once the schedule's draft
+    steps are measured); ``tokens``: the most a row emits; ``done``: the last round was
+    observed."""
 
     PLAIN_RUN = 4
 
@@ -586,6 +592,7 @@ class TimedSchedule(Controller):
         self.schedule, self.costs, self.sequential = schedule, costs, sequential
         self.planned, self.done = 0, False
         self.tokens = sum(k + 1 if k else self.PLAIN_RUN for k in schedule)
+        self.cold: list[tuple[Report, int]] = []  # rounds whose drafter first caught up, and over how much
 
     def plan(self, state: RoundState) -> RoundPlan:
         k = self.schedule[min(self.planned, len(self.schedule) - 1)]
@@ -593,9 +600,15 @@ class TimedSchedule(Controller):
         return RoundPlan([k] * state.rows, steps=1 if k else self.PLAIN_RUN, record=sum(state.behind or ()))
 
     def observe(self, report: Report) -> None:
-        if report.timed and not report.explores:
-            self.costs.record_round(report, report.plan.record or 0, self.sequential)
+        if report.timed and not report.explores:  # (the first round's verification read the prompt: its drafting is a catch-up's)
+            self.costs.record_round(report, 0, self.sequential)
+        if report.draft_forwards and not report.warm:
+            self.cold.append((report, report.plan.record))
         self.done = self.planned >= len(self.schedule)
+        if self.done:
+            for report, behind in self.cold:
+                self.costs.record_cold(report, behind, self.sequential)
+            self.cold = []
 
 
 _ROUND_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {draft or None: {key: costs}}
