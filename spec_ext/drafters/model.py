@@ -45,8 +45,11 @@ class ModelDrafter(Drafter):
         """Feed ``rows`` (ragged, from position 0) to the draft's cache in one forward: the
         parallel engine's lanes start so; the serial rounds feed the prompt as a catch-up."""
         if max(map(len, rows)):
-            out, _ = feed_rows(self.cache, pad_rows(rows, 0, self.device), [len(r) for r in rows], self.forward)
-            check_finite(out.logits, "draft")
+            lengths = [len(r) for r in rows]
+            last = torch.tensor([max(n - 1, 0) for n in lengths], device=self.device)[:, None]
+            out, _ = feed_rows(self.cache, pad_rows(rows, 0, self.device), lengths,
+                               lambda ids, positions: self.forward(ids, positions, logits_at=last))
+            check_finite(out.logits, "draft")  # (at each row's last token: a NaN reaches it from any before)
 
     def forward(self, ids: Tensor, positions: Tensor, mask: Tensor | None = None,
                 logits_at: Tensor | None = None) -> Forward:

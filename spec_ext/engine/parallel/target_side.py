@@ -178,11 +178,11 @@ class ParallelEngine(Rows):
             prompts = [self.seqs[r][f:] for r, f in zip(rows, fed)]
             ids = pad_rows(prompts, 0, self.device)
             positions = self.cache.lengths[:, None] + torch.arange(ids.shape[1], device=self.device)
-            logits, hidden, _ = forward(self.target, ids, self.cache, positions, hidden=self.policy.learned)
+            root = torch.tensor([len(p) - 1 for p in prompts], device=self.device)[:, None]
+            logits, hidden, _ = forward(self.target, ids, self.cache, positions, hidden=self.policy.learned,
+                                        logits_at=root)  # (the LM head at each root alone)
             check_finite(logits, "target")
-            root = torch.tensor([len(p) - 1 for p in prompts], device=self.device)[:, None, None]
-            logits = logits.gather(1, root.expand(-1, -1, logits.shape[-1]))
-            hidden = None if hidden is None else hidden.gather(1, root.expand(-1, -1, hidden.shape[-1]))
+            hidden = None if hidden is None else hidden.gather(1, root[..., None].expand(-1, -1, hidden.shape[-1]))
         else:
             depth, tree_mask = ops.tree_mask(forward_parents.to(self.device), validate=False)
             positions = self.cache.lengths[:, None] + depth
