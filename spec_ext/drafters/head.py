@@ -7,8 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, catch_up_columns, draft_chain, feed_rows, \
-    from_slots, grow_tree, \
-    pad_rows, refeed_tree
+    from_slots, grow_tree, pad_rows, refeed_tree
 from spec_ext.drafters.features import bind_layers, check_draft_vocabulary, committed_features, prompt_features
 from spec_ext.models import SpecCache, aux_layer_ids, check_model, num_layers, vocabulary_size
 from spec_ext.drafters.kinds import DraftKind, register_kind
@@ -142,7 +141,7 @@ class HeadDrafter(Drafter):
         self._kept_t = self.cache.lengths - pairs_t + torch.tensor(self.real, device=self.device) \
             if pairs != self.real else self.cache.lengths
         if slots > 1:
-            at = last[:, None] + torch.arange(slots, device=self.device)
+            at = columns[:, int(plan.reads_agreement):]
             hidden = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
             return from_slots(plan, logits, self._output_layer_input(hidden) if self.hidden else None, roots,
                               self.sampler, self.generator, budget)

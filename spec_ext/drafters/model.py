@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, catch_up_columns, check_finite, draft_chain, feed_rows, \
-    grow_tree, pad_rows, refeed_tree
+from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, catch_up_columns, check_finite, draft_chain, \
+    feed_rows, grow_tree, pad_rows, refeed_tree
 from spec_ext.drafters.kinds import DraftKind, register_kind
 from spec_ext.models import Forward, SpecCache, forward
 from spec_ext.policies import RoundPlan
@@ -130,7 +130,7 @@ class ModelDrafter(Drafter):
         if lengths_t is None:
             lengths_t = torch.tensor(lengths, device=self.device)
         last = lengths_t - 1
-        at = catch_up_columns(last, agreement)  # (the LM head over a prompt's every token would cost more than the rest)
+        at = catch_up_columns(last, agreement)  # (an LM head over a prompt's every token costs more than the rest)
         out, _ = feed_rows(self.cache, ids, lengths, lambda i, p: self.forward(i, p, logits_at=at), lengths_t)
         if self.calls == 1:  # the prompt
             check_finite(out.logits, "draft")

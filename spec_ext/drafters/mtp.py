@@ -118,7 +118,8 @@ class MtpDrafter(Drafter):
         logits = self._logits(out[rows, last])
         agreement = None  # layer 0 at index p predicts x_{p+2}: the bonus is tokens[last]
         if plan.reads_agreement:
-            agreement = self.bonus_agreement(self._logits(out[rows, (last - 1).clamp_min(0)]), tokens[rows, last], last)
+            before = self._logits(out[rows, (last - 1).clamp_min(0)])
+            agreement = self.bonus_agreement(before, tokens[rows, last], last)
             budget = plan.budget(agreement)
         if plan.tree is not None:
             return self._tree(plan, out, logits, roots, first_t, span_t, tokens, positions)

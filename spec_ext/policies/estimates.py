@@ -600,7 +600,7 @@ class TimedSchedule(Controller):
         return RoundPlan([k] * state.rows, steps=1 if k else self.PLAIN_RUN, record=sum(state.behind or ()))
 
     def observe(self, report: Report) -> None:
-        if report.timed and not report.explores:  # (the first round's verification read the prompt: its drafting is a catch-up's)
+        if report.timed and not report.explores:  # (the first round's forward also read the prompt)
             self.costs.record_round(report, 0, self.sequential)
         if report.draft_forwards and not report.warm:
             self.cold.append((report, report.plan.record))
