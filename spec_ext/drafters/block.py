@@ -17,13 +17,9 @@ class BlockDrafter(Drafter):
     plan's, static or dynamic, at most the block's slots deep) from one block forward;
     ``hidden``: plans that stop per draft step read the normed outputs of the slots.
 
-    Chain: slot j's logits, processed by the sampler's logits processors at the prefix of the
-    drafts before it (a grammar's state after slots < j), give q_j; draft j is drawn from q_j
-    (greedy: its argmax). The slots are computed once from the context, independently of the
-    drafts, so the drafts are drawn from exactly these q and the chain rejection sampler is
-    exact with them. Trees: node children at depth d + 1 are the top-k of slot d + 1's
-    processed logits after the node's path (static ``branching``; or EAGLE-2's best ``nodes``
-    by cumulative probability), deterministic drafts verified by the one-hot rule.
+    Draft j is drawn from slot j's logits as processed after the drafts before it (greedy: its
+    argmax); the slots do not depend on the drafts, so chain rejection sampling with these q is
+    exact. A tree's children at depth d + 1 are top-k of slot d + 1 (``docs/block_drafters.md``).
 
     State: the drafter's :class:`SpecCache` holds, per layer, the context keys/values of every
     committed position before the anchor (the root), one entry per position, made from the
@@ -50,17 +46,8 @@ class BlockDrafter(Drafter):
         """The most drafts one block proposes (b - 1, or b with ``sample_from_anchor``)."""
         return self.draft.config.num_drafts
 
-    @property
-    def drafts_per_forward(self) -> int:
-        return self.num_drafts
-
-    @property
-    def max_depth(self) -> int:
-        return self.num_drafts
-
-    @property
-    def chain_length(self) -> int:
-        return self.num_drafts
+    # one forward proposes a chain of up to its slots, or a tree as deep
+    drafts_per_forward = max_depth = chain_length = property(lambda self: self.num_drafts)
 
     def bind(self, target) -> None:
         check_model(target, "target")

@@ -1,32 +1,18 @@
 """A draft model with another tokenizer than the target's (Timor et al., ICML 2025, arXiv 2502.05202).
 
-Two lossless modes; either way the target verifies as usual, so the output law is the
-target's at every temperature:
+Lossless modes (``docs/tokenizers.md``); either way the target verifies as usual, so the
+output law is the target's at every temperature:
 
-* ``"tli"`` (token-level intersection): the draft's logits restricted to the tokens whose
-  bytes are a target token's (:mod:`spec_ext.vocab`), its law renormalised over them; a
-  draft is a TARGET id and the q handed to the verifier is that law pushed onto the target's
-  ids [B,K,Vt] (the map is one-to-one, so the push is a scatter), processed by the same
-  :class:`Sampler` the target is: rejection sampling stays exact.
-* ``"slem"`` (string-level exact match): the draft drafts freely (greedily) in its own
-  vocabulary; the text of its drafts is re-tokenised by the target's tokenizer and handed
-  over as deterministic drafts (q None). Token healing: where the context's last token r
-  ends with the text (its tokens may be long, ``▁self.assertEqual(``: the text's end rarely
-  ends one, and a context cut there drafts as if the word were over), the draft's choice
-  at r's place among the tokens that begin with r's bytes decides, in the same forward:
-  r (drafts go on from it), or a longer token (r leaves the context; the first draft is it).
-* ``"auto"``: both, measured: where the draft vocabulary covers at least ``MIN_SHARE`` of the
-  prompts' target tokens (by frequency), a few rounds of each, then the one with more
-  accepted drafts per row and round (the other now and then); below that share, ``"slem"``
-  alone. :attr:`mode_used` says which ran most.
+* ``"tli"`` (token-level intersection): drafts are target ids drawn from the draft's law on
+  the tokens both vocabularies spell alike; that law, pushed onto the target's ids, is q.
+* ``"slem"`` (string-level exact match): the draft drafts in its own vocabulary; the text of
+  its drafts, re-tokenised by the target's tokenizer, is verified as deterministic drafts
+  (with token healing at the context's last token).
+* ``"auto"``: both, measured, then the one with more accepted drafts (SLEM alone where the
+  draft's vocabulary covers under ``MIN_SHARE`` of the prompts' tokens).
 
-The draft's own context is the committed text as the draft's tokenizer tokenises it, kept in
-step by re-tokenising a tail window each round (docs/tokenizers.md).
-
-Chains with every length policy (:func:`~spec_ext.drafters.base.draft_chain`); trees (a
-static tree's top-k, EAGLE-2's dynamic tree: of target ids under TLI, of draft tokens whose
-paths' texts are re-tokenised and merged under SLEM); beside the text's drafts. Parallel
-policies (PEARL, SpecBranch) are refused with a ValueError.
+Chains with every length policy, trees, and beside the text's drafts; parallel policies
+(PEARL, SpecBranch) are refused with a ValueError.
 
 The draft's forwards need its attention routed through spec_ext with its own vocabulary:
 :func:`spec_ext.generate` opens that block around the rounds (a caller driving the drafter

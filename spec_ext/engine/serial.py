@@ -277,11 +277,11 @@ class SerialEngine(Rows):
                 steps = outcome.tokens.shape[1] if run else 1
                 controller.observe(
                     Report(plan, sources, drafted, accepted, outcome.committed, 1, (now - started) / steps,
-                           (now - selected) / steps, steps=steps, target_hidden=self.hidden, roots=self.roots)
+                           (now - selected) / steps, steps=steps)
                     if run else
                     Report(plan, sources, drafted, accepted, outcome.committed, proposal.width, now - started,
                            now - selected, proposal.draft_seconds, proposal.draft_forwards, proposal.draft_steps,
-                           proposal.warm, outcome.path, proposal.explores, self.hidden, self.roots, timed=not first))
+                           proposal.warm, outcome.path, proposal.explores, timed=not first))
             if not run:
                 keep = [i for i, r in enumerate(self.active)
                         if self.emit(r, outcome.committed[i], drafted[i], accepted[i], sources[i].name.lower())]

@@ -33,33 +33,19 @@ class Adaptive(Policy):
     """Adaptive verification (see the module docstring) of chains up to ``max_draft`` drafts,
     or of the trees that ``tree`` (a :class:`Tree` or :class:`DynamicTree`) grows.
 
-    The choice. Each round's trim (and, for sequential drafters, each decision to draft one
-    more step) maximises the round's expected tokens minus ``R`` x its expected seconds, ``R``
-    the long-run tokens per second the rounds have reached so far (an exponentially weighted
-    ratio of the committed tokens to the rounds' seconds): a draft is worth verifying where
-    what it adds beats what the same seconds give on average (Dinkelbach's rule, which
-    maximises the whole call's tokens per second; maximising each round's own ratio instead
-    asks a strong round's last draft to beat that round's high ratio, and verifies too few).
-    Before ``R`` is known (a call's first round) each round's own ratio is maximised.
-
-    The prior. A draft's chance of acceptance is its confidence bin's observed rate shrunk
-    toward its depth class's pooled rate (``prior_weight`` observations of it), and that
-    pooled rate starts at ``prior_acceptance`` (:class:`~spec_ext.policies.estimates.Acceptance`):
-    a fresh policy treats every draft alike, as a fixed length does, and ranks drafts by
-    confidence as the bins fill. The drafters' confidences are not acceptance rates, so they
-    order the bins and never set a bin's prior. Until the verification's cost has been
-    measured, chains of a sequential drafter are ``initial`` drafts long.
+    Each round's trim (and a sequential drafter's choice to draft one more step) follows
+    Dinkelbach's rule against the call's long-run tokens per second ``R`` (before ``R`` is
+    known, the round's own ratio); a draft's chance is its confidence bin's rate shrunk toward
+    its depth class's pooled rate, which starts at ``prior_acceptance`` (``docs/adaptive.md``).
 
     Exactness: greedy, any trim is exact. Sampling: a draft's inclusion must not depend on
     the draft itself (the rejection sampler assumes each verified draft was drawn from its
     q), so sampled chains are never trimmed after drafting: only ``keep_drafting`` stops
     them, which decides on draft n + 1 from drafts 1..n. Deterministic drafts (trees, any
     drafter's one-hot drafts) are trimmed at every temperature. When sampling, the rounds are
-    not timed (the output then depends on the seed alone): the verification is priced by
-    ``costs`` if it holds measurements (e.g. :func:`spec_ext.policies.estimates.calibrate`),
-    else by the engine's rounds timed once per process on random ids
-    (:func:`~spec_ext.policies.estimates.round_costs`: the verification by width, the draft's
-    steps).
+    not timed (the output then depends on the seed alone): they are priced by ``costs`` if it
+    holds measurements (:func:`spec_ext.policies.estimates.calibrate`), else by the engine's
+    rounds timed once per process (:func:`~spec_ext.policies.estimates.round_costs`).
 
     Across calls (``accelerate`` keeps a memory): greedy calls start from the costs, the
     acceptance and the draft steps' seconds the earlier greedy calls measured.
@@ -143,7 +129,7 @@ class AdaptiveController(Controller):
                                           policy.prior_weight, policy.forget, bins=True))
         self.per_forward = call.drafts_per_forward
         self.longest = min(policy.depth_limit, self.per_forward) if self.per_forward > 1 else policy.depth_limit
-        self.pricing = call_pricing(call, self.costs, self.longest + 1, self.per_forward)
+        self.pricing = call_pricing(call, self.costs, self.longest, self.per_forward)
         self.round = 0
         self.rate_sums = [0.0, 0.0]  # weighted tokens, weighted seconds of this call's rounds (the first aside)
 
@@ -158,9 +144,6 @@ class AdaptiveController(Controller):
 
     def verify_cost(self, rows: int, width: int) -> float | None:
         return self.pricing.verify(rows, width)
-
-    def draft_cost(self, steps: int) -> float | None:
-        return self.pricing.draft(steps, self.rows)
 
     # ------------------------------------------------------------------ the round
     def plan(self, state: RoundState) -> RoundPlan:
@@ -183,7 +166,7 @@ class AdaptiveController(Controller):
         for k in range(1, self.longest + 1):
             tokens += B * alive
             alive *= self.accept.chance(k + 1)
-            cost = [self.draft_cost(k), self.verify_cost(B, k + 1)]
+            cost = [self.pricing.draft(k, self.rows), self.verify_cost(B, k + 1)]
             if None in cost:
                 return min(self.policy.initial, self.longest)
             value = tokens - R * sum(cost) if R is not None else tokens / max(sum(cost), 1e-12)
@@ -214,13 +197,13 @@ class AdaptiveController(Controller):
             record.last_step = now_s
             per_step = self.costs.step(B)
             if per_step is None:
-                fitted = [self.draft_cost(step), self.draft_cost(step + 1)]
+                fitted = [self.pricing.draft(step, self.rows), self.pricing.draft(step + 1, self.rows)]
                 per_step = None if None in fitted else max(0.0, fitted[1] - fitted[0])
             if step == 1 and self.policy.explore and (self.round - 1) % 8 == 7:  # now and then a second step, measured
                 return go
         else:
-            drafted = self.draft_cost(step)
-            per_step = self.draft_cost(step + 1) - drafted
+            drafted = self.pricing.draft(step, self.rows)
+            per_step = self.pricing.draft(step + 1, self.rows) - drafted
         now = self.verify_cost(B, step + 1)
         if now is None or per_step is None:
             return go
@@ -249,7 +232,7 @@ class AdaptiveController(Controller):
         width = proposal.tokens.shape[1] + (0 if tree else 1)  # verified tokens per row, the root included
         record.rows, record.width = B, width
         record.drafted = now - record.started if self.pricing.timed else \
-            self.draft_cost(proposal.max_depth if tree else proposal.tokens.shape[1])
+            self.pricing.draft(proposal.max_depth if tree else proposal.tokens.shape[1], self.rows)
         if proposal.confidence is None or proposal.explores:
             return proposal
         if tree:
@@ -385,9 +368,7 @@ class _VerifiedTree:
                                                                    self.nodes, path, num_accepted):
             accepted = [index[j] for j in row_path[1:a + 1]]  # the proposal's ids
             on_path = set(accepted) | {0}
-            depth = {0: 0}
-            for i in sorted(nodes):  # parents before children
-                depth[i] = depth[parents[i]] + 1
+            depth = node_depths(parents)
             out.append([(confidence[i], depth[i], i in on_path) for i in nodes if parents[i] in on_path])
         return out
 

@@ -17,52 +17,22 @@ from spec_ext.policies.suffix import Suffix, match_kind
 @dataclass(frozen=True)
 class Auto(Policy):
     """The default: before every round, per row, what drafts and how far, to maximise
-    expected tokens per second from what it measures as it goes.
+    expected tokens per second from what it measures as it goes (``docs/auto.md``).
 
-    What drafts: the model (a draft model, a feature head, a block drafter, MTP layers), and
-    with ``text=True`` each row's own text (the n-gram matcher of
-    :class:`~spec_ext.policies.NGram`, chains up to ``max_draft``): a row whose text has a
-    match drafts the text (cut to the best length) where the text is expected to give more
-    accepted tokens than the model's k drafts, else the model does; the model runs only where
-    some row takes it (a text-only round costs no draft step). Under
-    :class:`~spec_ext.policies.Suffix` with a model, a row's offers also include the suffix
-    cache's tree, valued at its nodes' empirical probabilities times the share of them its
-    kind of match has been accepted (:meth:`SuffixCache.expected`). Nothing drafts at all (a
-    plain decode step, what :class:`Plain` runs) where that beats every draft, once the model's
-    acceptance rests on ``PLAIN_AFTER`` measured first drafts (the memory's count too) or where
-    it beats drafts accepted as often as ``OPTIMISTIC``; after plain steps a draft must beat
-    them by ``SWITCH``; a plain step that wins is a run of steps under one plan, ``PLAIN_RUN``
-    long after drafts, twice the last run's after a run (at most ``LONGEST_RUN``);
-    the model's drafts in place of plain steps (to keep its acceptance measured; the text's is
-    measured on the rows it did not draft) cost at most ``EXPLORE_SHARE`` of their seconds.
+    What drafts: the model (a draft model, a feature head, a block drafter, MTP layers); with
+    ``text=True`` each row's own text (:class:`~spec_ext.policies.NGram`'s matcher); under
+    :class:`~spec_ext.policies.Suffix` the suffix cache's tree; or nothing (a plain decode
+    step, what :class:`Plain` runs). A round is valued as tokens per second until the batch's
+    slowest row is done, from acceptance counted per depth and source
+    (:class:`~spec_ext.policies.estimates.Acceptance`) and round costs by width
+    (:class:`~spec_ext.policies.estimates.Pricing`).
 
-    The batch's rows: a round's value is the tokens per second until the slowest row is done
-    (:func:`~spec_ext.policies.estimates.finish_rate`), each row's model drafts priced at its
-    own first-draft rate (:class:`~spec_ext.policies.estimates.RowSpread`).
-
-    Acceptance (:class:`~spec_ext.policies.estimates.Acceptance`): runs counted per depth,
-    apart for the model and for the text, with ``prior_weight`` observations of
-    ``prior_acceptance`` for the first draft; the text's runs also come from the rows the
-    model drafted (what their text offered against what the target committed).
-
-    Cost: a round verifying w tokens per row over B rows and drafting k steps costs
-    verify(B, w) + draft(k) (:class:`~spec_ext.policies.estimates.Pricing`): greedy, both as
-    measured on this device (the verification is the round's time but its draft forwards;
-    irregular by width where the step reads weights), so outputs never depend on timing but
-    lengths do; sampled, as the engine's rounds timed once per process on random ids
-    (:func:`~spec_ext.policies.estimates.round_costs`), so a seed reproduces the output in a
-    process. A drafter behind the committed text (the prompt; plain steps) pays its catch-up in
-    the round it next drafts: that round is priced with it.
-
-    The first round drafts the text and the model to ``initial``, the second the model alone at
-    the narrowest width, so that two widths give the cost's slope; greedy, the next round, at a
-    batch size a call starts at with no plain step timed, is one (a plain step runs none of a verification's
-    machinery: the line through the drafting widths prices it above its cost); then every
-    ``explore_every``-th round tries the model's k one more, the next such round one less. A
-    chain grows at most one draft past the deepest its rounds reached (its width is then
-    timed). Across calls (``accelerate`` keeps a memory): greedy calls start from the costs and
-    the model's acceptance the earlier greedy calls measured; the text's runs start afresh, and
-    a sampled call reads and writes nothing.
+    Contracts: greedy output never depends on the decisions (only lengths do, and they follow
+    measured timings); a sampled call prices its rounds by the engine's rounds timed once per
+    process (:func:`~spec_ext.policies.estimates.round_costs`), so a seed reproduces its output
+    in a process. Across calls (``accelerate`` keeps a memory) greedy calls start from the
+    costs and the model's acceptance the earlier greedy calls measured; a sampled call reads
+    and writes nothing.
 
     Args:
         max_draft: the model's largest k and the text's longest chain.
@@ -151,7 +121,7 @@ class AutoController(Controller):
         self.done: list[tuple[float, float]] = []
         per_forward = call.drafts_per_forward
         self.largest = min(policy.max_draft, per_forward) if per_forward > 1 else policy.max_draft
-        self.pricing = call_pricing(call, self.costs, policy.max_draft + 1, per_forward)
+        self.pricing = call_pricing(call, self.costs, self.largest, per_forward)
         self.rounds, self.k, self.narrowed = 0, policy.initial, 0
         self.run = 0  # the last plain run's planned steps (0: the last plan drafted)
         self.plain_left = (0, 0, 0.0)  # a plain run's steps not taken, at this many rows, each earning this
@@ -178,12 +148,9 @@ class AutoController(Controller):
         deepest = max((j for j in range(1, self.policy.max_draft + 1) if acc.reached[j] >= 0.5 * acc.unit), default=0)
         return max(1, min(self.largest, deepest + 1))
 
-    def _explored(self, k: int, rows: int) -> int:
+    def _explored(self, k: int) -> int:
         """``k``, or one more / one less in the exploring rounds (greedy, one less than one is a
-        plain step: its cost stays measured beside the drafting rounds'); in the second round,
-        with one width alone timed, the narrowest chain: two widths give the cost's slope."""
-        if self.rounds == 2 and self._one_width(rows):
-            return self._narrowest(rows)
+        plain step: its cost stays measured beside the drafting rounds')."""
         every = self.policy.explore_every
         phase = self.rounds % (2 * every)
         step = 1 if phase == every else -1 if phase == 0 else 0
@@ -326,7 +293,7 @@ class AutoController(Controller):
                     best, instead_of_plain = by_model, plain[4]
             _, k, cap, runs, _ = best
             if runs and instead_of_plain is None:
-                k = self._explored(k, B)
+                k = self._explored(k)
                 if k == 0:  # (no text either; the next round is weighed as after this one's k)
                     return RoundPlan([0] * B, record=_Round())
         self.k = k if runs else 0

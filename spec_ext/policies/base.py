@@ -1,19 +1,7 @@
-"""The decision layer's protocol, declared in one place.
-
-A :class:`Policy` is settings: an immutable value (a frozen dataclass: equal, hashable,
-printed with its arguments), safe to share between calls and threads. Per generate call,
-``policy.start(call)`` makes a :class:`Controller`, which holds all of that call's state and
-dies with it: each round it plans (:class:`RoundPlan` from :class:`RoundState`) and learns
-(:meth:`Controller.observe` of a :class:`Report`); docs/architecture.md draws the round.
-
-What a policy learns across calls (measured costs, acceptance) lives in one :class:`Memory`
-that :func:`spec_ext.accelerate` owns: a controller reads it at its start and merges what
-it measured back in :meth:`Controller.finish`, under the memory's lock, so calls on several
-threads at once all contribute and none corrupts it. A sampled call neither reads nor
-writes it (its lengths follow its own draws, so a seed reproduces its output).
-
-Every policy works with no arguments (published defaults) and can be named by its
-lower-case class name in ``policy=``.
+"""The decision layer's protocol, declared in one place: a :class:`Policy` (settings) starts
+a :class:`Controller` per call, which plans each round (:class:`RoundPlan` from
+:class:`RoundState`) and learns from its :class:`Report`; what it learns across calls lives in
+a :class:`Memory` (``docs/architecture.md`` draws the round).
 """
 from __future__ import annotations
 
@@ -172,12 +160,7 @@ class RoundPlan:
     this tree for every row instead (where set); ``text[b]``: the text drafts row b verifies
     instead of the model's (an :class:`Offer`, cut), or None. A round with no model drafts
     and no text is a plain decode step. The plan is also the round's record: ``record`` is the
-    controller's own (what it priced), handed back in :attr:`Report.plan`.
-
-    Methods the drafter and the engine call: :meth:`budget` (the chain lengths, after the
-    drafter's catch-up; ``reads_agreement``: it wants the rows' bonus agreement then),
-    :meth:`keep_drafting` (after each draft step, where ``stops``), :meth:`select` (what of
-    the proposal the target verifies)."""
+    controller's own (what it priced), handed back in :attr:`Report.plan`."""
     k: list[int]
     text: list[Offer | None] | None = None
     tree: TreeShape | None = None
@@ -265,8 +248,7 @@ class Report:
     slots, a tree's depth); ``warm``: those forwards are a draft step's cost (not a catch-up over
     the prompt or skipped rounds); ``path`` [B,D+1]: a tree's accepted node ids; ``explores``:
     the drafter tried another way only to measure it (nothing is learned from the round);
-    ``target_hidden`` [B,H] and ``roots`` [B]: the target's last hidden state at each row's
-    new root, and the root (where the policy reads them); ``timed`` False: the round's seconds
+    ``timed`` False: the round's seconds
     are not a round's cost (the call's first, whose forward also read the prompt); ``steps``:
     the plain steps a plain plan's report covers (``committed`` holds all their tokens; the
     seconds are their mean)."""
@@ -284,8 +266,6 @@ class Report:
     warm: bool = True
     path: Tensor | None = None
     explores: bool = False
-    target_hidden: Tensor | None = None
-    roots: Tensor | None = None
     timed: bool = True
     steps: int = 1
 
@@ -321,7 +301,8 @@ class Memory:
 
 
 class Controller:
-    """One call's decisions (the default: ``policy.max_draft`` drafts for every row)."""
+    """One call's decisions (the default: the policy's tree for every row, else its
+    ``max_draft`` drafts, each row stopped where the policy's ``goes_on`` says)."""
 
     per_row: ClassVar[tuple[str, ...]] = ()  # the names of lists with an entry per row going
 
@@ -331,7 +312,9 @@ class Controller:
         self._recalled: dict = {}  # name -> (the value read from call.memory, its version)
 
     def plan(self, state: RoundState) -> RoundPlan:
-        return RoundPlan([self.policy.max_draft] * state.rows)
+        tree = self.policy.tree_shape()
+        k = 0 if tree is not None else self.policy.max_draft
+        return RoundPlan([k] * state.rows, tree=tree, stop=self.policy.goes_on)
 
     def observe(self, report: Report) -> None:
         """What the round gave (after the verification)."""
@@ -364,22 +347,16 @@ class Controller:
 @dataclass(frozen=True)
 class Policy:
     """Base class of every policy: settings (frozen), and :meth:`start`, which makes the call's
-    :class:`Controller`.
-
-    Class attributes say what a policy needs of the engine and the drafters, so that none
-    asks which class it is: ``parallel`` (the parallel engine runs it: PEARL and SpecBranch),
-    ``reads_target`` (the engine hands the target's last hidden state at each root to
-    :class:`RoundState` and :class:`Report`), ``reads_draft_hidden`` (the drafter hands its
-    hidden state to ``keep_drafting``), ``reads_agreement`` (the drafter's bonus agreement,
-    after its catch-up), ``needs_model`` (it drafts with a model), ``text`` (a text source runs beside or instead of the
-    drafter: the policy's ``text_settings``), and :meth:`tree_shape` (the tree the model grows,
-    None for chains)."""
-    parallel: ClassVar[bool] = False
-    reads_target: ClassVar[bool] = False
-    reads_draft_hidden: ClassVar[bool] = False
+    :class:`Controller`. Its class attributes say what it needs of the engine and the drafters,
+    so that none asks which class it is."""
+    parallel: ClassVar[bool] = False  # the parallel engine runs it (PEARL, SpecBranch)
+    reads_target: ClassVar[bool] = False  # RoundState holds the target's last hidden state at each root
+    reads_draft_hidden: ClassVar[bool] = False  # the drafter hands its hidden state to the plan's stop
     reads_agreement: ClassVar[bool] = False  # the drafter's bonus agreement (RoundPlan.after_catch_up)
     needs_model: ClassVar[bool] = True  # without text it drafts with a model (NGram and Suffix do not)
     drafts: ClassVar[bool] = True  # False: it drafts nothing (Plain), a draft given is not used
+    # (step, probs [B,V], tokens [B], hidden [B,H] | None) -> [B] bool: which rows draft on (None: all)
+    goes_on: ClassVar[Callable | None] = None
 
     @property
     def max_draft(self) -> int:

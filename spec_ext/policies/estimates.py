@@ -261,10 +261,6 @@ class Pricing:
         self.costs, self.timed, self.size_ratio, self.per_forward = costs, timed, size_ratio, per_forward
         self.modeled, self.modeled_rows = modeled, modeled_rows
 
-    def forwards(self, steps: int) -> int:
-        """Draft forwards ``steps`` drafts cost."""
-        return -(-steps // self.per_forward)
-
     def _measured(self, rows: int) -> tuple[Costs | None, int]:
         """The costs that price the call's rounds, and at how many rows."""
         if self.timed or self.costs.measured:
@@ -283,7 +279,7 @@ class Pricing:
         seconds = None if costs is None else costs.draft(steps, sequential=self.per_forward == 1, rows=at)
         if seconds is not None or self.timed:
             return seconds
-        return self.forwards(steps) * self.size_ratio * (self.verify(rows, 1) or 1.0)
+        return -(-steps // self.per_forward) * self.size_ratio * (self.verify(rows, 1) or 1.0)  # forwards x
 
     def catch_up(self, tokens: int) -> float:
         """Seconds (untimed: as modeled) of the drafter's catch-up over ``tokens`` committed
@@ -295,10 +291,10 @@ class Pricing:
 SAMPLED_ROWS = 256  # the most rows timed to price sampled rounds (a larger batch reads theirs)
 
 
-def call_pricing(call, costs: Costs, widest: int, per_forward: int) -> Pricing:
+def call_pricing(call, costs: Costs, largest: int, per_forward: int) -> Pricing:
     """A call's :class:`Pricing` (``call``: a :class:`~spec_ext.policies.base.Call`). Greedy:
     ``costs`` as measured. Sampled, unless ``costs`` holds measurements given before the call:
-    its rounds up to ``widest`` tokens a row as the engine runs them, timed once per process
+    its rounds of up to ``largest`` drafts a row as the engine runs them, timed once per process
     (:func:`round_costs`), so that a seed reproduces the output in a process (a tensor-parallel
     target's followers replay its forwards: nothing is timed there)."""
     from spec_ext.models.cache import split_size
@@ -306,7 +302,6 @@ def call_pricing(call, costs: Costs, widest: int, per_forward: int) -> Pricing:
     target, rows = call.target, min(call.batch_size, SAMPLED_ROWS)
     modeled = None
     if not call.greedy and not costs.measured and call.time_rounds is not None and split_size(target) == 1:
-        largest = min(widest - 1, per_forward) if per_forward > 1 else widest - 1
         modeled = round_costs(call, timing_schedule(largest), per_forward == 1)
     return Pricing(costs, call.greedy, size_ratio(target, call.draft), per_forward, modeled, rows)
 

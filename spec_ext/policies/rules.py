@@ -24,14 +24,6 @@ class Plain(Policy):
     def max_draft(self) -> int:
         return 0
 
-    def start(self, call: Call) -> Controller:
-        return _Plain(self, call)
-
-
-class _Plain(Controller):
-    def plan(self, state: RoundState) -> RoundPlan:
-        return RoundPlan([0] * state.rows)
-
 
 @register
 @dataclass(frozen=True)
@@ -90,13 +82,6 @@ class _Heuristic(Controller):
                   for k, n, a in zip(self.k, report.drafted, report.accepted)]
 
 
-class _Stopping(Controller):
-    """Up to ``max_draft`` drafts, each row stopped where the policy's ``goes_on`` says."""
-
-    def plan(self, state: RoundState) -> RoundPlan:
-        return RoundPlan([self.policy.max_draft] * state.rows, stop=self.policy.goes_on)
-
-
 @register
 @dataclass(frozen=True)
 class Confidence(Policy):
@@ -107,9 +92,6 @@ class Confidence(Policy):
 
     def goes_on(self, step: int, probs: Tensor, tokens: Tensor, hidden=None) -> Tensor:
         return probs.gather(1, tokens[:, None]).squeeze(1) >= self.threshold
-
-    def start(self, call: Call) -> Controller:
-        return _Stopping(self, call)
 
 
 @register
@@ -124,6 +106,3 @@ class SVIP(Policy):
     def goes_on(self, step: int, probs: Tensor, tokens: Tensor, hidden=None) -> Tensor:
         entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
         return (self.c * entropy).sqrt() <= self.h
-
-    def start(self, call: Call) -> Controller:
-        return _Stopping(self, call)

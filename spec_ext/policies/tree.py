@@ -5,14 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from spec_ext.policies.base import Call, Controller, Policy, RoundPlan, RoundState, TreeShape, check, register
-
-
-class _Growing(Controller):
-    """Every round the model grows the policy's tree for every row."""
-
-    def plan(self, state: RoundState) -> RoundPlan:
-        return RoundPlan([0] * state.rows, tree=self.policy.tree_shape())
+from spec_ext.policies.base import Policy, TreeShape, check, register
 
 
 class _TreePolicy(Policy):
@@ -21,9 +14,6 @@ class _TreePolicy(Policy):
     @property
     def max_draft(self) -> int:
         return self.tree_shape().room
-
-    def start(self, call: Call) -> Controller:
-        return _Growing(self, call)
 
 
 @register
