@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import spec_ext
+from spec_ext.drafters import ModelDrafter
 from spec_ext.policies import Adaptive, DynamicTree, Fixed, SuffixCache, Tree
 from helpers import hf_greedy, llama, perturbed
 
@@ -24,11 +25,13 @@ def target():
 
 def drafts(target):
     """The draft of every kind the concurrency tests run: a draft model, an EAGLE-3 head, a
-    DFlash block drafter, none (the text)."""
+    DFlash block drafter, none (the text), and a drafter the caller made (one instance every
+    call is given)."""
     from test_dflash import random_dflash
     from test_heads import echo_head
     return {"model": perturbed(target, 0.01, seed=1), "head": echo_head(target, noise=0.01),
-            "dflash": random_dflash(target, block=4), "text": None}
+            "dflash": random_dflash(target, block=4), "text": None,
+            "drafter": ModelDrafter(perturbed(target, 0.01, seed=1))}
 
 
 def run_at_once(calls):
@@ -55,7 +58,7 @@ def run_at_once(calls):
 
 CASES = [("model", "auto"), ("model", Fixed(3)), ("model", Tree((2, 1))), ("model", Adaptive()), ("head", "auto"),
          ("head", DynamicTree(depth=3, top_k=2, nodes=6)), ("dflash", "auto"), ("dflash", Adaptive()),
-         ("text", "ngram"), ("model", "suffix"), ("head", "suffix")]
+         ("text", "ngram"), ("model", "suffix"), ("head", "suffix"), ("drafter", "auto"), ("drafter", Fixed(3))]
 
 
 @pytest.mark.parametrize("kind,policy", CASES, ids=[f"{k}-{p if isinstance(p, str) else type(p).__name__}"
@@ -89,7 +92,8 @@ def test_four_threads_calling_one_accelerated_model_each_get_their_own_output(ta
         assert len(cache.texts()) == sum(map(len, BATCHES))
 
 
-@pytest.mark.parametrize("kind,policy", [("model", "auto"), ("head", "auto"), ("dflash", Adaptive())])
+@pytest.mark.parametrize("kind,policy", [("model", "auto"), ("head", "auto"), ("dflash", Adaptive()),
+                                         ("drafter", "auto")])
 def test_seeded_sampled_calls_on_four_threads_reproduce(target, kind, policy):
     """Seeded sampled calls at once on four threads give the tokens each gives alone, whatever
     the other calls and the greedy calls before them measured."""

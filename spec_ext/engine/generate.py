@@ -3,7 +3,10 @@ run it with the models' attention routed through spec_ext, and return what HF re
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 import time
+import weakref
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +17,7 @@ from torch import Tensor
 
 from spec_ext import ops
 
-from spec_ext.drafters import MixedDrafter, OtherTokenizerDrafter, Sampler, build, kind_of, load, pad_rows
+from spec_ext.drafters import Drafter, MixedDrafter, OtherTokenizerDrafter, Sampler, build, kind_of, load, pad_rows
 from spec_ext.engine.common import Output, Stats, prompt_rows
 from spec_ext.engine.parallel import ParallelEngine
 from spec_ext.engine.serial import SerialEngine
@@ -255,6 +258,26 @@ def warn_if_unrelated(target, draft, stats: Stats) -> None:
                   f"({sizes}); use a draft from the target's family", stacklevel=3)
 
 
+_DRAFTER_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_DRAFTER_LOCKS_GUARD = threading.Lock()
+
+
+def _one_call_per_drafter(generate):
+    """A :class:`~spec_ext.drafters.Drafter` the caller made holds one call's state (its caches,
+    what its last call measured): calls given the same instance run one at a time, on any
+    thread. A loaded draft gets a drafter of its own per call, so those calls run at once."""
+    @functools.wraps(generate)
+    def call(target, draft, *args, **kwargs):
+        if not isinstance(draft, Drafter):
+            return generate(target, draft, *args, **kwargs)
+        with _DRAFTER_LOCKS_GUARD:
+            lock = _DRAFTER_LOCKS.setdefault(draft, threading.RLock())
+        with lock:
+            return generate(target, draft, *args, **kwargs)
+    return call
+
+
+@_one_call_per_drafter
 @torch.inference_mode()
 def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max_new_tokens: int = 32,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
@@ -272,7 +295,8 @@ def generate(target, draft, input_ids, attention_mask: Tensor | None = None, max
             :func:`spec_ext.models.unsupported_reason` accepts) with one tokenizer; their
             vocabulary sizes may differ by padding (draft None with ``policy="ngram"``, or when
             the policy's draft runs on another rank). ``draft`` may also be a
-            :class:`spec_ext.drafters.Drafter`, which brings its own policy.
+            :class:`spec_ext.drafters.Drafter`, which brings its own policy; it holds one call's
+            state, so calls given the same instance run one at a time.
         input_ids: [B, L] LongTensor (left-padded, with ``attention_mask``) or a list of
             token-id lists (ragged). Without ``attention_mask``, the mask is inferred as HF's
             generate infers it: the positions holding the pad id (``pad_token_id``, else the
