@@ -92,6 +92,23 @@ def test_four_threads_calling_one_accelerated_model_each_get_their_own_output(ta
         assert len(cache.texts()) == sum(map(len, BATCHES))
 
 
+def test_a_call_from_inside_a_call_on_the_same_drafter_is_refused(target):
+    """A streamer that calls generate again with the caller's drafter (whose state is the outer
+    call's) gets a ValueError naming ``draft``; the drafter serves the next call as before."""
+    drafter = ModelDrafter(perturbed(target, 0.01, seed=1))
+
+    class Streamer:
+        def put(self, value):
+            spec_ext.generate(target, drafter, [[5, 17]], max_new_tokens=2, eos_token_id=[])
+
+        def end(self):
+            pass
+    with pytest.raises(ValueError, match="draft: this Drafter is in a call on this thread"):
+        spec_ext.generate(target, drafter, [[5, 17, 33]], max_new_tokens=4, eos_token_id=[], streamer=Streamer())
+    out = spec_ext.generate(target, drafter, [PROMPTS[0]], max_new_tokens=8, eos_token_id=[])
+    assert out.sequences[0, -8:].tolist() == hf_greedy(target, PROMPTS[0], 8, eos=[])
+
+
 @pytest.mark.parametrize("kind,policy", [("model", "auto"), ("head", "auto"), ("dflash", Adaptive()),
                                          ("drafter", "auto")])
 def test_seeded_sampled_calls_on_four_threads_reproduce(target, kind, policy):

@@ -5,16 +5,7 @@ A feature drafter names the target layers it reads in ``Drafter.target_layers`` 
 ``hidden_states[k]``: the input of decoder layer k, k = L the output of the final norm). The
 engine then hands it, concatenated in that order, the features of each prompt's tokens but
 its last in ``Drafter.start`` and the features of every verified position in
-``Outcome.features``; nothing else runs the target for it. The helpers here:
-
-* :func:`bind_layers`: check that the layer ids and the feature width fit the target
-  (``ValueError`` naming the checkpoint's field);
-* :func:`check_draft_vocabulary`: check that a reduced draft vocabulary (draft id i is the
-  target's ``i + d2t[i]``) names target tokens (``spec_ext.models.eagle.to_target_vocabulary``
-  places a reduced vocabulary's logits in the target's);
-* :func:`prompt_features`: the prompt's features as ``start`` got them, or an empty tensor;
-* :func:`committed_features`: after a round, the features and tokens of the positions the
-  target committed (a chain's first ones, a tree's accepted path), in order.
+``Outcome.features``; nothing else runs the target for it.
 """
 from __future__ import annotations
 

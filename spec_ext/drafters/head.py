@@ -44,10 +44,8 @@ class HeadDrafter(Drafter):
         return self.head
 
     def skip(self) -> None:
-        """A round without the head (the text drafted every row): no forward. What it has not seen waits,
-        the round's committed pairs are appended to it (:meth:`commit`), and its next
-        proposal feeds them all in one catch-up, as a fresh head started on the committed
-        text would (a round of the text's drafts alone costs no head forward)."""
+        """A round without the head (the text drafted every row): no forward; its next proposal
+        catches up over what it has not seen."""
         self._waiting = True
 
     def bind(self, target) -> None:

@@ -38,7 +38,9 @@ class ModelDrafter(Drafter):
         self.device = self.model.device
         self.cache = SpecCache.for_model(self.model, len(seqs), capacity)
         self._carry: dict | None = None
-        self._fed = None
+        # (drafts fed to every row past the committed ones, the rows [B] bool whose drafts the target
+        # verifies and the same on the host, None: all): commit keeps what the target accepts
+        self._fed: tuple | None = None
         self.all_accepted = self.bonus_p = None
 
     def prefill(self, rows: list[list[int]]) -> None:
@@ -64,7 +66,7 @@ class ModelDrafter(Drafter):
         if plan.tree is not None:
             proposal = grow_tree(plan.tree, logits, roots, lambda tokens, parents, depth, mask: refeed_tree(
                 self.cache, self.forward, tokens, depth, mask).logits, self.sampler)
-            self._feeds(0)  # the cache holds the committed tokens up to the root: none of the tree
+            self._fed = 0, None, None  # the cache holds the committed tokens up to the root: none of the tree
             return proposal
         B = len(seqs)
 
@@ -76,18 +78,12 @@ class ModelDrafter(Drafter):
         drafts, q, num_draft, confidence = draft_chain(plan, self.sampler, self.generator, logits, hidden, step,
                                                        plan.budget(agreement), forced, forced_rows)
         if forced_rows is not None and forced is None:  # the rows' drafts are discarded: only the others' kept
-            self._feeds(drafts.shape[1] - 1, ~forced_rows, (~forced_rows).tolist())
+            self._fed = drafts.shape[1] - 1, ~forced_rows, (~forced_rows).tolist()
         else:
-            self._feeds(drafts.shape[1] - 1)
+            self._fed = drafts.shape[1] - 1, None, None
         return Proposal(drafts, num_draft, q, confidence=confidence)
 
     # ------------------------------------------------------------------ state
-    def _feeds(self, drafts: int, rows: Tensor | None = None, rows_host: list[bool] | None = None) -> None:
-        """This round fed every row ``drafts`` tokens past the committed ones, of which the
-        drafts of ``rows`` [B] bool (``rows_host`` the same on the host; None: every row) are
-        what the target verifies: :meth:`commit` keeps those it accepts."""
-        self._fed = drafts, rows, rows_host
-
     def skip(self) -> None:
         self._carry, self._fed = None, None
 
@@ -124,11 +120,10 @@ class ModelDrafter(Drafter):
         carry, self._carry = self._carry, None
         if carry is None:
             pending = [s[n:] for s, n in zip(seqs, self.cache.host_lengths)]
-            ids, lengths, lengths_t = pad_rows(pending, 0, self.device), [len(p) for p in pending], None
+            lengths = [len(p) for p in pending]
+            ids, lengths_t = pad_rows(pending, 0, self.device), torch.tensor(lengths, device=self.device)
         else:
             ids, lengths, lengths_t = carry["ids"], carry["lengths"], carry["last"] + 1
-        if lengths_t is None:
-            lengths_t = torch.tensor(lengths, device=self.device)
         last = lengths_t - 1
         at = catch_up_columns(last, agreement)  # (an LM head over a prompt's every token costs more than the rest)
         out, _ = feed_rows(self.cache, ids, lengths, lambda i, p: self.forward(i, p, logits_at=at), lengths_t)

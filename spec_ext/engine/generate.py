@@ -6,7 +6,6 @@ import contextlib
 import functools
 import threading
 import time
-import weakref
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,21 +257,35 @@ def warn_if_unrelated(target, draft, stats: Stats) -> None:
                   f"({sizes}); use a draft from the target's family", stacklevel=3)
 
 
-_DRAFTER_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _DRAFTER_LOCKS_GUARD = threading.Lock()
 
 
-def _one_call_per_drafter(generate):
+@contextlib.contextmanager
+def _drafter_turn(draft):
     """A :class:`~spec_ext.drafters.Drafter` the caller made holds one call's state (its caches,
-    what its last call measured): calls given the same instance run one at a time, on any
-    thread. A loaded draft gets a drafter of its own per call, so those calls run at once."""
+    what its last call measured): calls given the same instance take turns, on any thread (a
+    call on the thread that holds it, from a streamer or a processor, is refused). A loaded
+    draft gets a drafter of its own per call, so those calls run at once."""
+    if not isinstance(draft, Drafter):
+        yield
+        return
+    with _DRAFTER_LOCKS_GUARD:  # (on the instance: a drafter need not be hashable)
+        turn = draft.__dict__.setdefault("_spec_ext_turn", [threading.Lock(), None])
+    if turn[1] == threading.get_ident():
+        raise ValueError("draft: this Drafter is in a call on this thread already (a streamer or a processor "
+                         "called generate again); give the inner call a drafter of its own")
+    with turn[0]:
+        turn[1] = threading.get_ident()
+        try:
+            yield
+        finally:
+            turn[1] = None
+
+
+def _one_call_per_drafter(generate):
     @functools.wraps(generate)
     def call(target, draft, *args, **kwargs):
-        if not isinstance(draft, Drafter):
-            return generate(target, draft, *args, **kwargs)
-        with _DRAFTER_LOCKS_GUARD:
-            lock = _DRAFTER_LOCKS.setdefault(draft, threading.RLock())
-        with lock:
+        with _drafter_turn(draft):
             return generate(target, draft, *args, **kwargs)
     return call
 
@@ -487,7 +500,9 @@ class Accelerated:
     target's. ``last_stats`` holds the stats of the latest call to finish. Calls may come from
     several threads at once: the policy is a value, each call has its own controller, and
     what the policy learns across calls is one :class:`~spec_ext.policies.Memory` (``memory``)
-    that every call reads at its start and adds to at its end, under its lock."""
+    that every call reads at its start and adds to at its end, under its lock (a
+    :class:`~spec_ext.drafters.Drafter` the caller made is one call's state: its calls take
+    turns)."""
 
     def __init__(self, target, draft, policy: str | Policy = "auto", fast_linear: bool | str = "auto", tokenizer=None,
                  draft_tokenizer=None, tokenizer_mode: str = "auto", suffix_cache: SuffixCache | bool = True,
@@ -502,8 +517,9 @@ class Accelerated:
         self._policy = resolve(_with_cache(policy, suffix_cache))
         self._fast_linear = fast_linear
         self._tokenizers = dict(tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer, tokenizer_mode=tokenizer_mode)
-        _drafter(target, _across_tokenizers(draft, tokenizer, draft_tokenizer, tokenizer_mode, self._policy),
-                 self._policy)
+        with _drafter_turn(draft):
+            _drafter(target, _across_tokenizers(draft, tokenizer, draft_tokenizer, tokenizer_mode, self._policy),
+                     self._policy)
         _check_fast_linear(fast_linear)
         self._invariant = _invariant(invariant, target)
         self.memory = Memory()

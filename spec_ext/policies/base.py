@@ -355,7 +355,7 @@ class Policy:
     reads_agreement: ClassVar[bool] = False  # the drafter's bonus agreement (RoundPlan.after_catch_up)
     needs_model: ClassVar[bool] = True  # without text it drafts with a model (NGram and Suffix do not)
     drafts: ClassVar[bool] = True  # False: it drafts nothing (Plain), a draft given is not used
-    # (step, probs [B,V], tokens [B], hidden [B,H] | None) -> [B] bool: which rows draft on (None: all)
+    # a method (step, probs [B,V], tokens [B], hidden [B,H] | None) -> [B] bool: which rows of a chain draft on
     goes_on: ClassVar[Callable | None] = None
 
     @property
