@@ -906,3 +906,29 @@ def test_mtp_model_options_are_honoured_on_both_paths():
                 assert sampled.q.shape[-1] == 61 and not sampled.q[b, 0, V:].any()
             out = ragged_greedy_equals_target(target, MtpDrafter(mtp), PROMPTS, Fixed(3), 16, range(4, 11))
             assert out.stats.accepted > 0
+
+
+@pytest.mark.parametrize("policy", ["auto", "fixed", Tree((2, 1))])
+@pytest.mark.parametrize("step", ["hf modules", "lean"])
+def test_four_threads_calling_one_mtp_accelerated_model_each_get_their_own_output(step, policy):
+    """MTP layers loaded once (``accelerate(target, "mtp")``: glm4_moe's through the HF modules;
+    a speculators directory for Qwen3, the lean step), ragged greedy calls on four threads at
+    once: each equals the target's greedy output, as the same call made alone."""
+    from test_concurrency import run_at_once
+    if step == "lean":
+        target, draft, _ = library_mtp()
+    else:
+        (target, _), draft = target_with_mtp("glm4_moe", 2), "mtp"
+    fast = spec_ext.accelerate(target, draft, policy=policy)
+    batches = [PROMPTS, PROMPTS[1:], PROMPTS[:1], PROMPTS[::2]]
+    expected = [[hf_greedy(target, p, 12, eos=[]) for p in batch] for batch in batches]
+
+    def call(batch):
+        width = max(map(len, batch))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        out = fast.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=[],
+                            pad_token_id=0)
+        return [row[-12:].tolist() for row in out]
+
+    assert run_at_once([lambda b=batch: call(b) for batch in batches]) == expected

@@ -417,6 +417,37 @@ def _enter_configs(configs: list, step: int) -> None:
             del counts[id(config)]
 
 
+_ROUTED: "weakref.WeakKeyDictionary[object, list]" = weakref.WeakKeyDictionary()  # as _OPEN, for routed_attention
+
+
+@contextlib.contextmanager
+def routed_attention(module):
+    """While inside, ``module``'s attention layers (its config's and sub-configs'
+    ``_attn_implementation``) go through spec_ext's attention function on this thread alone;
+    other threads' forwards of it run as they would without. For a module that
+    :func:`attention_implementation` does not prepare (a checkpoint's MTP layers)."""
+    with _OPEN_LOCK:
+        entry = _ROUTED.get(module)
+        if entry is None:
+            configs = _configs(module)
+            entry = _ROUTED[module] = [configs, [type(c) for c in configs], 0]
+            for config in configs:
+                if not getattr(type(config), "spec_ext_routed", False):
+                    config.__class__ = _routed_config_class(type(config))
+        entry[2] += 1
+        _enter_configs(entry[0], +1)
+    try:
+        yield
+    finally:
+        with _OPEN_LOCK:
+            _enter_configs(entry[0], -1)
+            entry[2] -= 1
+            if entry[2] == 0:
+                del _ROUTED[module]
+                for config, cls in zip(entry[0], entry[1]):
+                    config.__class__ = cls
+
+
 def _close(opened: list[tuple[object, _Block]]) -> None:
     here = _here()
     with _OPEN_LOCK:

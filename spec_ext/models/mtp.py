@@ -29,7 +29,6 @@ library's and vLLM's), not one further on as transformers' ``MtpModel`` does:
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -38,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from spec_ext.models.hf import _ATTENTION_LAYERS, ATTENTION, check_model
+from spec_ext.models.hf import _ATTENTION_LAYERS, check_model, routed_attention
 
 __all__ = ["LeanMtp", "is_mtp_directory", "layer_step", "load_mtp", "load_speculators_mtp", "mtp_layers",
            "mtp_logits", "position_shift", "save_speculators_mtp", "why_not_lean_mtp", "why_not_mtp"]
@@ -98,16 +97,10 @@ def load_mtp(target):
     return mtp.to(dtype=target.dtype).eval()
 
 
-@contextlib.contextmanager
 def spec_attention(mtp):
-    """While inside, ``mtp``'s layers attend through spec_ext's attention function."""
-    config = mtp.config
-    before = config._attn_implementation
-    config._attn_implementation = ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
+    """While inside, ``mtp``'s layers attend through spec_ext's attention function (on this
+    thread: other threads' calls of the same layers are theirs)."""
+    return routed_attention(mtp)
 
 
 _NO_TREE = {}
