@@ -406,6 +406,25 @@ def test_generate_and_accelerate_take_the_tokenizers():
     assert same.stats.tokenizer_mode == ""
 
 
+def test_four_threads_calling_one_accelerated_model_across_tokenizers_each_get_their_own_output():
+    """One accelerated model with a draft of another tokenizer (a drafter made per call), ragged
+    greedy calls on four threads at once: each equals ``target.generate`` of its batch."""
+    from test_concurrency import run_at_once
+    target_tok, draft_tok = tokenizer("bytes300"), tokenizer("sp")
+    target, draft = trained("bytes300", 0), trained("sp", 1)
+    fast = spec_ext.accelerate(target, draft, policy="fixed", tokenizer=target_tok, draft_tokenizer=draft_tok)
+    batches = [PROMPTS, PROMPTS[1:], PROMPTS[:1], PROMPTS[::2]]
+    inputs = [ragged(target_tok, batch)[1:] for batch in batches]
+    expected = [target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=[],
+                                pad_token_id=0) for ids, mask in inputs]
+    got = run_at_once([lambda ids=ids, mask=mask: fast.generate(ids, attention_mask=mask, max_new_tokens=16,
+                                                                do_sample=False, eos_token_id=[], pad_token_id=0)
+                       for ids, mask in inputs])
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert torch.equal(g, e), i
+    assert fast.last_stats.accepted > 0
+
+
 def test_pairs_without_tokenizers_are_refused_by_name():
     target, draft = trained("bytes300", 0), llama(300 + 600, 32, 2, seed=1)
     with pytest.raises(ValueError, match="draft: its vocabulary has 900 tokens and the target's 300, further apart "
