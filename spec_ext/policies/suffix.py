@@ -415,11 +415,6 @@ class _SuffixLookup(_Lookup):
     text's, else the own text's tree."""
 
     def offers(self, state: RoundState) -> list[Offer | None]:
-        policy, text = self.policy, state.text
-        depth, nodes = self.budget(state.rows)
-        offers = []
-        for r, own_depth in enumerate(self.depth):
-            own = text.tree(r, min(depth, own_depth), nodes) if policy.own_text is not False else None
-            own = policy.cache_offer(text, r, state.rows, 0 if own is None else own.match) or own
-            offers.append(own)
-        return offers
+        own = super().offers(state) if self.policy.own_text is not False else [None] * len(self.depth)
+        return [self.policy.cache_offer(state.text, r, state.rows, 0 if o is None else o.match) or o
+                for r, o in enumerate(own)]
