@@ -427,25 +427,41 @@ def routed_attention(module):
     other threads' forwards of it run as they would without. For a module that
     :func:`attention_implementation` does not prepare (a checkpoint's MTP layers)."""
     with _OPEN_LOCK:
-        entry = _ROUTED.get(module)
-        if entry is None:
-            configs = _configs(module)
-            entry = _ROUTED[module] = [configs, [type(c) for c in configs], 0]
-            for config in configs:
-                if not getattr(type(config), "spec_ext_routed", False):
-                    config.__class__ = _routed_config_class(type(config))
-        entry[2] += 1
+        entry = _opened(_ROUTED, module)
         _enter_configs(entry[0], +1)
     try:
         yield
     finally:
         with _OPEN_LOCK:
             _enter_configs(entry[0], -1)
-            entry[2] -= 1
-            if entry[2] == 0:
-                del _ROUTED[module]
-                for config, cls in zip(entry[0], entry[1]):
-                    config.__class__ = cls
+            _released(_ROUTED, module, entry)
+
+
+def _opened(registry, model) -> list:
+    """One more open block for ``model`` in ``registry`` (_OPEN or _ROUTED): its entry, made
+    where it had none (its configs' classes swapped for ones that ask the thread). Under
+    _OPEN_LOCK."""
+    entry = registry.get(model)
+    if entry is None:
+        configs = _configs(model)
+        entry = registry[model] = [configs, [type(c) for c in configs], 0]
+        for config in configs:
+            if not getattr(type(config), "spec_ext_routed", False):
+                config.__class__ = _routed_config_class(type(config))
+    entry[2] += 1
+    return entry
+
+
+def _released(registry, model, entry: list) -> bool:
+    """One block fewer for ``model``; at the last, its configs get their classes back (True).
+    Under _OPEN_LOCK."""
+    entry[2] -= 1
+    if entry[2]:
+        return False
+    del registry[model]
+    for config, cls in zip(entry[0], entry[1]):
+        config.__class__ = cls
+    return True
 
 
 def _close(opened: list[tuple[object, _Block]]) -> None:
@@ -453,19 +469,14 @@ def _close(opened: list[tuple[object, _Block]]) -> None:
     with _OPEN_LOCK:
         for m, block in reversed(opened):
             entry = _OPEN[m]
-            configs, classes, count = entry
             mine = here[id(m)]
             mine.remove(block)  # by identity: _Block has no __eq__
             if mine:  # forward_path and lean_decoder report this thread's enclosing block again
                 lean.restore(m, mine[-1].decided)
             else:
                 del here[id(m)]
-            _enter_configs(configs, -1)
-            entry[2] = count - 1
-            if entry[2] == 0:
-                del _OPEN[m]
-                for config, cls in zip(configs, classes):
-                    config.__class__ = cls
+            _enter_configs(entry[0], -1)
+            if _released(_OPEN, m, entry):
                 _unroute_linear(m)
 
 
@@ -514,14 +525,7 @@ def attention_implementation(*models, fast_linear: bool | str | Sequence[bool | 
                 route = bool(f) and decided[0] is None and split_size(m) == 1 and kernel_applies(m.device, m.dtype)
                 block = _Block((rows, _placeholder(m, rows), vocab_size) if padded else None, decided, route,
                                inv and decided[0] is None)
-                entry = _OPEN.get(m)
-                if entry is None:
-                    configs = _configs(m)
-                    entry = _OPEN[m] = [configs, [type(c) for c in configs], 0]
-                    for config in configs:
-                        if not getattr(type(config), "spec_ext_routed", False):
-                            config.__class__ = _routed_config_class(type(config))
-                entry[2] += 1
+                entry = _opened(_OPEN, m)
                 here.setdefault(id(m), []).append(block)
                 opened.append((m, block))  # before anything else: _close undoes whatever got done
                 _enter_configs(entry[0], +1)
