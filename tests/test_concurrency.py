@@ -34,6 +34,13 @@ def drafts(target):
             "drafter": ModelDrafter(perturbed(target, 0.01, seed=1))}
 
 
+def left_padded(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention_mask) of the ragged ``batch``, left-padded with 0."""
+    width = max(map(len, batch))
+    return (torch.tensor([[0] * (width - len(p)) + p for p in batch]),
+            torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch]))
+
+
 def run_at_once(calls):
     """Run ``calls`` (functions) on one thread each, all started together; their results, or the
     first exception raised."""
@@ -74,9 +81,7 @@ def test_four_threads_calling_one_accelerated_model_each_get_their_own_output(ta
     expected = {tuple(map(tuple, b)): [hf_greedy(target, p, 16, eos=[]) for p in b] for b in BATCHES}
 
     def call(batch):
-        width = max(map(len, batch))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids, mask = left_padded(batch)
         out = fast.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=[],
                             pad_token_id=0)
         return [row[-16:].tolist() for row in out]

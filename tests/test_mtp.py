@@ -914,7 +914,7 @@ def test_four_threads_calling_one_mtp_accelerated_model_each_get_their_own_outpu
     """MTP layers loaded once (``accelerate(target, "mtp")``: glm4_moe's through the HF modules;
     a speculators directory for Qwen3, the lean step), ragged greedy calls on four threads at
     once: each equals the target's greedy output, as the same call made alone."""
-    from test_concurrency import run_at_once
+    from test_concurrency import left_padded, run_at_once
     if step == "lean":
         target, draft, _ = library_mtp()
     else:
@@ -924,9 +924,7 @@ def test_four_threads_calling_one_mtp_accelerated_model_each_get_their_own_outpu
     expected = [[hf_greedy(target, p, 12, eos=[]) for p in batch] for batch in batches]
 
     def call(batch):
-        width = max(map(len, batch))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids, mask = left_padded(batch)
         out = fast.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=[],
                             pad_token_id=0)
         return [row[-12:].tolist() for row in out]
