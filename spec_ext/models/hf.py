@@ -417,51 +417,37 @@ def _enter_configs(configs: list, step: int) -> None:
             del counts[id(config)]
 
 
-_ROUTED: "weakref.WeakKeyDictionary[object, list]" = weakref.WeakKeyDictionary()  # as _OPEN, for routed_attention
+_ATTENDING: "weakref.WeakKeyDictionary[object, list]" = weakref.WeakKeyDictionary()  # module -> its configs
+
+
+def _route_configs(configs: list) -> None:
+    """Swap each config's class for one whose ``_attn_implementation`` asks the thread."""
+    for config in configs:
+        if not getattr(type(config), "spec_ext_routed", False):
+            config.__class__ = _routed_config_class(type(config))
 
 
 @contextlib.contextmanager
 def routed_attention(module):
     """While inside, ``module``'s attention layers (its config's and sub-configs'
     ``_attn_implementation``) go through spec_ext's attention function on this thread alone;
-    other threads' forwards of it run as they would without. For a module that
-    :func:`attention_implementation` does not prepare (a checkpoint's MTP layers)."""
-    with _OPEN_LOCK:
-        entry = _opened(_ROUTED, module)
-        _enter_configs(entry[0], +1)
+    other threads' forwards of it run as they would without. For a module spec_ext made that
+    :func:`attention_implementation` does not prepare (a checkpoint's MTP layers, entered once
+    per layer step): its configs keep the swapped class after the last block closes (a thread
+    with none open reads the stored value), so a block costs no set-up."""
+    configs = _ATTENDING.get(module)
+    if configs is None:
+        with _OPEN_LOCK:
+            configs = _ATTENDING.get(module)
+            if configs is None:
+                configs = _configs(module)
+                _route_configs(configs)
+                _ATTENDING[module] = configs
+    _enter_configs(configs, +1)
     try:
         yield
     finally:
-        with _OPEN_LOCK:
-            _enter_configs(entry[0], -1)
-            _released(_ROUTED, module, entry)
-
-
-def _opened(registry, model) -> list:
-    """One more open block for ``model`` in ``registry`` (_OPEN or _ROUTED): its entry, made
-    where it had none (its configs' classes swapped for ones that ask the thread). Under
-    _OPEN_LOCK."""
-    entry = registry.get(model)
-    if entry is None:
-        configs = _configs(model)
-        entry = registry[model] = [configs, [type(c) for c in configs], 0]
-        for config in configs:
-            if not getattr(type(config), "spec_ext_routed", False):
-                config.__class__ = _routed_config_class(type(config))
-    entry[2] += 1
-    return entry
-
-
-def _released(registry, model, entry: list) -> bool:
-    """One block fewer for ``model``; at the last, its configs get their classes back (True).
-    Under _OPEN_LOCK."""
-    entry[2] -= 1
-    if entry[2]:
-        return False
-    del registry[model]
-    for config, cls in zip(entry[0], entry[1]):
-        config.__class__ = cls
-    return True
+        _enter_configs(configs, -1)
 
 
 def _close(opened: list[tuple[object, _Block]]) -> None:
@@ -469,14 +455,19 @@ def _close(opened: list[tuple[object, _Block]]) -> None:
     with _OPEN_LOCK:
         for m, block in reversed(opened):
             entry = _OPEN[m]
+            configs, classes, count = entry
             mine = here[id(m)]
             mine.remove(block)  # by identity: _Block has no __eq__
             if mine:  # forward_path and lean_decoder report this thread's enclosing block again
                 lean.restore(m, mine[-1].decided)
             else:
                 del here[id(m)]
-            _enter_configs(entry[0], -1)
-            if _released(_OPEN, m, entry):
+            _enter_configs(configs, -1)
+            entry[2] = count - 1
+            if entry[2] == 0:
+                del _OPEN[m]
+                for config, cls in zip(configs, classes):
+                    config.__class__ = cls
                 _unroute_linear(m)
 
 
@@ -525,7 +516,12 @@ def attention_implementation(*models, fast_linear: bool | str | Sequence[bool | 
                 route = bool(f) and decided[0] is None and split_size(m) == 1 and kernel_applies(m.device, m.dtype)
                 block = _Block((rows, _placeholder(m, rows), vocab_size) if padded else None, decided, route,
                                inv and decided[0] is None)
-                entry = _opened(_OPEN, m)
+                entry = _OPEN.get(m)
+                if entry is None:
+                    configs = _configs(m)
+                    entry = _OPEN[m] = [configs, [type(c) for c in configs], 0]
+                    _route_configs(configs)
+                entry[2] += 1
                 here.setdefault(id(m), []).append(block)
                 opened.append((m, block))  # before anything else: _close undoes whatever got done
                 _enter_configs(entry[0], +1)

@@ -27,7 +27,7 @@ class Auto(Policy):
     (:class:`~spec_ext.policies.estimates.Acceptance`) and round costs by width
     (:class:`~spec_ext.policies.estimates.Pricing`).
 
-    Contracts: greedy output never depends on the decisions (only lengths do, and they follow
+    Contracts: greedy output is the target's whatever is decided (the decisions follow
     measured timings); a sampled call prices its rounds by the engine's rounds timed once per
     process (:func:`~spec_ext.policies.estimates.round_costs`), so a seed reproduces its output
     in a process. Across calls (``accelerate`` keeps a memory) greedy calls start from the

@@ -248,10 +248,9 @@ class Report:
     slots, a tree's depth); ``warm``: those forwards are a draft step's cost (not a catch-up over
     the prompt or skipped rounds); ``path`` [B,D+1]: a tree's accepted node ids; ``explores``:
     the drafter tried another way only to measure it (nothing is learned from the round);
-    ``timed`` False: the round's seconds
-    are not a round's cost (the call's first, whose forward also read the prompt); ``steps``:
-    the plain steps a plain plan's report covers (``committed`` holds all their tokens; the
-    seconds are their mean)."""
+    ``timed`` False: the round's seconds are not a round's cost (the call's first, whose
+    forward also read the prompt); ``steps``: the plain steps a plain plan's report covers
+    (``committed`` holds all their tokens; the seconds are their mean)."""
     plan: RoundPlan
     source: list[Source]
     drafted: list[int]

@@ -279,7 +279,8 @@ class Pricing:
         seconds = None if costs is None else costs.draft(steps, sequential=self.per_forward == 1, rows=at)
         if seconds is not None or self.timed:
             return seconds
-        return -(-steps // self.per_forward) * self.size_ratio * (self.verify(rows, 1) or 1.0)  # forwards x
+        forwards = -(-steps // self.per_forward)
+        return forwards * self.size_ratio * (self.verify(rows, 1) or 1.0)
 
     def catch_up(self, tokens: int) -> float:
         """Seconds (untimed: as modeled) of the drafter's catch-up over ``tokens`` committed
