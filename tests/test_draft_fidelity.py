@@ -241,6 +241,32 @@ def check_waiting(target, head, prompts, vocab):
         assert proposed == expected, f"head round {r} (after {skipped} skipped)"
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_join_columns_takes_each_rows_runs_in_order(seed):
+    """What a waiting head and MTP's layers catch up over (``join_columns``): per row, its run
+    of each part (from its own first column, its own count, zero counts too) in order, the
+    ids and their features joined alike, features cast to the first part's dtype."""
+    from spec_ext.drafters.features import join_columns
+    g = torch.Generator().manual_seed(seed)
+    B, parts, expected = 3, [], [[] for _ in range(3)]
+    for p in range(int(torch.randint(1, 4, (), generator=g))):
+        width = int(torch.randint(1, 6, (), generator=g))
+        ids = torch.randint(0, 100, (B, width), generator=g)
+        features = torch.randn(B, width, 2, generator=g, dtype=torch.float64 if p else torch.float32)
+        firsts = [int(torch.randint(0, width, (), generator=g)) for _ in range(B)]
+        counts = [int(torch.randint(0, width - f + 1, (), generator=g)) for f in firsts]
+        counts[p % B] = max(counts[p % B], 1)
+        parts.append(((ids, features), firsts, counts))
+        for b in range(B):
+            expected[b] += [(ids[b, j].item(), features[b, j].float()) for j in range(firsts[b], firsts[b] + counts[b])]
+    (ids, features), totals = join_columns(parts)
+    assert totals == [len(e) for e in expected] and ids.shape[1] == max(totals) and features.dtype == torch.float32
+    for b, row in enumerate(expected):
+        assert ids[b, :totals[b]].tolist() == [i for i, _ in row]
+        if row:
+            torch.testing.assert_close(features[b, :totals[b]], torch.stack([f for _, f in row]), rtol=0, atol=0)
+
+
 def test_a_head_that_waits_out_rounds_proposes_as_a_fresh_one_after_them(bundled):
     """``check_waiting`` on the bundled pair, a one-token prompt among the rows (its stand-in
     pair must not reach the head's cache)."""

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from spec_ext.models import num_layers
 
-__all__ = ["bind_layers", "check_draft_vocabulary", "committed_features", "prompt_features"]
+__all__ = ["bind_layers", "check_draft_vocabulary", "committed_features", "join_columns", "prompt_features"]
 
 
 def bind_layers(target, layer_ids, width: int | None, layers_field: str, width_field: str) -> tuple[int, ...]:
@@ -67,3 +67,26 @@ def committed_features(outcome) -> tuple[Tensor, Tensor, list[int], Tensor]:
     features = outcome.features.gather(1, positions[..., None].expand(-1, -1, outcome.features.shape[-1]))
     tokens = outcome.tokens[:, :width].clamp_min(0)
     return features, tokens, [a + 1 for a in outcome.accepted], outcome.num_accepted + 1
+
+
+def join_columns(parts: list[tuple[tuple[Tensor, ...], list[int], list[int]]]) -> tuple[tuple[Tensor, ...], list[int]]:
+    """Per row, runs of columns of several parts joined in order, left-aligned. A part is
+    (tensors [B,W_i,...] of one width W_i, each row's first column, each row's count); the
+    tensors of every part line up (ids with their features) and take the first part's dtypes.
+    Returns the joined tensors [B,max(total),...] and each row's total; a row's columns past
+    its total repeat its last one (never read). Example: parts ((x,), [1, 0], [2, 1]) and
+    ((y,), [0, 0], [1, 2]) give rows [x01, x02, y00] and [x10, y10, y11]."""
+    B = len(parts[0][1])
+    totals = [sum(counts[b] for _, _, counts in parts) for b in range(B)]
+    width, offset, index = max(totals), 0, [[] for _ in range(B)]
+    for tensors, firsts, counts in parts:
+        for b in range(B):
+            index[b] += range(offset + firsts[b], offset + firsts[b] + counts[b])
+        offset += tensors[0].shape[1]
+    index = torch.tensor([row + (row[-1:] or [0]) * (width - len(row)) for row in index], device=parts[0][0][0].device)
+    joined = []
+    for i, first in enumerate(parts[0][0]):
+        columns = torch.cat([first] + [tensors[i].to(first.dtype) for tensors, _, _ in parts[1:]], 1)
+        at = index.view(B, width, *[1] * (columns.dim() - 2)).expand(-1, -1, *columns.shape[2:])
+        joined.append(columns.gather(1, at))
+    return tuple(joined), totals

@@ -8,7 +8,8 @@ from torch import Tensor
 
 from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, catch_up_columns, draft_chain, feed_rows, \
     from_slots, grow_tree, pad_rows, refeed_tree
-from spec_ext.drafters.features import bind_layers, check_draft_vocabulary, committed_features, prompt_features
+from spec_ext.drafters.features import bind_layers, check_draft_vocabulary, committed_features, join_columns, \
+    prompt_features
 from spec_ext.models import SpecCache, aux_layer_ids, check_model, num_layers, vocabulary_size
 from spec_ext.drafters.kinds import DraftKind, register_kind
 from spec_ext.models.eagle import EagleHead, is_head_directory, load_head
@@ -92,11 +93,7 @@ class HeadDrafter(Drafter):
         at = (index[:, None] + torch.arange(max(pairs), device=self.device)).clamp_max(tokens.shape[1] - 1)
         ids = tokens.gather(1, at)
         self._pending = ids, features, pairs, torch.tensor(pairs, device=self.device)
-        # the pairs of rounds the head skips wait in a store, appended in place (a stretch of skipped rounds
-        # costs each round its own pairs, not a copy of all that wait); it doubles when full
-        self._store: tuple[Tensor, Tensor] | None = None  # [B, width] ids, [B, width, F] features
-        self._stored = False  # whether the waiting pairs are the store's
-        self._waits: list[tuple[Tensor, Tensor, list[int]]] = []  # skipped rounds' pairs, not yet in the store
+        self._waits: list[tuple[Tensor, Tensor, list[int]]] = []  # skipped rounds' pairs, joined by _settle
 
     def _feature_width(self) -> int:
         config = self.head.config
@@ -197,58 +194,26 @@ class HeadDrafter(Drafter):
             self._waits.append((ids, features, counts))
             return
         self.cache.rollback(self._kept, self._kept_t)
-        self._stored = False
         self._pending = ids, features, counts, counts_t
         self.real = list(counts)
 
     def _settle(self) -> None:
-        """The pairs of the rounds the head skipped go after those already waiting
-        (:meth:`_after_waiting`), consecutive rounds that kept the same count in every row
-        (plain steps) joined first."""
-        waits, self._waits, n = self._waits, [], 0
-        while n < len(waits):
-            end = n + 1
-            if len(set(waits[n][2])) == 1:
-                while end < len(waits) and len(set(waits[end][2])) == 1:
-                    end += 1
-            stretch = waits[n:end]
-            ids, features = (torch.cat([w[i] for w in stretch], 1) if len(stretch) > 1 else stretch[0][i]
-                             for i in (0, 1))
-            counts = [sum(c) for c in zip(*(w[2] for w in stretch))]
-            self._pending = self._after_waiting(ids, features, counts)
-            self.real = list(self._pending[2])
-            n = end
-
-    def _after_waiting(self, ids: Tensor, features: Tensor, counts: list[int]
-                       ) -> tuple[Tensor, Tensor, list[int], Tensor]:
-        """Per row, the waiting real pairs (a one-token prompt's stand-in pair dropped) then
-        the round's ``counts`` committed pairs ``ids`` [B,W], ``features`` [B,W,F]: the store's
-        first ``max(total)`` columns (row b's pairs past its own total are stale: never read)."""
-        needed = max(self.real) + ids.shape[1]
-        waiting_ids, waiting_features = self._store if self._stored else self._pending[:2]
-        if not self._stored or waiting_ids.shape[1] < needed:  # into a store (twice as wide as needed) first
-            B, kept = len(counts), min(waiting_ids.shape[1], max(self.real))
-            store_ids = torch.zeros(B, 2 * needed, dtype=torch.int64, device=self.device)
-            store_features = torch.zeros(B, 2 * needed, features.shape[-1], dtype=waiting_features.dtype,
-                                         device=self.device)
-            store_ids[:, :kept] = waiting_ids[:, :kept]
-            store_features[:, :kept] = waiting_features[:, :kept]
-            self._store, self._stored = (store_ids, store_features), True
-        store_ids, store_features = self._store
-        total = [w + c for w, c in zip(self.real, counts)]
-        slot = torch.tensor(self.real, device=self.device)[:, None] + torch.arange(ids.shape[1], device=self.device)
-        store_ids.scatter_(1, slot, ids)
-        store_features.scatter_(1, slot[..., None].expand(-1, -1, features.shape[-1]),
-                                features.to(store_features.dtype))
-        width = max(total)
-        return store_ids[:, :width], store_features[:, :width], total, torch.tensor(total, device=self.device)
+        """The pairs of the rounds the head skipped go after those already waiting (a one-token
+        prompt's stand-in pair dropped)."""
+        if self._waits:
+            ids, features, _, _ = self._pending
+            B = len(self.real)
+            parts = [((ids, features), [0] * B, self.real)] + [((i, f), [0] * B, c) for i, f, c in self._waits]
+            (ids, features), total = join_columns(parts)
+            self._pending = ids, features, total, torch.tensor(total, device=self.device)
+            self.real = list(total)
+            self._waits = []
 
     def keep_rows(self, rows: list[int], index: Tensor) -> None:
         self._settle()
         self.cache.keep_rows(rows)
         ids, features, pairs, pairs_t = self._pending
         self._pending = ids[index], features[index], [pairs[i] for i in rows], pairs_t[index]
-        self._store, self._stored = None, False
         self.real = [self.real[i] for i in rows]
         self.keep_bonus_rows(index)
 

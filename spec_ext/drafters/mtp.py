@@ -8,7 +8,7 @@ from torch import Tensor
 
 from spec_ext.drafters.base import Drafter, Outcome, Proposal, Sampler, draft_chain, grow_tree, pad_rows
 from spec_ext.drafters.kinds import DraftKind, register_kind
-from spec_ext.drafters.features import committed_features, prompt_features
+from spec_ext.drafters.features import committed_features, join_columns, prompt_features
 from spec_ext.models import SpecCache, check_model, num_layers, vocabulary_size
 from spec_ext.models.mtp import (LeanMtp, is_mtp_directory, layer_step, load_speculators_mtp, mtp_logits,
                                  position_shift, spec_attention, why_not_lean_mtp, why_not_mtp)
@@ -219,13 +219,8 @@ class MtpDrafter(Drafter):
         # length on, the last round's (those kept waiting) then this round's verified positions
         fresh = committed_features(outcome)[0]
         waiting = [n - k + 1 for n, k in zip(last, kept)]
-        span = [w + a + 1 for w, a in zip(waiting, accepted)]
-        old, wide = self.pending.shape[1], max(span)
-        index = [[k - p + j for j in range(w)] + [old + j for j in range(a + 1)] + [old] * (wide - s)
-                 for k, p, w, a, s in zip(kept, first, waiting, accepted, span)]
-        index = torch.tensor(index, device=self.device)
-        joined = torch.cat([self.pending, fresh.to(self.pending.dtype)], 1)
-        self.pending = joined.gather(1, index[..., None].expand(-1, -1, joined.shape[-1]))
+        (self.pending,), span = join_columns([((self.pending,), [k - p for k, p in zip(kept, first)], waiting),
+                                              ((fresh,), [0] * len(accepted), [a + 1 for a in accepted])])
         self.span, self.fake = span, [False] * len(accepted)
         self.remember_bonus(outcome)
 
