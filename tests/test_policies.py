@@ -896,6 +896,22 @@ def test_fixed_and_trees_plan_as_their_settings_say():
         spec_ext.policies.Tree(())
 
 
+def test_a_policy_with_a_tree_and_a_per_step_stop_is_refused_by_name():
+    """``goes_on`` stops a chain's rows; a tree has no per-step stop: a policy with both is
+    refused when a call starts, not grown whole."""
+    @dataclasses.dataclass(frozen=True)
+    class StoppingTree(spec_ext.policies.Tree):
+        def goes_on(self, step, probs, tokens, hidden=None):
+            return probs.amax(-1) > 0.5
+
+    target = llama(97, 64, 2, seed=0, sharpen=4.0)
+    with pytest.raises(ValueError, match=r"policy: .*StoppingTree\(.*goes_on"):
+        spec_ext.generate(target, perturbed(target, 0.001, seed=1), [[5, 17, 33, 8]], max_new_tokens=4,
+                          policy=StoppingTree((2, 1)))
+    plan = plan_of(spec_ext.policies.Tree((2, 1)), 1)  # the tree alone still plans
+    assert plan.tree is not None and not plan.stops
+
+
 def test_a_one_forward_drafters_slots_are_a_trees_depth_or_the_longest_chain():
     """``RoundPlan.slots``: a block drafter's (or P-EAGLE's) drafts per forward: a tree's
     depth, or a chain's longest budget with each row's capped at ``most``."""

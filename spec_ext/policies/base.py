@@ -393,7 +393,11 @@ class Policy:
         return self
 
     def start(self, call: Call) -> Controller:
-        """The call's controller."""
+        """The call's controller. Raises ``ValueError`` for a tree with a per-step stop
+        (``goes_on`` stops chains)."""
+        if self.goes_on is not None and self.tree_shape() is not None:
+            raise ValueError(f"policy: {self!r} grows a tree and stops per draft step (goes_on), which only a "
+                             f"chain can: give it one of the two")
         return Controller(self, call)
 
 
