@@ -258,7 +258,8 @@ def test_join_columns_takes_each_rows_runs_in_order(seed):
         counts[p % B] = max(counts[p % B], 1)
         parts.append(((ids, features), firsts, counts))
         for b in range(B):
-            expected[b] += [(ids[b, j].item(), features[b, j].float()) for j in range(firsts[b], firsts[b] + counts[b])]
+            expected[b] += [(ids[b, j].item(), features[b, j].float())
+                            for j in range(firsts[b], firsts[b] + counts[b])]
     (ids, features), totals = join_columns(parts)
     assert totals == [len(e) for e in expected] and ids.shape[1] == max(totals) and features.dtype == torch.float32
     for b, row in enumerate(expected):

@@ -197,7 +197,7 @@ def test_a_long_prompts_head_is_fed_in_bounded_forwards_before_the_first_round(k
     Llama on the lean forward; gpt2 and gemma2 (sliding windows of 6, a soft-cap) on the HF
     modules."""
     from helpers import ragged_greedy_equals_target
-    from spec_ext.drafters import base
+    from spec_ext.engine import common
     from test_architectures import sharpened_model
     from test_heads import echo_head
     target = sharpened_model(kind) if kind in ("gpt2", "gemma2") else llama(61, 32, 4, seed=3, sharpen=3.0)
@@ -211,10 +211,10 @@ def test_a_long_prompts_head_is_fed_in_bounded_forwards_before_the_first_round(k
     fed = []
 
     def recording(*args, **kwargs):
-        fed.append(base.lead_in(*args, **kwargs))
+        fed.append(common.lead_in(*args, **kwargs))
         return fed[-1]
 
-    monkeypatch.setattr(base, "PROMPT_CHUNK", 4)
+    monkeypatch.setattr(common, "PROMPT_CHUNK", 4)
     for module in ("spec_ext.engine.serial", "spec_ext.engine.parallel.target_side"):
         monkeypatch.setattr(f"{module}.lead_in", recording)
     chunked = ragged_greedy_equals_target(target, draft, prompts, policy, max_new=16, eos_steps=[5])

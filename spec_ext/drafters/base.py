@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from spec_ext import ops
-from spec_ext.models import check_model, check_pair, forward
+from spec_ext.models import check_model, check_pair
 from spec_ext.ops import build_tree
 from spec_ext.policies import RoundPlan, Source, TreeShape
 from spec_ext.processing import Positions
@@ -529,43 +529,3 @@ def check_finite(logits: Tensor, model: str) -> None:
     logits (broken weights, float16 overflow) would otherwise decode into garbage."""
     if not bool(torch.isfinite(logits).all()):
         raise ValueError(f"{model}: its logits on the prompt contain NaN or inf (check its weights and dtype)")
-
-
-PROMPT_CHUNK = 1024  # the most prompt tokens a row feeds the target in one forward of the first round
-
-
-def lead_in(model, cache, rows: Sequence[Sequence[int]], layers: tuple[int, ...] | None = None,
-            chunk: int | None = None) -> tuple[list[int], Tensor | None, int]:
-    """Before a call's first forward over its prompts: feed each row's tokens but its last
-    ``chunk`` (:data:`PROMPT_CHUNK` when None) in forwards of at most ``chunk`` tokens a row,
-    so the first forward reads at most ``chunk`` prompt tokens a row; each forward's logits
-    at its rows' last tokens are checked and dropped. Returns each row's count fed (all 0 where no
-    prompt is longer than ``chunk``: nothing runs), with ``layers`` their features
-    [B, max(fed), F] (row b's first ``fed[b]``), and the forwards run."""
-    chunk = PROMPT_CHUNK if chunk is None else chunk
-    fed = [max(0, len(r) - chunk) for r in rows]
-    kept, forwards = [], 0
-    for start in range(0, max(fed), chunk):
-        part = [r[start:min(start + chunk, n)] for r, n in zip(rows, fed)]
-        ids = pad_rows(part, 0, cache.buffer.device)
-        last = torch.tensor([[max(len(p) - 1, 0)] for p in part], device=ids.device)
-        out = forward(model, ids, cache, cache.lengths[:, None] + torch.arange(ids.shape[1], device=ids.device),
-                      logits_at=last, **({} if layers is None else dict(layers=layers)))
-        check_finite(out.logits, "target")
-        cache.advance([len(p) for p in part])
-        kept.append(out.features)
-        forwards += 1
-    return fed, torch.cat(kept, 1) if layers is not None and kept else None, forwards
-
-
-def prompt_features(fed: list[int], lead: Tensor | None, first: Tensor, lengths: list[int]) -> Tensor:
-    """[B, max(lengths) - 1, F]: row b's features of its prompt tokens but the last, the lead-in's
-    ``lead`` [B, max(fed), F] (its first ``fed[b]``) then the first forward's ``first``
-    [B, W, F] (from column 0, the token after the lead-in's)."""
-    if lead is None:
-        return first
-    rows = [torch.cat([lead[b, :f], first[b, :n - 1 - f]]) for b, (f, n) in enumerate(zip(fed, lengths))]
-    out = first.new_zeros(len(rows), max(lengths) - 1, first.shape[-1])
-    for b, row in enumerate(rows):
-        out[b, :len(row)] = row
-    return out

@@ -83,7 +83,8 @@ def join_columns(parts: list[tuple[tuple[Tensor, ...], list[int], list[int]]]) -
         for b in range(B):
             index[b] += range(offset + firsts[b], offset + firsts[b] + counts[b])
         offset += tensors[0].shape[1]
-    index = torch.tensor([row + (row[-1:] or [0]) * (width - len(row)) for row in index], device=parts[0][0][0].device)
+    index = torch.tensor([row + (row[-1:] or [0]) * (width - len(row)) for row in index], dtype=torch.int64,
+                         device=parts[0][0][0].device)
     joined = []
     for i, first in enumerate(parts[0][0]):
         columns = torch.cat([first] + [tensors[i].to(first.dtype) for tensors, _, _ in parts[1:]], 1)

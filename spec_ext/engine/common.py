@@ -1,14 +1,18 @@
-"""What both engines share: the stats and output of a call, the prompts as rows and per-row
-bookkeeping (the sampler, padding and the prompt's lead-in are in
+"""What both engines share: the stats and output of a call, the prompts as rows, per-row
+bookkeeping and the prompt's lead-in (the sampler and padding are in
 :mod:`spec_ext.drafters.base`, shared with the drafters)."""
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from spec_ext.drafters import check_finite, pad_rows
+from spec_ext.models import forward
 
 
 @dataclass
@@ -238,3 +242,30 @@ class Rows:
     def finish(self) -> Stats:
         self.stats.new_tokens = sum(map(len, self.new))
         return self.stats
+
+
+PROMPT_CHUNK = 1024  # the most prompt tokens a row feeds the target in one forward of the first round
+
+
+def lead_in(model, cache, rows: Sequence[Sequence[int]], layers: tuple[int, ...] | None = None,
+            chunk: int | None = None) -> tuple[list[int], Tensor | None, int]:
+    """Before a call's first forward over its prompts: feed each row's tokens but its last
+    ``chunk`` (:data:`PROMPT_CHUNK` when None) in forwards of at most ``chunk`` tokens a row,
+    so the first forward reads at most ``chunk`` prompt tokens a row; each forward's logits
+    at its rows' last tokens are checked and dropped. Returns each row's count fed (all 0 where no
+    prompt is longer than ``chunk``: nothing runs), with ``layers`` their features
+    [B, max(fed), F] (row b's first ``fed[b]``), and the forwards run."""
+    chunk = PROMPT_CHUNK if chunk is None else chunk
+    fed = [max(0, len(r) - chunk) for r in rows]
+    kept, forwards = [], 0
+    for start in range(0, max(fed), chunk):
+        part = [r[start:min(start + chunk, n)] for r, n in zip(rows, fed)]
+        ids = pad_rows(part, 0, cache.buffer.device)
+        last = torch.tensor([[max(len(p) - 1, 0)] for p in part], device=ids.device)
+        out = forward(model, ids, cache, cache.lengths[:, None] + torch.arange(ids.shape[1], device=ids.device),
+                      logits_at=last, **({} if layers is None else dict(layers=layers)))
+        check_finite(out.logits, "target")
+        cache.advance([len(p) for p in part])
+        kept.append(out.features)
+        forwards += 1
+    return fed, torch.cat(kept, 1) if layers is not None and kept else None, forwards

@@ -23,8 +23,8 @@ from torch import Tensor
 
 from spec_ext import ops
 from spec_ext.drafters import MixedDrafter, Outcome, Proposal, check_finite, pad_rows
-from spec_ext.drafters.base import lead_in, prompt_features
-from spec_ext.engine.common import Rows
+from spec_ext.drafters.features import join_columns
+from spec_ext.engine.common import Rows, lead_in
 from spec_ext.models import Forward, SpecCache, forward
 from spec_ext.policies import Controller, Policy, Report, RoundPlan, RoundState, Source
 from spec_ext.processing import Positions
@@ -86,8 +86,10 @@ class SerialEngine(Rows):
         logits, hidden, features = self._target(ids, positions, proposal.mask, logits_at=columns)
         if columns is not None:  # (the logits come at the roots and drafts alone)
             check_finite(logits, "target")  # once per call, at the prompt's last token and the drafts
-            self.prompt_features = None if features is None else \
-                prompt_features(fed, lead, features, [len(row) for row in full])
+            if features is not None:  # every prompt token's but the last: the lead-in's, then this forward's
+                zero, rest = [0] * len(full), [len(row) - 1 - f for row, f in zip(full, fed)]
+                self.prompt_features = features if lead is None else \
+                    join_columns([((lead,), zero, fed), ((features,), zero, rest)])[0][0]
             hidden, features = (None if x is None else x.gather(1, columns[..., None].expand(-1, -1, x.shape[-1]))
                                 for x in (hidden, features))
         if self.sampler.processors is not None:  # each position's prefix: the row's text, then its path

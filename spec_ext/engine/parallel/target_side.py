@@ -11,8 +11,7 @@ from torch import Tensor
 
 from spec_ext import ops
 from spec_ext.drafters import check_finite, pad_rows
-from spec_ext.drafters.base import lead_in
-from spec_ext.engine.common import Rows
+from spec_ext.engine.common import Rows, lead_in
 from spec_ext.engine.parallel.draft_side import serve_one, split_threads
 from spec_ext.engine.parallel.links import DistributedLink, ThreadLink
 from spec_ext.engine.parallel.messages import Done, Drafts, End, Hello, PeerError, Start, Verdict
