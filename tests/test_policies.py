@@ -223,6 +223,30 @@ def test_auto_kept_across_calls_starts_each_from_the_last_calls_estimates():
     assert cold == [2, 1] and controller.survival()[0] < 0.3
 
 
+def test_auto_kept_across_calls_carries_the_texts_acceptance():
+    """A greedy call whose row's text offers 8 drafts that are never accepted (the model's
+    drafts 60%) learns to leave the text alone. The next greedy call through the same memory
+    starts from that: it drafts the model, never the text; a greedy call with a new memory
+    tries the text first (the prior), and a sampled call reads none of it."""
+    memory, policy = Memory(), Auto(forget_runs=1.0)
+    verify = lambda w: 10.0 + 0.1 * (w - 1)  # noqa: E731
+    runs = by_source(lambda rng: 0, geometric(0.6))
+
+    def call(into, rounds, greedy=True):
+        controller = start(policy, 1, greedy, into)
+        plans = play(controller, verify, runs, offers=[8], rounds=rounds, per_forward_seconds=0.5)
+        controller.finish()
+        return plans, controller
+    plans, controller = call(memory, 80)
+    assert plans[0].sources == [Source.TEXT] and controller.survival(Source.TEXT)[0] < 0.1
+    again, controller = call(memory, 8)
+    assert all(p.sources == [Source.MODEL] for p in again), [p.sources for p in again]
+    assert controller.survival(Source.TEXT)[0] < 0.1
+    cold, _ = call(Memory(), 1)
+    assert cold[0].sources == [Source.TEXT]
+    assert start(policy, 1, False, memory).survival(Source.TEXT)[0] == pytest.approx(policy.prior_acceptance)
+
+
 def test_the_memory_merges_calls_that_ran_at_once():
     """Two calls that read the memory at once both write back: the second's write merges with
     the first's (each holds what they both read), so both contribute; a call alone replaces it."""

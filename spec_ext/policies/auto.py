@@ -31,8 +31,8 @@ class Auto(Policy):
     measured timings); a sampled call prices its rounds by the engine's rounds timed once per
     process (:func:`~spec_ext.policies.estimates.round_costs`), so a seed reproduces its output
     in a process. Across calls (``accelerate`` keeps a memory) greedy calls start from the
-    costs and the model's acceptance the earlier greedy calls measured; a sampled call reads
-    and writes nothing.
+    costs and the model's and the text's acceptance the earlier greedy calls measured; a
+    sampled call reads and writes nothing.
 
     Args:
         max_draft: the model's largest k and the text's longest chain.
@@ -113,9 +113,9 @@ class AutoController(Controller):
         self.suffix = suffix
         fresh = lambda: Acceptance(policy.max_draft, policy.prior_acceptance, policy.prior_weight,  # noqa: E731
                                    policy.forget_runs)
-        self.costs, model, self.spread, self.credit = self.recall(costs=Costs, model=fresh, rows=RowSpread,
-                                                                  explore=ExploreCredit)
-        self.accept = {Source.MODEL: model, Source.TEXT: fresh()}
+        self.costs, model, text, self.spread, self.credit = self.recall(costs=Costs, model=fresh, text=fresh,
+                                                                        rows=RowSpread, explore=ExploreCredit)
+        self.accept = {Source.MODEL: model, Source.TEXT: text}
         # per row going: its model rows' first drafts and those accepted; rows done: their counts
         self.seen, self.passed = [0.0] * call.batch_size, [0.0] * call.batch_size
         self.done: list[tuple[float, float]] = []
