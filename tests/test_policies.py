@@ -227,7 +227,7 @@ def test_auto_kept_across_calls_carries_the_texts_acceptance():
     """A greedy call whose row's text offers 8 drafts that are never accepted (the model's
     drafts 60%) learns to leave the text alone. The next greedy call through the same memory
     starts from that: it drafts the model, never the text; a greedy call with a new memory
-    tries the text first (the prior), and a sampled call reads none of it."""
+    tries the text first, and a sampled call reads none of it (the prior)."""
     memory, policy = Memory(), Auto(forget_runs=1.0)
     verify = lambda w: 10.0 + 0.1 * (w - 1)  # noqa: E731
     runs = by_source(lambda rng: 0, geometric(0.6))
@@ -239,6 +239,7 @@ def test_auto_kept_across_calls_carries_the_texts_acceptance():
         return plans, controller
     plans, controller = call(memory, 80)
     assert plans[0].sources == [Source.TEXT] and controller.survival(Source.TEXT)[0] < 0.1
+    assert start(policy, 1, True, memory).survival(Source.TEXT)[0] < 0.1, "the next greedy call reads it"
     again, controller = call(memory, 8)
     assert all(p.sources == [Source.MODEL] for p in again), [p.sources for p in again]
     assert controller.survival(Source.TEXT)[0] < 0.1
